@@ -1,0 +1,170 @@
+#include "cli/command.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
+
+namespace mainstay::cli {
+namespace {
+
+std::string CommandList() {
+  std::string text = "usage: mainstayctl COMMAND [FLAGS]\n\ncommands:\n";
+  for (const Command& c : Commands()) {
+    absl::StrAppend(&text, "  ", c.path, std::string(std::max<size_t>(2, 12 - c.path.size()), ' '), c.summary,
+                    c.mutating ? " (mutating)" : " (read-only)", "\n");
+  }
+  absl::StrAppend(&text, "\nRun 'mainstayctl help COMMAND' for its flags.\n");
+  return text;
+}
+
+std::string CommandHelp(const Command& c) {
+  return absl::StrCat("usage: mainstayctl ", c.path, " ", c.usage, "\n\n", c.summary,
+                      c.mutating ? " (mutating: needs --yes when not interactive)" : " (read-only)", "\n");
+}
+
+const Command* FindCommand(const std::vector<std::string>& args, size_t* consumed) {
+  // Longest match first: "daemons list" before "daemons".
+  const Command* best = nullptr;
+  size_t best_words = 0;
+  for (const Command& c : Commands()) {
+    std::vector<std::string> words = absl::StrSplit(c.path, ' ');
+    if (words.size() > args.size() || words.size() <= best_words) continue;
+    if (std::equal(words.begin(), words.end(), args.begin())) {
+      best = &c;
+      best_words = words.size();
+    }
+  }
+  *consumed = best_words;
+  return best;
+}
+
+}  // namespace
+
+absl::StatusOr<Args> Args::Parse(const std::vector<std::string>& argv, const std::vector<std::string>& bool_flags) {
+  Args args;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    const std::string& a = argv[i];
+    if (!absl::StartsWith(a, "--") || a == "--") {
+      args.positionals_.push_back(a);
+      continue;
+    }
+    std::string name = a.substr(2), value;
+    const size_t eq = name.find('=');
+    if (eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    } else if (std::find(bool_flags.begin(), bool_flags.end(), name) == bool_flags.end()) {
+      if (i + 1 >= argv.size()) return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+      value = argv[++i];
+    }
+    args.flags_[name] = value;
+  }
+  return args;
+}
+
+bool Args::Has(absl::string_view flag) const { return flags_.find(flag) != flags_.end(); }
+
+std::string Args::Get(absl::string_view flag, absl::string_view fallback) const {
+  auto it = flags_.find(flag);
+  return it == flags_.end() ? std::string(fallback) : it->second;
+}
+
+absl::StatusOr<int64_t> Args::GetInt(absl::string_view flag, int64_t fallback) const {
+  auto it = flags_.find(flag);
+  if (it == flags_.end()) return fallback;
+  int64_t value = 0;
+  if (!absl::SimpleAtoi(it->second, &value)) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": expected an integer, got '", it->second, "'"));
+  }
+  return value;
+}
+
+absl::Status Args::CheckKnown(const std::vector<std::string>& known) const {
+  for (const auto& [name, value] : flags_) {
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown flag --", name, "; this command takes --", absl::StrJoin(known, ", --")));
+    }
+  }
+  return absl::OkStatus();
+}
+
+const std::vector<Command>& Commands() {
+  static const std::vector<Command>* commands = new std::vector<Command>{
+      {"layout", "compute and print the layout of a job spec (offline)",
+       "--spec FILE [--dp N] [--policy flat|whole_tensor] [--bucket-numel N] [--summary] [--json]\n"
+       "  --spec FILE         job spec (JSON, see docs/job_spec.md)\n"
+       "  --dp N              data-parallel size D (default: the spec's data_parallel_size)\n"
+       "  --policy P          layout policy (default: the spec's layout_policy)\n"
+       "  --bucket-numel N    bucket size threshold in elements (default: the spec's, else max(40e6, 1e6*D))\n"
+       "  --summary           only the totals and the bucket table\n"
+       "  --json              the whole layout as JSON",
+       false, RunLayout},
+  };
+  return *commands;
+}
+
+absl::Status RunCommand(const std::vector<std::string>& args, Output& output) {
+  if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
+    if (args.size() >= 2) {
+      size_t consumed = 0;
+      std::vector<std::string> rest(args.begin() + 1, args.end());
+      if (const Command* c = FindCommand(rest, &consumed)) {
+        output.out << CommandHelp(*c);
+        return absl::OkStatus();
+      }
+      return absl::InvalidArgumentError(absl::StrCat("unknown command '", absl::StrJoin(rest, " "), "'\n", CommandList()));
+    }
+    output.out << CommandList();
+    return args.empty() ? absl::InvalidArgumentError("no command given") : absl::OkStatus();
+  }
+  size_t consumed = 0;
+  const Command* command = FindCommand(args, &consumed);
+  if (command == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown command '", args[0], "'\n", CommandList()));
+  }
+  std::vector<std::string> rest(args.begin() + consumed, args.end());
+  if (std::find(rest.begin(), rest.end(), "--help") != rest.end()) {
+    output.out << CommandHelp(*command);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<Args> parsed = Args::Parse(rest, {"json", "yes", "summary"});
+  if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat(parsed.status().message(), "\n", CommandHelp(*command)));
+  if (command->mutating && !parsed->Has("yes") && !output.stdin_is_terminal) {
+    return absl::FailedPreconditionError(absl::StrCat("'", command->path, "' changes state; pass --yes to confirm"));
+  }
+  absl::Status status = command->run(*parsed, output);
+  if (status.code() == absl::StatusCode::kInvalidArgument && absl::StartsWith(status.message(), "--")) {
+    return absl::InvalidArgumentError(absl::StrCat(status.message(), "\n", CommandHelp(*command)));
+  }
+  return status;
+}
+
+int ExitCode(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kOk:
+      return 0;
+    case absl::StatusCode::kInvalidArgument:
+      return 2;
+    case absl::StatusCode::kNotFound:
+      return 3;
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kAlreadyExists:
+      return 4;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+      return 5;
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnauthenticated:
+      return 6;
+    default:
+      return 1;
+  }
+}
+
+}  // namespace mainstay::cli

@@ -1,0 +1,71 @@
+// The job spec: what a user writes to describe a training job (docs/job_spec.md).
+//
+// A JSON document: tensors (names and shapes), recipe and its options, per-tensor format
+// overrides, optimizer, D, layout policy and bucket size. ParseJobSpecJson validates types
+// and ranges; ResolveJob turns a spec into formats and a Layout, which is what the
+// coordinator stores and every client and daemon shares.
+//
+// Thread safety: pure functions. Errors: INVALID_ARGUMENT whose message starts with the
+// JSON path of the offending field ("tensors[3].shape[1]: ..."); NOT_FOUND / PERMISSION_DENIED
+// etc. for a spec file that cannot be read.
+#ifndef MAINSTAY_COMMON_JOB_SPEC_H_
+#define MAINSTAY_COMMON_JOB_SPEC_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/format.h"
+#include "common/layout.h"
+#include "common/recipe.h"
+#include "common/tensor_spec.h"
+
+namespace mainstay {
+
+enum class OptimizerType { kAdamW, kSGD };
+absl::string_view OptimizerTypeName(OptimizerType type);
+
+struct OptimizerSpec {
+  OptimizerType type = OptimizerType::kAdamW;
+  float beta1 = 0.9f;          // AdamW first-moment decay
+  float beta2 = 0.999f;        // AdamW second-moment decay
+  float eps = 1e-8f;           // AdamW denominator epsilon
+  float weight_decay = 0.01f;  // decoupled; the trainer may override it per step
+  float momentum = 0.9f;       // SGD momentum
+  float max_grad_norm = 1.0f;  // global-norm clipping threshold; 0 disables clipping
+  ElementType moment_dtype = ElementType::kFloat32;  // kFloat32 or kBFloat16
+  friend bool operator==(const OptimizerSpec&, const OptimizerSpec&) = default;
+};
+
+struct JobSpec {
+  std::string name;                       // unique per coordinator; [A-Za-z0-9._-], 1..128 chars
+  std::string recipe = "bf16_mixed";      // a name from RecipeNames() (or a Bridge alias)
+  RecipeOptions recipe_options;
+  std::vector<FormatOverride> overrides;  // first match wins
+  OptimizerSpec optimizer;
+  int64_t data_parallel_size = 1;         // D
+  LayoutPolicy layout_policy = LayoutPolicy::kFlat;
+  int64_t bucket_numel = 0;               // elements; 0 = DefaultBucketNumel(D)
+  int num_layers = 0;                     // transformer layers; 0 = inferred from names
+  std::vector<TensorSpec> tensors;        // registration order; formats are resolved later
+};
+
+absl::StatusOr<JobSpec> ParseJobSpecJson(absl::string_view json_text);
+absl::StatusOr<JobSpec> LoadJobSpecFile(const std::string& path);
+// Canonical JSON of `spec` (ParseJobSpecJson(JobSpecToJson(s)) == s), pretty-printed.
+std::string JobSpecToJson(const JobSpec& spec);
+
+// A spec with its recipe, every tensor's resolved format and the layout.
+struct ResolvedJob {
+  JobSpec spec;
+  Recipe recipe;
+  std::vector<ResolvedFormat> formats;  // one per spec.tensors entry
+  Layout layout;
+};
+absl::StatusOr<ResolvedJob> ResolveJob(const JobSpec& spec);
+
+}  // namespace mainstay
+
+#endif  // MAINSTAY_COMMON_JOB_SPEC_H_
