@@ -14,8 +14,10 @@ namespace {
 
 std::string CommandList() {
   std::string text = "usage: mainstayctl COMMAND [FLAGS]\n\ncommands:\n";
+  size_t width = 0;
+  for (const Command& c : Commands()) width = std::max(width, c.path.size());
   for (const Command& c : Commands()) {
-    absl::StrAppend(&text, "  ", c.path, std::string(std::max<size_t>(2, 12 - c.path.size()), ' '), c.summary,
+    absl::StrAppend(&text, "  ", c.path, std::string(width + 2 - c.path.size(), ' '), c.summary,
                     c.mutating ? " (mutating)" : " (read-only)", "\n");
   }
   absl::StrAppend(&text, "\nRun 'mainstayctl help COMMAND' for its flags.\n");
@@ -94,17 +96,42 @@ absl::Status Args::CheckKnown(const std::vector<std::string>& known) const {
   return absl::OkStatus();
 }
 
+constexpr char kRemoteHelp[] =
+    "\n  --coordinator ADDR  coordinator host:port (default $MAINSTAY_COORDINATOR, else 127.0.0.1:7070)"
+    "\n  --timeout-ms N      deadline of each call (default 10000)";
+
 const std::vector<Command>& Commands() {
   static const std::vector<Command>* commands = new std::vector<Command>{
-      {"layout", "compute and print the layout of a job spec (offline)",
-       "--spec FILE [--dp N] [--policy flat|whole_tensor] [--bucket-numel N] [--summary] [--json]\n"
-       "  --spec FILE         job spec (JSON, see docs/job_spec.md)\n"
+      {"layout", "print the layout of a job spec (offline) or of a live job",
+       "(--spec FILE [--dp N] [--policy flat|whole_tensor] [--bucket-numel N] | --job ID) [--summary] [--json]\n"
+       "  --spec FILE         job spec (JSON, see docs/job_spec.md), computed offline\n"
+       "  --job ID            a live job's layout, from the coordinator\n"
        "  --dp N              data-parallel size D (default: the spec's data_parallel_size)\n"
        "  --policy P          layout policy (default: the spec's layout_policy)\n"
        "  --bucket-numel N    bucket size threshold in elements (default: the spec's, else max(40e6, 1e6*D))\n"
        "  --summary           only the totals and the bucket table\n"
-       "  --json              the whole layout as JSON",
+       "  --json              the whole layout as JSON" + std::string(kRemoteHelp),
        false, RunLayout},
+      {"daemons list", "list the registered daemons", "[--all] [--json]\n  --all  include DOWN daemons" + std::string(kRemoteHelp),
+       false, RunDaemonsList},
+      {"daemons show", "one daemon in detail", "DAEMON_ID [--json]" + std::string(kRemoteHelp), false, RunDaemonsShow},
+      {"daemons cordon", "stop placing new shards on a daemon (--undo: make it READY again)",
+       "DAEMON_ID [--undo] [--yes]" + std::string(kRemoteHelp), true, RunDaemonsCordon},
+      {"daemons drain", "cordon a daemon and move all of its shards to others",
+       "DAEMON_ID [--yes] [--json]" + std::string(kRemoteHelp), true, RunDaemonsDrain},
+      {"jobs list", "list jobs", "[--json]" + std::string(kRemoteHelp), false, RunJobsList},
+      {"jobs show", "one job in detail", "JOB_ID [--json]" + std::string(kRemoteHelp), false, RunJobsShow},
+      {"jobs create", "create a job from a spec; prints its id and token",
+       "--spec FILE [--dp N] [--name NAME] [--request-id ID] [--yes] [--json]\n"
+       "  --request-id ID     idempotency key: a retry returns the same job" + std::string(kRemoteHelp),
+       true, RunJobsCreate},
+      {"jobs delete", "delete a job and drop its shards on the daemons", "JOB_ID [--yes]" + std::string(kRemoteHelp), true,
+       RunJobsDelete},
+      {"placement", "which daemon owns each rank's shards of a job", "--job ID [--json]" + std::string(kRemoteHelp),
+       false, RunPlacement},
+      {"kv get", "read a key (or keys under a prefix) of the coordinator's KV", "KEY [--prefix] [--json]" + std::string(kRemoteHelp),
+       false, RunKvGet},
+      {"health", "check the coordinator's gRPC health service", "[--json]" + std::string(kRemoteHelp), false, RunHealth},
   };
   return *commands;
 }
@@ -133,7 +160,7 @@ absl::Status RunCommand(const std::vector<std::string>& args, Output& output) {
     output.out << CommandHelp(*command);
     return absl::OkStatus();
   }
-  absl::StatusOr<Args> parsed = Args::Parse(rest, {"json", "yes", "summary"});
+  absl::StatusOr<Args> parsed = Args::Parse(rest, {"json", "yes", "summary", "all", "undo", "prefix"});
   if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat(parsed.status().message(), "\n", CommandHelp(*command)));
   if (command->mutating && !parsed->Has("yes") && !output.stdin_is_terminal) {
     return absl::FailedPreconditionError(absl::StrCat("'", command->path, "' changes state; pass --yes to confirm"));

@@ -69,8 +69,20 @@ absl::Status RunCommand(const std::vector<std::string>& args, Output& output);
 // 6 PERMISSION_DENIED / UNAUTHENTICATED, 1 anything else.
 int ExitCode(const absl::Status& status);
 
-// ---- Subcommand entry points (one file each).
-absl::Status RunLayout(const Args& args, Output& output);
+// ---- Subcommand entry points.
+absl::Status RunLayout(const Args& args, Output& output);  // layout_command.cc
+// remote_commands.cc
+absl::Status RunDaemonsList(const Args& args, Output& output);
+absl::Status RunDaemonsShow(const Args& args, Output& output);
+absl::Status RunDaemonsCordon(const Args& args, Output& output);
+absl::Status RunDaemonsDrain(const Args& args, Output& output);
+absl::Status RunJobsList(const Args& args, Output& output);
+absl::Status RunJobsShow(const Args& args, Output& output);
+absl::Status RunJobsCreate(const Args& args, Output& output);
+absl::Status RunJobsDelete(const Args& args, Output& output);
+absl::Status RunPlacement(const Args& args, Output& output);
+absl::Status RunKvGet(const Args& args, Output& output);
+absl::Status RunHealth(const Args& args, Output& output);
 
 }  // namespace mainstay::cli
 

@@ -5,6 +5,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "cli/command.h"
+#include "cli/coordinator_client.h"
+#include "common/layout_proto.h"
 #include "cli/table.h"
 #include "common/job_spec.h"
 #include "common/status.h"
@@ -22,11 +24,24 @@ double Percent(int64_t part, int64_t whole) { return whole > 0 ? 100.0 * part / 
 
 Json RangeJson(const IndexRange& r) { return Json::array({r.begin, r.end}); }
 
-Json LayoutJson(const ResolvedJob& job) {
-  const Layout& layout = job.layout;
+// What the tables show: a layout, and where known, why each tensor has its format.
+struct LayoutView {
+  std::string job;
+  std::string recipe;
+  const Layout* layout;
+  std::vector<ResolvedFormat> formats;  // empty for a live job (the coordinator keeps only the result)
+};
+
+std::string Reason(const LayoutView& v, size_t i) {
+  if (v.formats.empty()) return "-";
+  return (v.formats[i].fell_back ? "fallback: " : "") + v.formats[i].reason;
+}
+
+Json LayoutJson(const LayoutView& view) {
+  const Layout& layout = *view.layout;
   Json j;
-  j["job"] = job.spec.name;
-  j["recipe"] = job.recipe.name;
+  j["job"] = view.job;
+  j["recipe"] = view.recipe;
   j["policy"] = std::string(LayoutPolicyName(layout.policy));
   j["data_parallel_size"] = layout.data_parallel_size;
   j["bucket_numel"] = layout.bucket_numel;
@@ -41,8 +56,8 @@ Json LayoutJson(const ResolvedJob& job) {
                        {"shape", t.shape},
                        {"numel", t.numel},
                        {"format", std::string(FormatName(t.format))},
-                       {"format_reason", job.formats[i].reason},
-                       {"fell_back", job.formats[i].fell_back},
+                       {"format_reason", view.formats.empty() ? "" : view.formats[i].reason},
+                       {"fell_back", !view.formats.empty() && view.formats[i].fell_back},
                        {"bucket", t.bucket},
                        {"bucket_offset", t.bucket_offset}});
   }
@@ -82,15 +97,15 @@ Json LayoutJson(const ResolvedJob& job) {
   return j;
 }
 
-void PrintTables(const ResolvedJob& job, bool summary_only, std::ostream& out) {
-  const Layout& layout = job.layout;
+void PrintTables(const LayoutView& view, bool summary_only, std::ostream& out) {
+  const Layout& layout = *view.layout;
   const int64_t total = TotalNumel(layout), data = TotalDataNumel(layout);
   int64_t bytes = 0;
   for (const Bucket& b : layout.buckets) bytes += DataBytes(b.format, b.numel);
   out << absl::StrFormat(
       "job %s  recipe %s  policy %s  D=%d  bucket threshold %s elements\n"
       "%d tensors, %s elements (%s with padding, overhead %.3f%%), %d buckets, published %s bytes\n\n",
-      job.spec.name, job.recipe.name, LayoutPolicyName(layout.policy), layout.data_parallel_size,
+      view.job, view.recipe, LayoutPolicyName(layout.policy), layout.data_parallel_size,
       HumanCount(layout.bucket_numel), layout.tensors.size(), HumanCount(data), HumanCount(total),
       Percent(total - data, data), layout.buckets.size(), HumanCount(bytes));
 
@@ -113,8 +128,7 @@ void PrintTables(const ResolvedJob& job, bool summary_only, std::ostream& out) {
     const Bucket& b = layout.buckets[t.bucket];
     const int64_t first = t.bucket_offset / b.shard_numel;
     const int64_t last = (t.bucket_offset + t.numel - 1) / b.shard_numel;
-    tensors.AddRow({t.name, Shape(t.shape), std::string(FormatName(t.format)),
-                    (job.formats[i].fell_back ? "fallback: " : "") + job.formats[i].reason, absl::StrCat(t.bucket),
+    tensors.AddRow({t.name, Shape(t.shape), std::string(FormatName(t.format)), Reason(view, i), absl::StrCat(t.bucket),
                     absl::StrCat(t.bucket_offset), first == last ? absl::StrCat(first) : absl::StrCat(first, "-", last)});
   }
   tensors.Print(out);
@@ -135,11 +149,41 @@ void PrintTables(const ResolvedJob& job, bool summary_only, std::ostream& out) {
   fragments.Print(out);
 }
 
+absl::Status PrintLayout(const LayoutView& view, const Args& args, Output& output) {
+  if (args.Has("json")) {
+    output.out << LayoutJson(view).dump(2) << "\n";
+  } else {
+    PrintTables(view, args.Has("summary"), output.out);
+  }
+  return absl::OkStatus();
+}
+
+// The layout of a live job, from the coordinator.
+absl::Status RunLiveLayout(const Args& args, Output& output) {
+  MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
+  v1::GetJobRequest job_request;
+  job_request.set_job_id(args.Get("job"));
+  v1::GetJobResponse job;
+  MAINSTAY_RETURN_IF_ERROR(conn.Check(conn.coordinator().GetJob(conn.Context().get(), job_request, &job)));
+  v1::GetLayoutRequest request;
+  request.set_job_id(args.Get("job"));
+  v1::GetLayoutResponse response;
+  MAINSTAY_RETURN_IF_ERROR(conn.Check(conn.coordinator().GetLayout(conn.Context().get(), request, &response)));
+  MAINSTAY_ASSIGN_OR_RETURN(Layout layout, LayoutFromProto(response.layout()));
+  return PrintLayout({job.job().spec().name(), job.job().spec().recipe(), &layout, {}}, args, output);
+}
+
 }  // namespace
 
 absl::Status RunLayout(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(args.CheckKnown({"spec", "dp", "policy", "bucket-numel", "summary", "json"}));
-  if (!args.Has("spec")) return absl::InvalidArgumentError("--spec FILE is required");
+  std::vector<std::string> known = {"spec", "dp", "policy", "bucket-numel", "summary", "job"};
+  known.insert(known.end(), kRemoteFlags.begin(), kRemoteFlags.end());
+  MAINSTAY_RETURN_IF_ERROR(args.CheckKnown(known));
+  if (args.Has("job")) {
+    if (args.Has("spec")) return absl::InvalidArgumentError("--spec and --job: give one, not both");
+    return RunLiveLayout(args, output);
+  }
+  if (!args.Has("spec")) return absl::InvalidArgumentError("--spec FILE (offline) or --job ID (live) is required");
   MAINSTAY_ASSIGN_OR_RETURN(JobSpec spec, LoadJobSpecFile(args.Get("spec")));
   MAINSTAY_ASSIGN_OR_RETURN(spec.data_parallel_size, args.GetInt("dp", spec.data_parallel_size));
   MAINSTAY_ASSIGN_OR_RETURN(spec.bucket_numel, args.GetInt("bucket-numel", spec.bucket_numel));
@@ -149,12 +193,7 @@ absl::Status RunLayout(const Args& args, Output& output) {
     spec.layout_policy = *policy;
   }
   MAINSTAY_ASSIGN_OR_RETURN(ResolvedJob job, ResolveJob(spec));
-  if (args.Has("json")) {
-    output.out << LayoutJson(job).dump(2) << "\n";
-  } else {
-    PrintTables(job, args.Has("summary"), output.out);
-  }
-  return absl::OkStatus();
+  return PrintLayout({job.spec.name, job.recipe.name, &job.layout, job.formats}, args, output);
 }
 
 }  // namespace mainstay::cli

@@ -214,7 +214,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(absl::string_view json_text) {
   MAINSTAY_RETURN_IF_ERROR(CheckKeys(j, "",
                                      {"name", "recipe", "recipe_options", "overrides", "optimizer",
                                       "data_parallel_size", "layout_policy", "bucket_numel", "num_layers",
-                                      "tensors"}));
+                                      "tensors", "trainer_nodes"}));
   JobSpec spec;
   if (!j.contains("name")) return InvalidArgumentError("name", "is required");
   MAINSTAY_ASSIGN_OR_RETURN(spec.name, GetString(j["name"], "name"));
@@ -263,6 +263,18 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(absl::string_view json_text) {
   }
   if (!j.contains("tensors")) return InvalidArgumentError("tensors", "is required");
   MAINSTAY_RETURN_IF_ERROR(ParseTensors(j["tensors"], spec.tensors));
+  if (j.contains("trainer_nodes")) {
+    const Json& nodes = j["trainer_nodes"];
+    if (!nodes.is_array()) return InvalidArgumentError("trainer_nodes", "must be an array of node names");
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      MAINSTAY_ASSIGN_OR_RETURN(std::string node, GetString(nodes[i], absl::StrCat("trainer_nodes[", i, "]")));
+      spec.trainer_nodes.push_back(std::move(node));
+    }
+    if (!spec.trainer_nodes.empty() && static_cast<int64_t>(spec.trainer_nodes.size()) != spec.data_parallel_size) {
+      return InvalidArgumentError("trainer_nodes", "has ", spec.trainer_nodes.size(),
+                                  " entries; needs one per rank (data_parallel_size = ", spec.data_parallel_size, ")");
+    }
+  }
   return spec;
 }
 
@@ -315,6 +327,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
   Json tensors = Json::array();
   for (const TensorSpec& t : spec.tensors) tensors.push_back({{"name", t.name}, {"shape", t.shape}});
   j["tensors"] = tensors;
+  if (!spec.trainer_nodes.empty()) j["trainer_nodes"] = spec.trainer_nodes;
   return j.dump(2);
 }
 

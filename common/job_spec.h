@@ -50,6 +50,7 @@ struct JobSpec {
   int64_t bucket_numel = 0;               // elements; 0 = DefaultBucketNumel(D)
   int num_layers = 0;                     // transformer layers; 0 = inferred from names
   std::vector<TensorSpec> tensors;        // registration order; formats are resolved later
+  std::vector<std::string> trainer_nodes; // node of each trainer rank (D entries) or empty
 };
 
 absl::StatusOr<JobSpec> ParseJobSpecJson(absl::string_view json_text);

@@ -1,13 +1,356 @@
-// PLACEHOLDER being replaced by the real implementation.
+// CPU backend of the fused optimizer kernels and GradStats (kernels.h; arguments were
+// validated by kernels.cc).
+//
+// One pass per fragment. The fragment is cut into fixed chunks of kChunkElements (the
+// ParallelFor tasks, independent of the thread count); a chunk walks L1-resident sub-blocks
+// and, for each, runs the gradient statistics, the update (grad + master + moments read,
+// master + moments written), the model-dtype cast of the updated masters, their amax, and
+// the quantized output, each as a tight loop over the sub-block (optimizer_loops.h). Every
+// reduction has a fixed shape: sums of squares use kSumLanes FP64 lanes per chunk and chunk
+// totals are added in chunk order; amaxes and counts are exact. So every output is bit for
+// bit the same for any number of threads.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common/format.h"
+#include "common/status.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/executor.h"
+#include "kernels/cpu/optimizer_loops.h"
 
 namespace mainstay::kernels::cpu {
-static absl::Status Todo() { return absl::UnimplementedError("in progress"); }
-absl::Status FusedAdamW(const Device&, Format, Format, const Fragment&, GradView, const OptimizerState&,
-                        const AdamWHyper&, const StepOutputs&) { return Todo(); }
-absl::Status FusedAdamWQuantize(const Device&, Format, Format, const Fragment&, GradView, const OptimizerState&,
-                                const AdamWHyper&, const ScaleInputs&, const StepOutputs&, const QuantizedOutputs&) { return Todo(); }
-absl::Status FusedSgd(const Device&, Format, Format, const Fragment&, GradView, const OptimizerState&, const SgdHyper&,
-                      const StepOutputs&) { return Todo(); }
-absl::Status GradStats(const Device&, GradView, int64_t, float, double*, int64_t*) { return Todo(); }
+namespace {
+
+// The update loop of each (gradient type, moment type) pair, picked once per call.
+template <ElementType kGrad, ElementType kMoment>
+struct AdamWKernel {
+  using Args = AdamWArgs;
+  static void Run(const Args& args, const void* grad, int64_t begin, int64_t n) {
+    AdamWSpan<kGrad, kMoment>(args, grad, begin, n);
+  }
+};
+
+template <ElementType kGrad, ElementType kMoment>
+struct SgdKernel {
+  using Args = SgdArgs;
+  static void Run(const Args& args, const void* grad, int64_t begin, int64_t n) {
+    SgdSpan<kGrad, kMoment>(args, grad, begin, n);
+  }
+};
+
+template <typename Args>
+using UpdateFn = void (*)(const Args&, const void*, int64_t, int64_t);
+
+template <template <ElementType, ElementType> class K, ElementType kGrad>
+auto PickForGrad(ElementType moment) {
+  return moment == ElementType::kBFloat16 ? &K<kGrad, ElementType::kBFloat16>::Run
+                                          : &K<kGrad, ElementType::kFloat32>::Run;
+}
+
+// FP16 gradients reach the loops widened to FP32 (GradSpan), so they use the FP32 loops.
+template <template <ElementType, ElementType> class K>
+auto PickUpdate(ElementType grad, ElementType moment) {
+  return grad == ElementType::kBFloat16 ? PickForGrad<K, ElementType::kBFloat16>(moment)
+                                        : PickForGrad<K, ElementType::kFloat32>(moment);
+}
+
+using StatsFn = int64_t (*)(const void*, int64_t, float, double*);
+
+StatsFn PickStats(ElementType grad) {
+  return grad == ElementType::kBFloat16 ? &AccumulateGradStats<ElementType::kBFloat16>
+                                        : &AccumulateGradStats<ElementType::kFloat32>;
+}
+
+// The gradients of [begin, begin + n) as the loops read them: in place, or widened into
+// `scratch` (kSubBlockElements floats) when they are FP16.
+const void* GradSpan(GradView grad, int64_t begin, int64_t n, float* scratch) {
+  switch (grad.type) {
+    case ElementType::kFloat16:
+      WidenFp16Grad(grad.data, begin, n, scratch);
+      return scratch;
+    case ElementType::kBFloat16:
+      return static_cast<const uint16_t*>(grad.data) + begin;
+    default:
+      return static_cast<const float*>(grad.data) + begin;
+  }
+}
+
+// What the pass writes besides the optimizer state, decided once per call.
+enum class CastKind { kNone, kBF16, kFP16, kFP8E4M3, kFP8E5M2, kMXFP8 };
+
+using WalkFn = float (*)(const BlockAmaxTarget&, const uint16_t*, int64_t, int64_t, int64_t, int64_t);
+
+struct PassKernels {
+  StatsFn stats = nullptr;
+  void (*model_bits)(const float*, int64_t, uint16_t*) = nullptr;
+  uint16_t (*max_bits)(const uint16_t*, int64_t) = nullptr;
+  WalkFn walk = nullptr;  // block amax; nullptr when not wanted
+  void (*cast16)(const uint16_t*, int64_t, uint8_t*) = nullptr;
+  void (*cast_fp8)(const uint16_t*, int64_t, float, uint8_t*) = nullptr;
+  void (*cast_mxfp8)(const uint16_t*, int64_t, uint8_t*, uint8_t*) = nullptr;
+};
+
+struct Pass {
+  Format format = Format::kBF16;
+  Format model_dtype = Format::kBF16;
+  Fragment fragment;
+  GradView grad;
+  float multiplier = 1.0f;
+  const float* master = nullptr;  // updated in place by the update loop before it is read here
+  StepOutputs out;
+  bool want_stats = false;
+  bool want_bits = false;
+  BlockAmaxTarget blocks;
+  CastKind cast = CastKind::kNone;
+  float tensor_scale = 1.0f;
+  QuantizedOutputs quantized;
+  PassKernels k;
+};
+
+struct ChunkResult {
+  double sum_squares = 0.0;
+  int64_t nonfinite = 0;
+  float amax = 0.0f;
+};
+
+// Block shapes as the format descriptors state them (common/format.cc), as constants.
+template <Format kModel>
+WalkFn PickWalk(Format format) {
+  switch (format) {
+    case Format::kMXFP8:
+      return &WalkBlockAmax<kModel, 1, 32>;
+    case Format::kFP8Block:
+      return &WalkBlockAmax<kModel, 128, 128>;
+    case Format::kNVFP4:
+      return &WalkBlockAmax<kModel, 16, 16>;
+    default:
+      return nullptr;
+  }
+}
+
+template <Format kModel>
+void FillModelKernels(Pass& pass) {
+  PassKernels& k = pass.k;
+  k.model_bits = &ModelBitsSpan<kModel>;
+  k.max_bits = &MaxMagnitudeBits<kModel>;
+  if (pass.blocks.slots != nullptr) k.walk = PickWalk<kModel>(pass.format);
+  switch (pass.cast) {
+    case CastKind::kBF16:
+      k.cast16 = &Cast16Span<kModel, Format::kBF16>;
+      break;
+    case CastKind::kFP16:
+      k.cast16 = &Cast16Span<kModel, Format::kFP16>;
+      break;
+    case CastKind::kFP8E4M3:
+      k.cast_fp8 = &CastFp8Span<kModel, false>;
+      break;
+    case CastKind::kFP8E5M2:
+      k.cast_fp8 = &CastFp8Span<kModel, true>;
+      break;
+    case CastKind::kMXFP8:
+      k.cast_mxfp8 = &CastMxfp8Span<kModel>;
+      break;
+    case CastKind::kNone:
+      break;
+  }
+}
+
+template <typename Args>
+void ProcessChunk(const Pass& p, UpdateFn<Args> update, const Args& args, int64_t chunk, ChunkResult* result) {
+  const int64_t lo = chunk * kChunkElements;
+  const int64_t hi = std::min(lo + kChunkElements, p.fragment.size());
+  const int64_t base = p.fragment.elements.begin;
+  double lanes[kSumLanes] = {};
+  int64_t nonfinite = 0;
+  float amax = 0.0f;
+  uint16_t scratch[kSubBlockElements];
+  float widened[kSubBlockElements];
+  for (int64_t s = lo; s < hi; s += kSubBlockElements) {
+    const int64_t n = std::min(kSubBlockElements, hi - s);
+    const void* grad = GradSpan(p.grad, s, n, widened);
+    if (p.want_stats) nonfinite += p.k.stats(grad, n, p.multiplier, lanes);
+    update(args, grad, s, n);
+    if (!p.want_bits) continue;
+    uint16_t* bits = p.out.model_values.empty() ? scratch : p.out.model_values.data() + s;
+    p.k.model_bits(p.master + s, n, bits);
+    if (p.k.walk != nullptr) {
+      amax = std::max(amax, p.k.walk(p.blocks, bits, base + s, n, base + lo, base + hi));
+    } else if (p.out.amax.tensor_amax != nullptr) {
+      amax = std::max(amax, ModelBitsToFloat(p.k.max_bits(bits, n), p.model_dtype));
+    }
+    uint8_t* data = p.quantized.data.data();
+    switch (p.cast) {
+      case CastKind::kBF16:
+      case CastKind::kFP16:
+        p.k.cast16(bits, n, data + 2 * s);
+        break;
+      case CastKind::kFP8E4M3:
+      case CastKind::kFP8E5M2:
+        p.k.cast_fp8(bits, n, p.tensor_scale, data + s);
+        break;
+      case CastKind::kMXFP8:
+        // The fragment starts on a block boundary of a row (checked), so local block = s / 32.
+        p.k.cast_mxfp8(bits, n, data + s, p.quantized.block_scales.data() + s / 32);
+        break;
+      case CastKind::kNone:
+        break;
+    }
+  }
+  result->sum_squares = CombineLanes(lanes);
+  result->nonfinite = nonfinite;
+  result->amax = amax;
+}
+
+Pass MakePass(Format format, Format model_dtype, const Fragment& fragment, GradView grad, float multiplier,
+              const OptimizerState& state, const StepOutputs& out) {
+  Pass p;
+  p.format = format;
+  p.model_dtype = model_dtype;
+  p.fragment = fragment;
+  p.grad = grad;
+  p.multiplier = multiplier;
+  p.master = state.master;
+  p.out = out;
+  p.want_stats = out.grad_sum_squares != nullptr || out.grad_nonfinite != nullptr;
+  p.k.stats = PickStats(grad.type);
+  if (!out.amax.block_amax.empty()) {
+    const FormatDescriptor& d = Describe(format);
+    p.blocks.slots = out.amax.block_amax.data();
+    p.blocks.range_begin = ScaleBlockRange(format, fragment.view, fragment.elements).begin;
+    p.blocks.rows = fragment.view.rows;
+    p.blocks.cols = fragment.view.cols;
+    p.blocks.tile_cols = (fragment.view.cols + d.block_cols - 1) / d.block_cols;
+    p.blocks.fragment_begin = fragment.elements.begin;
+    p.blocks.fragment_end = fragment.elements.end;
+  }
+  return p;
+}
+
+// Call after the cast is set: picks the model-dtype kernels.
+void FinishPass(Pass& p) {
+  p.want_bits = !p.out.model_values.empty() || p.out.amax.tensor_amax != nullptr || p.blocks.slots != nullptr ||
+                p.cast != CastKind::kNone;
+  if (p.model_dtype == Format::kFP16) {
+    FillModelKernels<Format::kFP16>(p);
+  } else {
+    FillModelKernels<Format::kBF16>(p);
+  }
+}
+
+template <typename Args>
+void RunPass(const Device& device, const Pass& pass, UpdateFn<Args> update, const Args& args) {
+  std::fill(pass.out.amax.block_amax.begin(), pass.out.amax.block_amax.end(), 0.0f);
+  const int64_t chunks = ChunkCount(pass.fragment.size());
+  std::vector<ChunkResult> results(static_cast<size_t>(chunks));
+  ParallelFor(device.executor, chunks,
+              [&](int64_t c) { ProcessChunk(pass, update, args, c, &results[static_cast<size_t>(c)]); });
+  double sum_squares = 0.0;
+  int64_t nonfinite = 0;
+  float amax = 0.0f;
+  for (const ChunkResult& r : results) {  // chunk order
+    sum_squares += r.sum_squares;
+    nonfinite += r.nonfinite;
+    amax = std::max(amax, r.amax);
+  }
+  if (pass.out.grad_sum_squares != nullptr) *pass.out.grad_sum_squares = sum_squares;
+  if (pass.out.grad_nonfinite != nullptr) *pass.out.grad_nonfinite = nonfinite;
+  if (pass.out.amax.tensor_amax != nullptr) *pass.out.amax.tensor_amax = amax;
+}
+
+void RunAdamW(const Device& device, const Pass& pass, const OptimizerState& state, GradView grad,
+              const AdamWHyper& hyper) {
+  const AdamWArgs args{hyper, MakeAdamWConstants(hyper), state.master, state.m, state.v};
+  RunPass(device, pass, PickUpdate<AdamWKernel>(grad.type, state.moment_type), args);
+}
+
+}  // namespace
+
+absl::Status FusedAdamW(const Device& device, Format format, Format model_dtype, const Fragment& fragment,
+                        GradView grad, const OptimizerState& state, const AdamWHyper& hyper, const StepOutputs& out) {
+  Pass pass = MakePass(format, model_dtype, fragment, grad, hyper.grad_multiplier, state, out);
+  FinishPass(pass);
+  RunAdamW(device, pass, state, grad, hyper);
+  return absl::OkStatus();
+}
+
+absl::Status FusedAdamWQuantize(const Device& device, Format format, Format model_dtype, const Fragment& fragment,
+                                GradView grad, const OptimizerState& state, const AdamWHyper& hyper,
+                                const ScaleInputs& scales, const StepOutputs& out, const QuantizedOutputs& quantized) {
+  Pass pass = MakePass(format, model_dtype, fragment, grad, hyper.grad_multiplier, state, out);
+  pass.quantized = quantized;
+  pass.tensor_scale = scales.tensor_scale;
+  switch (format) {
+    case Format::kBF16:
+      pass.cast = CastKind::kBF16;
+      break;
+    case Format::kFP16:
+      pass.cast = CastKind::kFP16;
+      break;
+    case Format::kFP8E4M3Delayed:
+      pass.cast = CastKind::kFP8E4M3;
+      break;
+    case Format::kFP8E5M2Delayed:
+      pass.cast = CastKind::kFP8E5M2;
+      break;
+    case Format::kMXFP8:
+      // The block amax is computed in the pass (scales.block_amax is not read), so no block
+      // may reach outside the fragment.
+      if (fragment.view.cols % 32 != 0 || fragment.elements.begin % 32 != 0 || fragment.elements.end % 32 != 0) {
+        return InvalidArgumentError("fragment", "mxfp8 in one pass needs cols and fragment bounds that are ",
+                                    "multiples of 32, got cols ", fragment.view.cols, " and [", fragment.elements.begin,
+                                    ", ", fragment.elements.end, ")");
+      }
+      pass.cast = CastKind::kMXFP8;
+      break;
+    default:
+      return InvalidArgumentError("format", FormatName(format), " cannot be cast in the optimizer pass");
+  }
+  FinishPass(pass);
+  RunAdamW(device, pass, state, grad, hyper);
+  if ((pass.cast == CastKind::kFP8E4M3 || pass.cast == CastKind::kFP8E5M2) && quantized.tensor_scale_inv != nullptr) {
+    *quantized.tensor_scale_inv = ScaleInv(scales.tensor_scale);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FusedSgd(const Device& device, Format format, Format model_dtype, const Fragment& fragment, GradView grad,
+                      const OptimizerState& state, const SgdHyper& hyper, const StepOutputs& out) {
+  Pass pass = MakePass(format, model_dtype, fragment, grad, hyper.grad_multiplier, state, out);
+  FinishPass(pass);
+  const SgdArgs args{hyper, state.master, state.m};
+  RunPass(device, pass, PickUpdate<SgdKernel>(grad.type, state.moment_type), args);
+  return absl::OkStatus();
+}
+
+absl::Status GradStats(const Device& device, GradView grad, int64_t n, float multiplier, double* sum_squares,
+                       int64_t* nonfinite) {
+  // The same chunks and lanes as the optimizer pass, so a fragment's GradStats equals the
+  // grad_sum_squares of its FusedAdamW bit for bit.
+  const StatsFn stats = PickStats(grad.type);
+  const int64_t chunks = ChunkCount(n);
+  std::vector<ChunkResult> results(static_cast<size_t>(chunks));
+  ParallelFor(device.executor, chunks, [&](int64_t c) {
+    const int64_t lo = c * kChunkElements;
+    const int64_t hi = std::min(lo + kChunkElements, n);
+    double lanes[kSumLanes] = {};
+    float widened[kSubBlockElements];
+    ChunkResult& r = results[static_cast<size_t>(c)];
+    for (int64_t s = lo; s < hi; s += kSubBlockElements) {
+      const int64_t len = std::min(kSubBlockElements, hi - s);
+      r.nonfinite += stats(GradSpan(grad, s, len, widened), len, multiplier, lanes);
+    }
+    r.sum_squares = CombineLanes(lanes);
+  });
+  double total = 0.0;
+  int64_t bad = 0;
+  for (const ChunkResult& r : results) {
+    total += r.sum_squares;
+    bad += r.nonfinite;
+  }
+  *sum_squares = total;
+  *nonfinite = bad;
+  return absl::OkStatus();
+}
+
 }  // namespace mainstay::kernels::cpu

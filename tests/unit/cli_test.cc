@@ -61,7 +61,7 @@ TEST(CliTest, LayoutJsonIsTheWholeLayout) {
 TEST(CliTest, BadInvocationsAreUsageErrors) {
   std::string out;
   EXPECT_THAT(RunCtl({"frobnicate"}, &out), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown command")));
-  EXPECT_THAT(RunCtl({"layout"}, &out), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--spec FILE is required")));
+  EXPECT_THAT(RunCtl({"layout"}, &out), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--spec FILE (offline) or --job ID (live) is required")));
   EXPECT_THAT(RunCtl({"layout", "--spec", kGpt2, "--dp", "two"}, &out),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--dp: expected an integer")));
   EXPECT_THAT(RunCtl({"layout", "--spec", kGpt2, "--dp", "0"}, &out),

@@ -1,0 +1,297 @@
+// Internal to the CPU backend: the inner loops of the fused optimizer pass and GradStats.
+//
+// Each loop runs over a short span that is resident in L1 (a sub-block of at most
+// kSubBlockElements) and is a plain loop the compiler vectorizes (kernels build with -O3
+// -fno-math-errno -ffp-contract=off; optimizer.cc also with -fno-trapping-math, which lets
+// GCC if-convert selects that follow FP operations). The arithmetic is the shared per-element
+// functions of optimizer_math.h / casts.h / scaling.h, so its bits equal the CUDA backend's;
+// the FP16 and FP8 conversions, whose casts.h forms branch, use vector_casts.h's branch-free
+// forms, which give the same bits for every input. Element types and the model dtype are
+// template parameters: with them fixed, LoadGrad / LoadMoment / ToModelBits fold to one
+// branch-free expression.
+//
+// Thread safety: pure functions of their arguments, except that the block-amax walker
+// merges into caller-owned slots (atomically where two chunks may share a block).
+#ifndef MAINSTAY_KERNELS_CPU_OPTIMIZER_LOOPS_H_
+#define MAINSTAY_KERNELS_CPU_OPTIMIZER_LOOPS_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/casts.h"
+#include "kernels/cpu/vector_casts.h"
+#include "kernels/kernels.h"
+#include "kernels/optimizer_math.h"
+#include "kernels/scaling.h"
+
+namespace mainstay::kernels::cpu {
+
+// Work split, independent of the thread count: a chunk is one ParallelFor task and the unit
+// of every reduction (combined in chunk order); a sub-block is the L1-resident span the
+// loops below run over. Both multiples of 32 (so MXFP8 blocks never straddle them when the
+// fragment starts on a multiple of 32) and of kSumLanes.
+inline constexpr int64_t kChunkElements = int64_t{1} << 15;
+inline constexpr int64_t kSubBlockElements = 1024;
+// Sums of squares use this many FP64 accumulators per chunk; element i of the chunk goes to
+// lane i % kSumLanes, and the lanes are added in a fixed tree at the end of the chunk.
+inline constexpr int kSumLanes = 8;
+
+inline int64_t ChunkCount(int64_t n) { return (n + kChunkElements - 1) / kChunkElements; }
+
+// ---- Gradient statistics.
+
+// Adds (g * g) of g = grad[i] * multiplier, i in [0, n), to lanes[i % kSumLanes] and returns
+// how many g are not finite. `grad` starts at a chunk offset that is a multiple of kSumLanes
+// (the lane of an element depends only on its chunk offset). n <= kChunkElements.
+template <ElementType kGrad>
+int64_t AccumulateGradStats(const void* grad, int64_t n, float multiplier, double* lanes) {
+  double acc[kSumLanes];
+  for (int l = 0; l < kSumLanes; ++l) acc[l] = lanes[l];
+  int32_t bad = 0;
+  int64_t i = 0;
+  for (; i + kSumLanes <= n; i += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) {
+      const float g = LoadGrad(grad, kGrad, i + l) * multiplier;
+      const double gd = static_cast<double>(g);
+      acc[l] += gd * gd;  // the square is exact in FP64; only the sum rounds
+      bad += IsFinite(g) ? 0 : 1;
+    }
+  }
+  for (int l = 0; i + l < n; ++l) {
+    const float g = LoadGrad(grad, kGrad, i + l) * multiplier;
+    const double gd = static_cast<double>(g);
+    acc[l] += gd * gd;
+    bad += IsFinite(g) ? 0 : 1;
+  }
+  for (int l = 0; l < kSumLanes; ++l) lanes[l] = acc[l];
+  return bad;
+}
+
+inline double CombineLanes(const double* lanes) {
+  static_assert(kSumLanes == 8, "the combination tree below is written for 8 lanes");
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+// ---- Optimizer updates.
+//
+// The statistics, the update and the model-dtype cast are separate loops over the same
+// L1-resident sub-block rather than one loop: on the x86-64 baseline (SSE2) the update is
+// bound by the divide/sqrt unit, and folding the FP64 lanes or the bf16 packing into it
+// costs more (register pressure) than re-reading the sub-block from L1.
+
+// Optimizer state of the fragment; a span [begin, begin + n) of it is updated per call, with
+// `grad` pointing at the span's first gradient.
+struct AdamWArgs {
+  AdamWHyper hyper;
+  AdamWConstants consts;
+  float* master;
+  void* m;
+  void* v;
+};
+
+template <ElementType kMoment>
+void* MomentAt(void* base, int64_t begin) {
+  if constexpr (kMoment == ElementType::kBFloat16) return static_cast<uint16_t*>(base) + begin;
+  return static_cast<float*>(base) + begin;
+}
+
+template <ElementType kGrad, ElementType kMoment>
+void AdamWSpan(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n) {
+  // Copies held by value: no store through master[] can alias them, so they stay in registers.
+  const AdamWHyper h = args.hyper;
+  const AdamWConstants c = args.consts;
+  const float multiplier = h.grad_multiplier;
+  float* master = args.master + begin;
+  void* m = MomentAt<kMoment>(args.m, begin);
+  void* v = MomentAt<kMoment>(args.v, begin);
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = LoadGrad(grad, kGrad, i) * multiplier;
+    float p = master[i];
+    float mi = LoadMoment(m, kMoment, i);
+    float vi = LoadMoment(v, kMoment, i);
+    AdamWElement(h, c, g, p, mi, vi);
+    master[i] = p;
+    StoreMoment(m, kMoment, i, mi);
+    StoreMoment(v, kMoment, i, vi);
+  }
+}
+
+struct SgdArgs {
+  SgdHyper hyper;
+  float* master;
+  void* buf;
+};
+
+template <ElementType kGrad, ElementType kMoment>
+void SgdSpan(const SgdArgs& args, const void* grad, int64_t begin, int64_t n) {
+  const SgdHyper h = args.hyper;
+  const float multiplier = h.grad_multiplier;
+  float* master = args.master + begin;
+  void* buf = MomentAt<kMoment>(args.buf, begin);
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = LoadGrad(grad, kGrad, i) * multiplier;
+    float p = master[i];
+    float b = LoadMoment(buf, kMoment, i);
+    SgdElement(h, g, p, b);
+    master[i] = p;
+    StoreMoment(buf, kMoment, i, b);
+  }
+}
+
+// FP16 <-> FP32 in loops. The conversions are exact (or correctly rounded), so each has one
+// right answer; casts.h's Fp16ToFloat / FloatToFp16 branch, which keeps a loop around them
+// scalar, and vector_casts.h has branch-free forms with the same bits for every input.
+template <Format kModel>
+float ModelValue(uint16_t bits) {
+  if constexpr (kModel == Format::kFP16) return Fp16Value(bits);
+  return Bf16ToFloat(bits);
+}
+
+template <Format kModel>
+uint16_t ModelBits(float x) {
+  if constexpr (kModel == Format::kFP16) return Fp16Bits(FloatBits(x));
+  return ToModelBits(x, Format::kBF16);
+}
+
+// FP16 gradients are widened once per sub-block and the FP32 loops run on the copy: the
+// values are LoadGrad's, so the results are too.
+inline void WidenFp16Grad(const void* grad, int64_t begin, int64_t n, float* out) {
+  const uint16_t* h = static_cast<const uint16_t*>(grad) + begin;
+  for (int64_t i = 0; i < n; ++i) out[i] = Fp16Value(h[i]);
+}
+
+// ---- Model-dtype values and their amax.
+
+template <Format kModel>
+void ModelBitsSpan(const float* master, int64_t n, uint16_t* bits) {
+  for (int64_t i = 0; i < n; ++i) bits[i] = ModelBits<kModel>(master[i]);
+}
+
+// Largest magnitude of n model-dtype values, as the bits of a non-negative value; NaNs are
+// ignored (fmax semantics), +inf wins. Sign-magnitude encodings order magnitudes like
+// integers, so this is an integer max (16-bit lanes) rather than a float compare.
+template <Format kModel>
+uint16_t MaxMagnitudeBits(const uint16_t* bits, int64_t n) {
+  constexpr int16_t kInf = kModel == Format::kFP16 ? 0x7C00 : 0x7F80;  // larger magnitudes are NaN
+  int16_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    int16_t a = static_cast<int16_t>(bits[i] & 0x7FFF);
+    a = a > kInf ? int16_t{0} : a;
+    best = a > best ? a : best;
+  }
+  return static_cast<uint16_t>(best);
+}
+
+inline void AtomicMax(float* slot, float value) {
+  std::atomic_ref<float> ref(*slot);
+  float current = ref.load(std::memory_order_relaxed);
+  while (value > current && !ref.compare_exchange_weak(current, value, std::memory_order_relaxed)) {
+  }
+}
+
+// Where per-block amaxes go: slots for the fragment's block range (common/format.h).
+struct BlockAmaxTarget {
+  float* slots = nullptr;  // slots[global block - range_begin], zeroed before the pass
+  int64_t range_begin = 0;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t tile_cols = 0;  // ceil(cols / block_cols)
+  int64_t fragment_begin = 0;
+  int64_t fragment_end = 0;
+};
+
+// Merges the block amaxes of the model values `bits` of global elements [global_begin,
+// global_begin + n) into `t`, walking row segments and, inside them, block-column segments.
+// A block whose fragment elements all lie in this chunk [chunk_begin, chunk_end) (global) is
+// owned by it and updated plainly; a block shared with another chunk is updated with an
+// atomic max (exact and order-independent, so still deterministic). Returns the max over
+// all n values (the tensor amax contribution).
+template <Format kModel, int64_t kBlockRows, int64_t kBlockCols>
+float WalkBlockAmax(const BlockAmaxTarget& t, const uint16_t* bits, int64_t global_begin, int64_t n,
+                    int64_t chunk_begin, int64_t chunk_end) {
+  const int64_t cols = t.cols;
+  int64_t r = global_begin / cols;
+  int64_t c = global_begin % cols;
+  uint16_t total = 0;
+  int64_t done = 0;
+  while (done < n) {
+    const int64_t len = std::min(cols - c, n - done);
+    const int64_t tile_row = r / kBlockRows;
+    const int64_t first_row = tile_row * kBlockRows;
+    const int64_t last_row = std::min(first_row + kBlockRows, t.rows) - 1;
+    const int64_t c_end = c + len;
+    int64_t tile_col = c / kBlockCols;
+    for (int64_t cc = c; cc < c_end; ++tile_col) {
+      const int64_t block_c0 = tile_col * kBlockCols;
+      const int64_t block_c_last = std::min(block_c0 + kBlockCols, cols) - 1;
+      const int64_t seg_end = std::min(block_c_last + 1, c_end);
+      const uint16_t* seg = bits + done + (cc - c);
+      // Whole blocks (the common case) get a loop of constant trip count.
+      const uint16_t a_bits = seg_end - cc == kBlockCols ? MaxMagnitudeBits<kModel>(seg, kBlockCols)
+                                                         : MaxMagnitudeBits<kModel>(seg, seg_end - cc);
+      total = std::max(total, a_bits);
+      const float a = ModelBitsToFloat(a_bits, kModel);
+      float* slot = t.slots + (tile_row * t.tile_cols + tile_col - t.range_begin);
+      const int64_t first = std::max(first_row * cols + block_c0, t.fragment_begin);
+      const int64_t last = std::min(last_row * cols + block_c_last, t.fragment_end - 1);
+      if (first >= chunk_begin && last < chunk_end) {
+        if (a > *slot) *slot = a;
+      } else {
+        AtomicMax(slot, a);
+      }
+      cc = seg_end;
+    }
+    done += len;
+    c = c_end;
+    if (c == cols) {
+      c = 0;
+      ++r;
+    }
+  }
+  return ModelBitsToFloat(total, kModel);
+}
+
+// ---- Casts of the model values (FusedAdamWQuantize).
+
+// bf16 / fp16 output: the model value re-encoded in `kOut` (the identity when they match),
+// 2 little-endian bytes per element.
+template <Format kModel, Format kOut>
+void Cast16Span(const uint16_t* bits, int64_t n, uint8_t* out) {
+  if constexpr (kModel == kOut) {
+    std::memcpy(out, bits, static_cast<size_t>(n) * 2);
+  } else {
+    uint16_t tmp[kSubBlockElements];
+    for (int64_t i = 0; i < n; ++i) tmp[i] = ModelBits<kOut>(ModelValue<kModel>(bits[i]));
+    std::memcpy(out, tmp, static_cast<size_t>(n) * 2);
+  }
+}
+
+// FP8 with a per-tensor scale: q = cvt(fl(x * scale)).
+template <Format kModel, bool kE5M2>
+void CastFp8Span(const uint16_t* bits, int64_t n, float scale, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = ModelValue<kModel>(bits[i]) * scale;
+    out[i] = kE5M2 ? E5M2Bits(y) : E4M3Bits(y);  // FloatToE5M2 / FloatToE4M3, branch-free
+  }
+}
+
+// MXFP8 over n elements made of whole 32-element blocks: per block e = MxfpBlockScale(amax,
+// 448), q = cvt_e4m3(fl(x * 2^(127 - e))).
+template <Format kModel>
+void CastMxfp8Span(const uint16_t* bits, int64_t n, uint8_t* out, uint8_t* scales) {
+  constexpr int64_t kBlock = 32;
+  for (int64_t b = 0; b * kBlock < n; ++b) {
+    const uint16_t* x = bits + b * kBlock;
+    const uint8_t e = MxfpBlockScale(ModelBitsToFloat(MaxMagnitudeBits<kModel>(x, kBlock), kModel), kE4M3Max);
+    const float multiplier = MxfpMultiplier(e);
+    uint8_t* q = out + b * kBlock;
+    for (int64_t i = 0; i < kBlock; ++i) q[i] = E4M3Bits(ModelValue<kModel>(x[i]) * multiplier);
+    scales[b] = e;
+  }
+}
+
+}  // namespace mainstay::kernels::cpu
+
+#endif  // MAINSTAY_KERNELS_CPU_OPTIMIZER_LOOPS_H_

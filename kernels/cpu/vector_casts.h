@@ -1,0 +1,176 @@
+// Branch-free forms of the scalar conversions in kernels/casts.h and kernels/scaling.h, for
+// the CPU kernels' streaming loops: every function is straight-line integer / FP32 code with
+// selects, so GCC can vectorize a loop that calls it. Each one returns exactly the bits of
+// its casts.h / scaling.h counterpart (checked over all FP32 bit patterns when written;
+// tests/unit/quantize_test.cc keeps a sampled check against CUDA's host conversions).
+//
+// Tricks used (all exact in IEEE FP32 with round-to-nearest-even, which the kernels keep:
+// -ffp-contract=off, no -ffast-math, and the FPU's default mode without flush-to-zero):
+//   * subnormal minifloat codes: fl(|y| + M), where M's ulp is the minifloat's smallest
+//     subnormal, rounds |y| to that grid; the code is bits(sum) - bits(M);
+//   * minifloat decoding: the code's exponent/mantissa bits placed at the top of an FP32
+//     pattern and multiplied by 2^(127 - bias) (an exact power-of-two product).
+//
+// Internal to kernels/cpu (and its tests). Thread safety: pure functions.
+#ifndef MAINSTAY_KERNELS_CPU_VECTOR_CASTS_H_
+#define MAINSTAY_KERNELS_CPU_VECTOR_CASTS_H_
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+
+#include "kernels/casts.h"
+
+namespace mainstay::kernels::cpu {
+
+// c ? a : b as mask arithmetic, for selects that follow an FP operation: from a plain ?:
+// GCC sinks the FP operation into a branch that it then cannot if-convert under
+// -ftrapping-math (the default), and the loop no longer vectorizes.
+inline uint32_t SelectBits(bool c, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(c);
+  return b + ((a - b) & mask);
+}
+
+// For |x| bits `a` (sign cleared): a NaN? As an int32 compare, which SSE2 has.
+inline bool IsNanBits(uint32_t a) { return static_cast<int32_t>(a) > 0x7F800000; }
+// a < b for |x| bits (both below 2^31).
+inline bool LessBits(uint32_t a, uint32_t b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b); }
+
+// FP32 bits of float(model_dtype(master)), master given as bits `u`: the value every kernel
+// quantizes. kFp16 = false: bf16 (FloatToBf16 then Bf16ToFloat); true: fp16.
+template <bool kFp16>
+inline uint32_t ModelValueBits(uint32_t u) {
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if constexpr (!kFp16) {
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    return SelectBits(IsNanBits(a), 0x7FFF0000u, rounded);
+  } else {
+    const uint32_t sign = u & 0x80000000u;
+    // Normal fp16 range: keep 10 mantissa bits, round to nearest even (may carry into the
+    // exponent, which is still the right value).
+    const uint32_t normal = (a + 0xFFFu + ((a >> 13) & 1u)) & 0xFFFFE000u;
+    // Below 2^-14: round to a multiple of 2^-24 (the ulp of 0.5), then subtract 0.5 exactly.
+    const uint32_t sub = FloatBits((BitsFloat(a) + 0.5f) - 0.5f);
+    uint32_t r = SelectBits(LessBits(a, 0x38800000u), sub, normal);
+    r = SelectBits(!LessBits(a, 0x477FF000u), 0x7F800000u, r);  // rounds beyond 65504: inf
+    r |= sign;
+    return SelectBits(IsNanBits(a), 0x7FFFE000u, r);  // NaN -> fp16 0x7FFF -> this FP32 NaN
+  }
+}
+
+// |x| as ordered integer bits, NaN -> 0: max over these is the fmax-semantics amax
+// (AmaxUpdate) of the values, as FP32 bits. Fits in int32 (at most 0x7F800000 = +inf).
+inline int32_t AmaxBits(uint32_t value_bits) {
+  const uint32_t a = value_bits & 0x7FFFFFFFu;
+  return static_cast<int32_t>(IsNanBits(a) ? 0u : a);
+}
+
+// FloatToBf16 / FloatToFp16 of a value given as FP32 bits.
+inline uint16_t Bf16Bits(uint32_t u) {
+  const uint32_t a = u & 0x7FFFFFFFu;
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(IsNanBits(a) ? 0x7FFFu : r);
+}
+
+inline uint16_t Fp16Bits(uint32_t u) {
+  const uint32_t a = u & 0x7FFFFFFFu;
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t normal = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+  const uint32_t sub = FloatBits(BitsFloat(a) + 0.5f) - 0x3F000000u;  // units of 2^-24
+  uint32_t r = SelectBits(LessBits(a, 0x38800000u), sub, normal);
+  r = SelectBits(!LessBits(a, 0x477FF000u), 0x7C00u, r);
+  r |= sign;
+  return static_cast<uint16_t>(SelectBits(IsNanBits(a), 0x7FFFu, r));
+}
+
+// FloatToMinifloatSat: round to nearest even, saturate to +-kMaxCode, NaN -> kNanCode.
+// Normal range: integer rounding of the rebased exponent and mantissa. Subnormal range:
+// fl(|y| + M), where M is the power of two whose ulp is the smallest subnormal
+// 2^(1 - bias - mant_bits), rounds |y| onto the subnormal grid; bits(sum) - bits(M) is the code.
+template <int kExpBits, int kMantBits, int kBias, uint32_t kMaxCode, uint32_t kNanCode>
+inline uint8_t MinifloatSatBits(float y) {
+  constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(127 + 1 - kBias) << 23;
+  constexpr int kDrop = 23 - kMantBits;
+  constexpr uint32_t kMagicBits = static_cast<uint32_t>(127 + 1 - kBias - kMantBits + 23) << 23;
+  const uint32_t u = FloatBits(y);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  const uint32_t rebased = a - (static_cast<uint32_t>(127 - kBias) << 23);  // wraps when unused
+  const uint32_t normal = (rebased + ((1u << (kDrop - 1)) - 1u) + ((rebased >> kDrop) & 1u)) >> kDrop;
+  const uint32_t sub = FloatBits(BitsFloat(a) + BitsFloat(kMagicBits)) - kMagicBits;
+  // Both fit in int32 (normal <= bits(inf) >> kDrop), so the clamp is a signed min.
+  const int32_t code = static_cast<int32_t>(SelectBits(LessBits(a, kMinNormalBits), sub, normal));
+  const uint32_t clamped = static_cast<uint32_t>(std::min(code, static_cast<int32_t>(kMaxCode)));
+  const uint32_t sign = (u >> 31) << (kExpBits + kMantBits);
+  return static_cast<uint8_t>(SelectBits(IsNanBits(a), kNanCode, clamped | sign));
+}
+
+inline uint8_t E4M3Bits(float y) { return MinifloatSatBits<4, 3, 7, 0x7E, 0x7F>(y); }
+inline uint8_t E5M2Bits(float y) { return MinifloatSatBits<5, 2, 15, 0x7B, 0x7F>(y); }
+// A 4-bit code in the low nibble (NaN -> +6 = 0x7).
+inline uint8_t E2M1Bits(float y) { return MinifloatSatBits<2, 1, 1, 0x7, 0x7>(y); }
+
+// Minifloat decoding (E4M3ToFloat, E5M2ToFloat, E2M1ToFloat).
+inline float E4M3Value(uint8_t q) {
+  const uint32_t mag = static_cast<uint32_t>(q & 0x7F);
+  const float v = BitsFloat(mag << 20) * BitsFloat(static_cast<uint32_t>(127 + 120) << 23);  // x 2^120
+  const uint32_t bits = FloatBits(v) | (static_cast<uint32_t>(q & 0x80) << 24);
+  return BitsFloat(SelectBits(mag == 0x7F, 0x7FC00000u, bits));
+}
+
+inline float E5M2Value(uint8_t q) {
+  const uint32_t mag = static_cast<uint32_t>(q & 0x7F);
+  const uint32_t sign = static_cast<uint32_t>(q & 0x80) << 24;
+  const float v = BitsFloat(mag << 21) * BitsFloat(static_cast<uint32_t>(127 + 112) << 23);  // x 2^112
+  uint32_t bits = FloatBits(v) | sign;
+  bits = SelectBits(mag == 0x7C, 0x7F800000u | sign, bits);
+  return BitsFloat(SelectBits(mag > 0x7C, 0x7FC00000u, bits));
+}
+
+inline float E2M1Value(uint8_t q) {
+  const uint32_t mag = static_cast<uint32_t>(q & 0x7);
+  const float v = BitsFloat(mag << 22) * BitsFloat(static_cast<uint32_t>(127 + 126) << 23);  // x 2^126
+  return BitsFloat(FloatBits(v) | (static_cast<uint32_t>(q & 0x8) << 28));
+}
+
+// E8M0RoundUp of a value given as FP32 bits.
+inline uint8_t E8M0RoundUpBits(uint32_t x_bits) {
+  const uint32_t a = x_bits & 0x7FFFFFFFu;
+  const uint32_t e = a >> 23;
+  const uint32_t up = static_cast<uint32_t>((a & 0x7FFFFFu) != 0u) & static_cast<uint32_t>(e < 0xFEu);
+  uint32_t r = e + up;
+  r = SelectBits(LessBits(a, 0x00400001u), 0u, r);
+  r = SelectBits(a == 0x7F800000u, 0xFEu, r);
+  return static_cast<uint8_t>(SelectBits(IsNanBits(a), 0xFFu, r));
+}
+
+// MxfpMultiplier: 2^(127 - e); 2^-127 for e = 254; NaN for e = 255.
+inline float MxfpMultiplierValue(uint8_t e) {
+  const uint32_t x = e;
+  uint32_t bits = (254u - x) << 23;
+  bits = x == 0xFEu ? 0x00400000u : bits;
+  return BitsFloat(x == 0xFFu ? 0x7FC00000u : bits);
+}
+
+// E8M0ToFloat: 2^(e - 127); 0 -> 2^-127; 0xFF -> NaN.
+inline float E8M0Value(uint8_t e) {
+  const uint32_t x = e;
+  uint32_t bits = x << 23;
+  bits = x == 0u ? 0x00400000u : bits;
+  return BitsFloat(x == 0xFFu ? 0x7FC00000u : bits);
+}
+
+// Fp16ToFloat.
+inline float Fp16Value(uint16_t h) {
+  const uint32_t mag = static_cast<uint32_t>(h & 0x7FFFu);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const float v = BitsFloat(mag << 13) * BitsFloat(static_cast<uint32_t>(127 + 112) << 23);  // x 2^112
+  const uint32_t bits = SelectBits(mag >= 0x7C00u, 0x7F800000u | (mag << 13), FloatBits(v));
+  return BitsFloat(bits | sign);
+}
+
+// fminf(x, FLT_MAX) (MinFltMax): NaN and +inf -> FLT_MAX.
+inline float MinFltMaxValue(float x) { return BitsFloat(SelectBits(x <= FLT_MAX, FloatBits(x), FloatBits(FLT_MAX))); }
+
+}  // namespace mainstay::kernels::cpu
+
+#endif  // MAINSTAY_KERNELS_CPU_VECTOR_CASTS_H_

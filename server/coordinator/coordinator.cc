@@ -1,0 +1,250 @@
+#include "server/coordinator/coordinator.h"
+
+#include "server/coordinator/coordinator_impl.h"
+
+namespace mainstay::coordinator {
+Coordinator::Coordinator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Coordinator::~Coordinator() = default;
+
+absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const CoordinatorOptions& options) {
+  if (options.store == nullptr) return absl::InvalidArgumentError("options.store: required");
+  if (options.clock == nullptr) return absl::InvalidArgumentError("options.clock: required");
+  if (options.default_lease_ttl_ms < options.min_lease_ttl_ms || options.default_lease_ttl_ms > options.max_lease_ttl_ms) {
+    return absl::InvalidArgumentError(absl::StrCat("lease_ttl_ms: must be in [", options.min_lease_ttl_ms, ", ",
+                                                   options.max_lease_ttl_ms, "], got ", options.default_lease_ttl_ms));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  MAINSTAY_ASSIGN_OR_RETURN(v1::CoordinatorState loaded, options.store->Load());
+  absl::MutexLock lock(&impl->mu);
+  impl->state = State::FromProto(loaded);
+  const int64_t now = impl->Now();
+  for (const auto& [id, d] : impl->state.daemons) {
+    if (d.state() != v1::DAEMON_STATE_DOWN) impl->leases[id] = {"", options.default_lease_ttl_ms, now + options.default_lease_ttl_ms, 0};
+  }
+  Log(LogLevel::kInfo, "coordinator",
+      absl::StrCat("state loaded: sequence ", impl->state.sequence, ", ", impl->state.daemons.size(), " daemon(s), ",
+                   impl->state.jobs.size(), " job(s), ", impl->state.kv.size(), " key(s)"));
+  return std::unique_ptr<Coordinator>(new Coordinator(std::move(impl)));
+}
+
+void Coordinator::Tick() {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->TickLocked();
+}
+
+// ---- Membership.
+
+absl::StatusOr<v1::RegisterDaemonResponse> Coordinator::RegisterDaemon(const v1::RegisterDaemonRequest& request) {
+  if (request.address().empty() || request.address().find(':') == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("address: must be host:port, got '", request.address(), "'"));
+  }
+  if (request.requested_lease_ttl_ms() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("requested_lease_ttl_ms: must be >= 0, got ", request.requested_lease_ttl_ms()));
+  }
+  if (request.resources().host_memory_bytes() < 0 || request.resources().device_memory_bytes() < 0) {
+    return absl::InvalidArgumentError("resources: memory sizes must be >= 0");
+  }
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  s.TickLocked();
+  const CoordinatorOptions& o = s.options;
+  const int64_t ttl = request.requested_lease_ttl_ms() == 0
+                          ? o.default_lease_ttl_ms
+                          : std::clamp(request.requested_lease_ttl_ms(), o.min_lease_ttl_ms, o.max_lease_ttl_ms);
+  v1::StateCounters counters = s.state.counters;
+  std::string id = request.daemon_id();
+  v1::DaemonInfo info;
+  auto it = id.empty() ? s.state.daemons.end() : s.state.daemons.find(id);
+  if (it != s.state.daemons.end()) {
+    info = it->second;  // a restart: same identity, placements kept
+  } else if (id.empty()) {
+    counters.set_next_daemon(counters.next_daemon() + 1);
+    id = absl::StrCat("daemon-", counters.next_daemon());
+  }
+  v1::DaemonEndpoint* e = info.mutable_endpoint();
+  e->set_daemon_id(id);
+  e->set_address(request.address());
+  e->set_node_name(request.node_name().empty() ? request.address().substr(0, request.address().rfind(':'))
+                                               : request.node_name());
+  e->clear_transports();
+  bool has_grpc = false;
+  for (int t : request.transports()) {
+    e->add_transports(static_cast<v1::Transport>(t));
+    has_grpc |= t == v1::TRANSPORT_GRPC;
+  }
+  if (!has_grpc) e->add_transports(v1::TRANSPORT_GRPC);
+  *info.mutable_resources() = request.resources();
+  info.set_version(request.version());
+  *info.mutable_labels() = request.labels();
+  // An admin's cordon or drain survives restarts; a DOWN daemon comes back READY.
+  if (info.state() == v1::DAEMON_STATE_UNSPECIFIED || info.state() == v1::DAEMON_STATE_DOWN) {
+    info.set_state(v1::DAEMON_STATE_READY);
+  }
+  const int64_t now = s.Now();
+  info.set_registered_unix_ms(now);
+  Batch batch;
+  batch.PutDaemon(info);
+  s.AddJobHealth(batch);
+  MAINSTAY_RETURN_IF_ERROR(s.Commit(batch, counters));
+  Impl::Lease& lease = s.leases[id];
+  lease = {RandomHex(16), ttl, now + ttl, 0};
+  Log(LogLevel::kInfo, "coordinator", absl::StrCat("daemon ", id, " registered at ", request.address(), " (node ",
+                                                   e->node_name(), ", lease ", ttl, " ms)"));
+  v1::RegisterDaemonResponse response;
+  response.set_daemon_id(id);
+  response.set_lease_id(lease.id);
+  response.set_lease_ttl_ms(ttl);
+  response.set_heartbeat_interval_ms(std::max<int64_t>(ttl / 3, 1));
+  response.set_coordinator_id(o.coordinator_id);
+  return response;
+}
+
+absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::HeartbeatRequest& request) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  s.TickLocked();
+  auto d = s.state.daemons.find(request.daemon_id());
+  auto l = s.leases.find(request.daemon_id());
+  if (d == s.state.daemons.end() || l == s.leases.end() || d->second.state() == v1::DAEMON_STATE_DOWN ||
+      l->second.id != request.lease_id()) {
+    return absl::NotFoundError(absl::StrCat("no live lease ", request.lease_id(), " for daemon '", request.daemon_id(),
+                                            "': register again"));
+  }
+  l->second.expires_ms = s.Now() + l->second.ttl_ms;
+  l->second.used_bytes = request.used_bytes();
+  v1::HeartbeatResponse response;
+  response.set_lease_ttl_ms(l->second.ttl_ms);
+  response.set_state(d->second.state());
+  int64_t max_epoch = 0;
+  for (const auto& [id, job] : s.state.jobs) {
+    for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
+      if (e.daemon_id() == request.daemon_id()) max_epoch = std::max(max_epoch, job.placement().epoch());
+    }
+  }
+  response.set_max_placement_epoch(max_epoch);
+  return response;
+}
+
+absl::Status Coordinator::DeregisterDaemon(const v1::DeregisterDaemonRequest& request) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  auto d = s.state.daemons.find(request.daemon_id());
+  auto l = s.leases.find(request.daemon_id());
+  if (d == s.state.daemons.end() || l == s.leases.end() || l->second.id != request.lease_id()) {
+    return absl::NotFoundError(absl::StrCat("no live lease ", request.lease_id(), " for daemon '", request.daemon_id(), "'"));
+  }
+  v1::DaemonInfo down = d->second;
+  down.set_state(v1::DAEMON_STATE_DOWN);
+  Batch batch;
+  batch.PutDaemon(down);
+  s.AddJobHealth(batch);
+  MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));
+  s.leases.erase(request.daemon_id());
+  return absl::OkStatus();
+}
+
+v1::ListDaemonsResponse Coordinator::ListDaemons(const v1::ListDaemonsRequest& request) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  s.TickLocked();
+  v1::ListDaemonsResponse response;
+  for (const auto& [id, d] : s.state.daemons) {
+    if (d.state() == v1::DAEMON_STATE_DOWN && !request.include_down()) continue;
+    *response.add_daemons() = s.Decorated(d);
+  }
+  return response;
+}
+
+absl::StatusOr<v1::CordonDaemonResponse> Coordinator::CordonDaemon(const v1::CordonDaemonRequest& request) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  s.TickLocked();
+  auto d = s.state.daemons.find(request.daemon_id());
+  if (d == s.state.daemons.end()) return absl::NotFoundError(absl::StrCat("no daemon '", request.daemon_id(), "'"));
+  if (d->second.state() == v1::DAEMON_STATE_DOWN) {
+    return absl::FailedPreconditionError(absl::StrCat("daemon '", request.daemon_id(), "' is down"));
+  }
+  v1::DaemonInfo info = d->second;
+  info.set_state(request.uncordon() ? v1::DAEMON_STATE_READY : v1::DAEMON_STATE_CORDONED);
+  Batch batch;
+  batch.PutDaemon(info);
+  MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));
+  v1::CordonDaemonResponse response;
+  *response.mutable_daemon() = s.Decorated(info);
+  return response;
+}
+
+absl::StatusOr<v1::DrainDaemonResponse> Coordinator::DrainDaemon(const v1::DrainDaemonRequest& request) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  s.TickLocked();
+  auto d = s.state.daemons.find(request.daemon_id());
+  if (d == s.state.daemons.end()) return absl::NotFoundError(absl::StrCat("no daemon '", request.daemon_id(), "'"));
+  const std::string from = request.daemon_id();
+  v1::DaemonInfo draining = d->second;
+  draining.set_state(v1::DAEMON_STATE_DRAINING);
+  Batch batch;
+  batch.PutDaemon(draining);
+  v1::DrainDaemonResponse response;
+  std::vector<DaemonCandidate> candidates = s.Candidates(from);
+  std::vector<std::pair<v1::StoredJob, std::set<int>>> moved;
+  for (const auto& [job_id, job] : s.state.jobs) {
+    const int64_t dp = job.info().spec().data_parallel_size();
+    std::vector<std::string> owners(dp);
+    std::set<int> ranks;
+    for (const v1::ShardPlacement& p : job.placement().shards()) {
+      owners[p.shard().shard()] = p.daemon_id();
+      if (p.daemon_id() == from) ranks.insert(p.shard().shard());
+    }
+    if (ranks.empty()) continue;
+    for (int r : ranks) {
+      absl::StatusOr<std::vector<std::string>> target = PlaceRanks(1, {}, candidates, job.bytes_per_rank());
+      if (!target.ok()) {
+        return absl::ResourceExhaustedError(absl::StrCat("cannot drain ", from, ": no daemon can take rank ", r,
+                                                         " of job ", job_id, ": ", target.status().message()));
+      }
+      for (DaemonCandidate& c : candidates) {
+        if (c.id == (*target)[0]) c.free_bytes -= job.bytes_per_rank();
+      }
+      owners[r] = (*target)[0];
+    }
+    v1::StoredJob updated = job;
+    *updated.mutable_placement() =
+        s.MakePlacement(job_id, job.placement().epoch() + 1, job.layout().buckets_size(), owners);
+    for (int b = 0; b < job.layout().buckets_size(); ++b) {
+      for (int r : ranks) {
+        v1::ShardMove* move = response.add_moves();
+        move->set_job_id(job_id);
+        move->mutable_shard()->set_bucket(b);
+        move->mutable_shard()->set_shard(r);
+        move->set_from_daemon_id(from);
+        move->set_to_daemon_id(owners[r]);
+        move->set_placement_epoch(updated.placement().epoch());
+      }
+    }
+    updated.mutable_info()->set_placement_epoch(updated.placement().epoch());
+    batch.PutJob(updated);
+    moved.push_back({updated, ranks});
+  }
+  MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));
+  for (const auto& [job, ranks] : moved) {
+    s.SendAssignments(job, ranks, from);
+    if (s.options.assigner != nullptr) {
+      v1::DropShardRequest drop;
+      drop.set_job_id(job.info().job_id());
+      drop.set_placement_epoch(job.placement().epoch());
+      for (int b = 0; b < job.layout().buckets_size(); ++b) {
+        for (int r : ranks) {
+          v1::ShardRef* ref = drop.add_shards();
+          ref->set_bucket(b);
+          ref->set_shard(r);
+        }
+      }
+      s.options.assigner->Drop(d->second.endpoint().address(), drop);
+    }
+  }
+  return response;
+}
+
+}  // namespace mainstay::coordinator

@@ -1,0 +1,89 @@
+// The coordinator's core logic (DESIGN.md section 6): membership with leases, jobs, layout,
+// placement with epochs, and a small KV with compare-and-set and TTLs. No gRPC here:
+// server/grpc/coordinator_service.cc adapts these methods to the Coordinator and Admin
+// services; tests call them directly.
+//
+// Durability: every change is written ahead to the StateStore (one atomic StateBatch) before
+// it is applied in memory and answered, so a coordinator killed at any point restarts with
+// every acknowledged change (Create loads the store). A failed store write changes nothing.
+//
+// Thread safety: all methods are thread-safe (one mutex). Ownership: the options' clock,
+// store and assigner are not owned and must outlive the Coordinator.
+#ifndef MAINSTAY_SERVER_COORDINATOR_COORDINATOR_H_
+#define MAINSTAY_SERVER_COORDINATOR_COORDINATOR_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "mainstay/v1/admin.pb.h"
+#include "mainstay/v1/coordinator.pb.h"
+#include "server/coordinator/shard_assigner.h"
+#include "server/coordinator/state_store.h"
+
+namespace mainstay::coordinator {
+
+struct CoordinatorOptions {
+  Clock* clock = RealClock::Get();
+  StateStore* store = nullptr;        // required
+  ShardAssigner* assigner = nullptr;  // nullptr: daemons are not told (offline tools, tests)
+  int64_t default_lease_ttl_ms = 10'000;
+  int64_t min_lease_ttl_ms = 500;
+  int64_t max_lease_ttl_ms = 600'000;
+  int64_t snapshot_every_batches = 1000;  // compaction of the write-ahead log
+  int64_t max_kv_value_bytes = 1 << 20;
+  std::string coordinator_id = "coordinator";
+};
+
+class Coordinator {
+ public:
+  // Loads the durable state. A daemon whose lease expired while the coordinator was down is
+  // marked DOWN at the first Tick.
+  static absl::StatusOr<std::unique_ptr<Coordinator>> Create(const CoordinatorOptions& options);
+  ~Coordinator();
+
+  // ---- Membership.
+  absl::StatusOr<v1::RegisterDaemonResponse> RegisterDaemon(const v1::RegisterDaemonRequest& request);
+  // NOT_FOUND when the daemon is unknown, its lease expired or was replaced: register again.
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
+  absl::Status DeregisterDaemon(const v1::DeregisterDaemonRequest& request);
+  v1::ListDaemonsResponse ListDaemons(const v1::ListDaemonsRequest& request);
+  absl::StatusOr<v1::CordonDaemonResponse> CordonDaemon(const v1::CordonDaemonRequest& request);
+  // Cordons the daemon and moves each of its shard ranks to another ready daemon (a new
+  // placement epoch per job). RESOURCE_EXHAUSTED when no other daemon can take them.
+  absl::StatusOr<v1::DrainDaemonResponse> DrainDaemon(const v1::DrainDaemonRequest& request);
+
+  // ---- Jobs. INVALID_ARGUMENT (naming the spec field) for a bad spec, ALREADY_EXISTS for a
+  // duplicate name, RESOURCE_EXHAUSTED (with the numbers) when the daemons cannot hold it.
+  absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& request);
+  absl::StatusOr<v1::GetJobResponse> GetJob(const v1::GetJobRequest& request);
+  v1::ListJobsResponse ListJobs(const v1::ListJobsRequest& request);
+  absl::Status DeleteJob(const v1::DeleteJobRequest& request);
+  absl::StatusOr<v1::GetLayoutResponse> GetLayout(const v1::GetLayoutRequest& request);
+  absl::StatusOr<v1::GetPlacementResponse> GetPlacement(const v1::GetPlacementRequest& request);
+  // The job's placement once its epoch exceeds `known_epoch`; waits until `deadline`
+  // (DEADLINE_EXCEEDED). NOT_FOUND when the job does not exist or is deleted while waiting.
+  absl::StatusOr<v1::Placement> WaitPlacement(const std::string& job_id, const std::string& job_token,
+                                              int64_t known_epoch, absl::Time deadline);
+
+  // ---- KV.
+  absl::StatusOr<v1::KvPutResponse> KvPut(const v1::KvPutRequest& request);
+  // Waits up to min(wait_ms, deadline) for a missing key / empty prefix.
+  absl::StatusOr<v1::KvGetResponse> KvGet(const v1::KvGetRequest& request, absl::Time deadline);
+  absl::StatusOr<v1::KvDeleteResponse> KvDelete(const v1::KvDeleteRequest& request);
+
+  // Marks daemons whose lease expired DOWN (their jobs DEGRADED) and removes expired KV
+  // entries. The server calls it periodically; every other method calls it first too.
+  void Tick();
+
+ private:
+  struct Impl;
+  explicit Coordinator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mainstay::coordinator
+
+#endif  // MAINSTAY_SERVER_COORDINATOR_COORDINATOR_H_

@@ -1,0 +1,253 @@
+// Internal to server/coordinator: the Coordinator's state and helpers, shared by its .cc
+// files (membership, jobs, kv). Not a public header.
+#ifndef MAINSTAY_SERVER_COORDINATOR_COORDINATOR_IMPL_H_
+#define MAINSTAY_SERVER_COORDINATOR_COORDINATOR_IMPL_H_
+
+#include <openssl/rand.h>
+#include <openssl/sha.h>
+
+#include <cstdlib>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "server/coordinator/coordinator.h"
+#include "server/coordinator/placement.h"
+#include "server/coordinator/state.h"
+
+namespace mainstay::coordinator {
+
+inline namespace internal {
+
+inline std::string RandomHex(int bytes) {
+  std::string raw(bytes, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(raw.data()), bytes) != 1) {
+    // OpenSSL's CSPRNG failing is not recoverable for a secret.
+    Log(LogLevel::kError, "coordinator", "RAND_bytes failed");
+    std::abort();
+  }
+  return absl::BytesToHexString(raw);
+}
+
+inline std::string Sha256(const std::string& data) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), digest);
+  return std::string(reinterpret_cast<const char*>(digest), sizeof(digest));
+}
+
+inline bool HasPrefix(const std::string& s, const std::string& prefix) { return absl::StartsWith(s, prefix); }
+
+}  // namespace internal
+
+// A change under construction: the records of one atomic batch.
+struct Batch {
+  v1::StateBatch proto;
+  void PutDaemon(const v1::DaemonInfo& d) { *proto.add_records()->mutable_put_daemon() = d; }
+  void PutJob(const v1::StoredJob& j) { *proto.add_records()->mutable_put_job() = j; }
+  void DeleteJob(const std::string& id) { proto.add_records()->set_delete_job(id); }
+  void PutKv(const v1::KvEntry& e) { *proto.add_records()->mutable_put_kv() = e; }
+  void DeleteKv(const std::string& key) { proto.add_records()->set_delete_kv(key); }
+  bool empty() const { return proto.records_size() == 0; }
+};
+
+struct Coordinator::Impl {
+  CoordinatorOptions options;
+  absl::Mutex mu;
+  absl::CondVar changed;  // signalled after every commit
+  State state ABSL_GUARDED_BY(mu);
+  // Leases live in memory only: a restarted coordinator grants every known daemon a grace
+  // period of one TTL and answers unknown lease ids NOT_FOUND, so daemons re-register.
+  struct Lease {
+    std::string id;
+    int64_t ttl_ms = 0;
+    int64_t expires_ms = 0;
+    int64_t used_bytes = 0;
+  };
+  std::map<std::string, Lease> leases ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::string> tokens ABSL_GUARDED_BY(mu);  // job id -> token, for idempotent retries
+  int64_t batches_since_snapshot ABSL_GUARDED_BY(mu) = 0;
+
+  int64_t Now() const { return options.clock->NowUnixMs(); }
+
+  // Writes ahead, then applies. Nothing changes when the store fails.
+  absl::Status Commit(Batch& batch, const v1::StateCounters& counters) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    batch.proto.set_sequence(state.sequence + 1);
+    *batch.proto.mutable_counters() = counters;
+    MAINSTAY_RETURN_IF_ERROR(options.store->Append(batch.proto));
+    state.Apply(batch.proto);
+    changed.SignalAll();
+    if (++batches_since_snapshot >= options.snapshot_every_batches) {
+      absl::Status s = options.store->WriteSnapshot(state.ToProto());
+      if (s.ok()) {
+        batches_since_snapshot = 0;
+      } else {
+        Log(LogLevel::kWarning, "coordinator", absl::StrCat("snapshot failed (the log keeps growing): ", s.message()));
+      }
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Commit(Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return Commit(batch, state.counters); }
+
+  v1::DaemonInfo Decorated(const v1::DaemonInfo& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    v1::DaemonInfo out = d;
+    auto it = leases.find(d.endpoint().daemon_id());
+    if (it != leases.end()) {
+      out.set_lease_expires_unix_ms(it->second.expires_ms);
+      out.set_used_bytes(it->second.used_bytes);
+    }
+    int count = 0;
+    for (const auto& [id, job] : state.jobs) {
+      for (const v1::ShardPlacement& p : job.placement().shards()) count += p.daemon_id() == d.endpoint().daemon_id();
+    }
+    out.set_shard_count(count);
+    return out;
+  }
+
+  // READY when every owner is up, DEGRADED otherwise.
+  v1::JobState HealthOf(const v1::StoredJob& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
+      auto it = state.daemons.find(e.daemon_id());
+      if (it == state.daemons.end() || it->second.state() == v1::DAEMON_STATE_DOWN) return v1::JOB_STATE_DEGRADED;
+    }
+    return v1::JOB_STATE_READY;
+  }
+
+  // Adds job state changes implied by daemon changes already in `batch` (computed on a copy).
+  void AddJobHealth(Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    State after = state;
+    after.Apply(batch.proto);
+    for (const auto& [id, job] : after.jobs) {
+      v1::JobState health = v1::JOB_STATE_READY;
+      for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
+        auto it = after.daemons.find(e.daemon_id());
+        if (it == after.daemons.end() || it->second.state() == v1::DAEMON_STATE_DOWN) health = v1::JOB_STATE_DEGRADED;
+      }
+      if (job.info().state() != health) {
+        v1::StoredJob updated = job;
+        updated.mutable_info()->set_state(health);
+        batch.PutJob(updated);
+      }
+    }
+  }
+
+  void TickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const int64_t now = Now();
+    Batch batch;
+    for (const auto& [id, d] : state.daemons) {
+      if (d.state() == v1::DAEMON_STATE_DOWN) continue;
+      auto it = leases.find(id);
+      if (it != leases.end() && it->second.expires_ms > now) continue;
+      v1::DaemonInfo down = d;
+      down.set_state(v1::DAEMON_STATE_DOWN);
+      batch.PutDaemon(down);
+      leases.erase(id);
+      Log(LogLevel::kWarning, "coordinator", absl::StrCat("daemon ", id, " (", d.endpoint().address(), ") missed its lease: DOWN"));
+    }
+    v1::StateCounters counters = state.counters;
+    bool expired_kv = false;
+    for (const auto& [key, e] : state.kv) {
+      if (e.expires_unix_ms() != 0 && e.expires_unix_ms() <= now) {
+        batch.DeleteKv(key);
+        expired_kv = true;
+      }
+    }
+    if (batch.empty()) return;
+    if (expired_kv) counters.set_kv_revision(counters.kv_revision() + 1);
+    AddJobHealth(batch);
+    absl::Status s = Commit(batch, counters);
+    if (!s.ok()) Log(LogLevel::kError, "coordinator", absl::StrCat("tick not saved: ", s.message()));
+  }
+
+  const v1::StoredJob* FindJob(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = state.jobs.find(id);
+    return it == state.jobs.end() ? nullptr : &it->second;
+  }
+
+  absl::StatusOr<const v1::StoredJob*> JobOrNotFound(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (id.empty()) return absl::InvalidArgumentError("job_id: must not be empty");
+    const v1::StoredJob* job = FindJob(id);
+    if (job == nullptr) return absl::NotFoundError(absl::StrCat("no job '", id, "'"));
+    return job;
+  }
+
+  // Ready daemons and the memory they have left after every job's ranks placed on them.
+  std::vector<DaemonCandidate> Candidates(const std::string& exclude) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::map<std::string, int64_t> reserved;
+    for (const auto& [id, job] : state.jobs) {
+      std::set<std::pair<std::string, int>> seen;  // (daemon, rank)
+      for (const v1::ShardPlacement& p : job.placement().shards()) {
+        if (seen.insert({p.daemon_id(), p.shard().shard()}).second) reserved[p.daemon_id()] += job.bytes_per_rank();
+      }
+    }
+    std::vector<DaemonCandidate> out;
+    for (const auto& [id, d] : state.daemons) {
+      if (d.state() != v1::DAEMON_STATE_READY || id == exclude) continue;
+      const v1::DaemonResources& r = d.resources();
+      const int64_t capacity = r.memory_kind() == v1::MEMORY_KIND_DEVICE ? r.device_memory_bytes() : r.host_memory_bytes();
+      out.push_back({id, d.endpoint().node_name(), capacity - reserved[id]});
+    }
+    return out;
+  }
+
+  v1::DaemonEndpoint EndpointOf(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = state.daemons.find(id);
+    return it == state.daemons.end() ? v1::DaemonEndpoint() : it->second.endpoint();
+  }
+
+  // Placement proto for owners[r] of every bucket's shard r.
+  v1::Placement MakePlacement(const std::string& job_id, int64_t epoch, int num_buckets,
+                              const std::vector<std::string>& owners) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    v1::Placement p;
+    p.set_job_id(job_id);
+    p.set_epoch(epoch);
+    for (int b = 0; b < num_buckets; ++b) {
+      for (size_t r = 0; r < owners.size(); ++r) {
+        v1::ShardPlacement* s = p.add_shards();
+        s->mutable_shard()->set_bucket(b);
+        s->mutable_shard()->set_shard(static_cast<int32_t>(r));
+        s->set_daemon_id(owners[r]);
+      }
+    }
+    std::set<std::string> unique(owners.begin(), owners.end());
+    for (const std::string& id : unique) *p.add_daemons() = EndpointOf(id);
+    return p;
+  }
+
+  // Sends each owner its shards of `job` (those of `ranks`, or all of its ranks when empty).
+  void SendAssignments(const v1::StoredJob& job, const std::set<int>& only_ranks, const std::string& from_peer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (options.assigner == nullptr) return;
+    std::map<std::string, std::vector<v1::ShardRef>> by_daemon;
+    for (const v1::ShardPlacement& p : job.placement().shards()) {
+      if (only_ranks.empty() || only_ranks.count(p.shard().shard())) by_daemon[p.daemon_id()].push_back(p.shard());
+    }
+    for (const auto& [daemon, shards] : by_daemon) {
+      v1::AssignShardRequest req;
+      req.set_job_id(job.info().job_id());
+      req.set_placement_epoch(job.placement().epoch());
+      *req.mutable_spec() = job.info().spec();
+      *req.mutable_layout() = job.layout();
+      *req.mutable_placement() = job.placement();
+      req.set_job_token_sha256(job.job_token_sha256());
+      for (const v1::ShardRef& s : shards) *req.add_shards() = s;
+      req.set_role(v1::SHARD_ROLE_PRIMARY);
+      if (from_peer.empty()) {
+        req.mutable_from_trainer();
+      } else {
+        *req.mutable_from_peer()->mutable_daemon() = EndpointOf(from_peer);
+      }
+      options.assigner->Assign(EndpointOf(daemon).address(), req);
+    }
+  }
+};
+
+}  // namespace mainstay::coordinator
+
+#endif  // MAINSTAY_SERVER_COORDINATOR_COORDINATOR_IMPL_H_

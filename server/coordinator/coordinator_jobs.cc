@@ -1,0 +1,154 @@
+// Coordinator: jobs, layout and placement.
+#include "common/job_spec_proto.h"
+#include "common/layout_proto.h"
+#include "server/coordinator/coordinator_impl.h"
+
+namespace mainstay::coordinator {
+
+absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJobRequest& request) {
+  absl::StatusOr<JobSpec> spec = JobSpecFromProto(request.spec());
+  if (!spec.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.", spec.status().message()));
+  absl::StatusOr<ResolvedJob> resolved = ResolveJob(*spec);
+  if (!resolved.ok()) return absl::Status(resolved.status().code(), absl::StrCat("spec.", resolved.status().message()));
+
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  s.TickLocked();
+  for (const auto& [id, job] : s.state.jobs) {
+    if (!request.request_id().empty() && job.request_id() == request.request_id()) {
+      auto token = s.tokens.find(id);
+      if (token == s.tokens.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "request ", request.request_id(), " already created job ", id,
+            " before a coordinator restart; its token was returned then and is not kept (delete and recreate)"));
+      }
+      v1::CreateJobResponse response;
+      response.set_job_id(id);
+      response.set_job_token(token->second);
+      *response.mutable_job() = job.info();
+      return response;
+    }
+    if (job.info().spec().name() == spec->name) {
+      return absl::AlreadyExistsError(absl::StrCat("spec.name: a job named '", spec->name, "' exists (", id, ")"));
+    }
+  }
+  const int moment_bytes = spec->optimizer.moment_dtype == ElementType::kBFloat16 ? 2 : 4;
+  const int64_t bytes_per_rank = BytesPerRank(resolved->layout, moment_bytes);
+  MAINSTAY_ASSIGN_OR_RETURN(std::vector<std::string> owners,
+                            PlaceRanks(spec->data_parallel_size, spec->trainer_nodes, s.Candidates(""), bytes_per_rank));
+
+  v1::StateCounters counters = s.state.counters;
+  counters.set_next_job(counters.next_job() + 1);
+  const std::string job_id = absl::StrCat("job-", counters.next_job());
+  const std::string token = RandomHex(32);
+  v1::StoredJob job;
+  job.set_request_id(request.request_id());
+  job.set_job_token_sha256(Sha256(token));
+  job.set_bytes_per_rank(bytes_per_rank);
+  LayoutToProto(resolved->layout, job.mutable_layout());
+  *job.mutable_placement() = s.MakePlacement(job_id, 1, static_cast<int>(resolved->layout.buckets.size()), owners);
+  v1::JobInfo* info = job.mutable_info();
+  info->set_job_id(job_id);
+  JobSpecToProto(*spec, info->mutable_spec());
+  info->set_state(v1::JOB_STATE_READY);
+  info->set_created_unix_ms(s.Now());
+  info->set_placement_epoch(1);
+  info->set_committed_step(-1);
+  info->set_version(0);
+  info->set_num_buckets(static_cast<int32_t>(resolved->layout.buckets.size()));
+  info->set_total_numel(TotalNumel(resolved->layout));
+  info->set_data_numel(TotalDataNumel(resolved->layout));
+  Batch batch;
+  batch.PutJob(job);
+  MAINSTAY_RETURN_IF_ERROR(s.Commit(batch, counters));
+  s.tokens[job_id] = token;
+  s.SendAssignments(job, {}, "");
+  Log(LogLevel::kInfo, "coordinator", absl::StrCat("job ", job_id, " '", spec->name, "' created: D=",
+                                                   spec->data_parallel_size, ", ", info->num_buckets(), " bucket(s)"));
+  v1::CreateJobResponse response;
+  response.set_job_id(job_id);
+  response.set_job_token(token);
+  *response.mutable_job() = job.info();
+  return response;
+}
+
+absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(const v1::GetJobRequest& request) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  s.TickLocked();
+  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(request.job_id()));
+  v1::GetJobResponse response;
+  *response.mutable_job() = job->info();
+  return response;
+}
+
+v1::ListJobsResponse Coordinator::ListJobs(const v1::ListJobsRequest& request) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  s.TickLocked();
+  std::vector<const v1::JobInfo*> jobs;
+  for (const auto& [id, job] : s.state.jobs) jobs.push_back(&job.info());
+  std::sort(jobs.begin(), jobs.end(), [](const v1::JobInfo* a, const v1::JobInfo* b) {
+    return a->created_unix_ms() != b->created_unix_ms() ? a->created_unix_ms() < b->created_unix_ms()
+                                                        : a->job_id() < b->job_id();
+  });
+  v1::ListJobsResponse response;
+  for (const v1::JobInfo* info : jobs) *response.add_jobs() = *info;
+  return response;
+}
+
+absl::Status Coordinator::DeleteJob(const v1::DeleteJobRequest& request) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* found, s.JobOrNotFound(request.job_id()));
+  const v1::StoredJob job = *found;
+  Batch batch;
+  batch.DeleteJob(job.info().job_id());
+  MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));
+  s.tokens.erase(job.info().job_id());
+  if (s.options.assigner != nullptr) {
+    for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
+      v1::DropShardRequest drop;
+      drop.set_job_id(job.info().job_id());
+      drop.set_placement_epoch(job.placement().epoch() + 1);
+      s.options.assigner->Drop(e.address(), drop);  // no shards listed: all of the job's
+    }
+  }
+  Log(LogLevel::kInfo, "coordinator", absl::StrCat("job ", job.info().job_id(), " deleted"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::GetLayoutResponse> Coordinator::GetLayout(const v1::GetLayoutRequest& request) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(request.job_id()));
+  v1::GetLayoutResponse response;
+  *response.mutable_layout() = job->layout();
+  response.set_version(job->info().version());
+  return response;
+}
+
+absl::StatusOr<v1::GetPlacementResponse> Coordinator::GetPlacement(const v1::GetPlacementRequest& request) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(request.job_id()));
+  v1::GetPlacementResponse response;
+  *response.mutable_placement() = job->placement();
+  return response;
+}
+
+absl::StatusOr<v1::Placement> Coordinator::WaitPlacement(const std::string& job_id, const std::string& job_token,
+                                                          int64_t known_epoch, absl::Time deadline) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  while (true) {
+    MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(job_id));
+    if (job->placement().epoch() > known_epoch) return job->placement();
+    if (s.changed.WaitWithDeadline(&s.mu, deadline)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("placement of ", job_id, " still at epoch ", known_epoch, " at the deadline"));
+    }
+  }
+}
+
+}  // namespace mainstay::coordinator

@@ -1,0 +1,250 @@
+// mainstay-coordinator: the control-plane server (DESIGN.md section 6).
+//
+//   mainstay-coordinator --state-dir /var/lib/mainstay/coordinator [--listen 0.0.0.0:7070]
+//                        [--lease-ttl-ms N] [--tick-ms N] [--config FILE] [--port-file FILE]
+//
+// Flags override the JSON config file. SIGTERM / SIGINT shut down gracefully (exit 0). Bad
+// flags or config: a message and exit 2; a failure to start (port in use, state directory
+// locked or corrupt): exit 1.
+#include <pthread.h>
+#include <signal.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "server/grpc/coordinator_service.h"
+
+namespace mainstay::coordinator {
+namespace {
+
+constexpr char kUsage[] = R"(usage: mainstay-coordinator --state-dir DIR [flags]
+
+The Mainstay coordinator: daemon membership, jobs, layouts, placement, a small KV store and
+admin RPCs, over gRPC (services mainstay.v1.Coordinator and mainstay.v1.Admin, plus
+grpc.health.v1.Health and server reflection).
+
+flags:
+  --listen HOST:PORT        address to serve on (default 0.0.0.0:7070; port 0 picks one)
+  --state-dir DIR           directory of the durable state (required unless the config has it)
+  --lease-ttl-ms N          default daemon lease in ms (default 10000)
+  --tick-ms N               how often leases and KV TTLs are checked, ms (default 200)
+  --coordinator-id ID       id reported to daemons (default <hostname>-<pid>)
+  --max-message-bytes N     largest request accepted (default 67108864)
+  --config FILE             JSON object with the keys listen, state_dir, lease_ttl_ms, tick_ms,
+                            coordinator_id, max_message_bytes; flags override it
+  --port-file FILE          write the bound port to FILE once serving (for scripts and tests)
+  --help                    this text
+
+SIGTERM or SIGINT: graceful shutdown, exit 0. Bad flags or config: exit 2.
+)";
+
+// Values given on the command line or in the config; unset = not given.
+struct Settings {
+  std::optional<std::string> listen;
+  std::optional<std::string> state_dir;
+  std::optional<int64_t> lease_ttl_ms;
+  std::optional<int64_t> tick_ms;
+  std::optional<std::string> coordinator_id;
+  std::optional<int64_t> max_message_bytes;
+  std::optional<std::string> config;
+  std::optional<std::string> port_file;
+  bool help = false;
+};
+
+absl::StatusOr<int64_t> ParsePositive(const std::string& name, const std::string& text) {
+  int64_t value = 0;
+  if (!absl::SimpleAtoi(text, &value) || value <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": expected a positive integer, got '", text, "'"));
+  }
+  return value;
+}
+
+absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
+  Settings s;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      s.help = true;
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0) return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
+    std::string name = arg;
+    std::optional<std::string> value;
+    if (const size_t eq = arg.find('='); eq != std::string::npos) {
+      name = arg.substr(0, eq);
+      value = arg.substr(eq + 1);
+    }
+    static const std::set<std::string> kKnown = {"--listen",         "--state-dir",         "--lease-ttl-ms",
+                                                 "--tick-ms",        "--coordinator-id",    "--max-message-bytes",
+                                                 "--config",         "--port-file"};
+    if (!kKnown.count(name)) return absl::InvalidArgumentError(absl::StrCat("unknown flag '", name, "'"));
+    if (!value) {
+      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(name, ": missing value"));
+      value = argv[++i];
+    }
+    if (name == "--listen") s.listen = *value;
+    if (name == "--state-dir") s.state_dir = *value;
+    if (name == "--coordinator-id") s.coordinator_id = *value;
+    if (name == "--config") s.config = *value;
+    if (name == "--port-file") s.port_file = *value;
+    if (name == "--lease-ttl-ms") {
+      MAINSTAY_ASSIGN_OR_RETURN(s.lease_ttl_ms, ParsePositive(name, *value));
+    } else if (name == "--tick-ms") {
+      MAINSTAY_ASSIGN_OR_RETURN(s.tick_ms, ParsePositive(name, *value));
+    } else if (name == "--max-message-bytes") {
+      MAINSTAY_ASSIGN_OR_RETURN(s.max_message_bytes, ParsePositive(name, *value));
+    }
+  }
+  return s;
+}
+
+// Fills the settings the flags left unset from the JSON config file.
+absl::Status ApplyConfig(const std::string& path, Settings& s) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("--config: cannot read ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat("--config ", path, ": not a JSON object"));
+  }
+  auto where = [&](const std::string& key) { return absl::StrCat("--config ", path, ": ", key); };
+  auto get_string = [&](const std::string& key, std::optional<std::string>& out) -> absl::Status {
+    if (!j.contains(key)) return absl::OkStatus();
+    if (!j[key].is_string()) return absl::InvalidArgumentError(absl::StrCat(where(key), ": must be a string"));
+    if (!out) out = j[key].get<std::string>();
+    return absl::OkStatus();
+  };
+  auto get_int = [&](const std::string& key, std::optional<int64_t>& out) -> absl::Status {
+    if (!j.contains(key)) return absl::OkStatus();
+    if (!j[key].is_number_integer() || j[key].get<int64_t>() <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where(key), ": must be a positive integer, got ", j[key].dump()));
+    }
+    if (!out) out = j[key].get<int64_t>();
+    return absl::OkStatus();
+  };
+  static const std::set<std::string> kKeys = {"listen",         "state_dir",         "lease_ttl_ms",
+                                              "tick_ms",        "coordinator_id",    "max_message_bytes"};
+  for (const auto& [key, value] : j.items()) {
+    if (!kKeys.count(key)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where(key), ": unknown key (known: ", absl::StrJoin(kKeys, ", "), ")"));
+    }
+  }
+  MAINSTAY_RETURN_IF_ERROR(get_string("listen", s.listen));
+  MAINSTAY_RETURN_IF_ERROR(get_string("state_dir", s.state_dir));
+  MAINSTAY_RETURN_IF_ERROR(get_string("coordinator_id", s.coordinator_id));
+  MAINSTAY_RETURN_IF_ERROR(get_int("lease_ttl_ms", s.lease_ttl_ms));
+  MAINSTAY_RETURN_IF_ERROR(get_int("tick_ms", s.tick_ms));
+  MAINSTAY_RETURN_IF_ERROR(get_int("max_message_bytes", s.max_message_bytes));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
+  CoordinatorServer::Options o;
+  o.listen_address = s.listen.value_or("0.0.0.0:7070");
+  if (o.listen_address.rfind(':') == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("--listen: expected HOST:PORT, got '", o.listen_address, "'"));
+  }
+  if (!s.state_dir || s.state_dir->empty()) {
+    return absl::InvalidArgumentError("--state-dir is required (or state_dir in --config)");
+  }
+  o.state_dir = *s.state_dir;
+  if (s.lease_ttl_ms) o.lease_ttl_ms = *s.lease_ttl_ms;
+  if (s.tick_ms) o.tick_interval_ms = *s.tick_ms;
+  if (s.coordinator_id) o.coordinator_id = *s.coordinator_id;
+  if (s.max_message_bytes) {
+    if (*s.max_message_bytes > std::numeric_limits<int>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat("max_message_bytes: at most ", std::numeric_limits<int>::max()));
+    }
+    o.max_message_bytes = static_cast<int>(*s.max_message_bytes);
+  }
+  return o;
+}
+
+// Written to a temporary name and renamed, so a reader never sees a partial number.
+absl::Status WritePortFile(const std::string& path, int port) {
+  const std::string tmp = absl::StrCat(path, ".tmp");
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << port << "\n";
+    if (!out.flush()) return absl::InternalError(absl::StrCat("--port-file: cannot write ", tmp));
+  }
+  std::error_code error;
+  std::filesystem::rename(tmp, path, error);
+  if (error) return absl::InternalError(absl::StrCat("--port-file: cannot rename to ", path, ": ", error.message()));
+  return absl::OkStatus();
+}
+
+int Main(int argc, char** argv) {
+  absl::StatusOr<Settings> settings = ParseFlags(argc, argv);
+  if (settings.ok() && settings->help) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  if (settings.ok() && settings->config) {
+    absl::Status s = ApplyConfig(*settings->config, *settings);
+    if (!s.ok()) settings = s;
+  }
+  absl::StatusOr<CoordinatorServer::Options> options =
+      settings.ok() ? ToOptions(*settings) : absl::StatusOr<CoordinatorServer::Options>(settings.status());
+  if (!options.ok()) {
+    std::fprintf(stderr, "mainstay-coordinator: %s\n(see --help)\n", std::string(options.status().message()).c_str());
+    return 2;
+  }
+
+  // Block the stop signals before any thread starts (gRPC's threads inherit the mask), so that
+  // only sigwait below receives them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  absl::StatusOr<std::unique_ptr<CoordinatorServer>> server = CoordinatorServer::Start(*options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "mainstay-coordinator: %s\n", server.status().ToString().c_str());
+    return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  const std::string host = options->listen_address.substr(0, options->listen_address.rfind(':'));
+  std::fprintf(stderr, "mainstay-coordinator listening on %s:%d\n", host.c_str(), (*server)->port());
+  std::fflush(stderr);
+  if (settings->port_file) {
+    absl::Status s = WritePortFile(*settings->port_file, (*server)->port());
+    if (!s.ok()) {
+      std::fprintf(stderr, "mainstay-coordinator: %s\n", std::string(s.message()).c_str());
+      (*server)->Shutdown();
+      return 1;
+    }
+  }
+
+  int signal_number = 0;
+  while (sigwait(&stop_signals, &signal_number) != 0) {
+  }
+  Log(LogLevel::kInfo, "coordinator", absl::StrCat("signal ", signal_number, ": shutting down"));
+  (*server)->Shutdown();
+  server->reset();
+  return 0;
+}
+
+}  // namespace
+}  // namespace mainstay::coordinator
+
+int main(int argc, char** argv) { return mainstay::coordinator::Main(argc, argv); }

@@ -1,0 +1,60 @@
+#include "server/coordinator/placement.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace mainstay::coordinator {
+
+int64_t BytesPerRank(const Layout& layout, int moment_bytes) {
+  int64_t bytes = 0;
+  for (const Bucket& b : layout.buckets) {
+    bytes += b.shard_numel * (4 + 2 * moment_bytes + 4) + 2 * DataBytes(b.format, b.shard_numel);
+  }
+  return bytes;
+}
+
+absl::StatusOr<std::vector<std::string>> PlaceRanks(int64_t data_parallel_size,
+                                                    std::span<const std::string> trainer_nodes,
+                                                    std::vector<DaemonCandidate> ready, int64_t bytes_per_rank) {
+  if (ready.empty()) {
+    return absl::ResourceExhaustedError("no ready daemon to place the job on (0 ready)");
+  }
+  std::sort(ready.begin(), ready.end(), [](const auto& a, const auto& b) { return a.id < b.id; });
+  auto describe = [&] {
+    std::vector<std::string> parts;
+    for (const DaemonCandidate& d : ready) parts.push_back(absl::StrCat(d.id, " ", d.free_bytes));
+    return absl::StrJoin(parts, ", ");
+  };
+  std::vector<std::string> owners(data_parallel_size);
+  for (int64_t r = 0; r < data_parallel_size; ++r) {
+    DaemonCandidate* best = nullptr;
+    if (!trainer_nodes.empty() && !trainer_nodes[r].empty()) {
+      for (DaemonCandidate& d : ready) {
+        if (d.node_name == trainer_nodes[r] && d.free_bytes >= bytes_per_rank &&
+            (best == nullptr || d.free_bytes > best->free_bytes)) {
+          best = &d;
+        }
+      }
+    }
+    if (best == nullptr) {
+      for (DaemonCandidate& d : ready) {
+        if (d.free_bytes >= bytes_per_rank && (best == nullptr || d.free_bytes > best->free_bytes)) best = &d;
+      }
+    }
+    if (best == nullptr) {
+      int64_t total_free = 0;
+      for (const DaemonCandidate& d : ready) total_free += d.free_bytes;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "not enough daemon memory: the job needs ", bytes_per_rank, " bytes per rank x ", data_parallel_size,
+          " ranks = ", bytes_per_rank * data_parallel_size, " bytes; ", ready.size(), " ready daemon(s) have ",
+          total_free, " bytes free in all (after placing ", r, " rank(s): ", describe(), ")"));
+    }
+    best->free_bytes -= bytes_per_rank;
+    owners[r] = best->id;
+  }
+  return owners;
+}
+
+}  // namespace mainstay::coordinator

@@ -1,0 +1,39 @@
+// Placement: which daemon owns shard r of a job's buckets (DESIGN.md section 6).
+//
+// Shard r of every bucket goes to one daemon, so trainer r talks to one daemon per job.
+// Locality first: the daemon on trainer r's node when the job declares trainer nodes and
+// that daemon has room; otherwise the ready daemon with the most free memory left (ties:
+// smallest id). Pure functions; thread-safe.
+#ifndef MAINSTAY_SERVER_COORDINATOR_PLACEMENT_H_
+#define MAINSTAY_SERVER_COORDINATOR_PLACEMENT_H_
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/layout.h"
+
+namespace mainstay::coordinator {
+
+struct DaemonCandidate {
+  std::string id;
+  std::string node_name;
+  int64_t free_bytes = 0;  // memory left for new shards
+};
+
+// Bytes a daemon holds for one rank's shards of `layout`: per element the FP32 master, the
+// two moments (`moment_bytes` each), an FP32 gradient staging buffer, plus two published
+// versions of the quantized data.
+int64_t BytesPerRank(const Layout& layout, int moment_bytes);
+
+// daemon id per rank (D entries). `trainer_nodes` has D entries or none. RESOURCE_EXHAUSTED
+// with the numbers when no ready daemon exists or a rank does not fit anywhere.
+absl::StatusOr<std::vector<std::string>> PlaceRanks(int64_t data_parallel_size,
+                                                    std::span<const std::string> trainer_nodes,
+                                                    std::vector<DaemonCandidate> ready, int64_t bytes_per_rank);
+
+}  // namespace mainstay::coordinator
+
+#endif  // MAINSTAY_SERVER_COORDINATOR_PLACEMENT_H_

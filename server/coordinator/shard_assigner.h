@@ -1,0 +1,56 @@
+// How the coordinator tells daemons about their shards: AssignShard / DropShard on the
+// daemon's Shard service. An interface so the coordinator core has no gRPC in it; the gRPC
+// implementation (server/grpc) delivers calls in the background with retries, a fake records
+// them in tests.
+//
+// Thread safety: implementations are thread-safe; calls return at once (delivery is
+// asynchronous and best-effort until the daemon answers; a daemon that restarts asks for its
+// placement anyway).
+#ifndef MAINSTAY_SERVER_COORDINATOR_SHARD_ASSIGNER_H_
+#define MAINSTAY_SERVER_COORDINATOR_SHARD_ASSIGNER_H_
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "mainstay/v1/shard.pb.h"
+
+namespace mainstay::coordinator {
+
+class ShardAssigner {
+ public:
+  virtual ~ShardAssigner() = default;
+  virtual void Assign(const std::string& daemon_address, const v1::AssignShardRequest& request) = 0;
+  virtual void Drop(const std::string& daemon_address, const v1::DropShardRequest& request) = 0;
+};
+
+// Records every call (tests).
+class RecordingShardAssigner : public ShardAssigner {
+ public:
+  struct Call {
+    std::string address;
+    bool assign = true;
+    v1::AssignShardRequest assign_request;
+    v1::DropShardRequest drop_request;
+  };
+  void Assign(const std::string& address, const v1::AssignShardRequest& request) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_.push_back({address, true, request, {}});
+  }
+  void Drop(const std::string& address, const v1::DropShardRequest& request) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_.push_back({address, false, {}, request});
+  }
+  std::vector<Call> calls() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<Call> calls_;
+};
+
+}  // namespace mainstay::coordinator
+
+#endif  // MAINSTAY_SERVER_COORDINATOR_SHARD_ASSIGNER_H_

@@ -1,0 +1,552 @@
+#include "server/grpc/coordinator_service.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "mainstay/v1/admin.grpc.pb.h"
+#include "mainstay/v1/coordinator.grpc.pb.h"
+#include "server/coordinator/coordinator.h"
+#include "server/coordinator/state_store.h"
+#include "server/grpc/grpc_shard_assigner.h"
+
+namespace mainstay::coordinator {
+namespace {
+
+constexpr char kComponent[] = "coordinator-server";
+// A waiting call re-checks cancellation and shutdown this often.
+constexpr absl::Duration kWaitSlice = absl::Milliseconds(500);
+// Running calls get this long to finish at Shutdown before gRPC cancels them.
+constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
+// Then the server gets this long to answer the last calls (UNAVAILABLE, health checks) before
+// it closes the connections.
+constexpr absl::Duration kCloseGrace = absl::Milliseconds(500);
+
+::grpc::Status ShuttingDown() { return ::grpc::Status(::grpc::StatusCode::UNAVAILABLE, "coordinator is shutting down"); }
+
+absl::Time CallDeadline(const ::grpc::CallbackServerContext* context) {
+  const auto deadline = context->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+// Calls in progress. Every handler Enters before it touches the core and Exits once it has
+// finished its call. Calls that wait (KvGet with wait_ms, WatchPlacement) run on a thread of
+// their own (Spawn), so gRPC's callback threads never block for long: one thread per waiting
+// call, since such calls are few (a watching trainer, a rendezvousing daemon) and long, and a
+// bounded pool could starve them.
+//
+// Shutdown drains here first: grpc::Server::Shutdown waits not only for calls but also for
+// every client connection to close, and idle ones (every daemon keeps one) stay open until
+// its deadline, so the server is shut down with a short deadline once no call runs.
+class Calls {
+ public:
+  // False once draining: answer UNAVAILABLE without touching the core.
+  bool Enter() {
+    absl::MutexLock lock(&mu_);
+    if (draining_) return false;
+    ++active_;
+    return true;
+  }
+  void Exit() {
+    absl::MutexLock lock(&mu_);
+    --active_;
+  }
+  // Runs `fn` (which finishes an entered call and Exits) on a new thread; false (nothing
+  // runs) after JoinThreads.
+  bool Spawn(std::function<void()> fn) {
+    absl::MutexLock lock(&mu_);
+    if (joined_) return false;
+    for (uint64_t id : finished_) {  // reap threads that have ended
+      auto it = threads_.find(id);
+      it->second.join();
+      threads_.erase(it);
+    }
+    finished_.clear();
+    const uint64_t id = next_id_++;
+    threads_[id] = std::thread([this, id, fn = std::move(fn)] {
+      fn();
+      absl::MutexLock lock(&mu_);
+      finished_.push_back(id);
+    });
+    return true;
+  }
+  // Waiting calls poll this and end with UNAVAILABLE.
+  bool draining() const { return draining_flag_.load(); }
+  // Stops admitting calls; waits until none runs or `deadline` passes. True when none runs.
+  bool Drain(absl::Time deadline) {
+    absl::MutexLock lock(&mu_);
+    draining_ = true;
+    draining_flag_ = true;
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return active_ == 0; };
+    return mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+  }
+  // After the server has shut down: joins every thread.
+  void JoinThreads() {
+    std::map<uint64_t, std::thread> threads;
+    {
+      absl::MutexLock lock(&mu_);
+      joined_ = true;
+      threads.swap(threads_);
+    }
+    for (auto& [id, thread] : threads) thread.join();
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool joined_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t active_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<bool> draining_flag_{false};
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> finished_ ABSL_GUARDED_BY(mu_);
+};
+
+// Answers a unary call at once with what `fn` returns: absl::Status, absl::StatusOr<Response>
+// or Response.
+template <typename Response, typename Fn>
+::grpc::ServerUnaryReactor* Serve(Calls* calls, ::grpc::CallbackServerContext* context, Response* response, Fn fn) {
+  ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!calls->Enter()) {
+    reactor->Finish(ShuttingDown());
+    return reactor;
+  }
+  auto result = fn();
+  absl::Status status;
+  if constexpr (std::is_same_v<decltype(result), absl::Status>) {
+    status = result;
+  } else if constexpr (std::is_same_v<decltype(result), Response>) {
+    *response = std::move(result);
+  } else {
+    status = result.status();
+    if (result.ok()) *response = *std::move(result);
+  }
+  reactor->Finish(ToGrpcStatus(status));
+  calls->Exit();
+  return reactor;
+}
+
+::grpc::ServerUnaryReactor* Unimplemented(::grpc::CallbackServerContext* context, const std::string& message) {
+  ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(::grpc::Status(::grpc::StatusCode::UNIMPLEMENTED, message));
+  return reactor;
+}
+
+// A server stream that ends at once with `status` (for RPCs not implemented yet).
+template <typename T>
+class FinishedWriter final : public ::grpc::ServerWriteReactor<T> {
+ public:
+  explicit FinishedWriter(::grpc::Status status) { this->Finish(std::move(status)); }
+  void OnDone() override { delete this; }
+};
+
+// WatchPlacement: a helper thread waits for the job's placement to pass the last epoch sent
+// (in kWaitSlice steps, to notice cancellation and shutdown), writes it, and waits for the
+// write to complete before the next. The reactor is deleted by whichever of OnDone and the
+// helper thread ends last.
+class WatchPlacementReactor final : public ::grpc::ServerWriteReactor<v1::WatchPlacementResponse> {
+ public:
+  WatchPlacementReactor(Coordinator* core, Calls* calls, const v1::WatchPlacementRequest& request)
+      : core_(core), calls_(calls), request_(request) {
+    if (!calls_->Enter()) {
+      refs_ = 1;  // no helper thread: OnDone alone deletes
+      Finish(ShuttingDown());
+    } else if (!calls_->Spawn([this] { Run(); })) {
+      refs_ = 1;
+      Finish(ShuttingDown());
+      calls_->Exit();
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    write_pending_ = false;
+    write_ok_ = ok;
+  }
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+  }
+  void OnDone() override { Unref(); }
+
+ private:
+  void Run() {
+    Calls* const calls = calls_;
+    Finish(Watch());
+    calls->Exit();
+    Unref();
+  }
+
+  ::grpc::Status Watch() {
+    int64_t known_epoch = request_.known_epoch();
+    while (true) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (cancelled_) return ::grpc::Status::CANCELLED;
+      }
+      if (calls_->draining()) return ShuttingDown();
+      absl::StatusOr<v1::Placement> placement =
+          core_->WaitPlacement(request_.job_id(), request_.job_token(), known_epoch, absl::Now() + kWaitSlice);
+      if (!placement.ok()) {
+        if (placement.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
+        return ToGrpcStatus(placement.status());
+      }
+      known_epoch = placement->epoch();
+      response_.mutable_placement()->Swap(&*placement);
+      {
+        absl::MutexLock lock(&mu_);
+        write_pending_ = true;
+      }
+      StartWrite(&response_);
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](bool* pending) { return !*pending; }, &write_pending_));
+      if (!write_ok_) return ::grpc::Status(::grpc::StatusCode::CANCELLED, "the watcher went away");
+    }
+  }
+
+  void Unref() {
+    if (refs_.fetch_sub(1) == 1) delete this;
+  }
+
+  Coordinator* const core_;
+  Calls* const calls_;
+  const v1::WatchPlacementRequest request_;
+  v1::WatchPlacementResponse response_;  // the write in flight; touched by the helper thread only
+  std::atomic<int> refs_{2};              // OnDone + the helper thread
+  absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_ok_ ABSL_GUARDED_BY(mu_) = true;
+};
+
+class CoordinatorService final : public v1::Coordinator::CallbackService {
+ public:
+  CoordinatorService(Coordinator* core, Calls* calls) : core_(core), calls_(calls) {}
+
+  ::grpc::ServerUnaryReactor* RegisterDaemon(::grpc::CallbackServerContext* context,
+                                             const v1::RegisterDaemonRequest* request,
+                                             v1::RegisterDaemonResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->RegisterDaemon(*request); });
+  }
+  ::grpc::ServerUnaryReactor* Heartbeat(::grpc::CallbackServerContext* context, const v1::HeartbeatRequest* request,
+                                        v1::HeartbeatResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->Heartbeat(*request); });
+  }
+  ::grpc::ServerUnaryReactor* DeregisterDaemon(::grpc::CallbackServerContext* context,
+                                               const v1::DeregisterDaemonRequest* request,
+                                               v1::DeregisterDaemonResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->DeregisterDaemon(*request); });
+  }
+  ::grpc::ServerUnaryReactor* ListDaemons(::grpc::CallbackServerContext* context,
+                                          const v1::ListDaemonsRequest* request,
+                                          v1::ListDaemonsResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->ListDaemons(*request); });
+  }
+
+  ::grpc::ServerUnaryReactor* CreateJob(::grpc::CallbackServerContext* context, const v1::CreateJobRequest* request,
+                                        v1::CreateJobResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->CreateJob(*request); });
+  }
+  ::grpc::ServerUnaryReactor* GetJob(::grpc::CallbackServerContext* context, const v1::GetJobRequest* request,
+                                     v1::GetJobResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->GetJob(*request); });
+  }
+  ::grpc::ServerUnaryReactor* ListJobs(::grpc::CallbackServerContext* context, const v1::ListJobsRequest* request,
+                                       v1::ListJobsResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->ListJobs(*request); });
+  }
+  ::grpc::ServerUnaryReactor* DeleteJob(::grpc::CallbackServerContext* context, const v1::DeleteJobRequest* request,
+                                        v1::DeleteJobResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->DeleteJob(*request); });
+  }
+  ::grpc::ServerUnaryReactor* GetLayout(::grpc::CallbackServerContext* context, const v1::GetLayoutRequest* request,
+                                        v1::GetLayoutResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->GetLayout(*request); });
+  }
+  ::grpc::ServerUnaryReactor* GetPlacement(::grpc::CallbackServerContext* context,
+                                           const v1::GetPlacementRequest* request,
+                                           v1::GetPlacementResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->GetPlacement(*request); });
+  }
+  ::grpc::ServerWriteReactor<v1::WatchPlacementResponse>* WatchPlacement(
+      ::grpc::CallbackServerContext*, const v1::WatchPlacementRequest* request) override {
+    return new WatchPlacementReactor(core_, calls_, *request);
+  }
+
+  ::grpc::ServerUnaryReactor* KvPut(::grpc::CallbackServerContext* context, const v1::KvPutRequest* request,
+                                    v1::KvPutResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->KvPut(*request); });
+  }
+  ::grpc::ServerUnaryReactor* KvGet(::grpc::CallbackServerContext* context, const v1::KvGetRequest* request,
+                                    v1::KvGetResponse* response) override {
+    if (request->wait_ms() <= 0) {
+      return Serve(calls_, context, response, [&] { return core_->KvGet(*request, absl::Now()); });
+    }
+    ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (!calls_->Enter()) {
+      reactor->Finish(ShuttingDown());
+      return reactor;
+    }
+    const bool spawned = calls_->Spawn([this, context, request, response, reactor] {
+      absl::StatusOr<v1::KvGetResponse> result = WaitForKv(context, *request);
+      if (result.ok()) *response = *std::move(result);
+      reactor->Finish(ToGrpcStatus(result.status()));
+      calls_->Exit();
+    });
+    if (!spawned) {
+      reactor->Finish(ShuttingDown());
+      calls_->Exit();
+    }
+    return reactor;
+  }
+  ::grpc::ServerUnaryReactor* KvDelete(::grpc::CallbackServerContext* context, const v1::KvDeleteRequest* request,
+                                       v1::KvDeleteResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->KvDelete(*request); });
+  }
+  ::grpc::ServerWriteReactor<v1::KvWatchResponse>* KvWatch(::grpc::CallbackServerContext*,
+                                                           const v1::KvWatchRequest*) override {
+    return new FinishedWriter<v1::KvWatchResponse>(::grpc::Status(
+        ::grpc::StatusCode::UNIMPLEMENTED, "KvWatch is not implemented yet by the file state store: poll KvGet with wait_ms"));
+  }
+
+ private:
+  // KvGet with wait_ms, in kWaitSlice steps so that a cancelled call or a shutdown ends it.
+  absl::StatusOr<v1::KvGetResponse> WaitForKv(::grpc::CallbackServerContext* context, const v1::KvGetRequest& request) {
+    const absl::Time end = std::min(CallDeadline(context), absl::Now() + absl::Milliseconds(request.wait_ms()));
+    while (true) {
+      absl::StatusOr<v1::KvGetResponse> result = core_->KvGet(request, std::min(end, absl::Now() + kWaitSlice));
+      const bool missing = result.ok() ? result->entries_size() == 0 : result.status().code() == absl::StatusCode::kNotFound;
+      if (!missing || absl::Now() >= end) return result;
+      if (context->IsCancelled()) return absl::CancelledError("KvGet cancelled");
+      if (calls_->draining()) return FromGrpcStatus(ShuttingDown());
+    }
+  }
+
+  Coordinator* const core_;
+  Calls* const calls_;
+};
+
+class AdminService final : public v1::Admin::CallbackService {
+ public:
+  AdminService(Coordinator* core, Calls* calls) : core_(core), calls_(calls) {}
+
+  ::grpc::ServerUnaryReactor* CordonDaemon(::grpc::CallbackServerContext* context,
+                                           const v1::CordonDaemonRequest* request,
+                                           v1::CordonDaemonResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->CordonDaemon(*request); });
+  }
+  ::grpc::ServerUnaryReactor* DrainDaemon(::grpc::CallbackServerContext* context, const v1::DrainDaemonRequest* request,
+                                          v1::DrainDaemonResponse* response) override {
+    return Serve(calls_, context, response, [&] { return core_->DrainDaemon(*request); });
+  }
+  ::grpc::ServerUnaryReactor* MoveShard(::grpc::CallbackServerContext* context, const v1::MoveShardRequest*,
+                                        v1::MoveShardResponse*) override {
+    return Unimplemented(context, "MoveShard: moving a single shard is not implemented yet (DrainDaemon moves all of a daemon's shards)");
+  }
+  ::grpc::ServerUnaryReactor* GetShardStats(::grpc::CallbackServerContext* context, const v1::GetShardStatsRequest*,
+                                            v1::GetShardStatsResponse*) override {
+    return Unimplemented(context, "GetShardStats: per-shard stats from the daemons are not implemented yet");
+  }
+  ::grpc::ServerWriteReactor<v1::DumpTensorResponse>* DumpTensor(::grpc::CallbackServerContext*,
+                                                                 const v1::DumpTensorRequest*) override {
+    return new FinishedWriter<v1::DumpTensorResponse>(
+        ::grpc::Status(::grpc::StatusCode::UNIMPLEMENTED, "DumpTensor: tensor dumps are not implemented yet"));
+  }
+  ::grpc::ServerUnaryReactor* CreateCheckpoint(::grpc::CallbackServerContext* context,
+                                               const v1::CreateCheckpointRequest*,
+                                               v1::CreateCheckpointResponse*) override {
+    return Unimplemented(context, "CreateCheckpoint: checkpoints are not implemented yet");
+  }
+  ::grpc::ServerUnaryReactor* ListCheckpoints(::grpc::CallbackServerContext* context, const v1::ListCheckpointsRequest*,
+                                              v1::ListCheckpointsResponse*) override {
+    return Unimplemented(context, "ListCheckpoints: checkpoints are not implemented yet");
+  }
+  ::grpc::ServerUnaryReactor* RestoreCheckpoint(::grpc::CallbackServerContext* context,
+                                                const v1::RestoreCheckpointRequest*,
+                                                v1::RestoreCheckpointResponse*) override {
+    return Unimplemented(context, "RestoreCheckpoint: checkpoints are not implemented yet");
+  }
+  ::grpc::ServerUnaryReactor* DeleteCheckpoint(::grpc::CallbackServerContext* context,
+                                               const v1::DeleteCheckpointRequest*,
+                                               v1::DeleteCheckpointResponse*) override {
+    return Unimplemented(context, "DeleteCheckpoint: checkpoints are not implemented yet");
+  }
+
+ private:
+  Coordinator* const core_;
+  Calls* const calls_;
+};
+
+std::string DefaultCoordinatorId() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "coordinator");
+  return absl::StrCat(host, "-", ::getpid());
+}
+
+// Holds an exclusive lock on <dir>/LOCK for the process's life, so that two coordinators
+// never append to the same log. The lock dies with the process (kill -9 included).
+absl::StatusOr<int> LockStateDir(const std::string& dir) {
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error) return absl::InvalidArgumentError(absl::StrCat("state_dir: cannot create ", dir, ": ", error.message()));
+  const std::string path = (std::filesystem::path(dir) / "LOCK").string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) return absl::InvalidArgumentError(absl::StrCat("state_dir: cannot open ", path, ": ", std::strerror(errno)));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd);
+    if (err == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(absl::StrCat("state_dir ", dir, " is in use by another coordinator"));
+    }
+    return absl::InternalError(absl::StrCat("flock ", path, ": ", std::strerror(err)));
+  }
+  return fd;
+}
+
+}  // namespace
+
+struct CoordinatorServer::Impl {
+  Options options;
+  int lock_fd = -1;
+  // Destroyed in reverse order: the server before the services, the core before the
+  // assigner and the store it uses.
+  std::unique_ptr<StateStore> store;
+  std::unique_ptr<GrpcShardAssigner> assigner;
+  std::unique_ptr<Coordinator> core;
+  Calls calls;
+  std::unique_ptr<CoordinatorService> coordinator_service;
+  std::unique_ptr<AdminService> admin_service;
+  std::unique_ptr<::grpc::Server> server;
+  int port = 0;
+
+  absl::Mutex tick_mu;
+  bool tick_stop ABSL_GUARDED_BY(tick_mu) = false;
+  std::thread ticker;
+  std::atomic<bool> shut_down{false};
+
+  ~Impl() {
+    Shutdown();
+    if (lock_fd >= 0) ::close(lock_fd);
+  }
+
+  void RunTicker() {
+    absl::MutexLock lock(&tick_mu);
+    while (true) {
+      tick_mu.AwaitWithTimeout(absl::Condition(&tick_stop), absl::Milliseconds(options.tick_interval_ms));
+      if (tick_stop) return;
+      tick_mu.Unlock();
+      core->Tick();
+      tick_mu.Lock();
+    }
+  }
+
+  void Shutdown() {
+    if (shut_down.exchange(true)) return;
+    const absl::Time start = absl::Now();
+    if (server != nullptr && server->GetHealthCheckService() != nullptr) server->GetHealthCheckService()->Shutdown();
+    // New calls get UNAVAILABLE from here on; waiting ones end at their next slice.
+    if (!calls.Drain(absl::Now() + kShutdownGrace)) {
+      Log(LogLevel::kWarning, kComponent, "calls still running at the end of the grace period: cancelling them");
+    }
+    if (server != nullptr) {
+      server->Shutdown(absl::ToChronoTime(absl::Now() + kCloseGrace));
+      server->Wait();
+    }
+    calls.JoinThreads();
+    {
+      absl::MutexLock lock(&tick_mu);
+      tick_stop = true;
+    }
+    if (ticker.joinable()) ticker.join();
+    if (assigner != nullptr) assigner->Shutdown();
+    if (server != nullptr) {
+      Log(LogLevel::kInfo, kComponent, absl::StrCat("stopped in ", absl::FormatDuration(absl::Now() - start)));
+    }
+  }
+};
+
+CoordinatorServer::CoordinatorServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CoordinatorServer::~CoordinatorServer() = default;
+
+int CoordinatorServer::port() const { return impl_->port; }
+
+void CoordinatorServer::Shutdown() { impl_->Shutdown(); }
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Options options) {
+  if (options.listen_address.empty()) return absl::InvalidArgumentError("listen_address: must not be empty");
+  if (options.state_dir.empty()) return absl::InvalidArgumentError("state_dir: required");
+  if (options.tick_interval_ms <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tick_interval_ms: must be > 0, got ", options.tick_interval_ms));
+  }
+  if (options.max_message_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes: must be > 0, got ", options.max_message_bytes));
+  }
+  if (options.coordinator_id.empty()) options.coordinator_id = DefaultCoordinatorId();
+
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  MAINSTAY_ASSIGN_OR_RETURN(impl->lock_fd, LockStateDir(options.state_dir));
+  MAINSTAY_ASSIGN_OR_RETURN(impl->store, OpenFileStateStore(options.state_dir));
+  impl->assigner = std::make_unique<GrpcShardAssigner>();
+  CoordinatorOptions core_options;
+  core_options.store = impl->store.get();
+  core_options.assigner = impl->assigner.get();
+  core_options.default_lease_ttl_ms = options.lease_ttl_ms;
+  core_options.coordinator_id = options.coordinator_id;
+  MAINSTAY_ASSIGN_OR_RETURN(impl->core, Coordinator::Create(core_options));
+
+  impl->coordinator_service = std::make_unique<CoordinatorService>(impl->core.get(), &impl->calls);
+  impl->admin_service = std::make_unique<AdminService>(impl->core.get(), &impl->calls);
+  ::grpc::EnableDefaultHealthCheckService(true);
+  ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  ::grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen_address, ::grpc::InsecureServerCredentials(), &impl->port);
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.RegisterService(impl->coordinator_service.get());
+  builder.RegisterService(impl->admin_service.get());
+  impl->server = builder.BuildAndStart();
+  if (impl->server == nullptr || impl->port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen_address,
+                                               " (address in use or not local?)"));
+  }
+  ::grpc::HealthCheckServiceInterface* health = impl->server->GetHealthCheckService();
+  if (health != nullptr) {
+    health->SetServingStatus(true);  // every registered service
+    health->SetServingStatus("", true);
+    health->SetServingStatus("mainstay.v1.Coordinator", true);
+    health->SetServingStatus("mainstay.v1.Admin", true);
+  }
+  Impl* raw = impl.get();
+  impl->ticker = std::thread([raw] { raw->RunTicker(); });
+  Log(LogLevel::kInfo, kComponent, absl::StrCat("serving on port ", impl->port, " (state ", options.state_dir,
+                                                ", lease ", options.lease_ttl_ms, " ms, id ", options.coordinator_id, ")"));
+  return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(std::move(impl)));
+}
+
+}  // namespace mainstay::coordinator

@@ -1,0 +1,68 @@
+// The coordinator as a gRPC server: the mainstay.v1 Coordinator and Admin services over the
+// Coordinator core (server/coordinator/coordinator.h), plus the standard health service
+// (grpc.health.v1, "" and "mainstay.v1.Coordinator" report SERVING while it runs) and server
+// reflection, so grpcurl / grpc_health_probe work out of the box.
+//
+// Start opens the file state store in options.state_dir (locked against a second
+// coordinator), loads the durable state, starts a tick thread (lease expiry, KV TTLs) and
+// serves with gRPC's callback API. Calls that wait (KvGet with wait_ms, WatchPlacement) wait
+// on helper threads, never on gRPC's callback threads. AssignShard / DropShard reach the
+// daemons through a GrpcShardAssigner.
+//
+// Not implemented yet (answered UNIMPLEMENTED with the reason): KvWatch (callers poll KvGet
+// with wait_ms), Admin MoveShard, GetShardStats, DumpTensor and the checkpoint RPCs. Tokens
+// (admin and per-job) are not checked yet.
+//
+// Thread safety: port() may be called from any thread; Shutdown is idempotent and may be
+// called from any thread but one at a time (the destructor calls it). Shutdown stops
+// accepting calls, ends waiting calls with UNAVAILABLE and gives running calls a few seconds
+// to finish before they are cancelled.
+#ifndef MAINSTAY_SERVER_GRPC_COORDINATOR_SERVICE_H_
+#define MAINSTAY_SERVER_GRPC_COORDINATOR_SERVICE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace mainstay::coordinator {
+
+class CoordinatorServer {
+ public:
+  struct Options {
+    // "host:port"; port 0 picks a free port (see port()).
+    std::string listen_address = "127.0.0.1:0";
+    // Directory of the durable state (created if missing). Required.
+    std::string state_dir;
+    int64_t lease_ttl_ms = 10'000;     // default daemon lease
+    int64_t tick_interval_ms = 200;    // how often leases and KV TTLs are checked
+    std::string coordinator_id;        // empty: "<hostname>-<pid>"
+    // Largest request gRPC accepts; larger ones get RESOURCE_EXHAUSTED from gRPC itself.
+    int max_message_bytes = 64 << 20;
+  };
+
+  // INVALID_ARGUMENT for bad options, FAILED_PRECONDITION when another coordinator holds the
+  // state directory, DATA_LOSS for a corrupt state, UNAVAILABLE when the address cannot be
+  // bound.
+  static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(Options options);
+
+  ~CoordinatorServer();
+  CoordinatorServer(const CoordinatorServer&) = delete;
+  CoordinatorServer& operator=(const CoordinatorServer&) = delete;
+
+  // The bound port (the chosen one when the address asked for port 0).
+  int port() const;
+
+  // Graceful and bounded (about 5 seconds at most); idempotent.
+  void Shutdown();
+
+ private:
+  struct Impl;
+  explicit CoordinatorServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mainstay::coordinator
+
+#endif  // MAINSTAY_SERVER_GRPC_COORDINATOR_SERVICE_H_

@@ -1,0 +1,179 @@
+#include "server/grpc/grpc_shard_assigner.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <deque>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "mainstay/v1/shard.grpc.pb.h"
+
+namespace mainstay::coordinator {
+namespace {
+
+constexpr char kComponent[] = "shard-assigner";
+
+bool Retryable(::grpc::StatusCode code) {
+  switch (code) {
+    case ::grpc::StatusCode::UNAVAILABLE:
+    case ::grpc::StatusCode::DEADLINE_EXCEEDED:
+    case ::grpc::StatusCode::ABORTED:
+    case ::grpc::StatusCode::RESOURCE_EXHAUSTED:
+    case ::grpc::StatusCode::UNKNOWN:
+    case ::grpc::StatusCode::INTERNAL:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+struct GrpcShardAssigner::Call {
+  bool assign = true;
+  v1::AssignShardRequest assign_request;
+  v1::DropShardRequest drop_request;
+  absl::Time made;
+
+  std::string Describe(const std::string& address) const {
+    return assign ? absl::StrCat("AssignShard(", assign_request.job_id(), ", epoch ", assign_request.placement_epoch(),
+                                 ", ", assign_request.shards_size(), " shard(s)) to ", address)
+                  : absl::StrCat("DropShard(", drop_request.job_id(), ", epoch ", drop_request.placement_epoch(), ", ",
+                                 drop_request.shards_size() == 0 ? std::string("all")
+                                                                 : absl::StrCat(drop_request.shards_size()),
+                                 " shard(s)) to ", address);
+  }
+};
+
+struct GrpcShardAssigner::Peer {
+  std::string address;
+  std::unique_ptr<v1::Shard::Stub> stub;
+  absl::CondVar wake;                           // a call was queued, or stopping
+  std::deque<Call> queue;                       // guarded by the assigner's mu_
+  ::grpc::ClientContext* in_flight = nullptr;   // guarded by the assigner's mu_
+  std::thread worker;
+};
+
+GrpcShardAssigner::GrpcShardAssigner(GrpcShardAssignerOptions options) : options_(options) {}
+
+GrpcShardAssigner::~GrpcShardAssigner() { Shutdown(); }
+
+void GrpcShardAssigner::Assign(const std::string& daemon_address, const v1::AssignShardRequest& request) {
+  Call call;
+  call.assign = true;
+  call.assign_request = request;
+  Enqueue(daemon_address, std::move(call));
+}
+
+void GrpcShardAssigner::Drop(const std::string& daemon_address, const v1::DropShardRequest& request) {
+  Call call;
+  call.assign = false;
+  call.drop_request = request;
+  Enqueue(daemon_address, std::move(call));
+}
+
+void GrpcShardAssigner::Enqueue(const std::string& address, Call call) {
+  call.made = absl::Now();
+  absl::MutexLock lock(&mu_);
+  if (stopping_) {
+    Log(LogLevel::kWarning, kComponent, absl::StrCat("shutting down: not sending ", call.Describe(address)));
+    return;
+  }
+  std::unique_ptr<Peer>& peer = peers_[address];
+  if (peer == nullptr) {
+    peer = std::make_unique<Peer>();
+    peer->address = address;
+    // The channel's own reconnect backoff (by default up to 2 minutes) must not outlast ours.
+    ::grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, static_cast<int>(absl::ToInt64Milliseconds(options_.initial_backoff)));
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(absl::ToInt64Milliseconds(options_.max_backoff)));
+    peer->stub = v1::Shard::NewStub(::grpc::CreateCustomChannel(address, ::grpc::InsecureChannelCredentials(), args));
+    Peer* raw = peer.get();
+    peer->worker = std::thread([this, raw] { RunWorker(raw); });
+  }
+  peer->queue.push_back(std::move(call));
+  peer->wake.Signal();
+}
+
+void GrpcShardAssigner::RunWorker(Peer* peer) {
+  while (true) {
+    Call call;
+    {
+      absl::MutexLock lock(&mu_);
+      while (!stopping_ && peer->queue.empty()) peer->wake.Wait(&mu_);
+      if (stopping_) return;
+      call = std::move(peer->queue.front());
+      peer->queue.pop_front();
+    }
+    Deliver(peer, call);
+  }
+}
+
+void GrpcShardAssigner::Deliver(Peer* peer, const Call& call) {
+  absl::Duration backoff = options_.initial_backoff;
+  for (int attempt = 1;; ++attempt) {
+    ::grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.attempt_timeout));
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      peer->in_flight = &context;
+    }
+    ::grpc::Status status;
+    if (call.assign) {
+      v1::AssignShardResponse response;
+      status = peer->stub->AssignShard(&context, call.assign_request, &response);
+    } else {
+      v1::DropShardResponse response;
+      status = peer->stub->DropShard(&context, call.drop_request, &response);
+    }
+    absl::MutexLock lock(&mu_);
+    peer->in_flight = nullptr;
+    if (status.ok()) {
+      if (attempt > 1) Log(LogLevel::kInfo, kComponent, absl::StrCat("delivered ", call.Describe(peer->address),
+                                                                       " at attempt ", attempt));
+      return;
+    }
+    if (stopping_) return;
+    const std::string what = absl::StrCat(call.Describe(peer->address), ": ", FromGrpcStatus(status).ToString());
+    if (!Retryable(status.error_code())) {
+      Log(LogLevel::kWarning, kComponent, absl::StrCat("dropped ", what, " (not retryable)"));
+      return;
+    }
+    if (absl::Now() + backoff - call.made > options_.give_up_after) {
+      Log(LogLevel::kError, kComponent, absl::StrCat("gave up after ", attempt, " attempt(s) over ",
+                                                     absl::FormatDuration(absl::Now() - call.made), ": ", what));
+      return;
+    }
+    if (attempt == 1) Log(LogLevel::kWarning, kComponent, absl::StrCat("retrying ", what));
+    // Sleep the backoff, but wake at once for a shutdown.
+    const absl::Time until = absl::Now() + backoff;
+    while (!stopping_ && absl::Now() < until) peer->wake.WaitWithDeadline(&mu_, until);
+    if (stopping_) return;
+    backoff = std::min(backoff * 2, options_.max_backoff);
+  }
+}
+
+void GrpcShardAssigner::Shutdown() {
+  std::map<std::string, std::unique_ptr<Peer>> peers;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    size_t dropped = 0;
+    for (auto& [address, peer] : peers_) {
+      dropped += peer->queue.size();
+      if (peer->in_flight != nullptr) peer->in_flight->TryCancel();
+      peer->wake.SignalAll();
+    }
+    if (dropped > 0) Log(LogLevel::kWarning, kComponent, absl::StrCat("shutting down: ", dropped, " queued call(s) not sent"));
+    peers.swap(peers_);
+  }
+  for (auto& [address, peer] : peers) peer->worker.join();
+}
+
+}  // namespace mainstay::coordinator
