@@ -3,7 +3,8 @@
 // FORMATS.md's FP32 operation order; nothing here may be contracted into an FMA (there is no
 // multiply-add in these expressions).
 //
-// Thread safety: pure functions, except UpdateDelayedScaling, which mutates its argument.
+// Thread safety: pure functions. (The delayed-scaling history lives with the daemon,
+// server/daemon/scaling_state.h.)
 #ifndef MAINSTAY_KERNELS_SCALING_H_
 #define MAINSTAY_KERNELS_SCALING_H_
 

@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "common/port_file.h"
 #include "common/status.h"
 #include "server/grpc/coordinator_service.h"
 
@@ -176,20 +177,6 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
     o.max_message_bytes = static_cast<int>(*s.max_message_bytes);
   }
   return o;
-}
-
-// Written to a temporary name and renamed, so a reader never sees a partial number.
-absl::Status WritePortFile(const std::string& path, int port) {
-  const std::string tmp = absl::StrCat(path, ".tmp");
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << port << "\n";
-    if (!out.flush()) return absl::InternalError(absl::StrCat("--port-file: cannot write ", tmp));
-  }
-  std::error_code error;
-  std::filesystem::rename(tmp, path, error);
-  if (error) return absl::InternalError(absl::StrCat("--port-file: cannot rename to ", path, ": ", error.message()));
-  return absl::OkStatus();
 }
 
 int Main(int argc, char** argv) {

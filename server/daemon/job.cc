@@ -1,0 +1,539 @@
+// The protocol side of a job: assignment, validation of pushes, pulls and FinishStep, and
+// the step thread's loop with the commit. The arithmetic of a step is in job_step.cc.
+#include "server/daemon/job.h"
+
+#include <openssl/sha.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/job_spec_proto.h"
+#include "common/layout_proto.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "mainstay/v1/common.pb.h"
+#include "common/error_detail.h"
+
+namespace mainstay::daemon {
+namespace {
+
+int ElementBytes(ElementType type) { return BitsOf(type) / 8; }
+
+std::string Sha256(const std::string& text) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(text.data()), text.size(), digest);
+  return std::string(reinterpret_cast<const char*>(digest), sizeof(digest));
+}
+
+std::string ShardName(int32_t bucket, int32_t shard) { return absl::StrCat("(bucket ", bucket, ", shard ", shard, ")"); }
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::AssignShardRequest& assign, JobOptions options) {
+  if (assign.job_id().empty()) return absl::InvalidArgumentError("AssignShard: job_id is empty");
+  absl::StatusOr<JobSpec> spec = JobSpecFromProto(assign.spec());
+  if (!spec.ok()) return Annotate(spec.status(), "AssignShard: spec");
+  absl::StatusOr<ResolvedJob> resolved = ResolveJob(*spec);
+  if (!resolved.ok()) return Annotate(resolved.status(), "AssignShard: spec");
+  absl::StatusOr<Layout> layout = LayoutFromProto(assign.layout());
+  if (!layout.ok()) return Annotate(layout.status(), "AssignShard: layout");
+  if (!(*layout == resolved->layout)) {
+    return absl::InvalidArgumentError(
+        "AssignShard: the layout does not match the one computed from the spec (coordinator and daemon versions "
+        "differ?)");
+  }
+  std::shared_ptr<Job> job(new Job(assign.job_id(), *std::move(resolved), assign.job_token_sha256(), std::move(options)));
+  MAINSTAY_RETURN_IF_ERROR(job->Assign(assign));
+  job->step_thread_ = std::thread([raw = job.get()] { raw->RunSteps(); });
+  return job;
+}
+
+Job::Job(std::string job_id, ResolvedJob resolved, std::string token_sha256, JobOptions options)
+    : job_id_(std::move(job_id)),
+      job_(std::move(resolved)),
+      token_sha256_(std::move(token_sha256)),
+      options_(std::move(options)),
+      plan_(job_.layout),
+      loss_scale_(job_.recipe.model_dtype == Format::kFP16 ? job_.recipe.loss_scaling : LossScaling{}) {
+  delayed_.assign(job_.layout.tensors.size(), DelayedScaling(job_.recipe.fp8_amax_history_len));
+  loss_scale_now_ = loss_scale_.scale;
+}
+
+Job::~Job() { Shutdown(); }
+
+void Job::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (step_thread_.joinable() && step_thread_.get_id() != std::this_thread::get_id()) step_thread_.join();
+}
+
+absl::Status Job::CheckToken(const std::string& token) const {
+  if (token_sha256_.empty()) return absl::OkStatus();
+  if (token.empty()) return absl::UnauthenticatedError(absl::StrCat("job ", job_id_, ": job_token is required"));
+  if (Sha256(token) != token_sha256_) {
+    return absl::PermissionDeniedError(absl::StrCat("job ", job_id_, ": the job_token is not this job's"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Job::ErrorWithDetail(absl::Status status) const {
+  v1::ErrorDetail detail;
+  detail.set_placement_epoch(epoch_);
+  detail.set_committed_step(committed_step_);
+  detail.set_version(version_);
+  return AttachErrorDetail(std::move(status), detail);
+}
+
+absl::Status Job::CheckRoute(int64_t epoch, int32_t bucket, int32_t shard) const {
+  if (epoch > epoch_) {
+    return absl::UnavailableError(absl::StrCat("job ", job_id_, ": this daemon has not received placement epoch ",
+                                               epoch, " yet (it has ", epoch_, "); retry"));
+  }
+  if (bucket < 0 || bucket >= static_cast<int32_t>(job_.layout.buckets.size())) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id_, ": no bucket ", bucket, " (the layout has ",
+                                            job_.layout.buckets.size(), ")"));
+  }
+  if (shard < 0 || shard >= job_.layout.data_parallel_size) {
+    return absl::InvalidArgumentError(absl::StrCat("shard ", shard, " is outside [0, ", job_.layout.data_parallel_size, ")"));
+  }
+  if (!shards_.count({bucket, shard})) {
+    return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id_, ": this daemon does not own ", ShardName(bucket, shard), " at placement epoch ", epoch_,
+        "; re-read the placement")));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
+  if (request.placement_epoch() < epoch_) {
+    return absl::FailedPreconditionError(absl::StrCat("AssignShard for job ", job_id_, ": epoch ",
+                                                      request.placement_epoch(), " is older than ", epoch_));
+  }
+  std::map<Key, std::string> owners;
+  std::set<std::string> members;
+  for (const v1::ShardPlacement& p : request.placement().shards()) {
+    owners[{p.shard().bucket(), p.shard().shard()}] = p.daemon_id();
+    members.insert(p.daemon_id());
+  }
+  for (const v1::ShardRef& ref : request.shards()) {
+    const Key key{ref.bucket(), ref.shard()};
+    if (key.first < 0 || key.first >= static_cast<int32_t>(job_.layout.buckets.size()) || key.second < 0 ||
+        key.second >= job_.layout.data_parallel_size) {
+      return absl::InvalidArgumentError(absl::StrCat("AssignShard: ", ShardName(key.first, key.second),
+                                                     " is not in the layout"));
+    }
+    if (request.has_from_checkpoint() || request.has_from_peer()) {
+      return absl::UnimplementedError(
+          "AssignShard: restoring a shard from a checkpoint or a peer is not supported by this daemon yet; "
+          "only new jobs (from_trainer)");
+    }
+  }
+  epoch_ = request.placement_epoch();
+  owners_ = std::move(owners);
+  members_.assign(members.begin(), members.end());
+  for (const v1::ShardRef& ref : request.shards()) {
+    const Key key{ref.bucket(), ref.shard()};
+    if (shards_.count(key)) continue;
+    auto state = std::make_shared<ShardState>();
+    state->bucket = key.first;
+    state->shard = key.second;
+    state->numel = job_.layout.buckets[static_cast<size_t>(key.first)].shard_numel;
+    shards_[key] = std::move(state);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Job::Assign(const v1::AssignShardRequest& request) {
+  absl::MutexLock lock(&mu_);
+  return ApplyPlacement(request);
+}
+
+absl::StatusOr<bool> Job::Drop(const v1::DropShardRequest& request) {
+  absl::MutexLock lock(&mu_);
+  if (request.placement_epoch() < epoch_) {
+    return absl::FailedPreconditionError(absl::StrCat("DropShard for job ", job_id_, ": epoch ",
+                                                      request.placement_epoch(), " is older than ", epoch_));
+  }
+  epoch_ = request.placement_epoch();
+  if (request.shards().empty()) {
+    shards_.clear();
+  } else {
+    for (const v1::ShardRef& ref : request.shards()) shards_.erase({ref.bucket(), ref.shard()});
+  }
+  return shards_.empty();
+}
+
+absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHeader& h) {
+  MAINSTAY_RETURN_IF_ERROR(CheckToken(h.job_token()));
+  auto session = std::make_unique<PushSession>();
+  session->job_ = shared_from_this();
+  session->header_ = h;
+  if (h.num_contributors() == 0) session->header_.set_num_contributors(1);
+  absl::MutexLock lock(&mu_);
+  MAINSTAY_RETURN_IF_ERROR(CheckRoute(h.placement_epoch(), h.bucket(), h.shard()));
+  const int64_t d = job_.layout.data_parallel_size;
+  const int64_t numel = job_.layout.buckets[static_cast<size_t>(h.bucket())].shard_numel;
+  ElementType dtype;
+  switch (h.dtype()) {
+    case v1::ELEMENT_TYPE_FP32: dtype = ElementType::kFloat32; break;
+    case v1::ELEMENT_TYPE_BF16: dtype = ElementType::kBFloat16; break;
+    case v1::ELEMENT_TYPE_FP16: dtype = ElementType::kFloat16; break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("PushGrad: dtype ", v1::ElementType_Name(h.dtype()),
+                                                     " is not FP32, BF16 or FP16"));
+  }
+  if (h.rank() < 0 || h.rank() >= d) {
+    return absl::InvalidArgumentError(absl::StrCat("PushGrad: rank ", h.rank(), " is outside [0, ", d, ")"));
+  }
+  const int32_t contributors = session->header_.num_contributors();
+  const int64_t expected_bytes = numel * ElementBytes(dtype);
+  if (h.total_bytes() != expected_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("PushGrad: total_bytes ", h.total_bytes(), " but ",
+                                                   ShardName(h.bucket(), h.shard()), " holds ", numel, " elements = ",
+                                                   expected_bytes, " bytes of ", ElementTypeName(dtype)));
+  }
+  const ShardState& state = *shards_.at({h.bucket(), h.shard()});
+  bool duplicate = false;
+  if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS) {
+    if (h.step() != -1) return absl::InvalidArgumentError("PushGrad: initial parameters must have step -1");
+    if (dtype != ElementType::kFloat32) return absl::InvalidArgumentError("PushGrad: initial parameters must be FP32");
+    if (version_ >= 0 || state.initialized) {
+      return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+          "PushGrad: initial parameters of job ", job_id_, " were already taken (version ", version_, " exists)")));
+    }
+    auto it = pending_.find(-1);
+    duplicate = (it != pending_.end() && it->second.shards.count({h.bucket(), h.shard()})) || executing_step_ == -1;
+  } else if (h.kind() == v1::PUSH_KIND_GRADIENT) {
+    if (h.step() < 0) return absl::InvalidArgumentError(absl::StrCat("PushGrad: step ", h.step(), " < 0"));
+    if (contributors != 1 && contributors != d) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("PushGrad: num_contributors ", contributors, " must be 1 (reduced) or D = ", d));
+    }
+    if (h.step() <= committed_step_ && committed_step_ >= 0) {
+      return ErrorWithDetail(absl::FailedPreconditionError(
+          absl::StrCat("PushGrad: step ", h.step(), " of job ", job_id_, " is already decided (committed step ",
+                       committed_step_, ")")));
+    }
+    const int64_t first_open = std::max<int64_t>(next_step_, 0);
+    if (h.step() > first_open + 1) {
+      return ErrorWithDetail(absl::FailedPreconditionError(
+          absl::StrCat("PushGrad: step ", h.step(), " is ahead of job ", job_id_, ": the daemon takes steps ",
+                       first_open, " and ", first_open + 1, " now")));
+    }
+    if (loss_scale_.config.dynamic && h.loss_scale() != 0.0 && h.loss_scale() != loss_scale_now_) {
+      return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+          "PushGrad: loss_scale ", h.loss_scale(), " differs from the daemon's current ", loss_scale_now_)));
+    }
+    if (executing_step_ == h.step()) {
+      if (!executing_keys_.count({h.bucket(), h.shard(), h.rank()})) {
+        return absl::InvalidArgumentError(absl::StrCat("PushGrad: ", ShardName(h.bucket(), h.shard()), " of step ",
+                                                       h.step(), " already has all its contributions"));
+      }
+      duplicate = true;
+    } else if (auto it = pending_.find(h.step()); it != pending_.end()) {
+      auto sit = it->second.shards.find({h.bucket(), h.shard()});
+      if (sit != it->second.shards.end()) {
+        const ShardInputs& in = sit->second;
+        if (in.by_rank.count(h.rank())) {
+          duplicate = true;
+        } else if (in.num_contributors != contributors) {
+          return absl::InvalidArgumentError(absl::StrCat("PushGrad: num_contributors ", contributors,
+                                                         " differs from the step's earlier pushes (",
+                                                         in.num_contributors, ")"));
+        } else if (static_cast<int32_t>(in.by_rank.size()) >= contributors) {
+          return absl::InvalidArgumentError(absl::StrCat("PushGrad: ", ShardName(h.bucket(), h.shard()), " of step ",
+                                                         h.step(), " already has all ", contributors,
+                                                         " contributions"));
+        } else if (in.loss_scale != (h.loss_scale() > 0.0 ? h.loss_scale() : 1.0)) {
+          return absl::InvalidArgumentError(absl::StrCat("PushGrad: loss_scale ", h.loss_scale(),
+                                                         " differs from the step's earlier pushes (", in.loss_scale, ")"));
+        } else if (in.dtype != dtype) {
+          return absl::InvalidArgumentError(absl::StrCat("PushGrad: dtype ", ElementTypeName(dtype),
+                                                         " differs from the step's earlier pushes (",
+                                                         ElementTypeName(in.dtype), ")"));
+        }
+      }
+    }
+  } else {
+    return absl::InvalidArgumentError("PushGrad: kind must be PUSH_KIND_GRADIENT or PUSH_KIND_INITIAL_PARAMS");
+  }
+  session->numel_ = numel;
+  session->elem_bytes_ = ElementBytes(dtype);
+  session->duplicate_ = duplicate;
+  if (!duplicate) session->buffer_.resize(static_cast<size_t>(expected_bytes));
+  return session;
+}
+
+absl::Status PushSession::AddChunk(int64_t element_offset, const std::string& data) {
+  if (failed_) return absl::InvalidArgumentError("PushGrad: the stream already failed");
+  failed_ = true;
+  if (element_offset != received_) {
+    return absl::InvalidArgumentError(absl::StrCat("PushGrad: chunk at element ", element_offset, ", expected ",
+                                                   received_, " (chunks must be in order without gaps)"));
+  }
+  if (data.size() % static_cast<size_t>(elem_bytes_) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PushGrad: chunk of ", data.size(), " bytes is not whole ", elem_bytes_, "-byte elements"));
+  }
+  const int64_t n = static_cast<int64_t>(data.size()) / elem_bytes_;
+  if (n == 0 || received_ + n > numel_) {
+    return absl::InvalidArgumentError(absl::StrCat("PushGrad: chunk of ", n, " elements at ", element_offset,
+                                                   " overruns the shard of ", numel_, " elements"));
+  }
+  if (!duplicate_) std::memcpy(buffer_.data() + received_ * elem_bytes_, data.data(), data.size());
+  received_ += n;
+  failed_ = false;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::PushGradResponse> PushSession::Finish() {
+  if (failed_) return absl::InvalidArgumentError("PushGrad: the stream failed; nothing was stored");
+  if (received_ != numel_) {
+    return absl::InvalidArgumentError(absl::StrCat("PushGrad: the stream ended after ", received_, " of ", numel_,
+                                                   " elements; nothing was stored"));
+  }
+  if (!duplicate_ && header_.crc32c() != 0) {
+    const uint32_t crc = Crc32c(buffer_.data(), buffer_.size());
+    if (crc != header_.crc32c()) {
+      return absl::DataLossError(absl::StrCat("PushGrad: CRC-32C of the payload is ", crc, ", the header says ",
+                                              header_.crc32c(), "; nothing was stored"));
+    }
+  }
+  return job_->StorePush(*this);
+}
+
+absl::StatusOr<v1::PushGradResponse> Job::StorePush(PushSession& session) {
+  const v1::PushGradHeader& h = session.header_;
+  v1::PushGradResponse response;
+  response.set_received_elements(session.received_);
+  absl::MutexLock lock(&mu_);
+  if (session.duplicate_) {
+    response.set_duplicate(true);
+    return response;
+  }
+  // Re-check what may have changed while the data streamed in.
+  MAINSTAY_RETURN_IF_ERROR(CheckRoute(h.placement_epoch(), h.bucket(), h.shard()));
+  if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS ? version_ >= 0 : (committed_step_ >= h.step() && committed_step_ >= 0)) {
+    return ErrorWithDetail(absl::FailedPreconditionError(
+        absl::StrCat("PushGrad: step ", h.step(), " was decided while the push streamed in")));
+  }
+  if (executing_step_ == h.step()) {
+    response.set_duplicate(true);
+    return response;
+  }
+  failures_.erase(h.step());  // a step pushed again after a failure is a new attempt
+  StepInputs& step = pending_[h.step()];
+  if (step.first_push_ms == 0) step.first_push_ms = options_.clock->NowUnixMs();
+  ShardInputs& in = step.shards[{h.bucket(), h.shard()}];
+  if (in.by_rank.empty()) {
+    in.num_contributors = h.kind() == v1::PUSH_KIND_INITIAL_PARAMS ? 1 : h.num_contributors();
+    in.loss_scale = h.loss_scale() > 0.0 ? h.loss_scale() : 1.0;
+    in.dtype = h.dtype() == v1::ELEMENT_TYPE_BF16   ? ElementType::kBFloat16
+               : h.dtype() == v1::ELEMENT_TYPE_FP16 ? ElementType::kFloat16
+                                                    : ElementType::kFloat32;
+  }
+  if (in.by_rank.count(h.rank()) || (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS && !in.by_rank.empty())) {
+    response.set_duplicate(true);  // a concurrent identical push won the race
+    return response;
+  }
+  in.by_rank[h.rank()] = std::move(session.buffer_);
+  response.set_contributions(static_cast<int32_t>(in.by_rank.size()));
+  return response;
+}
+
+bool Job::Decided(int64_t step) const {
+  if (step < 0) return version_ >= 0;
+  return committed_step_ >= step && version_ >= 0;
+}
+
+bool Job::Ready(int64_t step) const {
+  if (shards_.empty()) return false;
+  auto it = pending_.find(step);
+  if (it == pending_.end()) return false;
+  const StepInputs& in = it->second;
+  std::set<int32_t> ranks;
+  for (const auto& [key, state] : shards_) {
+    auto sit = in.shards.find(key);
+    if (sit == in.shards.end()) return false;
+    if (static_cast<int32_t>(sit->second.by_rank.size()) < sit->second.num_contributors) return false;
+    for (const auto& [rank, bytes] : sit->second.by_rank) ranks.insert(rank);
+  }
+  if (step < 0) return true;
+  for (int32_t r : ranks) {
+    if (!in.finished.count(r)) return false;
+  }
+  return true;
+}
+
+bool Job::ShouldWake() const { return stopping_ || Ready(next_step_); }
+
+absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request, absl::Time deadline) {
+  MAINSTAY_RETURN_IF_ERROR(CheckToken(request.job_token()));
+  absl::MutexLock lock(&mu_);
+  MAINSTAY_RETURN_IF_ERROR(CheckRoute(request.placement_epoch(), request.bucket(), request.shard()));
+  const Key key{request.bucket(), request.shard()};
+  int64_t wanted = request.version();
+  if (request.latest()) {
+    wanted = std::max<int64_t>(version_, 0);
+  } else if (wanted < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("PullParams: version ", wanted, " < 0"));
+  }
+  if (wanted > std::max<int64_t>(next_step_, 0) + 2) {
+    return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+        "PullParams: version ", wanted, " is more than one step ahead of job ", job_id_, " (current version ", version_,
+        ")")));
+  }
+  auto decided = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return stopping_ || !shards_.count(key) || Decided(wanted - 1);
+  };
+  if (!decided()) {
+    if (request.no_wait()) {
+      return absl::UnavailableError(absl::StrCat("PullParams: version ", wanted, " is not decided yet"));
+    }
+    if (!mu_.AwaitWithDeadline(absl::Condition(&decided), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat("PullParams: version ", wanted, " of ",
+                                                      ShardName(key.first, key.second), " of job ", job_id_,
+                                                      " was not published before the deadline (current version ",
+                                                      version_, ")"));
+    }
+  }
+  if (stopping_) return absl::UnavailableError("PullParams: the daemon is shutting down");
+  MAINSTAY_RETURN_IF_ERROR(CheckRoute(request.placement_epoch(), request.bucket(), request.shard()));
+  const ShardState& state = *shards_.at(key);
+  PullResult result;
+  auto it = state.versions.find(wanted);
+  if (it == state.versions.end()) {
+    // Not published: either its step was skipped (answer with the version before it, which the
+    // trainer already holds) or it is older than what the daemon keeps.
+    auto after = state.versions.upper_bound(wanted);
+    if (after != state.versions.begin() && !state.versions.empty()) {
+      result.shard = std::prev(after)->second;
+      result.unchanged = true;
+      return result;
+    }
+    return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+        "PullParams: version ", wanted, " of job ", job_id_, " is no longer kept (the daemon keeps the newest ",
+        options_.retained_versions, "; newest is ", version_, "); pull with latest")));
+  }
+  result.shard = it->second;
+  return result;
+}
+
+absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& request, absl::Time deadline) {
+  MAINSTAY_RETURN_IF_ERROR(CheckToken(request.job_token()));
+  const int64_t step = request.step();
+  if (step < -1) return absl::InvalidArgumentError(absl::StrCat("FinishStep: step ", step, " < -1"));
+  if (!(request.lr() >= 0.0) || !(request.weight_decay() >= 0.0) || !std::isfinite(request.lr()) ||
+      !std::isfinite(request.weight_decay())) {
+    return absl::InvalidArgumentError(absl::StrCat("FinishStep: lr ", request.lr(), " and weight_decay ",
+                                                   request.weight_decay(), " must be finite and >= 0"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (request.placement_epoch() > epoch_) {
+    return absl::UnavailableError(absl::StrCat("job ", job_id_, ": this daemon has not received placement epoch ",
+                                               request.placement_epoch(), " yet; retry"));
+  }
+  const int64_t d = job_.layout.data_parallel_size;
+  if (request.rank() < 0 || request.rank() >= d) {
+    return absl::InvalidArgumentError(absl::StrCat("FinishStep: rank ", request.rank(), " is outside [0, ", d, ")"));
+  }
+  const auto hyper = std::make_pair(request.lr(), request.weight_decay());
+  if (step >= 0 && executing_step_ == step && hyper != executing_hyper_) {
+    return absl::InvalidArgumentError(absl::StrCat("FinishStep: rank ", request.rank(), " sends lr ", hyper.first,
+                                                   " weight_decay ", hyper.second, " for step ", step,
+                                                   " but it runs with lr ", executing_hyper_.first, " weight_decay ",
+                                                   executing_hyper_.second));
+  }
+  if (step >= 0 && !Decided(step) && executing_step_ != step) {
+    const int64_t first_open = std::max<int64_t>(next_step_, 0);
+    if (step > first_open + 1) {
+      return ErrorWithDetail(absl::FailedPreconditionError(
+          absl::StrCat("FinishStep: step ", step, " is ahead of job ", job_id_, " (open steps: ", first_open, ", ",
+                       first_open + 1, ")")));
+    }
+    StepInputs& in = pending_[step];
+    for (const auto& [rank, other] : in.finished) {
+      if (rank != request.rank() && other != hyper) {
+        return absl::InvalidArgumentError(absl::StrCat("FinishStep: rank ", request.rank(), " sends lr ", hyper.first,
+                                                       " weight_decay ", hyper.second, " for step ", step, " but rank ",
+                                                       rank, " sent lr ", other.first, " weight_decay ", other.second));
+      }
+    }
+    in.finished[request.rank()] = hyper;
+  }
+  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || Decided(step) || failures_.count(step); };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat("FinishStep: step ", step, " of job ", job_id_,
+                                                    " was not decided before the deadline; waiting for the pushes or "
+                                                    "FinishStep calls of other ranks?"));
+  }
+  if (auto f = failures_.find(step); f != failures_.end() && !Decided(step)) return f->second;
+  if (stopping_ && !Decided(step)) return absl::UnavailableError("FinishStep: the daemon is shutting down");
+  auto it = stats_.find(step);
+  if (it == stats_.end()) {
+    return absl::NotFoundError(absl::StrCat("FinishStep: stats of step ", step, " are no longer kept"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<v1::StepStats> Job::GetStepStats(const v1::GetStepStatsRequest& request) {
+  MAINSTAY_RETURN_IF_ERROR(CheckToken(request.job_token()));
+  absl::MutexLock lock(&mu_);
+  if (stats_.empty()) return absl::UnavailableError(absl::StrCat("job ", job_id_, ": no step decided yet"));
+  if (request.latest()) return stats_.rbegin()->second;
+  auto it = stats_.find(request.step());
+  if (it != stats_.end()) return it->second;
+  if (request.step() > committed_step_) {
+    return absl::UnavailableError(absl::StrCat("step ", request.step(), " is not decided yet"));
+  }
+  return absl::NotFoundError(absl::StrCat("stats of step ", request.step(), " are no longer kept (oldest ",
+                                          stats_.begin()->first, ")"));
+}
+
+absl::StatusOr<ShardStateCopy> Job::ReadShardState(int32_t bucket, int32_t shard) const {
+  absl::MutexLock lock(&mu_);
+  auto it = shards_.find({bucket, shard});
+  if (it == shards_.end()) {
+    return ErrorWithDetail(absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id_, ": this daemon does not own ", ShardName(bucket, shard))));
+  }
+  ShardStateCopy copy;
+  copy.version = it->second->initialized ? version_ : -1;
+  copy.committed_step = committed_step_;
+  copy.master = it->second->master;
+  copy.moment_type = job_.spec.optimizer.moment_dtype;
+  copy.m = it->second->m;
+  copy.v = it->second->v;
+  return copy;
+}
+
+std::vector<v1::ShardStatus> Job::ShardStatuses() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::ShardStatus> out;
+  for (const auto& [key, state] : shards_) {
+    v1::ShardStatus s;
+    s.mutable_shard()->set_bucket(key.first);
+    s.mutable_shard()->set_shard(key.second);
+    s.set_role(v1::SHARD_ROLE_PRIMARY);
+    s.set_version(state->initialized ? version_ : -1);
+    s.set_committed_step(committed_step_);
+    int64_t bytes = static_cast<int64_t>(state->master.size() * 4 + state->m.size() + state->v.size());
+    for (const auto& [v, snap] : state->versions) bytes += static_cast<int64_t>(snap->data.size() + snap->scales.size());
+    s.set_state_bytes(bytes);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+int64_t Job::state_bytes() const {
+  int64_t total = 0;
+  for (const v1::ShardStatus& s : ShardStatuses()) total += s.state_bytes();
+  return total;
+}
+
+}  // namespace mainstay::daemon

@@ -1,0 +1,229 @@
+// One job on one shard daemon: its shards (FP32 masters, moments, published versions), the
+// step protocol of DESIGN.md sections 1, 5 and 8, and the step thread that runs it.
+//
+// Step s runs when, for every (bucket, shard) the daemon owns, all `num_contributors`
+// gradient pushes of step s have arrived and every rank that pushed to this daemon has
+// called FinishStep(s). Then: partial gradient stats -> peer SUM -> skip (non-finite) or
+// clip -> fused update into scratch buffers -> peer MAX of the amaxes -> quantize -> commit:
+// the scratch buffers become the state and version s+1 is published, all under one lock.
+// A failure before the commit (a peer lost) changes nothing: the step's inputs are dropped
+// and its waiters get ABORTED, so the trainers push it again. Version 0 comes the same way
+// from PUSH_KIND_INITIAL_PARAMS pushes (step -1; no FinishStep needed).
+//
+// Memory: per owned shard, master + moments + their scratch copies (the price of the atomic
+// commit) + `retained_versions` published snapshots + the pending gradients of at most two
+// steps. Pulls get shared_ptrs to immutable snapshots, so eviction never tears a reader.
+//
+// Thread safety: every public method is thread-safe. Methods that wait (PullParams,
+// FinishStep) wait on the job's mutex with the caller's deadline.
+#ifndef MAINSTAY_SERVER_DAEMON_JOB_H_
+#define MAINSTAY_SERVER_DAEMON_JOB_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "common/job_spec.h"
+#include "common/layout.h"
+#include "kernels/kernels.h"
+#include "mainstay/v1/shard.pb.h"
+#include "server/daemon/reduction_plan.h"
+#include "server/daemon/scaling_state.h"
+#include "server/peer/peer_group.h"
+
+namespace mainstay::daemon {
+
+// Quantization metadata of one fragment of a published shard.
+struct FragmentMeta {
+  int32_t tensor = 0;
+  IndexRange elements;  // of the flattened tensor
+  Format format = Format::kBF16;
+  float scale = 0.0f;      // fp8: multiplier before the cast; nvfp4: S_enc; else 0
+  float scale_inv = 0.0f;  // fp8: RN(1/scale); nvfp4: S_dec; else 0
+  float amax = 0.0f;       // whole-tensor amax (reduced); 0 for formats without one
+};
+
+// One published version of one (bucket, shard). Immutable once published.
+struct QuantizedShard {
+  int64_t version = 0;
+  int32_t bucket = 0;
+  int32_t shard = 0;
+  Format format = Format::kBF16;
+  IndexRange elements;              // the shard's bucket elements
+  std::vector<uint8_t> data;        // DataBytes(format, shard_numel); padding is 0
+  bool has_scales = false;
+  ElementType scale_type = ElementType::kE8M0;
+  int64_t num_scales = 0;           // entries: the fragments' block ranges, concatenated
+  std::vector<uint8_t> scales;
+  std::vector<FragmentMeta> fragments;
+};
+
+struct PullResult {
+  // The requested version, or (unchanged) the current one when the step before it was skipped.
+  std::shared_ptr<const QuantizedShard> shard;
+  bool unchanged = false;
+};
+
+// A copy of one shard's committed optimizer state (FetchShardState, tests).
+struct ShardStateCopy {
+  int64_t version = -1;         // the version this state produced; -1 before version 0
+  int64_t committed_step = -1;  // last decided step
+  std::vector<float> master;
+  ElementType moment_type = ElementType::kFloat32;
+  std::vector<uint8_t> m, v;    // raw little-endian elements of moment_type; v empty for SGD
+};
+
+struct JobOptions {
+  kernels::Device device;                      // where the kernels run (CPU executor)
+  peer::PeerGroupFactory* peers = nullptr;     // not owned; may be null for one-daemon jobs
+  std::string daemon_id;                       // this daemon
+  int retained_versions = 4;
+  absl::Duration peer_timeout = absl::Seconds(120);
+  Clock* clock = RealClock::Get();
+};
+
+class Job;
+
+// One PushGrad stream, between its header and its end. Nothing is stored until Finish
+// succeeds. Not thread-safe (one stream, one caller); holds its job alive.
+class PushSession {
+ public:
+  // Chunks come in order without gaps: `element_offset` must equal the elements received so
+  // far and `data` hold whole elements. INVALID_ARGUMENT otherwise (the stream is then dead).
+  absl::Status AddChunk(int64_t element_offset, const std::string& data);
+  // Stores the shard's push (or acknowledges a duplicate). INVALID_ARGUMENT when the stream
+  // ended short; FAILED_PRECONDITION when the step was committed meanwhile.
+  absl::StatusOr<v1::PushGradResponse> Finish();
+
+ private:
+  friend class Job;
+  std::shared_ptr<Job> job_;
+  v1::PushGradHeader header_;
+  int64_t numel_ = 0;
+  int elem_bytes_ = 4;
+  bool duplicate_ = false;
+  int64_t received_ = 0;
+  std::vector<uint8_t> buffer_;
+  bool failed_ = false;
+};
+
+class Job : public std::enable_shared_from_this<Job> {
+ public:
+  // `assign` is the first AssignShard of the job on this daemon. INVALID_ARGUMENT for a spec
+  // or layout that does not resolve.
+  static absl::StatusOr<std::shared_ptr<Job>> Create(const v1::AssignShardRequest& assign, JobOptions options);
+  ~Job();
+
+  const std::string& job_id() const { return job_id_; }
+
+  // Later AssignShard / DropShard calls. FAILED_PRECONDITION for an epoch older than known.
+  absl::Status Assign(const v1::AssignShardRequest& request);
+  // Returns true when the job holds no shard any more (the daemon then forgets it).
+  absl::StatusOr<bool> Drop(const v1::DropShardRequest& request);
+
+  absl::StatusOr<std::unique_ptr<PushSession>> BeginPush(const v1::PushGradHeader& header);
+  absl::StatusOr<PullResult> PullParams(const v1::PullParamsRequest& request, absl::Time deadline);
+  absl::StatusOr<v1::StepStats> FinishStep(const v1::FinishStepRequest& request, absl::Time deadline);
+  absl::StatusOr<v1::StepStats> GetStepStats(const v1::GetStepStatsRequest& request);
+
+  // A consistent copy of a shard's committed state. FAILED_PRECONDITION when not owned.
+  absl::StatusOr<ShardStateCopy> ReadShardState(int32_t bucket, int32_t shard) const;
+  std::vector<v1::ShardStatus> ShardStatuses() const;
+  int64_t state_bytes() const;
+  // Stops the step thread and ends every wait with UNAVAILABLE.
+  void Shutdown();
+
+ private:
+  friend class PushSession;
+  using Key = std::pair<int32_t, int32_t>;  // (bucket, shard)
+
+  struct ShardState {
+    int32_t bucket = 0;
+    int32_t shard = 0;
+    int64_t numel = 0;
+    bool initialized = false;  // has masters (version 0 published)
+    std::vector<float> master, scratch_master;
+    std::vector<uint8_t> m, v, scratch_m, scratch_v;
+    std::vector<float> grad_sum;  // for num_contributors > 1
+    std::map<int64_t, std::shared_ptr<const QuantizedShard>> versions;
+  };
+  struct ShardInputs {
+    int32_t num_contributors = 1;
+    ElementType dtype = ElementType::kFloat32;
+    double loss_scale = 1.0;  // multiplied into these gradients by the trainers (1 = none)
+    std::map<int32_t, std::vector<uint8_t>> by_rank;
+  };
+  struct StepInputs {
+    std::map<Key, ShardInputs> shards;
+    std::map<int32_t, std::pair<double, double>> finished;  // rank -> (lr, weight_decay)
+    int64_t first_push_ms = 0;
+  };
+  struct StepResult;
+
+  Job(std::string job_id, ResolvedJob resolved, std::string token_sha256, JobOptions options);
+
+  absl::Status CheckToken(const std::string& token) const;
+  // Routing checks shared by every data-plane call: epoch, bucket, shard ownership.
+  absl::Status CheckRoute(int64_t epoch, int32_t bucket, int32_t shard) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status ApplyPlacement(const v1::AssignShardRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<v1::PushGradResponse> StorePush(PushSession& session);
+  bool Decided(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool Ready(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool ShouldWake() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status ErrorWithDetail(absl::Status status) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  void RunSteps();
+  // The unlocked part of a step (job_step.cc): everything up to the commit.
+  absl::StatusOr<StepResult> ExecuteStep(int64_t step, const StepInputs& inputs,
+                                         const std::vector<std::shared_ptr<ShardState>>& shards,
+                                         const std::vector<std::string>& members, int64_t epoch);
+  absl::Status EnsureGroup(const std::vector<std::string>& members, int64_t epoch, int64_t step,
+                           absl::Time deadline);
+
+  const std::string job_id_;
+  const ResolvedJob job_;
+  const std::string token_sha256_;
+  const JobOptions options_;
+  const ReductionPlan plan_;
+
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<Key, std::string> owners_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> members_ ABSL_GUARDED_BY(mu_);  // sorted daemon ids of the placement
+  std::map<Key, std::shared_ptr<ShardState>> shards_ ABSL_GUARDED_BY(mu_);
+  int64_t next_step_ ABSL_GUARDED_BY(mu_) = -1;       // the step the engine waits for
+  int64_t executing_step_ ABSL_GUARDED_BY(mu_) = -2;  // the step running unlocked, or -2
+  std::set<std::tuple<int32_t, int32_t, int32_t>> executing_keys_ ABSL_GUARDED_BY(mu_);
+  std::pair<double, double> executing_hyper_ ABSL_GUARDED_BY(mu_);  // its (lr, weight_decay)
+  int64_t committed_step_ ABSL_GUARDED_BY(mu_) = -1;  // last decided step (committed or skipped)
+  int64_t version_ ABSL_GUARDED_BY(mu_) = -1;         // newest published version
+  std::map<int64_t, StepInputs> pending_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, v1::StepStats> stats_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, absl::Status> failures_ ABSL_GUARDED_BY(mu_);
+
+  // Owned by the step thread (no lock needed).
+  std::vector<DelayedScaling> delayed_;
+  LossScaleState loss_scale_;
+  std::unique_ptr<peer::PeerGroup> group_;
+  int64_t group_epoch_ = -1;
+  int64_t failed_attempts_ = 0;  // of the step being retried
+  std::vector<std::string> group_members_;
+
+  double loss_scale_now_ ABSL_GUARDED_BY(mu_) = 1.0;  // copy for push validation
+  std::thread step_thread_;
+};
+
+}  // namespace mainstay::daemon
+
+#endif  // MAINSTAY_SERVER_DAEMON_JOB_H_

@@ -1,0 +1,405 @@
+// The arithmetic of one step (DESIGN.md sections 1 and 5) and the step thread's loop with
+// the commit. ExecuteStep runs without the job's lock and writes only scratch buffers and new
+// snapshots, so a failure anywhere in it leaves the job exactly as it was.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/error_detail.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "kernels/scaling.h"
+#include "server/daemon/job.h"
+
+namespace mainstay::daemon {
+
+struct Job::StepResult {
+  bool skipped = false;
+  v1::StepStats stats;
+  std::vector<std::shared_ptr<const QuantizedShard>> published;  // one per shard, when not skipped
+};
+
+namespace {
+
+double MsSince(absl::Time start) { return absl::ToDoubleMilliseconds(absl::Now() - start); }
+
+int ElementBytes(ElementType type) { return BitsOf(type) / 8; }
+
+float ToFloat(const uint8_t* p, ElementType type) {
+  switch (type) {
+    case ElementType::kBFloat16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return kernels::Bf16ToFloat(h);
+    }
+    case ElementType::kFloat16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return kernels::Fp16ToFloat(h);
+    }
+    default: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+  }
+}
+
+// The contributions of several ranks summed in FP32, in rank order (deterministic).
+void SumContributions(const std::map<int32_t, std::vector<uint8_t>>& by_rank, ElementType type, int64_t n,
+                      std::vector<float>& out) {
+  out.assign(static_cast<size_t>(n), 0.0f);
+  const int bytes = ElementBytes(type);
+  bool first = true;
+  for (const auto& [rank, data] : by_rank) {
+    const uint8_t* p = data.data();
+    if (type == ElementType::kFloat32 && first) {
+      std::memcpy(out.data(), p, static_cast<size_t>(n) * 4);
+    } else {
+      for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = first ? ToFloat(p + i * bytes, type)
+                                                                         : out[static_cast<size_t>(i)] + ToFloat(p + i * bytes, type);
+    }
+    first = false;
+  }
+}
+
+bool HasTensorAmax(Format format) {
+  const FormatDescriptor& d = Describe(format);
+  return d.scaling == ScalingMode::kDelayed || d.scaling == ScalingMode::kCurrent || format == Format::kNVFP4;
+}
+
+float Fp8Max(Format format) {
+  return format == Format::kFP8E5M2Delayed || format == Format::kFP8E5M2Current ? kernels::kE5M2Max
+                                                                                 : kernels::kE4M3Max;
+}
+
+}  // namespace
+
+absl::Status Job::EnsureGroup(const std::vector<std::string>& members, int64_t epoch, int64_t step,
+                              absl::Time deadline) {
+  if (group_ != nullptr && group_epoch_ == epoch && group_members_ == members) return absl::OkStatus();
+  group_.reset();
+  if (members.size() <= 1) {
+    group_ = std::make_unique<peer::LocalPeerGroup>();
+  } else {
+    auto self = std::find(members.begin(), members.end(), options_.daemon_id);
+    if (self == members.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id_, ": this daemon (", options_.daemon_id, ") is not in the placement"));
+    }
+    if (options_.peers == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id_, " spans ", members.size(),
+                                                        " daemons but this daemon has no peer group configured"));
+    }
+    // Every member builds the group at the same step (they all run every step), so the step
+    // that (re)creates it and the number of failed attempts at it name it: a group broken at
+    // step s is rebuilt as ".../s.1" everywhere (Gloo needs a fresh key per attempt).
+    const std::string key = absl::StrCat("mainstay/peer/", job_id_, "/", epoch, "/", step, ".", failed_attempts_);
+    absl::StatusOr<std::unique_ptr<peer::PeerGroup>> group =
+        options_.peers->Create(key, static_cast<int>(self - members.begin()), static_cast<int>(members.size()), deadline);
+    if (!group.ok()) return Annotate(group.status(), "joining the job's peer group");
+    group_ = *std::move(group);
+  }
+  group_epoch_ = epoch;
+  group_members_ = members;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs& inputs,
+                                                 const std::vector<std::shared_ptr<ShardState>>& shards,
+                                                 const std::vector<std::string>& members, int64_t epoch) {
+  StepResult result;
+  v1::StepStats& stats = result.stats;
+  v1::StepPhaseTimes& phases = *stats.mutable_phases();
+  stats.set_step(step);
+  const Layout& layout = job_.layout;
+  const OptimizerSpec& opt = job_.spec.optimizer;
+  const Format model = job_.recipe.model_dtype;
+  const kernels::Device& device = options_.device;
+  const absl::Time deadline = absl::Now() + options_.peer_timeout;
+  MAINSTAY_RETURN_IF_ERROR(EnsureGroup(members, epoch, step, deadline));
+
+  double lr = 0.0, weight_decay = 0.0;
+  if (!inputs.finished.empty()) std::tie(lr, weight_decay) = inputs.finished.begin()->second;
+  stats.set_lr(lr);
+  stats.set_weight_decay(weight_decay);
+  stats.set_clip_factor(1.0);
+
+  // 1. Gradients: views (summed when several ranks contributed), partial stats, peer SUM.
+  std::vector<kernels::GradView> grads(shards.size());
+  std::vector<float> multipliers(shards.size(), 1.0f);
+  absl::Time t = absl::Now();
+  if (step >= 0) {
+    double partial[2] = {0.0, 0.0};  // sum of squares, non-finite count
+    for (size_t i = 0; i < shards.size(); ++i) {
+      ShardState& s = *shards[i];
+      const ShardInputs& in = inputs.shards.at({s.bucket, s.shard});
+      const float unscale = static_cast<float>(1.0 / in.loss_scale);
+      if (in.num_contributors == 1) {
+        grads[i] = {in.by_rank.begin()->second.data(), in.dtype};
+      } else {
+        SumContributions(in.by_rank, in.dtype, s.numel, s.grad_sum);
+        grads[i] = {s.grad_sum.data(), ElementType::kFloat32};
+      }
+      double sum_squares = 0.0;
+      int64_t nonfinite = 0;
+      MAINSTAY_RETURN_IF_ERROR(kernels::GradStats(device, grads[i], s.numel, unscale, &sum_squares, &nonfinite));
+      partial[0] += sum_squares;
+      partial[1] += static_cast<double>(nonfinite);
+    }
+    phases.set_grad_stats_ms(MsSince(t));
+    t = absl::Now();
+    MAINSTAY_RETURN_IF_ERROR(group_->AllReduceSum(std::span<double>(partial, 2), deadline));
+    phases.set_reduce_stats_ms(MsSince(t));
+    const double norm = std::sqrt(partial[0]);
+    stats.set_grad_norm(norm);
+    stats.set_nonfinite_count(static_cast<int64_t>(partial[1]));
+    if (partial[1] > 0.0) {
+      result.skipped = true;
+      loss_scale_.Update(/*overflow=*/true);
+      stats.set_loss_scale(loss_scale_.scale);
+      return result;
+    }
+    double clip = 1.0;
+    if (opt.max_grad_norm > 0.0f) {
+      const double c = static_cast<double>(opt.max_grad_norm) / (norm + 1e-6);
+      if (c < 1.0) clip = c;
+    }
+    stats.set_clip_factor(clip);
+    // One rounding from the exact factor: (clip / loss scale) in double, then to FP32.
+    for (size_t i = 0; i < shards.size(); ++i) {
+      multipliers[i] = static_cast<float>(clip / inputs.shards.at({shards[i]->bucket, shards[i]->shard}).loss_scale);
+    }
+  }
+
+  // 2. The update into scratch buffers (version 0: the initial values), with partial amaxes.
+  t = absl::Now();
+  const int moment_bytes = ElementBytes(opt.moment_dtype);
+  const bool adamw = opt.type == OptimizerType::kAdamW;
+  // The plan's amaxes, then [lr, -lr, weight_decay, -weight_decay]: after the MAX, the pairs
+  // tell whether every daemon's ranks sent the same hyperparameters (max == -max(-x)).
+  std::vector<float> reduced(static_cast<size_t>(plan_.size()) + 4, 0.0f);
+  const size_t hyper_at = static_cast<size_t>(plan_.size());
+  reduced[hyper_at] = static_cast<float>(lr);
+  reduced[hyper_at + 1] = -static_cast<float>(lr);
+  reduced[hyper_at + 2] = static_cast<float>(weight_decay);
+  reduced[hyper_at + 3] = -static_cast<float>(weight_decay);
+  std::vector<std::vector<std::vector<float>>> block_amax(shards.size());
+  for (size_t i = 0; i < shards.size(); ++i) {
+    ShardState& s = *shards[i];
+    const Bucket& bucket = layout.buckets[static_cast<size_t>(s.bucket)];
+    const Shard& shard = bucket.shards[static_cast<size_t>(s.shard)];
+    const size_t n = static_cast<size_t>(s.numel);
+    if (step < 0) {
+      const std::vector<uint8_t>& initial = inputs.shards.at({s.bucket, s.shard}).by_rank.begin()->second;
+      s.scratch_master.resize(n);
+      std::memcpy(s.scratch_master.data(), initial.data(), n * 4);
+      s.scratch_m.assign(n * static_cast<size_t>(moment_bytes), 0);
+      s.scratch_v.assign(adamw ? n * static_cast<size_t>(moment_bytes) : 0, 0);
+    } else {
+      s.scratch_master = s.master;
+      s.scratch_m = s.m;
+      s.scratch_v = s.v;
+    }
+    block_amax[i].resize(shard.fragments.size());
+    for (size_t j = 0; j < shard.fragments.size(); ++j) {
+      const TensorFragment& f = shard.fragments[j];
+      const LayoutTensor& tensor = layout.tensors[static_cast<size_t>(f.tensor)];
+      const kernels::Fragment frag{View2D(tensor.shape), f.elements};
+      const int64_t off = f.bucket_offset - shard.elements.begin;
+      const IndexRange blocks = FragmentScaleBlocks(layout, f);
+      std::vector<float>& bamax = block_amax[i][j];
+      bamax.assign(static_cast<size_t>(blocks.size()), 0.0f);
+      float tensor_amax = 0.0f;
+      kernels::AmaxOutputs amax{&tensor_amax, std::span<float>(bamax)};
+      float* master = s.scratch_master.data() + off;
+      if (step < 0) {
+        MAINSTAY_RETURN_IF_ERROR(kernels::ComputePartialAmax(
+            device, bucket.format, model, frag, std::span<const float>(master, static_cast<size_t>(frag.size())), amax));
+      } else {
+        const kernels::GradView g{static_cast<const uint8_t*>(grads[i].data) + off * ElementBytes(grads[i].type),
+                                  grads[i].type};
+        kernels::OptimizerState state{master, s.scratch_m.data() + off * moment_bytes,
+                                      adamw ? s.scratch_v.data() + off * moment_bytes : nullptr, opt.moment_dtype};
+        kernels::StepOutputs out;
+        out.amax = amax;
+        if (adamw) {
+          kernels::AdamWHyper h{static_cast<float>(lr), opt.beta1, opt.beta2, opt.eps, static_cast<float>(weight_decay),
+                                step + 1, multipliers[i]};
+          MAINSTAY_RETURN_IF_ERROR(kernels::FusedAdamW(device, bucket.format, model, frag, g, state, h, out));
+        } else {
+          kernels::SgdHyper h{static_cast<float>(lr), opt.momentum, static_cast<float>(weight_decay), step + 1,
+                              multipliers[i]};
+          MAINSTAY_RETURN_IF_ERROR(kernels::FusedSgd(device, bucket.format, model, frag, g, state, h, out));
+        }
+      }
+      float& r = reduced[static_cast<size_t>(f.tensor)];
+      r = std::max(r, tensor_amax);
+      plan_.Contribute(f.tensor, blocks, bamax, std::span<float>(reduced));
+    }
+  }
+  phases.set_update_ms(MsSince(t));
+
+  // 3. Amaxes whose scale spans fragments (and so possibly daemons): peer MAX.
+  t = absl::Now();
+  MAINSTAY_RETURN_IF_ERROR(group_->AllReduceMax(std::span<float>(reduced), deadline));
+  phases.set_reduce_amax_ms(MsSince(t));
+  if (reduced[hyper_at] != -reduced[hyper_at + 1] || reduced[hyper_at + 2] != -reduced[hyper_at + 3]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the ranks sent different hyperparameters for step ", step, ": lr from ", -reduced[hyper_at + 1], " to ",
+        reduced[hyper_at], ", weight_decay from ", -reduced[hyper_at + 3], " to ", reduced[hyper_at + 2],
+        " across daemons"));
+  }
+
+  // 4. Quantize each shard into its new version.
+  t = absl::Now();
+  for (size_t i = 0; i < shards.size(); ++i) {
+    ShardState& s = *shards[i];
+    const Bucket& bucket = layout.buckets[static_cast<size_t>(s.bucket)];
+    const Shard& shard = bucket.shards[static_cast<size_t>(s.shard)];
+    const FormatDescriptor& d = Describe(bucket.format);
+    auto snap = std::make_shared<QuantizedShard>();
+    snap->version = step + 1;
+    snap->bucket = s.bucket;
+    snap->shard = s.shard;
+    snap->format = bucket.format;
+    snap->elements = shard.elements;
+    snap->data.assign(static_cast<size_t>(DataBytes(bucket.format, s.numel)), 0);
+    snap->has_scales = d.has_block_scales();
+    snap->scale_type = d.block_scale;
+    const int scale_bytes = d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0;
+    for (const std::vector<float>& b : block_amax[i]) snap->num_scales += static_cast<int64_t>(b.size());
+    snap->scales.assign(static_cast<size_t>(snap->num_scales * scale_bytes), 0);
+    int64_t scale_offset = 0;
+    for (size_t j = 0; j < shard.fragments.size(); ++j) {
+      const TensorFragment& f = shard.fragments[j];
+      const LayoutTensor& tensor = layout.tensors[static_cast<size_t>(f.tensor)];
+      const kernels::Fragment frag{View2D(tensor.shape), f.elements};
+      const int64_t off = f.bucket_offset - shard.elements.begin;
+      const IndexRange blocks = FragmentScaleBlocks(layout, f);
+      std::vector<float>& bamax = block_amax[i][j];
+      plan_.Apply(f.tensor, blocks, std::span<float>(bamax), std::span<const float>(reduced));
+      const float amax = reduced[static_cast<size_t>(f.tensor)];
+      kernels::ScaleInputs in;
+      in.tensor_scale = delayed_[static_cast<size_t>(f.tensor)].scale;
+      in.tensor_amax = amax;
+      in.block_amax = bamax;
+      const IndexRange bytes = FragmentShardByteRange(bucket, shard, f);
+      float scale_inv = 0.0f;
+      kernels::QuantizedOutputs out;
+      out.data = std::span<uint8_t>(snap->data.data() + bytes.begin, static_cast<size_t>(bytes.size()));
+      out.block_scales = std::span<uint8_t>(snap->scales.data() + scale_offset * scale_bytes,
+                                            static_cast<size_t>(blocks.size() * scale_bytes));
+      out.tensor_scale_inv = d.tensor_scale ? &scale_inv : nullptr;
+      MAINSTAY_RETURN_IF_ERROR(kernels::Quantize(
+          device, bucket.format, model, frag,
+          std::span<const float>(s.scratch_master.data() + off, static_cast<size_t>(frag.size())), in, out));
+      scale_offset += blocks.size();
+      FragmentMeta meta;
+      meta.tensor = f.tensor;
+      meta.elements = f.elements;
+      meta.format = bucket.format;
+      if (d.scaling == ScalingMode::kDelayed) {
+        meta.scale = in.tensor_scale;
+      } else if (d.scaling == ScalingMode::kCurrent) {
+        meta.scale = kernels::CurrentScalingScale(amax, Fp8Max(bucket.format), in.pow2_scales);
+      } else if (bucket.format == Format::kNVFP4) {
+        meta.scale = kernels::Nvfp4GlobalEncodeScale(amax);
+      }
+      meta.scale_inv = scale_inv;
+      meta.amax = HasTensorAmax(bucket.format) ? amax : 0.0f;
+      snap->fragments.push_back(meta);
+    }
+    result.published.push_back(std::move(snap));
+  }
+  phases.set_quantize_ms(MsSince(t));
+
+  // 5. Nothing can fail from here: advance the scaling state the next step will use.
+  for (size_t ti = 0; ti < layout.tensors.size(); ++ti) {
+    const Format format = layout.tensors[ti].format;
+    if (Describe(format).scaling == ScalingMode::kDelayed) {
+      delayed_[ti].Record(reduced[ti], Fp8Max(format), job_.recipe.fp8_amax_compute_algo, job_.recipe.fp8_margin);
+    }
+    stats.add_tensor_amax(reduced[ti]);
+  }
+  if (step >= 0) loss_scale_.Update(/*overflow=*/false);
+  stats.set_loss_scale(loss_scale_.scale);
+  return result;
+}
+
+void Job::RunSteps() {
+  mu_.Lock();
+  while (true) {
+    mu_.Await(absl::Condition(this, &Job::ShouldWake));
+    if (stopping_) break;
+    const int64_t step = next_step_;
+    StepInputs inputs = std::move(pending_[step]);
+    pending_.erase(step);
+    executing_step_ = step;
+    executing_hyper_ = inputs.finished.empty() ? std::make_pair(0.0, 0.0) : inputs.finished.begin()->second;
+    executing_keys_.clear();
+    for (const auto& [key, in] : inputs.shards) {
+      for (const auto& [rank, data] : in.by_rank) executing_keys_.insert({key.first, key.second, rank});
+    }
+    std::vector<std::shared_ptr<ShardState>> shards;
+    for (const auto& [key, state] : shards_) shards.push_back(state);
+    const std::vector<std::string> members = members_;
+    const int64_t epoch = epoch_;
+    const int64_t now_ms = options_.clock->NowUnixMs();
+    const double wait_ms = static_cast<double>(now_ms - inputs.first_push_ms);
+    mu_.Unlock();
+
+    absl::StatusOr<StepResult> result = ExecuteStep(step, inputs, shards, members, epoch);
+
+    mu_.Lock();
+    executing_step_ = -2;
+    executing_keys_.clear();
+    if (!result.ok()) {
+      group_.reset();  // a failed collective leaves the group unusable
+      ++failed_attempts_;
+      Log(LogLevel::kWarning, "daemon",
+          absl::StrCat("job ", job_id_, ": step ", step, " failed and changed nothing: ", result.status().ToString()));
+      // INVALID_ARGUMENT (the trainers disagree) stays what it is; anything else is ABORTED:
+      // the trainers push the step again.
+      const std::string message = absl::StrCat("step ", step, " of job ", job_id_,
+                                               " failed on this daemon and changed nothing (",
+                                               result.status().message(), "); push step ", step, " again");
+      failures_[step] = ErrorWithDetail(result.status().code() == absl::StatusCode::kInvalidArgument
+                                            ? absl::InvalidArgumentError(message)
+                                            : absl::AbortedError(message));
+      continue;
+    }
+    v1::StepStats& stats = result->stats;
+    if (!result->skipped) {
+      for (size_t i = 0; i < shards.size(); ++i) {
+        ShardState& s = *shards[i];
+        s.master.swap(s.scratch_master);
+        s.m.swap(s.scratch_m);
+        s.v.swap(s.scratch_v);
+        s.initialized = true;
+        s.versions[step + 1] = result->published[i];
+        while (static_cast<int>(s.versions.size()) > std::max(options_.retained_versions, 1)) {
+          s.versions.erase(s.versions.begin());
+        }
+      }
+      version_ = step + 1;
+    }
+    if (step >= 0) committed_step_ = step;
+    next_step_ = step + 1;
+    failed_attempts_ = 0;
+    failures_.erase(step);
+    loss_scale_now_ = loss_scale_.scale;
+    const int64_t commit_ms = options_.clock->NowUnixMs();
+    stats.set_version(version_);
+    stats.set_skipped(result->skipped);
+    stats.set_commit_unix_ms(commit_ms);
+    stats.set_step_time_ms(commit_ms - inputs.first_push_ms);
+    stats.mutable_phases()->set_wait_inputs_ms(wait_ms);
+    stats_[step] = std::move(stats);
+    while (stats_.size() > 1000) stats_.erase(stats_.begin());
+  }
+  mu_.Unlock();
+}
+
+}  // namespace mainstay::daemon

@@ -1,0 +1,147 @@
+#include "server/daemon/shard_daemon.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status.h"
+
+namespace mainstay::daemon {
+
+ShardDaemon::ShardDaemon(ShardDaemonOptions options) : options_(std::move(options)) {}
+
+ShardDaemon::~ShardDaemon() { Shutdown(); }
+
+void ShardDaemon::set_daemon_id(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  daemon_id_ = id;
+}
+
+std::string ShardDaemon::daemon_id() const {
+  absl::MutexLock lock(&mu_);
+  return daemon_id_;
+}
+
+absl::StatusOr<std::shared_ptr<Job>> ShardDaemon::FindJob(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the daemon is shutting down");
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    // The coordinator assigns shards asynchronously after CreateJob: a trainer may get here
+    // first. Retryable; a job that never arrives ends in the caller's deadline.
+    return absl::UnavailableError(absl::StrCat("job '", job_id, "' has no shards on this daemon (yet); retry"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::AssignShardRequest& request) {
+  std::shared_ptr<Job> job;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("the daemon is shutting down");
+    if (daemon_id_.empty()) return absl::UnavailableError("the daemon has not finished registering; retry");
+    auto it = jobs_.find(request.job_id());
+    if (it != jobs_.end()) job = it->second;
+  }
+  if (job != nullptr) {
+    MAINSTAY_RETURN_IF_ERROR(job->Assign(request));
+  } else {
+    JobOptions options;
+    options.device = options_.device;
+    options.peers = options_.peers;
+    options.daemon_id = daemon_id();
+    options.retained_versions = options_.retained_versions;
+    options.peer_timeout = options_.peer_timeout;
+    options.clock = options_.clock;
+    MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> created, Job::Create(request, std::move(options)));
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = jobs_.emplace(request.job_id(), created);
+    if (!inserted) {  // a concurrent AssignShard created it first
+      created->Shutdown();
+      MAINSTAY_RETURN_IF_ERROR(it->second->Assign(request));
+    } else {
+      Log(LogLevel::kInfo, "daemon",
+          absl::StrCat("job ", request.job_id(), ": assigned ", request.shards_size(), " shard(s) at epoch ",
+                       request.placement_epoch()));
+    }
+    job = it->second;
+  }
+  v1::AssignShardResponse response;
+  for (v1::ShardStatus& s : job->ShardStatuses()) *response.add_shards() = std::move(s);
+  return response;
+}
+
+absl::Status ShardDaemon::DropShard(const v1::DropShardRequest& request) {
+  std::shared_ptr<Job> job;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(request.job_id());
+    if (it == jobs_.end()) return absl::OkStatus();  // idempotent
+    job = it->second;
+  }
+  MAINSTAY_ASSIGN_OR_RETURN(bool empty, job->Drop(request));
+  if (empty) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = jobs_.find(request.job_id());
+      if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+    }
+    job->Shutdown();
+    Log(LogLevel::kInfo, "daemon", absl::StrCat("job ", request.job_id(), ": dropped"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<PushSession>> ShardDaemon::BeginPush(const v1::PushGradHeader& header) {
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(header.job_id()));
+  return job->BeginPush(header);
+}
+
+absl::StatusOr<PullResult> ShardDaemon::PullParams(const v1::PullParamsRequest& request, absl::Time deadline) {
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job_id()));
+  return job->PullParams(request, deadline);
+}
+
+absl::StatusOr<v1::StepStats> ShardDaemon::FinishStep(const v1::FinishStepRequest& request, absl::Time deadline) {
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job_id()));
+  return job->FinishStep(request, deadline);
+}
+
+absl::StatusOr<v1::StepStats> ShardDaemon::GetStepStats(const v1::GetStepStatsRequest& request) {
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job_id()));
+  return job->GetStepStats(request);
+}
+
+absl::StatusOr<ShardStateCopy> ShardDaemon::ReadShardState(const std::string& job_id, int32_t bucket,
+                                                           int32_t shard) const {
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(job_id));
+  return job->ReadShardState(bucket, shard);
+}
+
+int64_t ShardDaemon::used_bytes() const {
+  std::vector<std::shared_ptr<Job>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, job] : jobs_) jobs.push_back(job);
+  }
+  int64_t total = 0;
+  for (const auto& job : jobs) total += job->state_bytes();
+  return total;
+}
+
+int ShardDaemon::active_jobs() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(jobs_.size());
+}
+
+void ShardDaemon::Shutdown() {
+  std::map<std::string, std::shared_ptr<Job>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    jobs.swap(jobs_);
+  }
+  for (auto& [id, job] : jobs) job->Shutdown();
+}
+
+}  // namespace mainstay::daemon

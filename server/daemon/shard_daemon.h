@@ -1,0 +1,74 @@
+// The shard daemon's core (DESIGN.md section 6, `mainstayd`): the jobs it holds shards of and
+// the handlers of the Shard service, with no gRPC in them (server/grpc/shard_service.cc adapts
+// them). Each job is a daemon::Job with its own step thread.
+//
+// Ownership: the options' executor, peer factory and clock are not owned and must outlive the
+// daemon. Thread safety: every method is thread-safe; PullParams and FinishStep wait up to
+// their deadline. Errors follow shard.proto: UNAVAILABLE when the daemon has not yet received
+// the job or epoch the caller routed with (retry), NOT_FOUND for an unknown bucket,
+// FAILED_PRECONDITION (with an ErrorDetail payload, common/error_detail.h) for a shard the
+// daemon does not own or a step already decided, INVALID_ARGUMENT for malformed requests,
+// UNAUTHENTICATED / PERMISSION_DENIED for a missing or wrong job token.
+#ifndef MAINSTAY_SERVER_DAEMON_SHARD_DAEMON_H_
+#define MAINSTAY_SERVER_DAEMON_SHARD_DAEMON_H_
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "kernels/kernels.h"
+#include "mainstay/v1/shard.pb.h"
+#include "server/daemon/job.h"
+#include "server/peer/peer_group.h"
+
+namespace mainstay::daemon {
+
+struct ShardDaemonOptions {
+  kernels::Device device;                   // kernels' device; its executor is not owned
+  peer::PeerGroupFactory* peers = nullptr;  // not owned; null: only jobs placed on this daemon alone
+  int retained_versions = 4;                // published versions kept per shard
+  absl::Duration peer_timeout = absl::Seconds(120);  // bound on one step's peer reductions
+  Clock* clock = RealClock::Get();
+};
+
+class ShardDaemon {
+ public:
+  explicit ShardDaemon(ShardDaemonOptions options);
+  ~ShardDaemon();
+
+  // The id the coordinator gave this daemon; shard assignments wait (UNAVAILABLE) until set.
+  void set_daemon_id(const std::string& id);
+  std::string daemon_id() const;
+
+  absl::StatusOr<v1::AssignShardResponse> AssignShard(const v1::AssignShardRequest& request);
+  absl::Status DropShard(const v1::DropShardRequest& request);
+  absl::StatusOr<std::unique_ptr<PushSession>> BeginPush(const v1::PushGradHeader& header);
+  absl::StatusOr<PullResult> PullParams(const v1::PullParamsRequest& request, absl::Time deadline);
+  absl::StatusOr<v1::StepStats> FinishStep(const v1::FinishStepRequest& request, absl::Time deadline);
+  absl::StatusOr<v1::StepStats> GetStepStats(const v1::GetStepStatsRequest& request);
+
+  absl::StatusOr<ShardStateCopy> ReadShardState(const std::string& job_id, int32_t bucket, int32_t shard) const;
+
+  int64_t used_bytes() const;
+  int active_jobs() const;
+  // Stops every job's step thread and ends waits with UNAVAILABLE. Idempotent.
+  void Shutdown();
+
+ private:
+  absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& job_id) const;
+
+  const ShardDaemonOptions options_;
+  mutable absl::Mutex mu_;
+  std::string daemon_id_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace mainstay::daemon
+
+#endif  // MAINSTAY_SERVER_DAEMON_SHARD_DAEMON_H_

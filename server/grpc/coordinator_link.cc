@@ -1,0 +1,168 @@
+#include "server/grpc/coordinator_link.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/status.h"
+
+namespace mainstay::daemon {
+namespace {
+
+constexpr char kComponent[] = "daemon";
+
+void SetDeadline(::grpc::ClientContext* context, absl::Time deadline) {
+  context->set_deadline(absl::ToChronoTime(deadline));
+}
+
+}  // namespace
+
+CoordinatorLink::CoordinatorLink(Options options) : options_(std::move(options)) {
+  ::grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  channel_ = ::grpc::CreateCustomChannel(options_.coordinator_address, ::grpc::InsecureChannelCredentials(), args);
+  stub_ = v1::Coordinator::NewStub(channel_);
+}
+
+absl::StatusOr<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(Options options) {
+  if (options.coordinator_address.empty()) return absl::InvalidArgumentError("coordinator address: required");
+  std::unique_ptr<CoordinatorLink> link(new CoordinatorLink(std::move(options)));
+  MAINSTAY_RETURN_IF_ERROR(link->Register(absl::Now() + link->options_.register_timeout));
+  link->heartbeat_ = std::thread([raw = link.get()] { raw->RunHeartbeat(); });
+  return link;
+}
+
+CoordinatorLink::~CoordinatorLink() { Shutdown(); }
+
+std::string CoordinatorLink::daemon_id() const {
+  absl::MutexLock lock(&mu_);
+  return daemon_id_;
+}
+
+absl::Status CoordinatorLink::Register(absl::Time deadline) {
+  v1::RegisterDaemonRequest request = options_.registration;
+  request.set_daemon_id(daemon_id());
+  absl::Duration backoff = absl::Milliseconds(100);
+  while (true) {
+    ::grpc::ClientContext context;
+    SetDeadline(&context, std::min(deadline, absl::Now() + options_.call_timeout));
+    v1::RegisterDaemonResponse response;
+    const absl::Status status = FromGrpcStatus(stub_->RegisterDaemon(&context, request, &response));
+    if (status.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        daemon_id_ = response.daemon_id();
+        lease_id_ = response.lease_id();
+        heartbeat_ms_ = std::max<int64_t>(response.heartbeat_interval_ms(), 50);
+      }
+      Log(LogLevel::kInfo, kComponent,
+          absl::StrCat("registered with coordinator ", options_.coordinator_address, " as ", response.daemon_id(),
+                       " (lease ", response.lease_ttl_ms(), " ms)"));
+      if (options_.on_registered) options_.on_registered(response.daemon_id());
+      return absl::OkStatus();
+    }
+    const bool retry = status.code() == absl::StatusCode::kUnavailable ||
+                       status.code() == absl::StatusCode::kDeadlineExceeded;
+    if (!retry) return Annotate(status, "registering with the coordinator");
+    if (absl::Now() + backoff >= deadline) {
+      return absl::UnavailableError(absl::StrCat("the coordinator at ", options_.coordinator_address,
+                                                 " did not answer: ", status.message()));
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(2));
+  }
+}
+
+void CoordinatorLink::RunHeartbeat() {
+  while (true) {
+    int64_t period_ms;
+    {
+      absl::MutexLock lock(&mu_);
+      period_ms = heartbeat_ms_;
+      mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(period_ms));
+      if (stopping_) return;
+    }
+    v1::HeartbeatRequest request;
+    {
+      absl::MutexLock lock(&mu_);
+      request.set_daemon_id(daemon_id_);
+      request.set_lease_id(lease_id_);
+    }
+    if (options_.usage) {
+      const auto [bytes, jobs] = options_.usage();
+      request.set_used_bytes(bytes);
+      request.set_active_jobs(jobs);
+    }
+    ::grpc::ClientContext context;
+    SetDeadline(&context, absl::Now() + options_.call_timeout);
+    v1::HeartbeatResponse response;
+    const absl::Status status = FromGrpcStatus(stub_->Heartbeat(&context, request, &response));
+    if (status.code() == absl::StatusCode::kNotFound) {
+      Log(LogLevel::kWarning, kComponent, absl::StrCat("lease lost (", status.message(), "): registering again"));
+      if (absl::Status s = Register(absl::Now() + options_.call_timeout); !s.ok()) {
+        Log(LogLevel::kWarning, kComponent, absl::StrCat("re-registration failed: ", s.ToString()));
+      }
+    } else if (!status.ok()) {
+      Log(LogLevel::kWarning, kComponent, absl::StrCat("heartbeat failed: ", status.ToString()));
+    }
+  }
+}
+
+void CoordinatorLink::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (heartbeat_.joinable()) heartbeat_.join();
+  v1::DeregisterDaemonRequest request;
+  {
+    absl::MutexLock lock(&mu_);
+    request.set_daemon_id(daemon_id_);
+    request.set_lease_id(lease_id_);
+  }
+  ::grpc::ClientContext context;
+  SetDeadline(&context, absl::Now() + options_.call_timeout);
+  v1::DeregisterDaemonResponse response;
+  const absl::Status status = FromGrpcStatus(stub_->DeregisterDaemon(&context, request, &response));
+  if (!status.ok()) Log(LogLevel::kWarning, kComponent, absl::StrCat("deregistration failed: ", status.ToString()));
+}
+
+absl::Status CoordinatorLink::Put(const std::string& key, const std::string& value, absl::Duration ttl) {
+  v1::KvPutRequest request;
+  request.set_key(key);
+  request.set_value(value);
+  request.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
+  ::grpc::ClientContext context;
+  SetDeadline(&context, absl::Now() + options_.call_timeout);
+  v1::KvPutResponse response;
+  return Annotate(FromGrpcStatus(stub_->KvPut(&context, request, &response)), absl::StrCat("KvPut ", key));
+}
+
+absl::StatusOr<std::string> CoordinatorLink::Get(const std::string& key, absl::Time deadline) {
+  while (true) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("KvGet ", key, ": the key did not appear before the deadline"));
+    }
+    const absl::Time slice = std::min(deadline, now + absl::Seconds(5));
+    v1::KvGetRequest request;
+    request.set_key(key);
+    request.set_wait_ms(std::max<int64_t>(absl::ToInt64Milliseconds(slice - now), 1));
+    ::grpc::ClientContext context;
+    SetDeadline(&context, slice + absl::Seconds(1));
+    v1::KvGetResponse response;
+    const absl::Status status = FromGrpcStatus(stub_->KvGet(&context, request, &response));
+    if (status.ok() && response.entries_size() > 0) return response.entries(0).value();
+    if (!status.ok() && status.code() != absl::StatusCode::kNotFound &&
+        status.code() != absl::StatusCode::kDeadlineExceeded && status.code() != absl::StatusCode::kUnavailable) {
+      return Annotate(status, absl::StrCat("KvGet ", key));
+    }
+    if (status.code() == absl::StatusCode::kUnavailable) absl::SleepFor(absl::Milliseconds(100));
+  }
+}
+
+}  // namespace mainstay::daemon

@@ -1,0 +1,69 @@
+// A daemon's connection to mainstay-coordinator: registration (retried until the coordinator
+// answers), the lease heartbeat (re-registering under the same daemon id when the lease was
+// lost), deregistration at shutdown, and the coordinator's KV as a peer::KvClient for the
+// peer group's rendezvous.
+//
+// Thread safety: all methods are thread-safe. The heartbeat runs on a thread of its own from
+// Start until Shutdown (idempotent; the destructor calls it).
+#ifndef MAINSTAY_SERVER_GRPC_COORDINATOR_LINK_H_
+#define MAINSTAY_SERVER_GRPC_COORDINATOR_LINK_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "mainstay/v1/coordinator.grpc.pb.h"
+#include "server/peer/kv_client.h"
+
+namespace mainstay::daemon {
+
+class CoordinatorLink : public peer::KvClient {
+ public:
+  struct Options {
+    std::string coordinator_address;           // "host:port"
+    v1::RegisterDaemonRequest registration;    // address, node name, transports, resources
+    absl::Duration register_timeout = absl::Seconds(60);  // keep retrying UNAVAILABLE this long
+    absl::Duration call_timeout = absl::Seconds(10);
+    // Called with the daemon id after every (re-)registration.
+    std::function<void(const std::string&)> on_registered;
+    // Heartbeat payload: (used bytes, active jobs).
+    std::function<std::pair<int64_t, int>()> usage;
+  };
+
+  // Registers and starts the heartbeat. UNAVAILABLE when the coordinator did not answer
+  // within register_timeout; the coordinator's error otherwise.
+  static absl::StatusOr<std::unique_ptr<CoordinatorLink>> Start(Options options);
+  ~CoordinatorLink() override;
+
+  std::string daemon_id() const;
+  // Stops the heartbeat and deregisters (best effort, bounded by call_timeout).
+  void Shutdown();
+
+  absl::Status Put(const std::string& key, const std::string& value, absl::Duration ttl) override;
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Time deadline) override;
+
+ private:
+  explicit CoordinatorLink(Options options);
+  absl::Status Register(absl::Time deadline);
+  void RunHeartbeat();
+
+  const Options options_;
+  std::shared_ptr<::grpc::Channel> channel_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  mutable absl::Mutex mu_;
+  std::string daemon_id_ ABSL_GUARDED_BY(mu_);
+  std::string lease_id_ ABSL_GUARDED_BY(mu_);
+  int64_t heartbeat_ms_ ABSL_GUARDED_BY(mu_) = 1000;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread heartbeat_;
+};
+
+}  // namespace mainstay::daemon
+
+#endif  // MAINSTAY_SERVER_GRPC_COORDINATOR_LINK_H_

@@ -1,0 +1,51 @@
+// The shard daemon as a gRPC server: the mainstay.v1.Shard service over the ShardDaemon core
+// (server/daemon/shard_daemon.h), plus the standard health service ("" and
+// "mainstay.v1.Shard" SERVING while it runs) and server reflection.
+//
+// PushGrad is a callback read reactor that validates the header before any data arrives and
+// stages chunks in the core's PushSession (nothing is stored until the stream ends well).
+// PullParams and FinishStep wait for a step, so they run on helper threads (server/grpc/calls.h),
+// in slices that notice a cancelled call or a shutdown; PullParams then streams the immutable
+// snapshot in chunks of at most max_chunk_bytes (default 1 MiB, capped at 4 MiB).
+// FetchShardState and WriteCheckpoint answer UNIMPLEMENTED with the reason.
+//
+// Ownership: `daemon` is not owned and must outlive the server. Thread safety: port() from
+// any thread; Shutdown is idempotent (the destructor calls it).
+#ifndef MAINSTAY_SERVER_GRPC_SHARD_SERVICE_H_
+#define MAINSTAY_SERVER_GRPC_SHARD_SERVICE_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/daemon/shard_daemon.h"
+
+namespace mainstay::daemon {
+
+class ShardServer {
+ public:
+  struct Options {
+    std::string listen_address = "127.0.0.1:0";  // port 0 picks a free port (see port())
+    int max_message_bytes = 64 << 20;
+    daemon::ShardDaemon* daemon = nullptr;        // required, not owned
+  };
+
+  // INVALID_ARGUMENT for bad options; UNAVAILABLE when the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<ShardServer>> Start(Options options);
+  ~ShardServer();
+  ShardServer(const ShardServer&) = delete;
+  ShardServer& operator=(const ShardServer&) = delete;
+
+  int port() const;
+  // Stops accepting calls, ends waiting ones with UNAVAILABLE, bounded to a few seconds.
+  void Shutdown();
+
+ private:
+  struct Impl;
+  explicit ShardServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mainstay::daemon
+
+#endif  // MAINSTAY_SERVER_GRPC_SHARD_SERVICE_H_
