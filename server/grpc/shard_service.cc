@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "common/layout_proto.h"
@@ -99,20 +100,24 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
   bool entered_ = false;
 };
 
-// PullParams: a helper thread waits for the version, then writes header, data and scale
-// chunks one at a time (each write waits for the previous one's OnWriteDone). The reactor is
-// deleted by whichever of OnDone and the helper thread ends last.
-class PullParamsReactor final : public ::grpc::ServerWriteReactor<v1::PullParamsResponse> {
+// A server stream produced by a blocking function on a helper thread: `produce(write)` calls
+// write(message) for each message (each write waits for the previous one's OnWriteDone; false
+// when the client went away) and returns the final status. The reactor is deleted by whichever
+// of OnDone and the helper thread ends last.
+template <typename Message>
+class BlockingWriter final : public ::grpc::ServerWriteReactor<Message> {
  public:
-  PullParamsReactor(ShardDaemon* core, Calls* calls, ::grpc::CallbackServerContext* context,
-                    const v1::PullParamsRequest& request)
-      : core_(core), calls_(calls), context_(context), request_(request) {
+  using Write = std::function<bool(const Message&)>;
+  using Produce = std::function<absl::Status(const Write&)>;
+
+  BlockingWriter(Calls* calls, ::grpc::CallbackServerContext* context, Produce produce)
+      : calls_(calls), context_(context), produce_(std::move(produce)) {
     if (!calls_->Enter()) {
       refs_ = 1;
-      Finish(ShuttingDown());
+      this->Finish(ShuttingDown());
     } else if (!calls_->Spawn([this] { Run(); })) {
       refs_ = 1;
-      Finish(ShuttingDown());
+      this->Finish(ShuttingDown());
       calls_->Exit();
     }
   }
@@ -127,88 +132,138 @@ class PullParamsReactor final : public ::grpc::ServerWriteReactor<v1::PullParams
  private:
   void Run() {
     Calls* const calls = calls_;
-    const absl::Status status = Stream();
-    Finish(ToGrpcWithDetail(context_, status));
+    const absl::Status status = produce_([this](const Message& m) { return WriteOne(m); });
+    this->Finish(ToGrpcWithDetail(context_, status));
     calls->Exit();
     Unref();
   }
 
-  bool Write(const v1::PullParamsResponse& message) {
+  bool WriteOne(const Message& message) {
     {
       absl::MutexLock lock(&mu_);
       write_pending_ = true;
     }
-    StartWrite(&message);
+    this->StartWrite(&message);
     absl::MutexLock lock(&mu_);
     auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !write_pending_; };
     mu_.Await(absl::Condition(&done));
     return write_ok_;
   }
 
-  absl::Status Stream() {
-    absl::StatusOr<PullResult> result = WaitInSlices<PullResult>(
-        context_, calls_, [&](absl::Time deadline) { return core_->PullParams(request_, deadline); });
-    if (!result.ok()) return result.status();
-    const QuantizedShard& s = *result->shard;
-    v1::PullParamsResponse message;
-    v1::PullParamsHeader& h = *message.mutable_header();
-    h.set_version(s.version);
-    h.set_unchanged(result->unchanged);
-    h.set_format(FormatToProto(s.format));
-    h.mutable_elements()->set_begin(s.elements.begin);
-    h.mutable_elements()->set_end(s.elements.end);
-    h.set_total_data_bytes(static_cast<int64_t>(s.data.size()));
-    if (s.has_scales) h.set_scale_type(ElementTypeToProto(s.scale_type));
-    h.set_total_scales(s.num_scales);
-    h.set_total_scale_bytes(static_cast<int64_t>(s.scales.size()));
-    for (const FragmentMeta& f : s.fragments) {
-      v1::FragmentQuantization* q = h.add_fragments();
-      q->set_tensor(f.tensor);
-      q->mutable_elements()->set_begin(f.elements.begin);
-      q->mutable_elements()->set_end(f.elements.end);
-      q->set_format(FormatToProto(f.format));
-      q->set_scale(f.scale);
-      q->set_scale_inv(f.scale_inv);
-      q->set_amax(f.amax);
-    }
-    if (!Write(message)) return absl::CancelledError("PullParams: the client went away");
-    if (result->unchanged) return absl::OkStatus();
-    int64_t chunk = request_.max_chunk_bytes() > 0 ? std::min(request_.max_chunk_bytes(), kMaxChunkBytes)
-                                                   : kDefaultChunkBytes;
-    chunk = std::max<int64_t>(chunk - chunk % 8, 8);  // whole elements of every type
-    const int bits = Describe(s.format).bits_per_element;
-    for (int64_t off = 0; off < static_cast<int64_t>(s.data.size()); off += chunk) {
-      const int64_t n = std::min<int64_t>(chunk, static_cast<int64_t>(s.data.size()) - off);
-      message.Clear();
-      message.mutable_data()->set_element_offset(off * 8 / bits);
-      message.mutable_data()->set_data(s.data.data() + off, static_cast<size_t>(n));
-      if (!Write(message)) return absl::CancelledError("PullParams: the client went away");
-    }
-    const int64_t entry = s.num_scales > 0 ? static_cast<int64_t>(s.scales.size()) / s.num_scales : 1;
-    for (int64_t off = 0; off < static_cast<int64_t>(s.scales.size()); off += chunk) {
-      const int64_t n = std::min<int64_t>(chunk, static_cast<int64_t>(s.scales.size()) - off);
-      message.Clear();
-      message.mutable_scales()->set_scale_offset(off / entry);
-      message.mutable_scales()->set_data(s.scales.data() + off, static_cast<size_t>(n));
-      if (!Write(message)) return absl::CancelledError("PullParams: the client went away");
-    }
-    return absl::OkStatus();
-  }
-
   void Unref() {
     if (refs_.fetch_sub(1) == 1) delete this;
   }
 
-  ShardDaemon* const core_;
   Calls* const calls_;
   ::grpc::CallbackServerContext* const context_;
-  const v1::PullParamsRequest request_;
+  const Produce produce_;
   std::atomic<int> refs_{2};  // OnDone + the helper thread
   absl::Mutex mu_;
   bool write_pending_ ABSL_GUARDED_BY(mu_) = false;
   bool write_ok_ ABSL_GUARDED_BY(mu_) = true;
 };
 
+// Sends `bytes` as chunks of at most `chunk` bytes; make(offset_bytes, data, size) fills one.
+template <typename Message, typename Make>
+absl::Status WriteChunks(const std::function<bool(const Message&)>& write, const uint8_t* bytes, int64_t size,
+                         int64_t chunk, Make make) {
+  Message message;
+  for (int64_t off = 0; off < size; off += chunk) {
+    const int64_t n = std::min<int64_t>(chunk, size - off);
+    message.Clear();
+    make(message, off, bytes + off, n);
+    if (!write(message)) return absl::CancelledError("the client went away");
+  }
+  return absl::OkStatus();
+}
+
+int64_t ChunkBytes(int64_t requested) {
+  const int64_t chunk = requested > 0 ? std::min(requested, kMaxChunkBytes) : kDefaultChunkBytes;
+  return std::max<int64_t>(chunk - chunk % 8, 8);  // whole elements of every type
+}
+
+// PullParams: waits for the version, then header, data chunks, scale chunks.
+absl::Status StreamParams(ShardDaemon* core, Calls* calls, ::grpc::CallbackServerContext* context,
+                          const v1::PullParamsRequest& request,
+                          const std::function<bool(const v1::PullParamsResponse&)>& write) {
+  absl::StatusOr<PullResult> result = WaitInSlices<PullResult>(
+      context, calls, [&](absl::Time deadline) { return core->PullParams(request, deadline); });
+  if (!result.ok()) return result.status();
+  const QuantizedShard& s = *result->shard;
+  v1::PullParamsResponse message;
+  v1::PullParamsHeader& h = *message.mutable_header();
+  h.set_version(s.version);
+  h.set_unchanged(result->unchanged);
+  h.set_format(FormatToProto(s.format));
+  h.mutable_elements()->set_begin(s.elements.begin);
+  h.mutable_elements()->set_end(s.elements.end);
+  h.set_total_data_bytes(static_cast<int64_t>(s.data.size()));
+  if (s.has_scales) h.set_scale_type(ElementTypeToProto(s.scale_type));
+  h.set_total_scales(s.num_scales);
+  h.set_total_scale_bytes(static_cast<int64_t>(s.scales.size()));
+  for (const FragmentMeta& f : s.fragments) {
+    v1::FragmentQuantization* q = h.add_fragments();
+    q->set_tensor(f.tensor);
+    q->mutable_elements()->set_begin(f.elements.begin);
+    q->mutable_elements()->set_end(f.elements.end);
+    q->set_format(FormatToProto(f.format));
+    q->set_scale(f.scale);
+    q->set_scale_inv(f.scale_inv);
+    q->set_amax(f.amax);
+  }
+  if (!write(message)) return absl::CancelledError("PullParams: the client went away");
+  if (result->unchanged) return absl::OkStatus();
+  const int64_t chunk = ChunkBytes(request.max_chunk_bytes());
+  const int bits = Describe(s.format).bits_per_element;
+  MAINSTAY_RETURN_IF_ERROR(WriteChunks<v1::PullParamsResponse>(
+      write, s.data.data(), static_cast<int64_t>(s.data.size()), chunk,
+      [&](v1::PullParamsResponse& m, int64_t off, const uint8_t* p, int64_t n) {
+        m.mutable_data()->set_element_offset(off * 8 / bits);
+        m.mutable_data()->set_data(p, static_cast<size_t>(n));
+      }));
+  const int64_t entry = s.num_scales > 0 ? static_cast<int64_t>(s.scales.size()) / s.num_scales : 1;
+  return WriteChunks<v1::PullParamsResponse>(write, s.scales.data(), static_cast<int64_t>(s.scales.size()), chunk,
+                                             [&](v1::PullParamsResponse& m, int64_t off, const uint8_t* p, int64_t n) {
+                                               m.mutable_scales()->set_scale_offset(off / entry);
+                                               m.mutable_scales()->set_data(p, static_cast<size_t>(n));
+                                             });
+}
+
+// FetchShardState: a consistent copy of the committed state, then master, m and v in chunks.
+absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& request,
+                         const std::function<bool(const v1::FetchShardStateResponse&)>& write) {
+  MAINSTAY_ASSIGN_OR_RETURN(ShardStateCopy state,
+                            core->ReadShardState(request.job_id(), request.shard().bucket(), request.shard().shard()));
+  v1::FetchShardStateResponse message;
+  v1::ShardStateHeader& h = *message.mutable_header();
+  h.set_version(state.version);
+  h.set_committed_step(state.committed_step);
+  h.set_shard_numel(static_cast<int64_t>(state.master.size()));
+  h.set_moment_type(ElementTypeToProto(state.moment_type));
+  h.set_loss_scale(1.0);
+  if (!write(message)) return absl::CancelledError("FetchShardState: the client went away");
+  const int64_t chunk = ChunkBytes(0);
+  const struct {
+    v1::StateBuffer buffer;
+    const uint8_t* data;
+    int64_t bytes;
+    int element_bytes;
+  } buffers[] = {
+      {v1::STATE_BUFFER_MASTER, reinterpret_cast<const uint8_t*>(state.master.data()),
+       static_cast<int64_t>(state.master.size() * 4), 4},
+      {v1::STATE_BUFFER_MOMENT1, state.m.data(), static_cast<int64_t>(state.m.size()), BitsOf(state.moment_type) / 8},
+      {v1::STATE_BUFFER_MOMENT2, state.v.data(), static_cast<int64_t>(state.v.size()), BitsOf(state.moment_type) / 8},
+  };
+  for (const auto& b : buffers) {
+    MAINSTAY_RETURN_IF_ERROR(WriteChunks<v1::FetchShardStateResponse>(
+        write, b.data, b.bytes, chunk, [&](v1::FetchShardStateResponse& m, int64_t off, const uint8_t* p, int64_t n) {
+          m.mutable_chunk()->set_buffer(b.buffer);
+          m.mutable_chunk()->set_element_offset(off / b.element_bytes);
+          m.mutable_chunk()->set_data(p, static_cast<size_t>(n));
+        }));
+  }
+  return absl::OkStatus();
+}
 
 class ShardService final : public v1::Shard::CallbackService {
  public:
@@ -228,7 +283,11 @@ class ShardService final : public v1::Shard::CallbackService {
   }
   ::grpc::ServerWriteReactor<v1::PullParamsResponse>* PullParams(::grpc::CallbackServerContext* context,
                                                                  const v1::PullParamsRequest* request) override {
-    return new PullParamsReactor(core_, calls_, context, *request);
+    const v1::PullParamsRequest copy = *request;
+    return new BlockingWriter<v1::PullParamsResponse>(
+        calls_, context, [core = core_, calls = calls_, context, copy](const auto& write) {
+          return StreamParams(core, calls, context, copy, write);
+        });
   }
   ::grpc::ServerUnaryReactor* FinishStep(::grpc::CallbackServerContext* context, const v1::FinishStepRequest* request,
                                          v1::FinishStepResponse* response) override {
@@ -259,9 +318,10 @@ class ShardService final : public v1::Shard::CallbackService {
     });
   }
   ::grpc::ServerWriteReactor<v1::FetchShardStateResponse>* FetchShardState(
-      ::grpc::CallbackServerContext*, const v1::FetchShardStateRequest*) override {
-    return new grpc_server::FinishedWriter<v1::FetchShardStateResponse>(::grpc::Status(
-        ::grpc::StatusCode::UNIMPLEMENTED, "FetchShardState: shard moves between daemons are not supported yet"));
+      ::grpc::CallbackServerContext* context, const v1::FetchShardStateRequest* request) override {
+    const v1::FetchShardStateRequest copy = *request;
+    return new BlockingWriter<v1::FetchShardStateResponse>(
+        calls_, context, [core = core_, copy](const auto& write) { return StreamState(core, copy, write); });
   }
   ::grpc::ServerUnaryReactor* WriteCheckpoint(::grpc::CallbackServerContext* context,
                                               const v1::WriteCheckpointRequest*,

@@ -7,7 +7,8 @@
 // PullParams and FinishStep wait for a step, so they run on helper threads (server/grpc/calls.h),
 // in slices that notice a cancelled call or a shutdown; PullParams then streams the immutable
 // snapshot in chunks of at most max_chunk_bytes (default 1 MiB, capped at 4 MiB).
-// FetchShardState and WriteCheckpoint answer UNIMPLEMENTED with the reason.
+// FetchShardState streams a consistent copy of a shard's committed state (master, moments);
+// WriteCheckpoint answers UNIMPLEMENTED with the reason.
 //
 // Ownership: `daemon` is not owned and must outlive the server. Thread safety: port() from
 // any thread; Shutdown is idempotent (the destructor calls it).

@@ -22,6 +22,7 @@
 #include "server/daemon/scaling_state.h"
 #include "server/daemon/shard_daemon.h"
 #include "server/peer/fake_peer_group.h"
+#include "tests/testing/reference_model.h"
 #include "tests/testing/status_matchers.h"
 
 namespace mainstay::daemon {
@@ -29,17 +30,10 @@ namespace {
 
 using ::mainstay::testing::IsOk;
 using ::mainstay::testing::StatusIs;
+using ::mainstay::testing::GradValue;
+using Reference = ::mainstay::testing::ReferenceModel;
 
 constexpr char kJob[] = "job-1";
-
-// Deterministic pseudo-random values in [-scale, scale).
-float Value(uint64_t a, uint64_t b, uint64_t c, float scale) {
-  uint64_t x = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xBF58476D1CE4E5B9ull ^ c * 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  x *= 0xD6E8FEB86653DA0Bull;
-  x ^= x >> 29;
-  return (static_cast<float>(x >> 40) / static_cast<float>(1 << 24) * 2.0f - 1.0f) * scale;
-}
 
 JobSpec MakeSpec(const std::string& recipe, LayoutPolicy policy, int64_t d) {
   JobSpec spec;
@@ -50,71 +44,9 @@ JobSpec MakeSpec(const std::string& recipe, LayoutPolicy policy, int64_t d) {
   spec.bucket_numel = 16384;
   spec.optimizer.max_grad_norm = 0.0f;  // see the file comment
   spec.optimizer.weight_decay = 0.0f;
-  spec.tensors = {{"layers.0.mlp.fc1.weight", {96, 64}},  {"layers.0.norm.weight", {64}},
-                  {"layers.0.mlp.fc2.weight", {64, 96}},  {"layers.1.attn.qkv.weight", {320, 144}},
-                  {"layers.1.attn.proj.weight", {80, 64}}, {"layers.1.mlp.fc1.bias", {96}}};
+  spec.tensors = testing::TestTensors();
   return spec;
 }
-
-// The unsharded model, stepped with the same kernels.
-struct Reference {
-  ResolvedJob job;
-  std::vector<std::vector<float>> master, m, v;
-  std::vector<DelayedScaling> delayed;
-
-  explicit Reference(ResolvedJob j) : job(std::move(j)) {
-    for (size_t t = 0; t < job.layout.tensors.size(); ++t) {
-      const int64_t n = job.layout.tensors[t].numel;
-      master.emplace_back(n);
-      for (int64_t i = 0; i < n; ++i) master[t][static_cast<size_t>(i)] = Value(t, i, 999, 0.5f);
-      m.emplace_back(n, 0.0f);
-      v.emplace_back(n, 0.0f);
-      delayed.emplace_back(job.recipe.fp8_amax_history_len);
-    }
-  }
-
-  kernels::Fragment Whole(size_t t) const {
-    const LayoutTensor& tensor = job.layout.tensors[t];
-    return {View2D(tensor.shape), {0, tensor.numel}};
-  }
-
-  void Step(int64_t step, float lr) {
-    for (size_t t = 0; t < master.size(); ++t) {
-      std::vector<float> grad(master[t].size());
-      for (size_t i = 0; i < grad.size(); ++i) grad[i] = Value(t, i, static_cast<uint64_t>(step), 0.01f);
-      const OptimizerSpec& o = job.spec.optimizer;
-      kernels::AdamWHyper h{lr, o.beta1, o.beta2, o.eps, 0.0f, step + 1, 1.0f};
-      ASSERT_THAT(kernels::FusedAdamW({}, job.layout.tensors[t].format, job.recipe.model_dtype, Whole(t),
-                                      {grad.data(), ElementType::kFloat32},
-                                      {master[t].data(), m[t].data(), v[t].data(), ElementType::kFloat32}, h, {}),
-                  IsOk());
-    }
-  }
-
-  // Data and scale bytes of tensor t quantized whole; advances its delayed-scaling state.
-  void Quantize(size_t t, std::vector<uint8_t>& data, std::vector<uint8_t>& scales) {
-    const Format format = job.layout.tensors[t].format;
-    const FormatDescriptor& d = Describe(format);
-    const kernels::Fragment whole = Whole(t);
-    const IndexRange blocks = ScaleBlockRange(format, whole.view, whole.elements);
-    std::vector<float> block_amax(static_cast<size_t>(blocks.size()));
-    float amax = 0.0f;
-    ASSERT_THAT(kernels::ComputePartialAmax({}, format, job.recipe.model_dtype, whole, master[t], {&amax, block_amax}),
-                IsOk());
-    kernels::ScaleInputs in;
-    in.tensor_scale = delayed[t].scale;
-    in.tensor_amax = amax;
-    in.block_amax = block_amax;
-    data.assign(static_cast<size_t>(DataBytes(format, whole.size())), 0);
-    scales.assign(static_cast<size_t>(blocks.size() * (d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0)), 0);
-    ASSERT_THAT(kernels::Quantize({}, format, job.recipe.model_dtype, whole, master[t], in, {data, scales, nullptr}),
-                IsOk());
-    if (d.scaling == ScalingMode::kDelayed) {
-      delayed[t].Record(amax, format == Format::kFP8E5M2Delayed ? kernels::kE5M2Max : kernels::kE4M3Max,
-                        job.recipe.fp8_amax_compute_algo, job.recipe.fp8_margin);
-    }
-  }
-};
 
 class Cluster {
  public:
@@ -200,7 +132,7 @@ class Cluster {
   void PushInitial(const Reference& ref) {
     for (const Bucket& b : layout().buckets) {
       for (const Shard& s : b.shards) {
-        auto values = ShardValues(b, s, [&](int32_t t, int64_t i) { return ref.master[static_cast<size_t>(t)][static_cast<size_t>(i)]; });
+        auto values = ShardValues(b, s, [&](int32_t t, int64_t i) { return ref.master(static_cast<size_t>(t))[static_cast<size_t>(i)]; });
         ASSERT_THAT(Push(b.index, s.rank, -1, s.rank, values, v1::PUSH_KIND_INITIAL_PARAMS).status(), IsOk());
       }
     }
@@ -210,7 +142,7 @@ class Cluster {
     for (const Bucket& b : layout().buckets) {
       for (const Shard& s : b.shards) {
         auto values = ShardValues(b, s, [&](int32_t t, int64_t i) {
-          return Value(static_cast<uint64_t>(t), static_cast<uint64_t>(i), static_cast<uint64_t>(step), 0.01f);
+          return GradValue(t, i, step);
         });
         if (poison != 0.0f && b.index == 0 && s.rank == 0) values[0] = poison;
         ASSERT_THAT(Push(b.index, s.rank, step, s.rank, values, v1::PUSH_KIND_GRADIENT).status(), IsOk());
@@ -260,8 +192,9 @@ class Cluster {
 // Compares every published shard of `version` with the reference quantized whole, and every
 // master with the reference's.
 void ExpectMatchesReference(Cluster& c, Reference& ref, int64_t version) {
-  std::vector<std::vector<uint8_t>> data(ref.master.size()), scales(ref.master.size());
-  for (size_t t = 0; t < ref.master.size(); ++t) ref.Quantize(t, data[t], scales[t]);
+  const size_t num_tensors = c.layout().tensors.size();
+  std::vector<std::vector<uint8_t>> data(num_tensors), scales(num_tensors);
+  for (size_t t = 0; t < num_tensors; ++t) ref.Quantize(t, data[t], scales[t]);
   for (const Bucket& b : c.layout().buckets) {
     const FormatDescriptor& d = Describe(b.format);
     const int scale_bytes = d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0;
@@ -286,7 +219,7 @@ void ExpectMatchesReference(Cluster& c, Reference& ref, int64_t version) {
             << "scales of " << c.layout().tensors[t].name;
         scale_offset += blocks.size();
         const int64_t off = f.bucket_offset - s.elements.begin;
-        ASSERT_EQ(0, std::memcmp(state->master.data() + off, ref.master[t].data() + f.elements.begin,
+        ASSERT_EQ(0, std::memcmp(state->master.data() + off, ref.master(t).data() + f.elements.begin,
                                  static_cast<size_t>(f.elements.size()) * 4))
             << "master of " << c.layout().tensors[t].name;
       }
