@@ -1,0 +1,244 @@
+// libmainstay_client: the trainer side of Mainstay (DESIGN.md sections 1, 6 and 8).
+//
+// Client::Connect creates a job from a JSON spec (docs/job_spec.md) or attaches to an existing
+// one (job id + token), reads its Layout and placement, and then moves data per (bucket, shard):
+//   - PushGrad / PushBucketUnreduced / PushInitialParams stream gradients (or initial FP32
+//     parameters) to the daemon owning each shard, asynchronously, returning a PushHandle;
+//   - FinishStep(step, lr, weight_decay) waits for the step's pushes, tells every daemon pushed
+//     to that this rank is done, and returns the StepStats once the step is committed or skipped;
+//   - PullShard / PullBucket fetch a version's quantized parameters (PullBucket: every shard of a
+//     bucket in parallel, an all-gather through the daemons) as a PulledBucket (pulled.h).
+// docs/client.md shows the step loop of a trainer in both push modes.
+//
+// Deadlines and retries: every operation has a deadline (ClientOptions::timeout, or the call's
+// own timeout) covering all of its attempts. UNAVAILABLE (daemon not reachable, or it has not
+// received the job's shards / placement epoch yet) is retried with exponential backoff
+// (initial_backoff doubling up to max_backoff) until that deadline. FAILED_PRECONDITION that
+// names a newer placement epoch re-reads the placement and retries at once. Every other error is
+// returned unchanged in code, with context in the message and the daemon's ErrorDetail (if any)
+// as a payload readable with GetErrorInfo.
+//
+// Ownership: the Client owns its channels (one per daemon address), its placement cache and two
+// small thread pools (pushes, pulls). Data handed to a push (ElementSpan) is NOT copied up
+// front: it must stay valid and unchanged until that push's handle is ready (Wait returned), or
+// FinishStep of its step returned, or the Client is destroyed. Destroying the Client cancels
+// the operations still in flight (their handles complete with CANCELLED) and waits for them.
+// Thread safety: every method may be called concurrently from any thread. Handles may be waited
+// on from any thread, any number of times.
+#ifndef MAINSTAY_CLIENT_CLIENT_H_
+#define MAINSTAY_CLIENT_CLIENT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/layout.h"
+#include "mainstay/buffers.h"
+#include "mainstay/export.h"
+#include "mainstay/pulled.h"
+
+namespace mainstay {
+
+struct ClientOptions {
+  std::string coordinator;    // "host:port" of mainstay-coordinator; required
+  // Create a job: the job spec as JSON text (docs/job_spec.md). Exactly one of job_spec_json and
+  // (job_id, job_token) is given.
+  std::string job_spec_json;
+  std::string admin_token;    // for CreateJob when the coordinator requires one
+  // Attach to a job: its id and the token CreateJob returned to the launcher.
+  std::string job_id;
+  std::string job_token;
+  int32_t rank = 0;           // this trainer's rank, in [0, D)
+
+  std::chrono::milliseconds timeout{60000};         // deadline of each operation, all attempts
+  std::chrono::milliseconds initial_backoff{50};    // first wait after UNAVAILABLE
+  std::chrono::milliseconds max_backoff{2000};      // the wait doubles up to this
+  int64_t chunk_bytes = 1 << 20;  // push chunk size and pull max_chunk_bytes; 1 KiB .. 4 MiB
+  bool push_crc32c = true;        // send the CRC-32C of each pushed payload
+  bool verify_crc32c = true;      // check pulled data against the daemon's CRC-32C when sent
+  int push_threads = 0;           // concurrent push streams; 0 = max(4, D)
+  int pull_threads = 0;           // concurrent pull streams; 0 = max(4, D)
+};
+
+// Outcome of one optimizer step (mirrors mainstay.v1.StepStats).
+struct StepStats {
+  int64_t step = 0;
+  int64_t version = 0;         // current after the step: step + 1, or unchanged when skipped
+  bool skipped = false;        // a gradient was non-finite: no update, no version bump
+  double grad_norm = 0.0;      // global L2 norm of the unscaled gradients, before clipping
+  double clip_factor = 1.0;    // 1 = no clipping
+  double loss_scale = 1.0;     // loss scale for the NEXT step (fp16 recipes); 1 otherwise
+  double lr = 0.0;
+  double weight_decay = 0.0;
+  int64_t nonfinite_count = 0;
+  int64_t commit_unix_ms = 0;
+  int64_t step_time_ms = 0;      // first push of the step to commit, on the answering daemon
+  // Where the answering daemon's time went, milliseconds (mirrors mainstay.v1.StepPhaseTimes).
+  struct Phases {
+    double wait_inputs_ms = 0, grad_stats_ms = 0, reduce_stats_ms = 0, update_ms = 0, reduce_amax_ms = 0,
+           quantize_ms = 0;
+  } phases;
+  std::vector<float> tensor_amax;  // per Layout::tensors index; empty for a skipped step
+};
+
+// The job's placement (mirrors mainstay.v1.Placement).
+struct DaemonAddress {
+  std::string daemon_id;
+  std::string address;    // gRPC "host:port" of its Shard service
+  std::string node_name;
+};
+struct ShardOwner {
+  int32_t bucket = 0;
+  int32_t shard = 0;
+  std::string daemon_id;                        // primary: serves pushes and pulls
+  std::vector<std::string> replica_daemon_ids;
+};
+struct JobPlacement {
+  int64_t epoch = 0;
+  std::vector<ShardOwner> shards;
+  std::vector<DaemonAddress> daemons;
+};
+
+// Result of a push (for several shards: duplicate when all were, elements summed,
+// contributions the minimum).
+struct PushResult {
+  bool duplicate = false;         // the daemon already had this (bucket, shard, step, rank); ignored
+  int64_t received_elements = 0;
+  int32_t contributions = 0;      // distinct ranks the daemon holds for the (bucket, shard, step)
+};
+
+struct PushOptions {
+  double loss_scale = 0.0;               // multiplied into the gradients (fp16 recipes); 0 = none
+  std::chrono::milliseconds timeout{0};  // 0 = ClientOptions::timeout
+};
+
+// Machine-readable detail a daemon or the coordinator attached to an error (ErrorDetail).
+struct ErrorInfo {
+  int64_t placement_epoch = 0;  // current placement epoch
+  int64_t committed_step = 0;   // last committed step (answer to a push for an old step)
+  int64_t version = 0;          // current version of the shard
+};
+// The ErrorInfo carried by `status`, if any.
+MAINSTAY_CLIENT_EXPORT std::optional<ErrorInfo> GetErrorInfo(const absl::Status& status);
+
+// The result of an asynchronous operation, like std::shared_future: copyable, waitable from any
+// thread, any number of times. A default-constructed handle is not valid().
+template <typename T>
+class Handle {
+ public:
+  Handle() = default;
+  explicit Handle(std::shared_future<absl::StatusOr<T>> future) : future_(std::move(future)) {}
+  static Handle Ready(absl::StatusOr<T> value) {
+    std::promise<absl::StatusOr<T>> p;
+    p.set_value(std::move(value));
+    return Handle(p.get_future().share());
+  }
+
+  bool valid() const { return future_.valid(); }
+  // True when Wait would not block.
+  bool ready() const {
+    return valid() && future_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  }
+  // Blocks until done. On an invalid handle: FAILED_PRECONDITION. The reference lives as long
+  // as any copy of this handle; on a temporary handle (`client.PullBucket(b, v).Wait()`) the
+  // result is returned by value instead, so it cannot dangle.
+  const absl::StatusOr<T>& Wait() const& {
+    if (!valid()) {
+      static const absl::StatusOr<T> kInvalid = absl::FailedPreconditionError("Wait on an invalid handle");
+      return kInvalid;
+    }
+    return future_.get();
+  }
+  absl::StatusOr<T> Wait() && { return static_cast<const Handle&>(*this).Wait(); }
+  // Waits at most `timeout`; true when done.
+  bool WaitFor(std::chrono::milliseconds timeout) const {
+    return valid() && future_.wait_for(timeout) == std::future_status::ready;
+  }
+
+ private:
+  std::shared_future<absl::StatusOr<T>> future_;
+};
+
+using PushHandle = Handle<PushResult>;
+using PullHandle = Handle<PulledBucket>;
+
+class MAINSTAY_CLIENT_EXPORT Client {
+ public:
+  // PullShard / PullBucket version meaning "the newest committed version, without waiting".
+  static constexpr int64_t kLatestVersion = -1;
+
+  // Creates or attaches to the job, then reads its layout and placement. Errors:
+  // INVALID_ARGUMENT for bad options or a bad spec (never retried), the coordinator's errors
+  // (UNAUTHENTICATED for a wrong token, NOT_FOUND for an unknown job), DEADLINE_EXCEEDED /
+  // UNAVAILABLE when the coordinator stays unreachable for `timeout`.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client();  // cancels outstanding operations and waits for them to end
+
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const std::string& job_id() const;
+  const std::string& job_token() const;  // hand it to the other ranks after a create
+  int32_t rank() const;
+  int64_t data_parallel_size() const;
+  const Layout& layout() const;
+  std::shared_ptr<const Layout> shared_layout() const;
+  int64_t version_at_connect() const;    // version the coordinator said trainers can pull
+  JobPlacement placement() const;        // a copy of the cached placement
+  // Re-reads the placement from the coordinator now.
+  absl::Status RefreshPlacement();
+
+  // Reduced mode: this rank's shard of bucket `bucket` (shard = rank, shard_numel elements,
+  // after the trainers' own reduce-scatter) for `step` (>= 0), num_contributors = 1.
+  PushHandle PushGrad(int32_t bucket, int64_t step, ElementSpan shard_data, const PushOptions& options = {});
+  // Unreduced mode: the whole bucket (numel elements) of this rank's own gradient; every shard
+  // goes to its daemon with num_contributors = D, and the daemons sum the D ranks in FP32.
+  PushHandle PushBucketUnreduced(int32_t bucket, int64_t step, ElementSpan bucket_data,
+                                 const PushOptions& options = {});
+  // General form: one shard, explicit contributor count (1 or D).
+  PushHandle PushShard(int32_t bucket, int32_t shard, int64_t step, ElementSpan shard_data,
+                       int32_t num_contributors, const PushOptions& options = {});
+  // Initial FP32 master parameters (step -1, version 0). `data` is either this rank's shard
+  // (shard_numel elements; pushed as shard `rank`) or the whole bucket (numel elements): then
+  // only this rank's shard is pushed, or every shard when `all_shards` (one process pushes the
+  // whole model; the other ranks then push nothing).
+  PushHandle PushInitialParams(int32_t bucket, std::span<const float> data, bool all_shards = false,
+                               const PushOptions& options = {});
+
+  // Ends `step` for this rank: waits for every push of the step made through this Client, then
+  // calls FinishStep on every daemon those pushes went to (in parallel) and returns their
+  // StepStats, checked to agree. Blocks until the step is committed or skipped on all of them.
+  // A failed push of the step is returned (its code) without calling the daemons: push it again,
+  // then call FinishStep again. ABORTED: the step failed on a daemon, push the step again.
+  // FAILED_PRECONDITION when nothing was pushed for `step`.
+  absl::StatusOr<StepStats> FinishStep(int64_t step, double lr, double weight_decay,
+                                       std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  // Stats of a decided step without waiting (UNAVAILABLE while undecided), from the daemon
+  // owning this rank's shard of bucket 0.
+  absl::StatusOr<StepStats> GetStepStats(int64_t step);
+
+  // Quantized parameters of `version` (step + 1 after pushing `step`; kLatestVersion for the
+  // newest). The daemon waits for an undecided version until the deadline.
+  PullHandle PullShard(int32_t bucket, int32_t shard, int64_t version,
+                       std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  PullHandle PullBucket(int32_t bucket, int64_t version,
+                        std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+
+  struct Impl;
+
+ private:
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mainstay
+
+#endif  // MAINSTAY_CLIENT_CLIENT_H_

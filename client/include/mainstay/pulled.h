@@ -1,0 +1,127 @@
+// Quantized parameters pulled from the daemons: one shard or a whole bucket (the all-gather),
+// with per-tensor views (data bytes + block scales + per-tensor metadata) and dequantization.
+//
+// A PulledBucket covers the shards [shard_begin, shard_end) of one bucket at one version. Its
+// data() is the packed data of those shards, back to back, exactly as the bucket's packed buffer
+// holds them (DataBytes(format, elements) bytes; 4-bit formats: even element in the low nibble),
+// so a tensor's data is one contiguous byte range. Block scales stay per shard: each shard sends
+// the FragmentScaleBlocks (common/layout.h) of its fragments, concatenated in fragment order; a
+// FragmentView points at its own entries, and TensorScaleGrid merges them into the tensor's
+// compact row-major scale grid (ScaleGrid, common/format.h).
+//
+// When unchanged() the step before version() was skipped: no data came, keep the weights held.
+//
+// Ownership: a PulledBucket is an immutable value sharing its bytes between copies (copying is
+// cheap). Views (spans, LayoutTensor pointers) point into that shared state and stay valid while
+// any copy of the PulledBucket lives. Thread safety: every method is const and may be called
+// concurrently. Errors: INVALID_ARGUMENT / NOT_FOUND for a bad tensor index or name;
+// FAILED_PRECONDITION when the data needed is not there (unchanged, or a tensor with fragments in
+// shards this object does not cover).
+#ifndef MAINSTAY_CLIENT_PULLED_H_
+#define MAINSTAY_CLIENT_PULLED_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/format.h"
+#include "common/layout.h"
+#include "mainstay/export.h"
+
+namespace mainstay {
+
+// Quantization metadata of one fragment (PullParamsHeader.fragments) with where its block scales
+// are in its shard's scale sequence.
+struct FragmentQuantInfo {
+  int32_t tensor = 0;          // index into Layout::tensors
+  IndexRange elements;         // elements of the flattened tensor
+  int64_t bucket_offset = 0;   // bucket element offset of elements.begin
+  // Per-tensor values of this version (the same on every shard holding part of the tensor):
+  // fp8 delayed/current: scale = multiplier applied before the cast, scale_inv = RN(1/scale);
+  // nvfp4: scale = global S_enc, scale_inv = global S_dec. 0 when the format has none.
+  float scale = 0.0f;
+  float scale_inv = 0.0f;
+  float amax = 0.0f;           // whole-tensor amax quantized in this version; 0 when not kept
+  IndexRange scale_blocks;     // FragmentScaleBlocks: blocks of the tensor's compact scale grid
+  int64_t scale_offset = 0;    // index of the first of those entries in the shard's scale sequence
+};
+
+// What one shard's PullParams answered (its data lives in the PulledBucket's data()).
+struct PulledShard {
+  int32_t shard = 0;
+  int64_t version = 0;
+  bool unchanged = false;
+  int64_t num_scales = 0;                   // block-scale entries
+  std::vector<uint8_t> scales;              // num_scales entries of the format's block_scale type
+  std::vector<FragmentQuantInfo> fragments; // in shard order
+};
+
+// One fragment of a tensor inside a PulledBucket.
+struct FragmentView {
+  int32_t shard = 0;
+  IndexRange elements;               // elements of the flattened tensor
+  std::span<const uint8_t> data;     // DataBytes(format, elements.size()) bytes
+  std::span<const uint8_t> scales;   // scale_blocks.size() block-scale entries
+  IndexRange scale_blocks;           // compact scale-grid indices the entries belong to
+  float scale = 0.0f, scale_inv = 0.0f, amax = 0.0f;
+};
+
+// One tensor inside a PulledBucket.
+struct TensorView {
+  int32_t tensor = 0;
+  const LayoutTensor* info = nullptr;  // name, shape, format, bucket, bucket_offset
+  Format format = Format::kBF16;
+  bool complete = false;               // every fragment of the tensor is covered
+  IndexRange elements;                 // elements of the flattened tensor covered
+  std::span<const uint8_t> data;       // packed data of `elements` (contiguous)
+  std::vector<FragmentView> fragments; // covered fragments, in element order
+  float scale = 0.0f, scale_inv = 0.0f, amax = 0.0f;  // per-tensor values (see FragmentQuantInfo)
+};
+
+class MAINSTAY_CLIENT_EXPORT PulledBucket {
+ public:
+  struct Impl;
+
+  PulledBucket();  // empty: no layout, no shards
+  explicit PulledBucket(std::shared_ptr<const Impl> impl);
+
+  const Layout& layout() const;
+  const Bucket& bucket_info() const;
+  int32_t bucket() const;
+  Format format() const;
+  int64_t version() const;
+  bool unchanged() const;
+  int32_t shard_begin() const;
+  int32_t shard_end() const;
+  bool complete() const;                  // covers every shard of the bucket
+  IndexRange elements() const;            // bucket elements covered
+  std::span<const uint8_t> data() const;  // packed data of elements(); empty when unchanged
+  const std::vector<PulledShard>& shards() const;
+
+  // Tensors of the bucket with at least one element covered, in bucket order.
+  std::vector<int32_t> tensors() const;
+  absl::StatusOr<TensorView> Tensor(int32_t tensor) const;
+  absl::StatusOr<TensorView> Tensor(std::string_view name) const;
+
+  // FP32 values of a whole tensor (numel, row-major), each fragment through
+  // kernels::Dequantize. FAILED_PRECONDITION unless the tensor is complete; INVALID_ARGUMENT
+  // when `out` is not numel floats.
+  absl::Status Dequantize(int32_t tensor, std::span<float> out) const;
+  absl::StatusOr<std::vector<float>> Dequantize(int32_t tensor) const;
+
+  // The tensor's compact block-scale grid (ScaleGrid rows x cols entries of the format's
+  // block_scale type, row-major), merged from the fragments; blocks touched by no covered
+  // fragment stay 0. Empty for formats without block scales.
+  absl::StatusOr<std::vector<uint8_t>> TensorScaleGrid(int32_t tensor) const;
+
+ private:
+  std::shared_ptr<const Impl> impl_;
+};
+
+}  // namespace mainstay
+
+#endif  // MAINSTAY_CLIENT_PULLED_H_

@@ -1,0 +1,256 @@
+// The Python module `mainstay`: Client, PushHandle, PullHandle, plus Layout / PulledBucket
+// (py_layout.cc, py_pulled.cc). Built over the public C++ API of libmainstay_client only.
+//
+// The GIL is released during every blocking call (connect, waits, finish_step, dequantize).
+// Arrays given to an asynchronous push are kept alive by the handle and by the client until the
+// push is done; do not modify them before.
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "client/python/py_common.h"
+
+namespace mainstay::python {
+namespace {
+
+std::chrono::milliseconds Millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
+
+class PyPushHandle {
+ public:
+  PyPushHandle(PushHandle handle, py::object keep) : handle_(std::move(handle)), keep_(std::move(keep)) {}
+  bool ready() const { return handle_.ready(); }
+  py::dict wait() {
+    {
+      py::gil_scoped_release release;
+      handle_.Wait();
+    }
+    return PushResultDict(Take(handle_.Wait()));
+  }
+
+ private:
+  PushHandle handle_;
+  py::object keep_;  // the pushed array
+};
+
+class PyPullHandle {
+ public:
+  explicit PyPullHandle(PullHandle handle) : handle_(std::move(handle)) {}
+  bool ready() const { return handle_.ready(); }
+  PulledBucket wait() {
+    {
+      py::gil_scoped_release release;
+      handle_.Wait();
+    }
+    return Take(handle_.Wait());
+  }
+
+ private:
+  PullHandle handle_;
+};
+
+class PyClient {
+ public:
+  PyClient(const std::string& coordinator, const py::object& spec_json, const py::object& job_id,
+           const py::object& job_token, int32_t rank, double timeout_s, const std::string& admin_token,
+           int64_t chunk_bytes, double initial_backoff_s, double max_backoff_s) {
+    ClientOptions o;
+    o.coordinator = coordinator;
+    if (!spec_json.is_none()) o.job_spec_json = spec_json.cast<std::string>();
+    if (!job_id.is_none()) o.job_id = job_id.cast<std::string>();
+    if (!job_token.is_none()) o.job_token = job_token.cast<std::string>();
+    o.admin_token = admin_token;
+    o.rank = rank;
+    o.timeout = Millis(timeout_s);
+    o.chunk_bytes = chunk_bytes;
+    o.initial_backoff = Millis(initial_backoff_s);
+    o.max_backoff = Millis(max_backoff_s);
+    absl::StatusOr<std::unique_ptr<Client>> client;
+    {
+      py::gil_scoped_release release;
+      client = Client::Connect(o);
+    }
+    client_ = Take(std::move(client));
+    layout_ = PyLayout{client_->shared_layout()};
+  }
+
+  ~PyClient() {
+    {
+      py::gil_scoped_release release;
+      client_.reset();  // waits for outstanding pushes, which read the arrays in pending_
+    }
+    pending_.clear();
+  }
+
+  Client& client() { return *client_; }
+  const PyLayout& layout() const { return layout_; }
+
+  py::dict Placement() const {
+    const JobPlacement p = client_->placement();
+    py::dict d;
+    d["epoch"] = p.epoch;
+    py::list shards;
+    for (const ShardOwner& s : p.shards) {
+      py::dict sd;
+      sd["bucket"] = s.bucket;
+      sd["shard"] = s.shard;
+      sd["daemon_id"] = s.daemon_id;
+      sd["replica_daemon_ids"] = py::cast(s.replica_daemon_ids);
+      shards.append(sd);
+    }
+    d["shards"] = shards;
+    py::list daemons;
+    for (const DaemonAddress& a : p.daemons) {
+      py::dict dd;
+      dd["daemon_id"] = a.daemon_id;
+      dd["address"] = a.address;
+      dd["node_name"] = a.node_name;
+      daemons.append(dd);
+    }
+    d["daemons"] = daemons;
+    return d;
+  }
+
+  // Registers an in-flight push: its array stays referenced until the push is done.
+  py::object Track(PushHandle handle, py::object keep, bool wait) {
+    Prune();
+    PyPushHandle h(handle, keep);
+    if (wait) return h.wait();
+    pending_.emplace_back(std::move(handle), std::move(keep));
+    return py::cast(std::move(h));
+  }
+
+  PushOptions Options(double loss_scale, double timeout_s) const {
+    PushOptions o;
+    o.loss_scale = loss_scale;
+    o.timeout = Millis(timeout_s);
+    return o;
+  }
+
+  py::dict FinishStep(int64_t step, double lr, double weight_decay, double timeout_s) {
+    absl::StatusOr<StepStats> stats;
+    {
+      py::gil_scoped_release release;
+      stats = client_->FinishStep(step, lr, weight_decay, Millis(timeout_s));
+    }
+    Prune();
+    return StepStatsDict(Take(std::move(stats)));
+  }
+
+  py::object Pull(PullHandle handle, bool wait) {
+    PyPullHandle h(std::move(handle));
+    if (wait) return py::cast(h.wait());
+    return py::cast(std::move(h));
+  }
+
+ private:
+  void Prune() {
+    std::vector<std::pair<PushHandle, py::object>> still;
+    for (auto& p : pending_) {
+      if (!p.first.ready()) still.push_back(std::move(p));
+    }
+    pending_.swap(still);
+  }
+
+  std::vector<std::pair<PushHandle, py::object>> pending_;  // declared first: released last
+  std::unique_ptr<Client> client_;
+  PyLayout layout_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(mainstay, m) {
+  m.doc() = "Mainstay trainer client: push gradients, finish steps, pull quantized parameters.";
+  BindLayout(m);
+  BindPulled(m);
+
+  py::class_<PyPushHandle>(m, "PushHandle", "An asynchronous push; wait() returns its result dict.")
+      .def("ready", &PyPushHandle::ready)
+      .def("wait", &PyPushHandle::wait);
+  py::class_<PyPullHandle>(m, "PullHandle", "An asynchronous pull; wait() returns the PulledBucket.")
+      .def("ready", &PyPullHandle::ready)
+      .def("wait", &PyPullHandle::wait);
+
+  py::class_<PyClient>(m, "Client",
+                       "Attaches to a job (job_id + job_token) or creates it (spec_json), then pushes, finishes "
+                       "steps and pulls. Methods are thread-safe; blocking calls release the GIL.")
+      .def(py::init<const std::string&, const py::object&, const py::object&, const py::object&, int32_t, double,
+                    const std::string&, int64_t, double, double>(),
+           py::arg("coordinator"), py::arg("spec_json") = py::none(), py::arg("job_id") = py::none(),
+           py::arg("job_token") = py::none(), py::arg("rank") = 0, py::arg("timeout_s") = 60.0,
+           py::arg("admin_token") = "", py::arg("chunk_bytes") = 1 << 20, py::arg("initial_backoff_s") = 0.05,
+           py::arg("max_backoff_s") = 2.0)
+      .def_readonly_static("LATEST", &Client::kLatestVersion)
+      .def_property_readonly("job_id", [](PyClient& c) { return c.client().job_id(); })
+      .def_property_readonly("job_token", [](PyClient& c) { return c.client().job_token(); })
+      .def_property_readonly("rank", [](PyClient& c) { return c.client().rank(); })
+      .def_property_readonly("data_parallel_size", [](PyClient& c) { return c.client().data_parallel_size(); })
+      .def_property_readonly("version", [](PyClient& c) { return c.client().version_at_connect(); })
+      .def_property_readonly("layout", &PyClient::layout)
+      .def_property_readonly("placement", &PyClient::Placement)
+      .def("refresh_placement", [](PyClient& c) {
+        absl::Status s;
+        {
+          py::gil_scoped_release release;
+          s = c.client().RefreshPlacement();
+        }
+        Check(s);
+      })
+      .def("push_grad", [](PyClient& c, int32_t bucket, int64_t step, const py::array& grad, bool wait,
+                           double loss_scale, const std::string& dtype, double timeout_s) {
+        py::object keep;
+        ElementSpan span = SpanOf(grad, dtype, &keep);
+        return c.Track(c.client().PushGrad(bucket, step, span, c.Options(loss_scale, timeout_s)), keep, wait);
+      }, py::arg("bucket"), py::arg("step"), py::arg("grad"), py::arg("wait") = false, py::arg("loss_scale") = 0.0,
+         py::arg("dtype") = "", py::arg("timeout_s") = 0.0,
+         "Reduced mode: this rank's shard (shard_numel elements) of the bucket's reduced gradient.")
+      .def("push_shard", [](PyClient& c, int32_t bucket, int32_t shard, int64_t step, const py::array& grad,
+                            int32_t num_contributors, bool wait, double loss_scale, const std::string& dtype,
+                            double timeout_s) {
+        py::object keep;
+        ElementSpan span = SpanOf(grad, dtype, &keep);
+        return c.Track(c.client().PushShard(bucket, shard, step, span, num_contributors,
+                                            c.Options(loss_scale, timeout_s)), keep, wait);
+      }, py::arg("bucket"), py::arg("shard"), py::arg("step"), py::arg("grad"), py::arg("num_contributors"),
+         py::arg("wait") = false, py::arg("loss_scale") = 0.0, py::arg("dtype") = "", py::arg("timeout_s") = 0.0)
+      .def("push_bucket_unreduced", [](PyClient& c, int32_t bucket, int64_t step, const py::array& grad, bool wait,
+                                       double loss_scale, const std::string& dtype, double timeout_s) {
+        py::object keep;
+        ElementSpan span = SpanOf(grad, dtype, &keep);
+        return c.Track(c.client().PushBucketUnreduced(bucket, step, span, c.Options(loss_scale, timeout_s)), keep,
+                       wait);
+      }, py::arg("bucket"), py::arg("step"), py::arg("grad"), py::arg("wait") = false, py::arg("loss_scale") = 0.0,
+         py::arg("dtype") = "", py::arg("timeout_s") = 0.0,
+         "Unreduced mode: this rank's own gradient of the whole bucket; the daemons sum the D ranks.")
+      .def("push_initial_params", [](PyClient& c, int32_t bucket, const py::array& params, bool all_shards, bool wait,
+                                     double timeout_s) {
+        py::array_t<float, py::array::c_style | py::array::forcecast> a(params);
+        py::object keep = a;
+        std::span<const float> values(a.data(), static_cast<size_t>(a.size()));
+        return c.Track(c.client().PushInitialParams(bucket, values, all_shards, c.Options(0.0, timeout_s)), keep,
+                       wait);
+      }, py::arg("bucket"), py::arg("params"), py::arg("all_shards") = false, py::arg("wait") = true,
+         py::arg("timeout_s") = 0.0,
+         "Initial FP32 parameters (version 0): the whole bucket or this rank's shard.")
+      .def("finish_step", &PyClient::FinishStep, py::arg("step"), py::arg("lr"), py::arg("weight_decay"),
+           py::arg("timeout_s") = 0.0, "Ends the step for this rank; blocks until it is committed or skipped.")
+      .def("get_step_stats", [](PyClient& c, int64_t step) {
+        absl::StatusOr<StepStats> s;
+        {
+          py::gil_scoped_release release;
+          s = c.client().GetStepStats(step);
+        }
+        return StepStatsDict(Take(std::move(s)));
+      })
+      .def("pull_bucket", [](PyClient& c, int32_t bucket, int64_t version, bool wait, double timeout_s) {
+        return c.Pull(c.client().PullBucket(bucket, version, Millis(timeout_s)), wait);
+      }, py::arg("bucket"), py::arg("version"), py::arg("wait") = true, py::arg("timeout_s") = 0.0,
+         "Every shard of the bucket at `version` (Client.LATEST: the newest), in parallel.")
+      .def("pull_shard", [](PyClient& c, int32_t bucket, int32_t shard, int64_t version, bool wait, double timeout_s) {
+        return c.Pull(c.client().PullShard(bucket, shard, version, Millis(timeout_s)), wait);
+      }, py::arg("bucket"), py::arg("shard"), py::arg("version"), py::arg("wait") = true, py::arg("timeout_s") = 0.0);
+}
+
+}  // namespace mainstay::python

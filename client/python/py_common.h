@@ -1,0 +1,57 @@
+// Shared pieces of the Python module `mainstay` (pybind11, over the public C++ API only).
+//
+// Errors: every absl::Status error becomes mainstay.Error (a RuntimeError) with attributes
+// `code` (e.g. "UNAVAILABLE"), `message` and `info` (the ErrorInfo as a dict, or None).
+// Arrays: views into pulled data keep their PulledBucket alive and are read-only.
+#ifndef MAINSTAY_CLIENT_PYTHON_PY_COMMON_H_
+#define MAINSTAY_CLIENT_PYTHON_PY_COMMON_H_
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "mainstay/buffers.h"
+#include "mainstay/client.h"
+#include "mainstay/pulled.h"
+
+namespace mainstay::python {
+
+namespace py = pybind11;
+
+// Raises mainstay.Error for a non-OK status.
+[[noreturn]] void ThrowStatus(const absl::Status& status);
+inline void Check(const absl::Status& status) {
+  if (!status.ok()) ThrowStatus(status);
+}
+template <typename T>
+T Take(absl::StatusOr<T> value) {
+  if (!value.ok()) ThrowStatus(value.status());
+  return *std::move(value);
+}
+
+// A Layout shared with the Client (or computed offline) as a Python object.
+struct PyLayout {
+  std::shared_ptr<const Layout> layout;
+};
+
+// Registers mainstay.Error, Layout, PulledBucket and compute_layout.
+void BindLayout(py::module_& m);
+void BindPulled(py::module_& m);
+
+// ElementSpan over a C-contiguous array: float32 -> fp32, uint16/int16 -> bf16 bits (or fp16
+// bits when dtype == "fp16"), float16 -> fp16. `keep` receives the array actually used (a
+// contiguous copy when the input was not).
+ElementSpan SpanOf(const py::array& array, const std::string& dtype, py::object* keep);
+
+py::dict StepStatsDict(const StepStats& s);
+py::dict PushResultDict(const PushResult& r);
+
+}  // namespace mainstay::python
+
+#endif  // MAINSTAY_CLIENT_PYTHON_PY_COMMON_H_

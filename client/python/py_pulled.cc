@@ -1,0 +1,126 @@
+// mainstay.PulledBucket: per-tensor views (numpy arrays over the pulled bytes) and dequantize.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "client/python/py_common.h"
+
+namespace mainstay::python {
+namespace {
+
+// A read-only array over `bytes` of a PulledBucket; the capsule keeps a copy of it (cheap: the
+// bytes are shared) alive as long as the array.
+py::array View(const PulledBucket& owner, std::span<const uint8_t> bytes, const py::dtype& dtype,
+               std::vector<py::ssize_t> shape = {}) {
+  auto* keep = new PulledBucket(owner);
+  py::capsule base(keep, [](void* p) { delete static_cast<PulledBucket*>(p); });
+  if (shape.empty()) shape = {static_cast<py::ssize_t>(bytes.size()) / dtype.itemsize()};
+  py::array a(dtype, shape, {}, bytes.data(), base);
+  py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  return a;
+}
+
+// numpy dtype of a format's block scales: uint8 bits for E8M0 / E4M3, float32 for FP32.
+py::dtype ScaleDtype(Format format) {
+  const FormatDescriptor& d = Describe(format);
+  if (d.has_block_scales() && d.block_scale == ElementType::kFloat32) return py::dtype::of<float>();
+  return py::dtype::of<uint8_t>();
+}
+
+int32_t TensorOf(const PulledBucket& p, const py::object& key) {
+  if (py::isinstance<py::str>(key)) return Take(FindTensor(p.layout(), key.cast<std::string>()));
+  return key.cast<int32_t>();
+}
+
+py::tuple Range(IndexRange r) { return py::make_tuple(r.begin, r.end); }
+
+py::dict TensorViewDict(const PulledBucket& p, const py::object& key) {
+  const int32_t tensor = TensorOf(p, key);
+  const TensorView v = Take(p.Tensor(tensor));
+  const py::dtype scale_dtype = ScaleDtype(v.format);
+  py::dict d;
+  d["index"] = v.tensor;
+  d["name"] = v.info->name;
+  d["shape"] = py::tuple(py::cast(v.info->shape));
+  d["format"] = std::string(FormatName(v.format));
+  d["complete"] = v.complete;
+  d["elements"] = Range(v.elements);
+  d["data"] = View(p, v.data, py::dtype::of<uint8_t>());
+  d["scale"] = v.scale;
+  d["scale_inv"] = v.scale_inv;
+  d["amax"] = v.amax;
+  py::list frags;
+  for (const FragmentView& f : v.fragments) {
+    py::dict fd;
+    fd["shard"] = f.shard;
+    fd["elements"] = Range(f.elements);
+    fd["data"] = View(p, f.data, py::dtype::of<uint8_t>());
+    fd["scales"] = View(p, f.scales, scale_dtype);
+    fd["scale_blocks"] = Range(f.scale_blocks);
+    fd["scale"] = f.scale;
+    fd["scale_inv"] = f.scale_inv;
+    fd["amax"] = f.amax;
+    frags.append(fd);
+  }
+  d["fragments"] = frags;
+  if (Describe(v.format).has_block_scales()) {
+    const std::vector<uint8_t> grid = Take(p.TensorScaleGrid(tensor));
+    const Matrix2D g = ScaleGrid(v.format, View2D(v.info->shape));
+    py::array a(scale_dtype, std::vector<py::ssize_t>{g.rows, g.cols});
+    std::memcpy(a.mutable_data(), grid.data(), grid.size());
+    d["scales"] = a;  // the tensor's compact scale grid, merged from the fragments
+  } else {
+    d["scales"] = py::none();
+  }
+  return d;
+}
+
+py::array Dequantize(const PulledBucket& p, const py::object& key) {
+  const int32_t tensor = TensorOf(p, key);
+  const LayoutTensor& info = Take(p.Tensor(tensor)).info[0];
+  py::array_t<float> out(std::vector<py::ssize_t>(info.shape.begin(), info.shape.end()));
+  std::span<float> dst(out.mutable_data(), static_cast<size_t>(info.numel));
+  absl::Status s;
+  {
+    py::gil_scoped_release release;
+    s = p.Dequantize(tensor, dst);
+  }
+  Check(s);
+  return out;
+}
+
+}  // namespace
+
+void BindPulled(py::module_& m) {
+  py::class_<PulledBucket>(m, "PulledBucket",
+                           "Quantized parameters of one version: one shard or a whole bucket. When `unchanged`, the "
+                           "step was skipped: keep the weights you hold.")
+      .def_property_readonly("bucket", &PulledBucket::bucket)
+      .def_property_readonly("version", &PulledBucket::version)
+      .def_property_readonly("unchanged", &PulledBucket::unchanged)
+      .def_property_readonly("format", [](const PulledBucket& p) { return std::string(FormatName(p.format())); })
+      .def_property_readonly("shard_begin", &PulledBucket::shard_begin)
+      .def_property_readonly("shard_end", &PulledBucket::shard_end)
+      .def_property_readonly("complete", &PulledBucket::complete)
+      .def_property_readonly("elements", [](const PulledBucket& p) { return Range(p.elements()); })
+      .def_property_readonly("data", [](const PulledBucket& p) { return View(p, p.data(), py::dtype::of<uint8_t>()); },
+                             "Packed data of the covered shards, as the bucket's packed buffer holds it.")
+      .def_property_readonly("tensors", [](const PulledBucket& p) {
+        py::list names;
+        for (int32_t t : p.tensors()) names.append(p.layout().tensors[t].name);
+        return names;
+      })
+      .def("tensor", &TensorViewDict, py::arg("tensor"),
+           "Per-tensor view: data (uint8), scales (grid), fragments (data, scales, metadata), scale/scale_inv/amax.")
+      .def("dequantize", &Dequantize, py::arg("tensor"), "FP32 values of a whole tensor, shaped like it.")
+      .def("dequantize_all", [](const PulledBucket& p) {
+        py::dict out;
+        for (int32_t t : p.tensors()) out[py::str(p.layout().tensors[t].name)] = Dequantize(p, py::int_(t));
+        return out;
+      }, "{name: FP32 array} for every tensor of the bucket (needs the whole bucket).");
+
+  m.def("dequantize", &Dequantize, py::arg("pulled"), py::arg("tensor"),
+        "Same as pulled.dequantize(tensor).");
+}
+
+}  // namespace mainstay::python

@@ -1,0 +1,453 @@
+// Client: connect (create or attach), placement cache, the retry loop, FinishStep.
+#include "mainstay/client.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "client/src/client_impl.h"
+#include "client/src/rpc_errors.h"
+#include "common/job_spec.h"
+#include "common/job_spec_proto.h"
+#include "common/layout_proto.h"
+#include "common/status.h"
+
+namespace mainstay {
+
+using client_internal::Route;
+using client_internal::StepRecord;
+
+namespace client_internal {
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  // Chunks are at most 4 MiB of payload; layouts of large models are a few MiB.
+  args.SetMaxReceiveMessageSize(256 << 20);
+  args.SetMaxSendMessageSize(64 << 20);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+StepStats StepStatsFromProto(const v1::StepStats& p) {
+  StepStats s;
+  s.step = p.step();
+  s.version = p.version();
+  s.skipped = p.skipped();
+  s.grad_norm = p.grad_norm();
+  s.clip_factor = p.clip_factor();
+  s.loss_scale = p.loss_scale();
+  s.lr = p.lr();
+  s.weight_decay = p.weight_decay();
+  s.nonfinite_count = p.nonfinite_count();
+  s.commit_unix_ms = p.commit_unix_ms();
+  s.step_time_ms = p.step_time_ms();
+  s.phases = {p.phases().wait_inputs_ms(), p.phases().grad_stats_ms(),  p.phases().reduce_stats_ms(),
+              p.phases().update_ms(),      p.phases().reduce_amax_ms(), p.phases().quantize_ms()};
+  s.tensor_amax.assign(p.tensor_amax().begin(), p.tensor_amax().end());
+  return s;
+}
+
+}  // namespace client_internal
+
+namespace {
+
+std::string RandomRequestId() {
+  std::random_device rd;
+  std::string id;
+  for (int i = 0; i < 4; ++i) {
+    char buf[9];
+    std::snprintf(buf, sizeof(buf), "%08x", static_cast<unsigned>(rd()));
+    id += buf;
+  }
+  return id;
+}
+
+absl::Status CheckOptions(const ClientOptions& o) {
+  if (o.coordinator.empty()) return InvalidArgumentError("coordinator", "is required (host:port)");
+  const bool create = !o.job_spec_json.empty();
+  const bool attach = !o.job_id.empty() || !o.job_token.empty();
+  if (create == attach) {
+    return InvalidArgumentError("job_spec_json", "give either a job spec (create) or job_id and job_token (attach)");
+  }
+  if (attach && (o.job_id.empty() || o.job_token.empty())) {
+    return InvalidArgumentError("job_token", "attaching needs both job_id and job_token");
+  }
+  if (o.rank < 0) return InvalidArgumentError("rank", "must be >= 0, got ", o.rank);
+  if (o.timeout.count() <= 0) return InvalidArgumentError("timeout", "must be > 0");
+  if (o.initial_backoff.count() <= 0 || o.max_backoff < o.initial_backoff) {
+    return InvalidArgumentError("initial_backoff", "must be > 0 and <= max_backoff");
+  }
+  if (o.chunk_bytes < 1024 || o.chunk_bytes > (4 << 20)) {
+    return InvalidArgumentError("chunk_bytes", "must be in [1 KiB, 4 MiB], got ", o.chunk_bytes);
+  }
+  if (o.push_threads < 0 || o.pull_threads < 0) return InvalidArgumentError("push_threads", "must be >= 0");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Impl: placement and retries.
+
+Client::Impl::~Impl() {
+  {
+    absl::MutexLock lock(&mu);
+    shutting_down = true;
+    for (grpc::ClientContext* context : active_calls) context->TryCancel();
+  }
+  push_pool.reset();  // runs what is queued: each task now ends at once with CANCELLED
+  pull_pool.reset();
+}
+
+Deadline Client::Impl::DeadlineAfter(std::chrono::milliseconds timeout) const {
+  return std::chrono::system_clock::now() + (timeout.count() > 0 ? timeout : options.timeout);
+}
+
+int64_t Client::Impl::placement_epoch() const {
+  absl::MutexLock lock(&mu);
+  return placement.epoch();
+}
+
+void Client::Impl::SetPlacement(const v1::Placement& p) {
+  const int64_t d = layout->data_parallel_size;
+  std::vector<int> new_owners(layout->buckets.size() * d, -1);
+  absl::flat_hash_map<std::string, int> daemon_index;
+  for (int i = 0; i < p.daemons_size(); ++i) daemon_index[p.daemons(i).daemon_id()] = i;
+  for (const v1::ShardPlacement& s : p.shards()) {
+    const int32_t b = s.shard().bucket(), r = s.shard().shard();
+    if (b < 0 || b >= static_cast<int32_t>(layout->buckets.size()) || r < 0 || r >= d) continue;
+    auto it = daemon_index.find(s.daemon_id());
+    if (it != daemon_index.end()) new_owners[b * d + r] = it->second;
+  }
+  absl::MutexLock lock(&mu);
+  if (p.epoch() < placement.epoch()) return;
+  placement = p;
+  owners = std::move(new_owners);
+}
+
+absl::Status Client::Impl::RefreshPlacement(Deadline deadline, int64_t min_epoch) {
+  absl::MutexLock refresh_lock(&refresh_mu);
+  if (min_epoch > 0 && placement_epoch() >= min_epoch) return absl::OkStatus();
+  v1::GetPlacementRequest request;
+  request.set_job_id(job_id);
+  request.set_job_token(job_token);
+  v1::GetPlacementResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(deadline);
+  absl::Status s = client_internal::StatusFromCall(coordinator->GetPlacement(&context, request, &response),
+                                                   &context);
+  {
+    absl::MutexLock lock(&mu);
+    last_refresh = std::chrono::steady_clock::now();
+  }
+  if (!s.ok()) return Annotate(s, absl::StrCat("GetPlacement from coordinator ", options.coordinator));
+  SetPlacement(response.placement());
+  return absl::OkStatus();
+}
+
+std::shared_ptr<v1::Shard::Stub> Client::Impl::StubFor(const std::string& address) {
+  absl::MutexLock lock(&mu);
+  std::shared_ptr<v1::Shard::Stub>& stub = stubs[address];
+  if (stub == nullptr) stub = v1::Shard::NewStub(client_internal::MakeChannel(address));
+  return stub;
+}
+
+absl::StatusOr<Route> Client::Impl::RouteForShard(int32_t bucket, int32_t shard) {
+  Route route;
+  {
+    absl::MutexLock lock(&mu);
+    const int owner = owners[bucket * layout->data_parallel_size + shard];
+    route.epoch = placement.epoch();
+    if (owner < 0) {
+      return absl::UnavailableError(absl::StrCat("placement epoch ", route.epoch, " has no live owner for bucket ",
+                                                 bucket, " shard ", shard));
+    }
+    route.daemon_id = placement.daemons(owner).daemon_id();
+    route.address = placement.daemons(owner).address();
+  }
+  route.stub = StubFor(route.address);
+  return route;
+}
+
+absl::StatusOr<Route> Client::Impl::RouteForAddress(const std::string& address, const std::string& daemon_id) {
+  Route route;
+  route.epoch = placement_epoch();
+  route.daemon_id = daemon_id;
+  route.address = address;
+  route.stub = StubFor(address);
+  return route;
+}
+
+absl::Status Client::Impl::Retry(absl::string_view what, Deadline deadline, const client_internal::RouteFn& route_fn,
+                                 const client_internal::AttemptFn& attempt) {
+  using client_internal::RetryAction;
+  auto backoff = std::chrono::duration_cast<std::chrono::milliseconds>(options.initial_backoff);
+  const auto start = std::chrono::system_clock::now();
+  for (int attempts = 1;; ++attempts) {
+    Route route;
+    absl::Status status;
+    if (route_fn) {
+      absl::StatusOr<Route> r = route_fn();
+      if (r.ok()) {
+        route = *std::move(r);
+      } else {
+        status = r.status();
+      }
+    }
+    if (status.ok()) {
+      grpc::ClientContext context;
+      context.set_deadline(deadline);
+      bool cancelled;
+      {
+        absl::MutexLock lock(&mu);
+        cancelled = shutting_down;
+        if (!cancelled) active_calls.insert(&context);
+      }
+      if (cancelled) return absl::CancelledError(absl::StrCat(what, ": the client is shutting down"));
+      status = attempt(route, &context);
+      {
+        absl::MutexLock lock(&mu);
+        active_calls.erase(&context);
+      }
+      if (status.ok()) return status;
+    }
+    const std::string where = route_fn && !route.address.empty()
+                                  ? absl::StrCat(what, " at daemon ", route.daemon_id, " (", route.address, ")")
+                                  : std::string(what);
+    RetryAction action = client_internal::Classify(status, route.epoch, static_cast<bool>(route_fn));
+    if (action == RetryAction::kRefreshPlacement) {
+      const int64_t newer = client_internal::ErrorDetailOf(status)->placement_epoch();
+      absl::Status refreshed = RefreshPlacement(deadline, newer);
+      if (refreshed.ok() && placement_epoch() > route.epoch) continue;  // re-route at once
+      action = RetryAction::kBackoff;  // the coordinator lags behind the daemon: wait
+    }
+    if (action == RetryAction::kFail) return Annotate(status, where);
+    const auto now = std::chrono::system_clock::now();
+    if (now + backoff >= deadline) {
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count();
+      return Annotate(status, absl::StrCat(where, " (gave up after ", attempts, " attempts in ", waited,
+                                           " ms: the call's deadline is near)"));
+    }
+    {
+      absl::MutexLock lock(&mu);
+      mu.AwaitWithTimeout(absl::Condition(&shutting_down), absl::FromChrono(backoff));
+    }
+    backoff = std::min(backoff * 2, std::chrono::duration_cast<std::chrono::milliseconds>(options.max_backoff));
+    // A daemon that stays unreachable may have been replaced: re-read the placement now and
+    // then (at most once per max_backoff over all calls).
+    if (route_fn && attempts >= 3) {
+      bool due;
+      {
+        absl::MutexLock lock(&mu);
+        due = std::chrono::steady_clock::now() - last_refresh >= options.max_backoff;
+      }
+      if (due) RefreshPlacement(deadline, 0).IgnoreError();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client.
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  MAINSTAY_RETURN_IF_ERROR(CheckOptions(options));
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->coordinator_channel = client_internal::MakeChannel(options.coordinator);
+  impl->coordinator = v1::Coordinator::NewStub(impl->coordinator_channel);
+  const Deadline deadline = impl->DeadlineAfter(options.timeout);
+  const std::string where = absl::StrCat("coordinator ", options.coordinator);
+  Impl* self = impl.get();
+
+  if (!options.job_spec_json.empty()) {
+    MAINSTAY_ASSIGN_OR_RETURN(JobSpec spec, ParseJobSpecJson(options.job_spec_json));
+    v1::CreateJobRequest request;
+    JobSpecToProto(spec, request.mutable_spec());
+    request.set_admin_token(options.admin_token);
+    request.set_request_id(RandomRequestId());  // makes retrying CreateJob safe
+    v1::CreateJobResponse response;
+    MAINSTAY_RETURN_IF_ERROR(self->Retry(absl::StrCat("CreateJob at ", where), deadline, nullptr,
+                                         [&](const Route&, grpc::ClientContext* context) {
+                                           return client_internal::StatusFromCall(
+                                               self->coordinator->CreateJob(context, request, &response),
+                                               context);
+                                         }));
+    impl->job_id = response.job_id();
+    impl->job_token = response.job_token();
+  } else {
+    impl->job_id = options.job_id;
+    impl->job_token = options.job_token;
+  }
+
+  v1::GetLayoutRequest layout_request;
+  layout_request.set_job_id(impl->job_id);
+  layout_request.set_job_token(impl->job_token);
+  v1::GetLayoutResponse layout_response;
+  MAINSTAY_RETURN_IF_ERROR(self->Retry(absl::StrCat("GetLayout of job ", impl->job_id, " at ", where), deadline,
+                                       nullptr, [&](const Route&, grpc::ClientContext* context) {
+                                         return client_internal::StatusFromCall(
+                                             self->coordinator->GetLayout(context, layout_request, &layout_response),
+                                             context);
+                                       }));
+  absl::StatusOr<Layout> layout = LayoutFromProto(layout_response.layout());
+  if (!layout.ok()) return Annotate(layout.status(), absl::StrCat("layout of job ", impl->job_id, " from ", where));
+  if (options.rank >= layout->data_parallel_size) {
+    return InvalidArgumentError("rank", options.rank, " is not in [0, ", layout->data_parallel_size,
+                                ") for job ", impl->job_id);
+  }
+  impl->layout = std::make_shared<const Layout>(*std::move(layout));
+  impl->version_at_connect = layout_response.version();
+  {
+    absl::MutexLock lock(&impl->mu);
+    impl->owners.assign(impl->layout->buckets.size() * impl->layout->data_parallel_size, -1);
+  }
+  MAINSTAY_RETURN_IF_ERROR(self->Retry(absl::StrCat("GetPlacement of job ", impl->job_id), deadline, nullptr,
+                                       [&](const Route&, grpc::ClientContext*) {
+                                         return self->RefreshPlacement(deadline, 0);
+                                       }));
+
+  const int d = static_cast<int>(impl->layout->data_parallel_size);
+  impl->push_pool = std::make_unique<client_internal::ThreadPool>(
+      options.push_threads > 0 ? options.push_threads : std::max(4, d));
+  impl->pull_pool = std::make_unique<client_internal::ThreadPool>(
+      options.pull_threads > 0 ? options.pull_threads : std::max(4, d));
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+const std::string& Client::job_id() const { return impl_->job_id; }
+const std::string& Client::job_token() const { return impl_->job_token; }
+int32_t Client::rank() const { return impl_->options.rank; }
+int64_t Client::data_parallel_size() const { return impl_->layout->data_parallel_size; }
+const Layout& Client::layout() const { return *impl_->layout; }
+std::shared_ptr<const Layout> Client::shared_layout() const { return impl_->layout; }
+int64_t Client::version_at_connect() const { return impl_->version_at_connect; }
+
+JobPlacement Client::placement() const {
+  v1::Placement p;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    p = impl_->placement;
+  }
+  JobPlacement out;
+  out.epoch = p.epoch();
+  for (const v1::ShardPlacement& s : p.shards()) {
+    out.shards.push_back({s.shard().bucket(), s.shard().shard(), s.daemon_id(),
+                          std::vector<std::string>(s.replica_daemon_ids().begin(), s.replica_daemon_ids().end())});
+  }
+  for (const v1::DaemonEndpoint& d : p.daemons()) out.daemons.push_back({d.daemon_id(), d.address(), d.node_name()});
+  return out;
+}
+
+absl::Status Client::RefreshPlacement() {
+  const Deadline deadline = impl_->DeadlineAfter(impl_->options.timeout);
+  return impl_->Retry("GetPlacement", deadline, nullptr, [&](const Route&, grpc::ClientContext*) {
+    return impl_->RefreshPlacement(deadline, 0);
+  });
+}
+
+absl::StatusOr<StepStats> Client::FinishStep(int64_t step, double lr, double weight_decay,
+                                             std::chrono::milliseconds timeout) {
+  if (step < 0) return InvalidArgumentError("step", "must be >= 0, got ", step);
+  if (!(lr >= 0) || !(weight_decay >= 0)) {
+    return InvalidArgumentError("lr", "lr and weight_decay must be >= 0, got ", lr, " and ", weight_decay);
+  }
+  const Deadline deadline = impl_->DeadlineAfter(timeout);
+  std::vector<client_internal::StepPush> pushes;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    auto it = impl_->steps.find(step);
+    if (it != impl_->steps.end()) pushes = it->second.pushes;
+  }
+  if (pushes.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("FinishStep(", step, "): rank ", rank(),
+                                                      " pushed nothing for this step through this client"));
+  }
+  // The daemons count this rank's pushes of the step only once they are acknowledged.
+  for (const client_internal::StepPush& p : pushes) {
+    const absl::Status& s = p.done.get();
+    if (!s.ok()) {
+      return Annotate(s, absl::StrCat("FinishStep(", step, "): the push of bucket ", p.bucket, " shard ", p.shard,
+                                      " failed; push it again, then call FinishStep again"));
+    }
+  }
+  std::vector<std::pair<std::string, std::string>> daemons;  // address, id
+  {
+    absl::MutexLock lock(&impl_->mu);
+    for (const auto& [address, id] : impl_->steps[step].daemons) daemons.emplace_back(address, id);
+  }
+  v1::FinishStepRequest request;
+  request.set_job_id(impl_->job_id);
+  request.set_job_token(impl_->job_token);
+  request.set_step(step);
+  request.set_rank(rank());
+  request.set_lr(lr);
+  request.set_weight_decay(weight_decay);
+
+  std::vector<absl::Status> statuses(daemons.size());
+  std::vector<v1::FinishStepResponse> responses(daemons.size());
+  auto finish_one = [&](size_t i) {
+    const auto& [address, id] = daemons[i];
+    statuses[i] = impl_->Retry(
+        absl::StrCat("FinishStep(", step, ")"), deadline, [&] { return impl_->RouteForAddress(address, id); },
+        [&](const Route& route, grpc::ClientContext* context) {
+          v1::FinishStepRequest r = request;
+          r.set_placement_epoch(route.epoch);
+          return client_internal::StatusFromCall(route.stub->FinishStep(context, r, &responses[i]),
+                                                 context);
+        });
+  };
+  // Each call blocks until the step is decided: one thread per daemon, outside the pools.
+  std::vector<std::thread> threads;
+  for (size_t i = 1; i < daemons.size(); ++i) threads.emplace_back(finish_one, i);
+  finish_one(0);
+  for (std::thread& t : threads) t.join();
+
+  for (const absl::Status& s : statuses) {
+    if (s.ok()) continue;
+    if (s.code() == absl::StatusCode::kAborted) {
+      absl::MutexLock lock(&impl_->mu);
+      impl_->steps.erase(step);  // the step must be pushed again from scratch
+    }
+    return s;
+  }
+  StepStats stats = client_internal::StepStatsFromProto(responses[0].stats());
+  for (size_t i = 1; i < responses.size(); ++i) {
+    const StepStats other = client_internal::StepStatsFromProto(responses[i].stats());
+    if (other.step != stats.step || other.version != stats.version || other.skipped != stats.skipped) {
+      return absl::InternalError(absl::StrCat("FinishStep(", step, "): daemons disagree: ", daemons[0].second,
+                                              " says version ", stats.version, stats.skipped ? " (skipped)" : "",
+                                              ", ", daemons[i].second, " says version ", other.version,
+                                              other.skipped ? " (skipped)" : ""));
+    }
+  }
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->steps.erase(step);
+  }
+  return stats;
+}
+
+absl::StatusOr<StepStats> Client::GetStepStats(int64_t step) {
+  const Deadline deadline = impl_->DeadlineAfter(impl_->options.timeout);
+  v1::GetStepStatsRequest request;
+  request.set_job_id(impl_->job_id);
+  request.set_job_token(impl_->job_token);
+  request.set_step(step);
+  v1::GetStepStatsResponse response;
+  // UNAVAILABLE means "not decided yet" here: answer at once instead of retrying.
+  grpc::ClientContext context;
+  context.set_deadline(deadline);
+  MAINSTAY_ASSIGN_OR_RETURN(Route route, impl_->RouteForShard(0, rank()));
+  absl::Status s = client_internal::StatusFromCall(route.stub->GetStepStats(&context, request, &response),
+                                                   &context);
+  if (!s.ok()) return Annotate(s, absl::StrCat("GetStepStats(", step, ") at daemon ", route.daemon_id));
+  return client_internal::StepStatsFromProto(response.stats());
+}
+
+}  // namespace mainstay

@@ -1,0 +1,133 @@
+// Client::Impl: state shared by client.cc (connect, placement, steps) and data_plane.cc
+// (pushes, pulls). Internal; gRPC and protobuf live only here and in the .cc files.
+//
+// Locking: `mu` guards the placement cache, the per-address stubs and the step records;
+// `refresh_mu` serializes placement refreshes (so concurrent retries coalesce into one
+// GetPlacement). No lock is held across an RPC except refresh_mu around GetPlacement.
+#ifndef MAINSTAY_CLIENT_SRC_CLIENT_IMPL_H_
+#define MAINSTAY_CLIENT_SRC_CLIENT_IMPL_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "client/src/thread_pool.h"
+#include "common/layout.h"
+#include "mainstay/client.h"
+#include "mainstay/v1/coordinator.grpc.pb.h"
+#include "mainstay/v1/shard.grpc.pb.h"
+
+namespace mainstay {
+
+using Deadline = std::chrono::system_clock::time_point;
+
+namespace client_internal {
+
+// Where one attempt goes: the daemon (and the placement epoch it was chosen under).
+struct Route {
+  int64_t epoch = 0;
+  std::string daemon_id;
+  std::string address;
+  std::shared_ptr<v1::Shard::Stub> stub;
+};
+
+using RouteFn = std::function<absl::StatusOr<Route>()>;
+// One attempt: returns the call's status (StatusFromCall) or a local error.
+using AttemptFn = std::function<absl::Status(const Route& route, grpc::ClientContext* context)>;
+
+// A push this rank made for a step, and where it landed.
+struct StepPush {
+  int32_t bucket = 0;
+  int32_t shard = 0;
+  std::shared_future<absl::Status> done;
+};
+struct StepRecord {
+  std::vector<StepPush> pushes;
+  std::map<std::string, std::string> daemons;  // address -> daemon id, of acknowledged pushes
+};
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+StepStats StepStatsFromProto(const v1::StepStats& proto);
+
+}  // namespace client_internal
+
+struct __attribute__((visibility("hidden"))) Client::Impl {
+  ClientOptions options;
+  std::string job_id;
+  std::string job_token;
+  std::shared_ptr<const Layout> layout;
+  int64_t version_at_connect = 0;
+  std::shared_ptr<grpc::Channel> coordinator_channel;
+  std::unique_ptr<v1::Coordinator::Stub> coordinator;
+
+  mutable absl::Mutex mu;
+  v1::Placement placement ABSL_GUARDED_BY(mu);
+  // Owner of (bucket, shard) at index bucket * D + shard: index into placement.daemons, or -1.
+  std::vector<int> owners ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::string, std::shared_ptr<v1::Shard::Stub>> stubs ABSL_GUARDED_BY(mu);
+  std::map<int64_t, client_internal::StepRecord> steps ABSL_GUARDED_BY(mu);
+  std::chrono::steady_clock::time_point last_refresh ABSL_GUARDED_BY(mu);
+
+  absl::Mutex refresh_mu;
+
+  // Shutdown: set by ~Impl, which then cancels every call in flight (their operations end
+  // with CANCELLED) and wakes every backoff wait.
+  bool shutting_down ABSL_GUARDED_BY(mu) = false;
+  absl::flat_hash_set<grpc::ClientContext*> active_calls ABSL_GUARDED_BY(mu);
+
+  // Declared last: destroyed first, so their queued tasks finish while the rest is alive.
+  std::unique_ptr<client_internal::ThreadPool> push_pool;
+  std::unique_ptr<client_internal::ThreadPool> pull_pool;
+
+  ~Impl();
+
+  Deadline DeadlineAfter(std::chrono::milliseconds timeout) const;
+
+  // ---- Placement (client.cc).
+  int64_t placement_epoch() const;
+  // Installs `placement` unless it is older than the cached one.
+  void SetPlacement(const v1::Placement& placement);
+  // GetPlacement unless the cached epoch is already >= min_epoch (0: always).
+  absl::Status RefreshPlacement(Deadline deadline, int64_t min_epoch);
+  absl::StatusOr<client_internal::Route> RouteForShard(int32_t bucket, int32_t shard);
+  absl::StatusOr<client_internal::Route> RouteForAddress(const std::string& address, const std::string& daemon_id);
+  std::shared_ptr<v1::Shard::Stub> StubFor(const std::string& address);
+
+  // Runs attempts until success, a non-retryable error or the deadline (see client.h).
+  // `route` may be empty for coordinator calls (no placement).
+  absl::Status Retry(absl::string_view what, Deadline deadline, const client_internal::RouteFn& route,
+                     const client_internal::AttemptFn& attempt);
+
+  // ---- Data plane (data_plane.cc).
+  // Pushes one shard (blocking). On success *landed is the daemon that acknowledged it.
+  absl::StatusOr<PushResult> PushShardSync(int32_t bucket, int32_t shard, int64_t step, v1::PushKind kind,
+                                           ElementSpan data, int32_t num_contributors, const PushOptions& options,
+                                           Deadline deadline, client_internal::Route* landed);
+  // Schedules pushes of `shards` (data[i] for shards[i]) as one handle; gradient pushes are
+  // recorded for FinishStep.
+  PushHandle SchedulePushes(int32_t bucket, const std::vector<int32_t>& shards, int64_t step, v1::PushKind kind,
+                            const std::vector<ElementSpan>& data, int32_t num_contributors,
+                            const PushOptions& options);
+  // Pulls one shard into `data_out` (its slice of the packed bucket buffer), blocking.
+  absl::StatusOr<PulledShard> PullShardSync(int32_t bucket, int32_t shard, int64_t version,
+                                            std::span<uint8_t> data_out, Deadline deadline);
+  PullHandle SchedulePull(int32_t bucket, int32_t shard_begin, int32_t shard_end, int64_t version,
+                          std::chrono::milliseconds timeout);
+};
+
+}  // namespace mainstay
+
+#endif  // MAINSTAY_CLIENT_SRC_CLIENT_IMPL_H_

@@ -1,0 +1,18 @@
+// CRC-32C (Castagnoli), as PushGradHeader.crc32c and PullParamsHeader.data_crc32c carry it:
+// reflected polynomial 0x82F63B78, initial value and final xor 0xFFFFFFFF (CRC32C("123456789")
+// = 0xE3069283). Uses the SSE4.2 crc32 instruction when the CPU has it. Thread-safe.
+#ifndef MAINSTAY_CLIENT_SRC_CRC32C_H_
+#define MAINSTAY_CLIENT_SRC_CRC32C_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mainstay::client_internal {
+
+// Extends `crc` (the value returned for the preceding bytes; 0 to start) over `size` bytes.
+uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t size);
+inline uint32_t Crc32c(const void* data, size_t size) { return Crc32cExtend(0, data, size); }
+
+}  // namespace mainstay::client_internal
+
+#endif  // MAINSTAY_CLIENT_SRC_CRC32C_H_

@@ -1,0 +1,332 @@
+// Client data plane: PushGrad streams (reduced, unreduced, initial parameters) and PullParams
+// streams (one shard, or every shard of a bucket into one packed buffer).
+#include <algorithm>
+#include <atomic>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/src/client_impl.h"
+#include "client/src/crc32c.h"
+#include "client/src/pull_assembly.h"
+#include "client/src/rpc_errors.h"
+#include "common/layout_proto.h"
+#include "common/status.h"
+#include "mainstay/client.h"
+
+namespace mainstay {
+
+using client_internal::Route;
+
+namespace {
+
+absl::Status CheckBucketIndex(const Layout& layout, int32_t bucket) {
+  if (bucket < 0 || bucket >= static_cast<int32_t>(layout.buckets.size())) {
+    return InvalidArgumentError("bucket", "index ", bucket, " is not in [0, ", layout.buckets.size(), ")");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSpan(ElementSpan data, int64_t want, absl::string_view what, bool fp32_only) {
+  if (data.type != ElementType::kFloat32 && (fp32_only || (data.type != ElementType::kBFloat16 &&
+                                                           data.type != ElementType::kFloat16))) {
+    return InvalidArgumentError("data", what, " must be ", fp32_only ? "fp32" : "fp32, bf16 or fp16", ", got ",
+                                ElementTypeName(data.type));
+  }
+  if (data.numel != want) return InvalidArgumentError("data", what, " must have ", want, " elements, got ", data.numel);
+  if (data.data == nullptr && want > 0) return InvalidArgumentError("data", "is null");
+  return absl::OkStatus();
+}
+
+// Completes one handle once every part of a multi-shard push has finished.
+struct PushCountdown {
+  absl::Mutex mu;
+  int remaining ABSL_GUARDED_BY(mu) = 0;
+  bool all_duplicate ABSL_GUARDED_BY(mu) = true;
+  int64_t elements ABSL_GUARDED_BY(mu) = 0;
+  int32_t contributions ABSL_GUARDED_BY(mu) = 0;
+  bool first ABSL_GUARDED_BY(mu) = true;
+  absl::Status error ABSL_GUARDED_BY(mu);
+  std::promise<absl::StatusOr<PushResult>> promise;
+
+  void Done(const absl::StatusOr<PushResult>& r) {
+    absl::StatusOr<PushResult> out;
+    {
+      absl::MutexLock lock(&mu);
+      if (!r.ok()) {
+        if (error.ok()) error = r.status();
+      } else {
+        all_duplicate = all_duplicate && r->duplicate;
+        elements += r->received_elements;
+        contributions = first ? r->contributions : std::min(contributions, r->contributions);
+        first = false;
+      }
+      if (--remaining > 0) return;
+      if (!error.ok()) {
+        out = error;
+      } else {
+        out = PushResult{all_duplicate, elements, contributions};
+      }
+    }
+    promise.set_value(std::move(out));
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t shard, int64_t step,
+                                                       v1::PushKind kind, ElementSpan data, int32_t num_contributors,
+                                                       const PushOptions& push_options, Deadline deadline,
+                                                       Route* landed) {
+  v1::PushGradRequest header_message;
+  v1::PushGradHeader* h = header_message.mutable_header();
+  h->set_job_id(job_id);
+  h->set_job_token(job_token);
+  h->set_bucket(bucket);
+  h->set_shard(shard);
+  h->set_step(step);
+  h->set_rank(options.rank);
+  h->set_kind(kind);
+  h->set_dtype(ElementTypeToProto(data.type));
+  h->set_total_bytes(data.bytes());
+  h->set_num_contributors(num_contributors);
+  h->set_loss_scale(push_options.loss_scale);
+  if (options.push_crc32c) h->set_crc32c(client_internal::Crc32c(data.data, data.bytes()));
+  const int64_t chunk_elements = std::max<int64_t>(1, options.chunk_bytes / data.element_bytes());
+
+  PushResult result;
+  const std::string what = absl::StrCat(kind == v1::PUSH_KIND_INITIAL_PARAMS ? "PushGrad(initial params)" : "PushGrad",
+                                        " bucket ", bucket, " shard ", shard, " step ", step);
+  MAINSTAY_RETURN_IF_ERROR(Retry(
+      what, deadline, [&] { return RouteForShard(bucket, shard); },
+      [&](const Route& route, grpc::ClientContext* context) {
+        v1::PushGradResponse response;
+        std::unique_ptr<grpc::ClientWriter<v1::PushGradRequest>> writer = route.stub->PushGrad(context, &response);
+        header_message.mutable_header()->set_placement_epoch(route.epoch);
+        bool ok = writer->Write(header_message);
+        v1::PushGradRequest chunk_message;
+        v1::GradChunk* chunk = chunk_message.mutable_chunk();
+        for (int64_t offset = 0; ok && offset < data.numel; offset += chunk_elements) {
+          const ElementSpan part = data.Sub(offset, std::min(chunk_elements, data.numel - offset));
+          chunk->set_element_offset(offset);
+          chunk->set_data(part.data, part.bytes());
+          ok = writer->Write(chunk_message);
+        }
+        if (ok) writer->WritesDone();
+        absl::Status s = client_internal::StatusFromCall(writer->Finish(), context);
+        if (s.ok()) {
+          result = PushResult{response.duplicate(), response.received_elements(), response.contributions()};
+          *landed = route;
+        }
+        return s;
+      }));
+  return result;
+}
+
+PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_t>& shards, int64_t step,
+                                        v1::PushKind kind, const std::vector<ElementSpan>& data,
+                                        int32_t num_contributors, const PushOptions& push_options) {
+  const Deadline deadline = DeadlineAfter(push_options.timeout);
+  auto countdown = std::make_shared<PushCountdown>();
+  {
+    absl::MutexLock lock(&countdown->mu);
+    countdown->remaining = static_cast<int>(shards.size());
+  }
+  PushHandle handle(countdown->promise.get_future().share());
+  for (size_t i = 0; i < shards.size(); ++i) {
+    auto done = std::make_shared<std::promise<absl::Status>>();
+    if (kind == v1::PUSH_KIND_GRADIENT) {
+      absl::MutexLock lock(&mu);
+      steps[step].pushes.push_back({bucket, shards[i], done->get_future().share()});
+    }
+    const int32_t shard = shards[i];
+    const ElementSpan part = data[i];
+    push_pool->Schedule([this, bucket, shard, step, kind, part, num_contributors, push_options, deadline, done,
+                         countdown] {
+      Route landed;
+      absl::StatusOr<PushResult> r =
+          PushShardSync(bucket, shard, step, kind, part, num_contributors, push_options, deadline, &landed);
+      if (r.ok() && kind == v1::PUSH_KIND_GRADIENT) {
+        absl::MutexLock lock(&mu);
+        steps[step].daemons[landed.address] = landed.daemon_id;
+      }
+      // The handle first: once FinishStep has seen every `done`, every handle of the step is ready.
+      countdown->Done(r);
+      done->set_value(r.status());
+    });
+  }
+  return handle;
+}
+
+PushHandle Client::PushShard(int32_t bucket, int32_t shard, int64_t step, ElementSpan shard_data,
+                             int32_t num_contributors, const PushOptions& options) {
+  const Layout& l = *impl_->layout;
+  absl::Status s = CheckBucketIndex(l, bucket);
+  if (s.ok() && (shard < 0 || shard >= l.data_parallel_size)) {
+    s = InvalidArgumentError("shard", "index ", shard, " is not in [0, ", l.data_parallel_size, ")");
+  }
+  if (s.ok() && step < 0) s = InvalidArgumentError("step", "must be >= 0 for a gradient, got ", step);
+  if (s.ok() && (num_contributors < 1 || num_contributors > l.data_parallel_size)) {
+    s = InvalidArgumentError("num_contributors", "must be in [1, ", l.data_parallel_size, "], got ", num_contributors);
+  }
+  if (s.ok()) s = CheckSpan(shard_data, l.buckets[bucket].shard_numel, "a shard", false);
+  if (!s.ok()) return PushHandle::Ready(s);
+  return impl_->SchedulePushes(bucket, {shard}, step, v1::PUSH_KIND_GRADIENT, {shard_data}, num_contributors, options);
+}
+
+PushHandle Client::PushGrad(int32_t bucket, int64_t step, ElementSpan shard_data, const PushOptions& options) {
+  return PushShard(bucket, rank(), step, shard_data, 1, options);
+}
+
+PushHandle Client::PushBucketUnreduced(int32_t bucket, int64_t step, ElementSpan bucket_data,
+                                       const PushOptions& options) {
+  const Layout& l = *impl_->layout;
+  absl::Status s = CheckBucketIndex(l, bucket);
+  if (s.ok() && step < 0) s = InvalidArgumentError("step", "must be >= 0 for a gradient, got ", step);
+  if (s.ok()) s = CheckSpan(bucket_data, l.buckets[bucket].numel, "a whole bucket", false);
+  if (!s.ok()) return PushHandle::Ready(s);
+  const Bucket& b = l.buckets[bucket];
+  std::vector<int32_t> shards;
+  std::vector<ElementSpan> parts;
+  for (int32_t r = 0; r < static_cast<int32_t>(l.data_parallel_size); ++r) {
+    shards.push_back(r);
+    parts.push_back(bucket_data.Sub(r * b.shard_numel, b.shard_numel));
+  }
+  return impl_->SchedulePushes(bucket, shards, step, v1::PUSH_KIND_GRADIENT, parts,
+                               static_cast<int32_t>(l.data_parallel_size), options);
+}
+
+PushHandle Client::PushInitialParams(int32_t bucket, std::span<const float> data, bool all_shards,
+                                     const PushOptions& options) {
+  const Layout& l = *impl_->layout;
+  absl::Status s = CheckBucketIndex(l, bucket);
+  if (!s.ok()) return PushHandle::Ready(s);
+  const Bucket& b = l.buckets[bucket];
+  const ElementSpan span = ElementSpan::Fp32(data);
+  std::vector<int32_t> shards;
+  std::vector<ElementSpan> parts;
+  if (span.numel == b.numel) {
+    for (int32_t r = 0; r < static_cast<int32_t>(l.data_parallel_size); ++r) {
+      if (!all_shards && r != rank()) continue;
+      shards.push_back(r);
+      parts.push_back(span.Sub(r * b.shard_numel, b.shard_numel));
+    }
+  } else if (span.numel == b.shard_numel && !all_shards) {
+    shards.push_back(rank());
+    parts.push_back(span);
+  } else {
+    return PushHandle::Ready(InvalidArgumentError(
+        "data", "initial parameters of bucket ", bucket, " must have ", b.numel, " elements (whole bucket)",
+        all_shards ? "" : absl::StrCat(" or ", b.shard_numel, " (this rank's shard)"), ", got ", span.numel));
+  }
+  return impl_->SchedulePushes(bucket, shards, -1, v1::PUSH_KIND_INITIAL_PARAMS, parts, 1, options);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pulls.
+
+absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t shard, int64_t version,
+                                                        std::span<uint8_t> data_out, Deadline deadline) {
+  v1::PullParamsRequest request;
+  request.set_job_id(job_id);
+  request.set_job_token(job_token);
+  request.set_bucket(bucket);
+  request.set_shard(shard);
+  if (version == Client::kLatestVersion) {
+    request.set_latest(true);
+  } else {
+    request.set_version(version);
+  }
+  request.set_max_chunk_bytes(options.chunk_bytes);
+  absl::StatusOr<PulledShard> result;
+  const std::string what = absl::StrCat("PullParams bucket ", bucket, " shard ", shard, " version ", version);
+  MAINSTAY_RETURN_IF_ERROR(Retry(
+      what, deadline, [&] { return RouteForShard(bucket, shard); },
+      [&](const Route& route, grpc::ClientContext* context) {
+        request.set_placement_epoch(route.epoch);
+        client_internal::ShardPullAssembler assembler(*layout, bucket, shard,
+                                                      version == Client::kLatestVersion ? -1 : version, data_out,
+                                                      options.verify_crc32c);
+        std::unique_ptr<grpc::ClientReader<v1::PullParamsResponse>> reader = route.stub->PullParams(context, request);
+        v1::PullParamsResponse message;
+        absl::Status local;
+        while (reader->Read(&message)) {
+          local = assembler.OnMessage(message);
+          if (!local.ok()) {
+            context->TryCancel();
+            break;
+          }
+        }
+        absl::Status s = client_internal::StatusFromCall(reader->Finish(), context);
+        if (!local.ok()) return local;  // a protocol violation outranks the CANCELLED it caused
+        if (!s.ok()) return s;
+        result = assembler.Finish();
+        return result.status();
+      }));
+  return result;
+}
+
+PullHandle Client::Impl::SchedulePull(int32_t bucket, int32_t shard_begin, int32_t shard_end, int64_t version,
+                                      std::chrono::milliseconds timeout) {
+  struct PullState {
+    absl::Mutex mu;
+    int remaining ABSL_GUARDED_BY(mu) = 0;
+    std::vector<uint8_t> data;
+    std::vector<absl::StatusOr<PulledShard>> shards;
+    std::promise<absl::StatusOr<PulledBucket>> promise;
+  };
+  const Deadline deadline = DeadlineAfter(timeout);
+  const Bucket& b = layout->buckets[bucket];
+  auto state = std::make_shared<PullState>();
+  const int64_t base = DataBytes(b.format, shard_begin * b.shard_numel);
+  state->data.resize(DataBytes(b.format, shard_end * b.shard_numel) - base);
+  state->shards.resize(shard_end - shard_begin);
+  {
+    absl::MutexLock lock(&state->mu);
+    state->remaining = shard_end - shard_begin;
+  }
+  PullHandle handle(state->promise.get_future().share());
+  for (int32_t shard = shard_begin; shard < shard_end; ++shard) {
+    pull_pool->Schedule([this, state, bucket, shard, shard_begin, shard_end, version, deadline, base] {
+      const Bucket& bk = layout->buckets[bucket];
+      const IndexRange bytes = ShardByteRange(bk, shard);
+      std::span<uint8_t> out = std::span<uint8_t>(state->data).subspan(bytes.begin - base, bytes.size());
+      absl::StatusOr<PulledShard> r = PullShardSync(bucket, shard, version, out, deadline);
+      {
+        absl::MutexLock lock(&state->mu);
+        state->shards[shard - shard_begin] = std::move(r);
+        if (--state->remaining > 0) return;
+      }
+      // The last shard to finish assembles the bucket (no task ever waits for another).
+      std::vector<PulledShard> shards;
+      for (absl::StatusOr<PulledShard>& s : state->shards) {
+        if (!s.ok()) {
+          state->promise.set_value(s.status());
+          return;
+        }
+        shards.push_back(*std::move(s));
+      }
+      state->promise.set_value(
+          client_internal::MakePulledBucket(layout, bucket, shard_begin, std::move(state->data), std::move(shards)));
+    });
+  }
+  return handle;
+}
+
+PullHandle Client::PullShard(int32_t bucket, int32_t shard, int64_t version, std::chrono::milliseconds timeout) {
+  absl::Status s = CheckBucketIndex(*impl_->layout, bucket);
+  if (s.ok() && (shard < 0 || shard >= data_parallel_size())) {
+    s = InvalidArgumentError("shard", "index ", shard, " is not in [0, ", data_parallel_size(), ")");
+  }
+  if (s.ok() && version < kLatestVersion) s = InvalidArgumentError("version", "must be >= 0 or kLatestVersion");
+  if (!s.ok()) return PullHandle::Ready(s);
+  return impl_->SchedulePull(bucket, shard, shard + 1, version, timeout);
+}
+
+PullHandle Client::PullBucket(int32_t bucket, int64_t version, std::chrono::milliseconds timeout) {
+  absl::Status s = CheckBucketIndex(*impl_->layout, bucket);
+  if (s.ok() && version < kLatestVersion) s = InvalidArgumentError("version", "must be >= 0 or kLatestVersion");
+  if (!s.ok()) return PullHandle::Ready(s);
+  return impl_->SchedulePull(bucket, 0, static_cast<int32_t>(data_parallel_size()), version, timeout);
+}
+
+}  // namespace mainstay

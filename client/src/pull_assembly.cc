@@ -1,0 +1,216 @@
+#include "client/src/pull_assembly.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/src/crc32c.h"
+#include "common/layout_proto.h"
+#include "common/status.h"
+
+namespace mainstay::client_internal {
+namespace {
+
+template <typename... Args>
+absl::Status Violation(const Args&... args) {
+  return absl::InternalError(absl::StrCat("daemon broke the PullParams protocol: ", args...));
+}
+
+}  // namespace
+
+ShardPullAssembler::ShardPullAssembler(const Layout& layout, int32_t bucket, int32_t shard,
+                                       int64_t requested_version, std::span<uint8_t> data_out,
+                                       bool verify_crc32c)
+    : layout_(layout),
+      bucket_(layout.buckets.at(bucket)),
+      shard_(bucket_.shards.at(shard)),
+      requested_version_(requested_version),
+      data_out_(data_out),
+      verify_crc32c_(verify_crc32c) {
+  const FormatDescriptor& d = Describe(bucket_.format);
+  scale_entry_bytes_ = d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0;
+  result_.shard = shard;
+}
+
+absl::Status ShardPullAssembler::OnMessage(const v1::PullParamsResponse& message) {
+  switch (message.msg_case()) {
+    case v1::PullParamsResponse::kHeader:
+      return OnHeader(message.header());
+    case v1::PullParamsResponse::kData:
+      return OnData(message.data());
+    case v1::PullParamsResponse::kScales:
+      return OnScales(message.scales());
+    default:
+      return Violation("empty message");
+  }
+}
+
+absl::Status ShardPullAssembler::OnHeader(const v1::PullParamsHeader& h) {
+  if (have_header_) return Violation("a second header");
+  have_header_ = true;
+  result_.version = h.version();
+  result_.unchanged = h.unchanged();
+  if (h.unchanged()) return absl::OkStatus();
+  if (requested_version_ >= 0 && h.version() != requested_version_) {
+    return Violation("version ", h.version(), " sent for requested version ", requested_version_);
+  }
+  absl::StatusOr<Format> format = FormatFromProto(h.format());
+  if (!format.ok() || *format != bucket_.format) {
+    return Violation("header.format ", v1::Format_Name(h.format()), " is not the bucket's ",
+                     FormatName(bucket_.format));
+  }
+  if (h.elements().begin() != shard_.elements.begin || h.elements().end() != shard_.elements.end) {
+    return Violation("header.elements [", h.elements().begin(), ", ", h.elements().end(), ") is not shard ",
+                     shard_.rank, "'s [", shard_.elements.begin, ", ", shard_.elements.end, ")");
+  }
+  const int64_t data_bytes = DataBytes(bucket_.format, bucket_.shard_numel);
+  if (h.total_data_bytes() != data_bytes || static_cast<int64_t>(data_out_.size()) != data_bytes) {
+    return Violation("header.total_data_bytes ", h.total_data_bytes(), ", expected ", data_bytes);
+  }
+  if (h.fragments_size() != static_cast<int>(shard_.fragments.size())) {
+    return Violation("header has ", h.fragments_size(), " fragments, the layout ", shard_.fragments.size());
+  }
+  int64_t scales = 0;
+  result_.fragments.reserve(shard_.fragments.size());
+  for (int i = 0; i < h.fragments_size(); ++i) {
+    const v1::FragmentQuantization& q = h.fragments(i);
+    const TensorFragment& f = shard_.fragments[i];
+    if (q.tensor() != f.tensor || q.elements().begin() != f.elements.begin || q.elements().end() != f.elements.end) {
+      return Violation("header.fragments[", i, "] is tensor ", q.tensor(), " [", q.elements().begin(), ", ",
+                       q.elements().end(), "), the layout's is tensor ", f.tensor, " [", f.elements.begin, ", ",
+                       f.elements.end, ")");
+    }
+    absl::StatusOr<Format> ff = FormatFromProto(q.format());
+    if (!ff.ok() || *ff != layout_.tensors[f.tensor].format) {
+      return Violation("header.fragments[", i, "].format ", v1::Format_Name(q.format()), " is not the tensor's");
+    }
+    FragmentQuantInfo info;
+    info.tensor = f.tensor;
+    info.elements = f.elements;
+    info.bucket_offset = f.bucket_offset;
+    info.scale = q.scale();
+    info.scale_inv = q.scale_inv();
+    info.amax = q.amax();
+    info.scale_blocks = FragmentScaleBlocks(layout_, f);
+    info.scale_offset = scales;
+    scales += info.scale_blocks.size();
+    result_.fragments.push_back(info);
+  }
+  const FormatDescriptor& d = Describe(bucket_.format);
+  const v1::ElementType want_type =
+      d.has_block_scales() ? ElementTypeToProto(d.block_scale) : v1::ELEMENT_TYPE_UNSPECIFIED;
+  if (h.scale_type() != want_type) {
+    return Violation("header.scale_type ", v1::ElementType_Name(h.scale_type()), ", expected ",
+                     v1::ElementType_Name(want_type));
+  }
+  if (h.total_scales() != scales || h.total_scale_bytes() != scales * scale_entry_bytes_) {
+    return Violation("header announces ", h.total_scales(), " scales in ", h.total_scale_bytes(),
+                     " bytes, the layout gives ", scales, " in ", scales * scale_entry_bytes_);
+  }
+  result_.num_scales = scales;
+  result_.scales.assign(scales * scale_entry_bytes_, 0);
+  expected_crc_ = h.data_crc32c();
+  return absl::OkStatus();
+}
+
+absl::Status ShardPullAssembler::OnData(const v1::ParamChunk& chunk) {
+  if (!have_header_) return Violation("data before the header");
+  if (result_.unchanged) return Violation("data after an unchanged header");
+  if (next_scale_ > 0) return Violation("data after scales");
+  if (chunk.element_offset() != next_element_) {
+    return Violation("data chunk at element ", chunk.element_offset(), ", expected ", next_element_);
+  }
+  const int bits = Describe(bucket_.format).bits_per_element;
+  const int64_t bytes = static_cast<int64_t>(chunk.data().size());
+  const int64_t elements = bytes * 8 / bits;
+  if (bytes == 0 || elements * bits != bytes * 8) return Violation("data chunk of ", bytes, " bytes");
+  if (next_element_ + elements > bucket_.shard_numel) {
+    return Violation("data past the shard's ", bucket_.shard_numel, " elements");
+  }
+  std::memcpy(data_out_.data() + DataBytes(bucket_.format, next_element_), chunk.data().data(), bytes);
+  next_element_ += elements;
+  return absl::OkStatus();
+}
+
+absl::Status ShardPullAssembler::OnScales(const v1::ScaleChunk& chunk) {
+  if (!have_header_) return Violation("scales before the header");
+  if (result_.unchanged) return Violation("scales after an unchanged header");
+  if (next_element_ != bucket_.shard_numel) return Violation("scales before all data");
+  if (chunk.scale_offset() != next_scale_) {
+    return Violation("scale chunk at entry ", chunk.scale_offset(), ", expected ", next_scale_);
+  }
+  const int64_t bytes = static_cast<int64_t>(chunk.data().size());
+  if (scale_entry_bytes_ == 0 || bytes == 0 || bytes % scale_entry_bytes_ != 0) {
+    return Violation("scale chunk of ", bytes, " bytes");
+  }
+  const int64_t entries = bytes / scale_entry_bytes_;
+  if (next_scale_ + entries > result_.num_scales) return Violation("more than ", result_.num_scales, " scales");
+  std::memcpy(result_.scales.data() + next_scale_ * scale_entry_bytes_, chunk.data().data(), bytes);
+  next_scale_ += entries;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PulledShard> ShardPullAssembler::Finish() {
+  if (!have_header_) return Violation("stream without a header");
+  if (!result_.unchanged) {
+    if (next_element_ != bucket_.shard_numel) {
+      return Violation("stream ended after ", next_element_, " of ", bucket_.shard_numel, " elements");
+    }
+    if (next_scale_ != result_.num_scales) {
+      return Violation("stream ended after ", next_scale_, " of ", result_.num_scales, " scales");
+    }
+    if (verify_crc32c_ && expected_crc_ != 0) {
+      const uint32_t crc = Crc32c(data_out_.data(), data_out_.size());
+      if (crc != expected_crc_) {
+        return absl::DataLossError(absl::StrCat("PullParams data of bucket ", bucket_.index, " shard ", shard_.rank,
+                                                " has CRC-32C ", crc, ", the daemon sent ", expected_crc_));
+      }
+    }
+  }
+  return std::move(result_);
+}
+
+absl::StatusOr<PulledBucket> MakePulledBucket(std::shared_ptr<const Layout> layout, int32_t bucket,
+                                              int32_t shard_begin, std::vector<uint8_t> data,
+                                              std::vector<PulledShard> shards) {
+  if (layout == nullptr || bucket < 0 || bucket >= static_cast<int32_t>(layout->buckets.size())) {
+    return absl::InvalidArgumentError("MakePulledBucket: bad bucket");
+  }
+  const Bucket& b = layout->buckets[bucket];
+  const int32_t shard_end = shard_begin + static_cast<int32_t>(shards.size());
+  if (shards.empty() || shard_begin < 0 || shard_end > static_cast<int32_t>(b.shards.size())) {
+    return absl::InvalidArgumentError("MakePulledBucket: bad shard range");
+  }
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const PulledShard& s = shards[i];
+    if (s.shard != shard_begin + static_cast<int32_t>(i)) {
+      return absl::InvalidArgumentError("MakePulledBucket: shards out of order");
+    }
+    if (s.version != shards[0].version || s.unchanged != shards[0].unchanged) {
+      return absl::AbortedError(absl::StrCat("bucket ", bucket, ": shard ", shard_begin, " answered version ",
+                                             shards[0].version, shards[0].unchanged ? " (unchanged)" : "",
+                                             " but shard ", s.shard, " version ", s.version,
+                                             s.unchanged ? " (unchanged)" : "", "; pull again"));
+    }
+  }
+  auto impl = std::make_shared<PulledBucket::Impl>();
+  impl->bucket = bucket;
+  impl->shard_begin = shard_begin;
+  impl->shard_end = shard_end;
+  impl->version = shards[0].version;
+  impl->unchanged = shards[0].unchanged;
+  if (!impl->unchanged) {
+    const int64_t want = DataBytes(b.format, shard_end * b.shard_numel) - DataBytes(b.format, shard_begin * b.shard_numel);
+    if (static_cast<int64_t>(data.size()) != want) {
+      return absl::InvalidArgumentError(absl::StrCat("MakePulledBucket: ", data.size(), " data bytes, expected ", want));
+    }
+    impl->data = std::move(data);
+  }
+  impl->shards = std::move(shards);
+  impl->layout = std::move(layout);
+  return PulledBucket(std::move(impl));
+}
+
+}  // namespace mainstay::client_internal

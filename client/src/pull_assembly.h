@@ -1,0 +1,80 @@
+// From PullParams streams to a PulledBucket.
+//
+// ShardPullAssembler checks one shard's stream against the layout as untrusted input (header
+// first and once; format, element range, byte and scale counts, fragments as the layout has them;
+// chunks in order without gaps, whole elements, inside the shard) and copies the data straight
+// into the caller's slice of the bucket buffer. MakePulledBucket joins consecutive shards.
+//
+// Errors: INTERNAL for a stream that breaks the protocol (the daemon's fault, not retried);
+// DATA_LOSS for a CRC-32C mismatch. Thread safety: an assembler belongs to one stream.
+#ifndef MAINSTAY_CLIENT_SRC_PULL_ASSEMBLY_H_
+#define MAINSTAY_CLIENT_SRC_PULL_ASSEMBLY_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/layout.h"
+#include "mainstay/pulled.h"
+#include "mainstay/v1/shard.pb.h"
+
+namespace mainstay {
+
+struct __attribute__((visibility("hidden"))) PulledBucket::Impl {
+  std::shared_ptr<const Layout> layout;
+  int32_t bucket = 0;
+  int32_t shard_begin = 0;
+  int32_t shard_end = 0;
+  int64_t version = 0;
+  bool unchanged = false;
+  std::vector<uint8_t> data;        // packed data of shards [shard_begin, shard_end); empty when unchanged
+  std::vector<PulledShard> shards;  // shard_end - shard_begin entries, in order
+};
+
+namespace client_internal {
+
+class ShardPullAssembler {
+ public:
+  // `data_out` is the shard's slice of the bucket's packed buffer: DataBytes(format, shard_numel)
+  // bytes. `requested_version` < 0 accepts any version (latest).
+  ShardPullAssembler(const Layout& layout, int32_t bucket, int32_t shard, int64_t requested_version,
+                     std::span<uint8_t> data_out, bool verify_crc32c);
+
+  absl::Status OnMessage(const v1::PullParamsResponse& message);
+  // After the stream ended OK: everything announced arrived.
+  absl::StatusOr<PulledShard> Finish();
+
+ private:
+  absl::Status OnHeader(const v1::PullParamsHeader& header);
+  absl::Status OnData(const v1::ParamChunk& chunk);
+  absl::Status OnScales(const v1::ScaleChunk& chunk);
+
+  const Layout& layout_;
+  const Bucket& bucket_;
+  const Shard& shard_;
+  const int64_t requested_version_;
+  const std::span<uint8_t> data_out_;
+  const bool verify_crc32c_;
+  int scale_entry_bytes_ = 0;
+
+  bool have_header_ = false;
+  uint32_t expected_crc_ = 0;
+  int64_t next_element_ = 0;   // elements of data received
+  int64_t next_scale_ = 0;     // scale entries received
+  PulledShard result_;
+};
+
+// Joins consecutive shards [shard_begin, shard_begin + shards.size()) whose packed data is `data`
+// (DataBytes of their elements). The shards must agree on version and `unchanged`; ABORTED
+// otherwise (a latest pull raced a commit, or daemons disagree on the step's outcome): pull again.
+absl::StatusOr<PulledBucket> MakePulledBucket(std::shared_ptr<const Layout> layout, int32_t bucket,
+                                              int32_t shard_begin, std::vector<uint8_t> data,
+                                              std::vector<PulledShard> shards);
+
+}  // namespace client_internal
+}  // namespace mainstay
+
+#endif  // MAINSTAY_CLIENT_SRC_PULL_ASSEMBLY_H_

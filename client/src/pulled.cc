@@ -1,0 +1,201 @@
+// PulledBucket: per-tensor views, scale-grid merging and dequantization over pulled shards.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/src/pull_assembly.h"
+#include "common/status.h"
+#include "kernels/kernels.h"
+#include "mainstay/buffers.h"
+#include "mainstay/pulled.h"
+
+namespace mainstay {
+namespace {
+
+const Layout& EmptyLayout() {
+  static const Layout* layout = new Layout();
+  return *layout;
+}
+
+int ScaleEntryBytes(Format format) {
+  const FormatDescriptor& d = Describe(format);
+  return d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0;
+}
+
+// Whether the fragment [begin, end) of a rows x cols tensor has an element in scale block
+// `block` (compact row-major grid of block_rows x block_cols blocks).
+bool FragmentTouchesBlock(const FormatDescriptor& d, Matrix2D view, Matrix2D grid, IndexRange fragment,
+                          int64_t block) {
+  const int64_t tr = block / grid.cols, tc = block % grid.cols;
+  const int64_t c_lo = tc * d.block_cols, c_hi = std::min(view.cols, c_lo + d.block_cols);
+  const int64_t r_lo = tr * d.block_rows, r_hi = std::min(view.rows, r_lo + d.block_rows);
+  for (int64_t r = r_lo; r < r_hi; ++r) {
+    const int64_t lo = r * view.cols + c_lo, hi = r * view.cols + c_hi;
+    if (lo < fragment.end && fragment.begin < hi) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+PulledBucket::PulledBucket() = default;
+PulledBucket::PulledBucket(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+
+const Layout& PulledBucket::layout() const { return impl_ ? *impl_->layout : EmptyLayout(); }
+const Bucket& PulledBucket::bucket_info() const {
+  static const Bucket* empty = new Bucket();
+  return impl_ ? impl_->layout->buckets[impl_->bucket] : *empty;
+}
+int32_t PulledBucket::bucket() const { return impl_ ? impl_->bucket : 0; }
+Format PulledBucket::format() const { return bucket_info().format; }
+int64_t PulledBucket::version() const { return impl_ ? impl_->version : 0; }
+bool PulledBucket::unchanged() const { return impl_ ? impl_->unchanged : false; }
+int32_t PulledBucket::shard_begin() const { return impl_ ? impl_->shard_begin : 0; }
+int32_t PulledBucket::shard_end() const { return impl_ ? impl_->shard_end : 0; }
+bool PulledBucket::complete() const {
+  return impl_ && impl_->shard_begin == 0 && impl_->shard_end == static_cast<int32_t>(bucket_info().shards.size());
+}
+IndexRange PulledBucket::elements() const {
+  if (!impl_) return {};
+  const int64_t n = bucket_info().shard_numel;
+  return {impl_->shard_begin * n, impl_->shard_end * n};
+}
+std::span<const uint8_t> PulledBucket::data() const {
+  return impl_ ? std::span<const uint8_t>(impl_->data) : std::span<const uint8_t>();
+}
+const std::vector<PulledShard>& PulledBucket::shards() const {
+  static const std::vector<PulledShard>* empty = new std::vector<PulledShard>();
+  return impl_ ? impl_->shards : *empty;
+}
+
+std::vector<int32_t> PulledBucket::tensors() const {
+  std::vector<int32_t> out;
+  for (const PulledShard& s : shards()) {
+    for (const FragmentQuantInfo& f : s.fragments) {
+      if (out.empty() || out.back() != f.tensor) out.push_back(f.tensor);
+    }
+  }
+  if (out.empty() && impl_ && impl_->unchanged) {
+    // No fragment metadata comes with an unchanged answer; list the layout's tensors instead.
+    for (int32_t s = impl_->shard_begin; s < impl_->shard_end; ++s) {
+      for (const TensorFragment& f : bucket_info().shards[s].fragments) {
+        if (out.empty() || out.back() != f.tensor) out.push_back(f.tensor);
+      }
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<TensorView> PulledBucket::Tensor(std::string_view name) const {
+  MAINSTAY_ASSIGN_OR_RETURN(int32_t index, FindTensor(layout(), name));
+  return Tensor(index);
+}
+
+absl::StatusOr<TensorView> PulledBucket::Tensor(int32_t tensor) const {
+  if (!impl_) return absl::FailedPreconditionError("empty PulledBucket");
+  const Layout& l = *impl_->layout;
+  if (tensor < 0 || tensor >= static_cast<int32_t>(l.tensors.size())) {
+    return InvalidArgumentError("tensor", "index ", tensor, " is not in [0, ", l.tensors.size(), ")");
+  }
+  const LayoutTensor& t = l.tensors[tensor];
+  if (t.bucket != impl_->bucket) {
+    return InvalidArgumentError("tensor", t.name, " is in bucket ", t.bucket, ", not ", impl_->bucket);
+  }
+  if (impl_->unchanged) {
+    return absl::FailedPreconditionError(absl::StrCat("bucket ", impl_->bucket, ": step ", impl_->version,
+                                                      " was skipped (unchanged); keep the weights you hold"));
+  }
+  const Format format = t.format;
+  const int entry = ScaleEntryBytes(format);
+  const int64_t covered_begin = elements().begin;
+  TensorView view;
+  view.tensor = tensor;
+  view.info = &t;
+  view.format = format;
+  for (const PulledShard& s : impl_->shards) {
+    for (const FragmentQuantInfo& f : s.fragments) {
+      if (f.tensor != tensor) continue;
+      FragmentView fv;
+      fv.shard = s.shard;
+      fv.elements = f.elements;
+      const int64_t byte_begin = DataBytes(format, f.bucket_offset - covered_begin);
+      fv.data = std::span<const uint8_t>(impl_->data).subspan(byte_begin, DataBytes(format, f.elements.size()));
+      fv.scales = std::span<const uint8_t>(s.scales).subspan(f.scale_offset * entry, f.scale_blocks.size() * entry);
+      fv.scale_blocks = f.scale_blocks;
+      fv.scale = f.scale;
+      fv.scale_inv = f.scale_inv;
+      fv.amax = f.amax;
+      view.fragments.push_back(fv);
+    }
+  }
+  if (view.fragments.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor ", t.name, " has no fragment in shards [",
+                                                      impl_->shard_begin, ", ", impl_->shard_end, ")"));
+  }
+  const FragmentView& first = view.fragments.front();
+  view.elements = {first.elements.begin, view.fragments.back().elements.end};
+  view.complete = view.elements.begin == 0 && view.elements.end == t.numel;
+  const int64_t data_begin = DataBytes(format, t.bucket_offset + first.elements.begin - covered_begin);
+  view.data = std::span<const uint8_t>(impl_->data).subspan(data_begin, DataBytes(format, view.elements.size()));
+  view.scale = first.scale;
+  view.scale_inv = first.scale_inv;
+  view.amax = first.amax;
+  return view;
+}
+
+absl::Status PulledBucket::Dequantize(int32_t tensor, std::span<float> out) const {
+  MAINSTAY_ASSIGN_OR_RETURN(TensorView view, Tensor(tensor));
+  const LayoutTensor& t = *view.info;
+  if (!view.complete) {
+    return absl::FailedPreconditionError(absl::StrCat("tensor ", t.name, " is only partly covered by shards [",
+                                                      shard_begin(), ", ", shard_end(), "): pull the whole bucket"));
+  }
+  if (static_cast<int64_t>(out.size()) != t.numel) {
+    return InvalidArgumentError("out", "tensor ", t.name, " has ", t.numel, " elements, got ", out.size());
+  }
+  const Matrix2D view2d = View2D(t.shape);
+  const bool tensor_scale = Describe(view.format).tensor_scale;
+  for (const FragmentView& f : view.fragments) {
+    kernels::QuantizedInputs in;
+    in.data = f.data;
+    in.block_scales = f.scales;
+    in.tensor_scale_inv = tensor_scale ? f.scale_inv : 1.0f;
+    MAINSTAY_RETURN_IF_ERROR(Annotate(
+        kernels::Dequantize(kernels::Device{}, view.format, kernels::Fragment{view2d, f.elements}, in,
+                            out.subspan(f.elements.begin, f.elements.size())),
+        absl::StrCat("dequantize ", t.name, " [", f.elements.begin, ", ", f.elements.end, ")")));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<float>> PulledBucket::Dequantize(int32_t tensor) const {
+  if (!impl_ || tensor < 0 || tensor >= static_cast<int32_t>(layout().tensors.size())) {
+    return InvalidArgumentError("tensor", "index ", tensor, " is not a tensor of this bucket");
+  }
+  std::vector<float> out(layout().tensors[tensor].numel);
+  MAINSTAY_RETURN_IF_ERROR(Dequantize(tensor, std::span<float>(out)));
+  return out;
+}
+
+absl::StatusOr<std::vector<uint8_t>> PulledBucket::TensorScaleGrid(int32_t tensor) const {
+  MAINSTAY_ASSIGN_OR_RETURN(TensorView view, Tensor(tensor));
+  const FormatDescriptor& d = Describe(view.format);
+  if (!d.has_block_scales()) return std::vector<uint8_t>();
+  const int entry = ScaleEntryBytes(view.format);
+  const Matrix2D view2d = View2D(view.info->shape);
+  const Matrix2D grid = ScaleGrid(view.format, view2d);
+  std::vector<uint8_t> out(grid.numel() * entry, 0);
+  for (const FragmentView& f : view.fragments) {
+    for (int64_t i = 0; i < f.scale_blocks.size(); ++i) {
+      const int64_t block = f.scale_blocks.begin + i;
+      // Blocks inside the fragment's range that it does not touch carry no value of its own.
+      if (!FragmentTouchesBlock(d, view2d, grid, f.elements, block)) continue;
+      std::memcpy(out.data() + block * entry, f.scales.data() + i * entry, entry);
+    }
+  }
+  return out;
+}
+
+}  // namespace mainstay

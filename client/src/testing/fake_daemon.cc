@@ -1,0 +1,206 @@
+// The fake shard daemon of fake_services.h: PushGrad, PullParams, FinishStep, GetStepStats.
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/src/crc32c.h"
+#include "client/src/testing/fake_state.h"
+#include "common/layout_proto.h"
+#include "kernels/casts.h"
+#include "mainstay/v1/shard.grpc.pb.h"
+
+namespace mainstay::testing_fakes {
+namespace {
+
+grpc::Status Invalid(const std::string& message) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "fake daemon: " + message);
+}
+
+// Waits on the cluster's condition until `done`, the call's deadline or its cancellation (a
+// client that goes away, a server shutting down). False unless `done`.
+template <typename Done>
+bool WaitFor(FakeCluster::State* s, grpc::ServerContext* context, Done done) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+  const absl::Time deadline = absl::FromChrono(context->deadline());
+  while (!done()) {
+    if (context->IsCancelled() || absl::Now() >= deadline) return false;
+    s->changed.WaitWithTimeout(&s->mu, absl::Milliseconds(20));
+  }
+  return true;
+}
+
+class FakeDaemon final : public v1::Shard::Service {
+ public:
+  FakeDaemon(FakeCluster::State* s, int index) : s_(s), index_(index) {}
+
+  grpc::Status PushGrad(grpc::ServerContext* context, grpc::ServerReader<v1::PushGradRequest>* reader,
+                        v1::PushGradResponse* response) override {
+    v1::PushGradRequest message;
+    if (!reader->Read(&message) || !message.has_header()) return Invalid("the first message must be a header");
+    const v1::PushGradHeader h = message.header();
+    int64_t shard_numel = 0;
+    {
+      absl::MutexLock lock(&s_->mu);
+      grpc::Status admitted = s_->Admit(context, index_, h.job_id(), h.job_token(), h.placement_epoch(), h.bucket(),
+                                        h.shard());
+      if (!admitted.ok()) return admitted;
+      shard_numel = s_->layout->buckets[h.bucket()].shard_numel;
+      if (h.kind() == v1::PUSH_KIND_GRADIENT && h.step() <= s_->committed_step) {
+        v1::ErrorDetail detail;
+        detail.set_committed_step(s_->committed_step);
+        return WithDetail(context, grpc::StatusCode::FAILED_PRECONDITION, "step already committed", detail);
+      }
+    }
+    if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS && (h.step() != -1 || h.dtype() != v1::ELEMENT_TYPE_FP32)) {
+      return Invalid("initial parameters need step -1 and fp32");
+    }
+    if (h.kind() == v1::PUSH_KIND_GRADIENT && h.step() < 0) return Invalid("negative step");
+    const int elem = h.dtype() == v1::ELEMENT_TYPE_FP32 ? 4 : 2;
+    if (h.dtype() != v1::ELEMENT_TYPE_FP32 && h.dtype() != v1::ELEMENT_TYPE_BF16 && h.dtype() != v1::ELEMENT_TYPE_FP16) {
+      return Invalid("bad dtype");
+    }
+    if (h.total_bytes() != shard_numel * elem) return Invalid("wrong total_bytes");
+    std::string payload;
+    int64_t max_chunk = 0;
+    while (reader->Read(&message)) {
+      if (!message.has_chunk()) return Invalid("a second header");
+      const v1::GradChunk& c = message.chunk();
+      if (c.element_offset() * elem != static_cast<int64_t>(payload.size())) return Invalid("chunk out of order");
+      if (c.data().size() % elem != 0 || c.data().size() > (4u << 20) || c.data().empty()) return Invalid("bad chunk");
+      max_chunk = std::max<int64_t>(max_chunk, c.data().size());
+      payload += c.data();
+    }
+    if (static_cast<int64_t>(payload.size()) != h.total_bytes()) return Invalid("short payload");
+    if (h.crc32c() != 0 && client_internal::Crc32c(payload.data(), payload.size()) != h.crc32c()) {
+      absl::MutexLock lock(&s_->mu);
+      ++s_->stats.wrong_crc;
+      return grpc::Status(grpc::StatusCode::DATA_LOSS, "crc32c mismatch");
+    }
+    std::vector<float> values(shard_numel);
+    for (int64_t i = 0; i < shard_numel; ++i) {
+      if (elem == 4) {
+        std::memcpy(&values[i], payload.data() + 4 * i, 4);
+      } else {
+        uint16_t bits;
+        std::memcpy(&bits, payload.data() + 2 * i, 2);
+        values[i] = h.dtype() == v1::ELEMENT_TYPE_BF16 ? kernels::Bf16ToFloat(bits) : kernels::Fp16ToFloat(bits);
+      }
+      if (h.loss_scale() > 0) values[i] = static_cast<float>(values[i] / h.loss_scale());
+    }
+    absl::MutexLock lock(&s_->mu);
+    ++s_->stats.push_streams;
+    s_->stats.max_chunk_bytes = std::max(s_->stats.max_chunk_bytes, max_chunk);
+    response->set_received_elements(shard_numel);
+    if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS) {
+      if (s_->version >= 1) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "already trained");
+      std::copy(values.begin(), values.end(), s_->master[h.bucket()].begin() + h.shard() * shard_numel);
+      s_->initial.insert({h.bucket(), h.shard()});
+      const size_t all = s_->layout->buckets.size() * s_->layout->data_parallel_size;
+      if (s_->initial.size() == all && s_->version < 0) s_->version = 0;
+      s_->changed.SignalAll();
+      response->set_contributions(1);
+      return grpc::Status::OK;
+    }
+    const GradKey key{h.step(), h.bucket(), h.shard()};
+    auto& by_rank = s_->grads[key];
+    if (by_rank.count(h.rank())) {
+      ++s_->stats.duplicate_pushes;
+      response->set_duplicate(true);
+    } else {
+      by_rank[h.rank()] = std::move(values);
+      s_->contributors[key] = std::max(1, h.num_contributors());
+    }
+    response->set_contributions(static_cast<int32_t>(by_rank.size()));
+    s_->TryCommit();
+    return grpc::Status::OK;
+  }
+
+  grpc::Status PullParams(grpc::ServerContext* context, const v1::PullParamsRequest* request,
+                          grpc::ServerWriter<v1::PullParamsResponse>* writer) override {
+    std::shared_ptr<const Layout> layout;
+    std::vector<float> master;
+    int64_t version = 0;
+    bool unchanged = false;
+    {
+      absl::MutexLock lock(&s_->mu);
+      grpc::Status admitted = s_->Admit(context, index_, request->job_id(), request->job_token(),
+                                        request->placement_epoch(), request->bucket(), request->shard());
+      if (!admitted.ok()) return admitted;
+      ++s_->stats.pull_streams;
+      const int64_t want = request->latest() ? 0 : request->version();
+      auto decided = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu) {
+        return s_->version >= want || (want >= 1 && s_->results.count(want - 1) > 0);
+      };
+      if (!decided() && request->no_wait()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "version not decided");
+      if (!WaitFor(s_, context, decided)) {
+        return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "version not decided before the deadline");
+      }
+      if (!request->latest() && s_->version > want) {
+        v1::ErrorDetail detail;
+        detail.set_version(s_->version);
+        return WithDetail(context, grpc::StatusCode::FAILED_PRECONDITION, "version no longer kept", detail);
+      }
+      version = request->latest() ? s_->version : want;
+      unchanged = !request->latest() && s_->version < want;  // step want-1 was skipped
+      if (unchanged) version = s_->version;
+      layout = s_->layout;
+      master = s_->master[request->bucket()];
+    }
+    if (unchanged) {
+      v1::PullParamsResponse m;
+      m.mutable_header()->set_version(version);
+      m.mutable_header()->set_unchanged(true);
+      writer->Write(m);
+      return grpc::Status::OK;
+    }
+    absl::StatusOr<std::vector<v1::PullParamsResponse>> stream = MakePullStream(
+        *layout, request->bucket(), request->shard(), version, master, request->max_chunk_bytes());
+    if (!stream.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, std::string(stream.status().message()));
+    for (const v1::PullParamsResponse& m : *stream) {
+      if (!writer->Write(m)) break;
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status FinishStep(grpc::ServerContext* context, const v1::FinishStepRequest* request,
+                          v1::FinishStepResponse* response) override {
+    absl::MutexLock lock(&s_->mu);
+    grpc::Status admitted =
+        s_->Admit(context, index_, request->job_id(), request->job_token(), request->placement_epoch(), -1, -1);
+    if (!admitted.ok()) return admitted;
+    ++s_->stats.finish_calls;
+    auto& ranks = s_->finished[request->step()];
+    if (!ranks.empty() && ranks.begin()->second != std::make_pair(request->lr(), request->weight_decay())) {
+      return Invalid("lr / weight_decay differ between ranks");
+    }
+    ranks[request->rank()] = {request->lr(), request->weight_decay()};
+    s_->TryCommit();
+    auto decided = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu) { return s_->results.count(request->step()) > 0; };
+    if (!WaitFor(s_, context, decided)) {
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "step not decided before the deadline");
+    }
+    *response->mutable_stats() = s_->results[request->step()];
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetStepStats(grpc::ServerContext* context, const v1::GetStepStatsRequest* request,
+                            v1::GetStepStatsResponse* response) override {
+    absl::MutexLock lock(&s_->mu);
+    auto it = s_->results.find(request->step());
+    if (it == s_->results.end()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "step not decided");
+    *response->mutable_stats() = it->second;
+    return grpc::Status::OK;
+  }
+
+ private:
+  FakeCluster::State* s_;
+  const int index_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::Service> MakeFakeDaemon(FakeCluster::State* state, int index) {
+  return std::make_unique<FakeDaemon>(state, index);
+}
+
+}  // namespace mainstay::testing_fakes

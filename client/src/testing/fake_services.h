@@ -1,0 +1,82 @@
+// Test doubles for the client: an in-process fake coordinator and fake shard daemons speaking
+// the real gRPC protocol (proto/mainstay/v1), so client tests run without mainstayd.
+//
+// The fakes share one FakeCluster state (no AssignShard): CreateJob resolves the spec into the
+// real Layout (ResolveJob) and places shard r of every bucket on daemon r % num_daemons at epoch
+// 1. Daemons check job id, token and epoch like the protocol says (UNAVAILABLE for an epoch they
+// have not seen, FAILED_PRECONDITION + ErrorDetail for a shard they do not own any more), store
+// pushes (duplicates acknowledged), apply plain SGD with decoupled weight decay to FP32 masters
+// once every rank has called FinishStep and every shard has its contributions, skip the step
+// on non-finite gradients, and publish each tensor quantized whole (kernels::Quantize, model
+// dtype bf16, fp8 delayed scale 1) sliced into the fragments of the shard.
+//
+// Thread safety: everything may be called concurrently. Not production code.
+#ifndef MAINSTAY_CLIENT_SRC_TESTING_FAKE_SERVICES_H_
+#define MAINSTAY_CLIENT_SRC_TESTING_FAKE_SERVICES_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/layout.h"
+#include "mainstay/v1/shard.pb.h"
+
+namespace mainstay::testing_fakes {
+
+struct FakeClusterOptions {
+  int num_daemons = 2;
+  int unavailable_calls = 0;       // each daemon answers UNAVAILABLE to its first N data-plane calls
+  int create_job_unavailable = 0;  // the coordinator answers UNAVAILABLE to the first N CreateJob
+};
+
+struct FakeStats {
+  int64_t push_streams = 0;        // PushGrad streams accepted (duplicates included)
+  int64_t duplicate_pushes = 0;
+  int64_t max_chunk_bytes = 0;     // largest GradChunk seen
+  int64_t unavailable_answers = 0;
+  int64_t stale_epoch_answers = 0;
+  int64_t finish_calls = 0;
+  int64_t pull_streams = 0;
+  int64_t wrong_crc = 0;           // pushes whose crc32c did not match (rejected)
+};
+
+class FakeCluster {
+ public:
+  static absl::StatusOr<std::unique_ptr<FakeCluster>> Start(const FakeClusterOptions& options);
+  ~FakeCluster();
+
+  std::string coordinator_address() const;
+  std::vector<std::string> daemon_addresses() const;
+  std::string job_id() const;      // empty before CreateJob
+  std::string job_token() const;
+
+  // Moves (bucket, shard) to daemon `daemon` under a new epoch.
+  void MoveShard(int32_t bucket, int32_t shard, int daemon);
+  // Makes the daemons answer UNAVAILABLE to their next `calls` data-plane calls.
+  void FailNextCalls(int calls);
+  // Current FP32 master of a bucket (numel elements) and the current version (-1 before the
+  // initial parameters are complete).
+  std::vector<float> Master(int32_t bucket) const;
+  int64_t version() const;
+  FakeStats stats() const;
+
+  struct State;
+
+ private:
+  FakeCluster() = default;
+  std::shared_ptr<State> state_;
+};
+
+// The PullParams stream a daemon sends for (bucket, shard) of `bucket_master` (the whole
+// bucket's FP32 values): header, data chunks, scale chunks, with at most max_chunk_bytes each.
+absl::StatusOr<std::vector<v1::PullParamsResponse>> MakePullStream(const Layout& layout, int32_t bucket,
+                                                                   int32_t shard, int64_t version,
+                                                                   std::span<const float> bucket_master,
+                                                                   int64_t max_chunk_bytes);
+
+}  // namespace mainstay::testing_fakes
+
+#endif  // MAINSTAY_CLIENT_SRC_TESTING_FAKE_SERVICES_H_

@@ -1,0 +1,321 @@
+// libmainstay_client end to end over real gRPC against the in-process fake coordinator and
+// daemons (client/src/testing/fake_services.h): create/attach, both push modes, FinishStep,
+// pulls, retries on UNAVAILABLE, stale placement epochs, deadlines and errors.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "client/src/testing/fake_services.h"
+#include "client/src/testing/test_specs.h"
+#include "kernels/casts.h"
+#include "mainstay/client.h"
+#include "tests/testing/status_matchers.h"
+
+namespace mainstay {
+namespace {
+
+using ::mainstay::testing::IsOk;
+using ::mainstay::testing::StatusIs;
+using ::testing::HasSubstr;
+using testing_fakes::FakeCluster;
+using testing_fakes::FakeClusterOptions;
+
+std::vector<float> Random(int64_t n, uint32_t seed, float scale = 0.1f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-scale, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+float Bf16Round(float x) { return kernels::Bf16ToFloat(kernels::FloatToBf16(x)); }
+
+class ClientGrpcTest : public ::testing::Test {
+ protected:
+  void StartCluster(const FakeClusterOptions& options = {}) {
+    auto cluster = FakeCluster::Start(options);
+    ASSERT_THAT(cluster, IsOk());
+    cluster_ = *std::move(cluster);
+  }
+  // Rank 0 creates the job; the other ranks attach with the token rank 0 got.
+  void ConnectRanks(const std::string& spec, int d, ClientOptions base = {}) {
+    base.coordinator = cluster_->coordinator_address();
+    base.timeout = std::chrono::milliseconds(20000);
+    ClientOptions create = base;
+    create.job_spec_json = spec;
+    auto c0 = Client::Connect(create);
+    ASSERT_THAT(c0, IsOk());
+    clients_.push_back(*std::move(c0));
+    for (int r = 1; r < d; ++r) {
+      ClientOptions attach = base;
+      attach.job_id = clients_[0]->job_id();
+      attach.job_token = clients_[0]->job_token();
+      attach.rank = r;
+      auto c = Client::Connect(attach);
+      ASSERT_THAT(c, IsOk());
+      clients_.push_back(*std::move(c));
+    }
+  }
+  // Every rank pushes its own shard of `init` (whole buckets) as initial parameters.
+  void PushInitial(const std::vector<std::vector<float>>& init) {
+    for (auto& c : clients_) {
+      for (size_t b = 0; b < init.size(); ++b) {
+        ASSERT_THAT(c->PushInitialParams(static_cast<int32_t>(b), init[b]).Wait(), IsOk());
+      }
+    }
+  }
+  std::vector<std::vector<float>> RandomBuckets(uint32_t seed, float scale = 0.1f) {
+    std::vector<std::vector<float>> out;
+    for (const Bucket& b : clients_[0]->layout().buckets) out.push_back(Random(b.numel, seed++, scale));
+    return out;
+  }
+  // FinishStep on every rank at once.
+  std::vector<absl::StatusOr<StepStats>> FinishAll(int64_t step, double lr, double wd) {
+    std::vector<absl::StatusOr<StepStats>> out(clients_.size(), absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (size_t r = 0; r < clients_.size(); ++r) {
+      threads.emplace_back([&, r] { out[r] = clients_[r]->FinishStep(step, lr, wd); });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  }
+
+  std::unique_ptr<FakeCluster> cluster_;
+  std::vector<std::unique_ptr<Client>> clients_;
+};
+
+TEST_F(ClientGrpcTest, CreateAttachPushPullReducedModeStep) {
+  StartCluster();
+  ConnectRanks(testing_fakes::AllFormatsSpec(2), 2);
+  ASSERT_EQ(clients_.size(), 2u);
+  EXPECT_EQ(clients_[0]->job_id(), cluster_->job_id());
+  EXPECT_EQ(clients_[0]->job_token(), cluster_->job_token());
+  EXPECT_EQ(clients_[1]->layout(), clients_[0]->layout());
+  EXPECT_EQ(clients_[1]->placement().epoch, 1);
+  EXPECT_EQ(clients_[1]->placement().daemons.size(), 2u);
+  const Layout& layout = clients_[0]->layout();
+  const auto init = RandomBuckets(1);
+  PushInitial(init);
+  EXPECT_EQ(cluster_->version(), 0);
+
+  // Version 0 through the daemons equals what they hold.
+  for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
+    const absl::StatusOr<PulledBucket>& pulled = clients_[1]->PullBucket(b, 0).Wait();
+    ASSERT_THAT(pulled, IsOk());
+    EXPECT_EQ(pulled->version(), 0);
+    EXPECT_TRUE(pulled->complete());
+    for (int32_t t : pulled->tensors()) {
+      MAINSTAY_ASSERT_OK_AND_ASSIGN(std::vector<float> v, pulled->Dequantize(t));
+      const LayoutTensor& info = layout.tensors[t];
+      if (info.format != Format::kBF16) continue;
+      for (int64_t i = 0; i < info.numel; ++i) ASSERT_EQ(v[i], Bf16Round(init[b][info.bucket_offset + i])) << info.name;
+    }
+  }
+
+  // Step 0, reduced: rank r pushes shard r of the (already reduced) gradient.
+  const auto grad = RandomBuckets(100);
+  std::vector<PushHandle> handles;
+  for (int32_t r = 0; r < 2; ++r) {
+    for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
+      const int64_t n = layout.buckets[b].shard_numel;
+      handles.push_back(clients_[r]->PushGrad(b, 0, ElementSpan::Fp32(std::span<const float>(grad[b]).subspan(r * n, n))));
+    }
+  }
+  const auto stats = FinishAll(0, 0.5, 0.0);
+  for (const auto& s : stats) {
+    ASSERT_THAT(s, IsOk());
+    EXPECT_EQ(s->step, 0);
+    EXPECT_EQ(s->version, 1);
+    EXPECT_FALSE(s->skipped);
+    EXPECT_EQ(s->lr, 0.5);
+  }
+  for (auto& h : handles) {
+    ASSERT_TRUE(h.ready());
+    EXPECT_FALSE(h.Wait()->duplicate);
+  }
+  for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
+    const std::vector<float> master = cluster_->Master(b);
+    for (int64_t i = 0; i < layout.buckets[b].numel; ++i) {
+      ASSERT_FLOAT_EQ(master[i], init[b][i] - 0.5f * grad[b][i]);
+    }
+    const absl::StatusOr<PulledBucket>& pulled = clients_[0]->PullBucket(b, 1).Wait();
+    ASSERT_THAT(pulled, IsOk());
+    EXPECT_EQ(pulled->version(), 1);
+  }
+}
+
+TEST_F(ClientGrpcTest, UnreducedModeSumsEveryRanksBf16Gradient) {
+  StartCluster();
+  ConnectRanks(testing_fakes::SmallSpec(2), 2);
+  const Layout& layout = clients_[0]->layout();
+  const auto init = RandomBuckets(7);
+  PushInitial(init);
+  std::vector<std::vector<uint16_t>> grads;  // [rank], bucket 0, bf16 bits
+  for (int r = 0; r < 2; ++r) {
+    std::vector<uint16_t> g;
+    for (float x : Random(layout.buckets[0].numel, 50 + r)) g.push_back(kernels::FloatToBf16(x));
+    grads.push_back(std::move(g));
+  }
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(layout.buckets.size(), 1u);
+    PushHandle h = clients_[r]->PushBucketUnreduced(0, 0, ElementSpan::Bf16(grads[r]));
+    ASSERT_THAT(h.Wait(), IsOk());
+    EXPECT_EQ(h.Wait()->received_elements, layout.buckets[0].numel);
+  }
+  for (const auto& s : FinishAll(0, 0.25, 0.0)) ASSERT_THAT(s, IsOk());
+  const std::vector<float> master = cluster_->Master(0);
+  for (int64_t i = 0; i < layout.buckets[0].numel; ++i) {
+    const float g = kernels::Bf16ToFloat(grads[0][i]) + kernels::Bf16ToFloat(grads[1][i]);
+    ASSERT_FLOAT_EQ(master[i], init[0][i] - 0.25f * g);
+  }
+}
+
+TEST_F(ClientGrpcTest, UnavailableDaemonsAreRetriedUntilTheyHaveTheJob) {
+  FakeClusterOptions options;
+  options.unavailable_calls = 6;
+  options.create_job_unavailable = 2;
+  StartCluster(options);
+  ClientOptions base;
+  base.initial_backoff = std::chrono::milliseconds(5);
+  ConnectRanks(testing_fakes::SmallSpec(1), 1, base);
+  PushInitial(RandomBuckets(3));
+  EXPECT_EQ(cluster_->stats().unavailable_answers, 6);
+  EXPECT_EQ(cluster_->version(), 0);
+}
+
+TEST_F(ClientGrpcTest, GivesUpWithUnavailableAtTheDeadline) {
+  StartCluster();
+  ConnectRanks(testing_fakes::SmallSpec(1), 1);
+  cluster_->FailNextCalls(1000000);
+  PushOptions options;
+  options.timeout = std::chrono::milliseconds(400);
+  std::vector<float> data(clients_[0]->layout().buckets[0].numel);
+  EXPECT_THAT(clients_[0]->PushInitialParams(0, data, false, options).Wait(),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("attempts")));
+}
+
+TEST_F(ClientGrpcTest, StaleEpochRereadsThePlacementAndReroutes) {
+  StartCluster();
+  ConnectRanks(testing_fakes::SmallSpec(2), 2);
+  EXPECT_EQ(clients_[0]->placement().epoch, 1);
+  cluster_->MoveShard(0, 0, 1);  // shard 0 leaves daemon 0
+  PushInitial(RandomBuckets(9));
+  EXPECT_GE(cluster_->stats().stale_epoch_answers, 1);
+  EXPECT_EQ(clients_[0]->placement().epoch, 2);
+  const JobPlacement p = clients_[0]->placement();
+  for (const ShardOwner& o : p.shards) {
+    if (o.bucket == 0 && o.shard == 0) {
+      EXPECT_EQ(o.daemon_id, "daemon-1");
+    }
+  }
+}
+
+TEST_F(ClientGrpcTest, WrongTokenAndUnknownJobAreNotRetried) {
+  StartCluster();
+  ConnectRanks(testing_fakes::SmallSpec(1), 1);
+  ClientOptions o;
+  o.coordinator = cluster_->coordinator_address();
+  o.job_id = clients_[0]->job_id();
+  o.job_token = "wrong";
+  EXPECT_THAT(Client::Connect(o), StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("GetLayout")));
+  o.job_id = "job-404";
+  EXPECT_THAT(Client::Connect(o), StatusIs(absl::StatusCode::kNotFound));
+  o.job_id = clients_[0]->job_id();
+  o.job_token = clients_[0]->job_token();
+  o.rank = 5;
+  EXPECT_THAT(Client::Connect(o), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank")));
+}
+
+TEST_F(ClientGrpcTest, FinishStepNeedsPushesAndAllRanks) {
+  StartCluster();
+  ConnectRanks(testing_fakes::SmallSpec(2), 2);
+  PushInitial(RandomBuckets(4));
+  EXPECT_THAT(clients_[0]->FinishStep(0, 0.1, 0.0), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(clients_[0]->FinishStep(-1, 0.1, 0.0), StatusIs(absl::StatusCode::kInvalidArgument));
+  const int64_t n = clients_[0]->layout().buckets[0].shard_numel;
+  std::vector<float> g(n, 0.01f);
+  clients_[0]->PushGrad(0, 0, ElementSpan::Fp32(g));
+  // Rank 1 never finishes: the daemon keeps rank 0 waiting until the deadline.
+  EXPECT_THAT(clients_[0]->FinishStep(0, 0.1, 0.0, std::chrono::milliseconds(300)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+}
+
+TEST_F(ClientGrpcTest, OldStepsDuplicatesChunksAndSkippedSteps) {
+  StartCluster();
+  ClientOptions base;
+  base.chunk_bytes = 1024;
+  ConnectRanks(testing_fakes::SmallSpec(1), 1, base);
+  Client& c = *clients_[0];
+  PushInitial(RandomBuckets(5));
+  const int64_t n = c.layout().buckets[0].numel;
+  std::vector<float> g(n, 0.01f);
+  ASSERT_THAT(c.PushGrad(0, 0, ElementSpan::Fp32(g)).Wait(), IsOk());
+  const absl::StatusOr<PushResult>& dup = c.PushGrad(0, 0, ElementSpan::Fp32(g)).Wait();
+  ASSERT_THAT(dup, IsOk());
+  EXPECT_TRUE(dup->duplicate);
+  EXPECT_LE(cluster_->stats().max_chunk_bytes, 1024);
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(StepStats s0, c.FinishStep(0, 0.1, 0.01));
+  EXPECT_EQ(s0.version, 1);
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(StepStats again, c.GetStepStats(0));
+  EXPECT_EQ(again.version, 1);
+
+  // A push for the committed step: FAILED_PRECONDITION naming the committed step.
+  const absl::Status old = c.PushGrad(0, 0, ElementSpan::Fp32(g)).Wait().status();
+  EXPECT_THAT(old, StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("bucket 0")));
+  ASSERT_TRUE(GetErrorInfo(old).has_value());
+  EXPECT_EQ(GetErrorInfo(old)->committed_step, 0);
+
+  // Non-finite gradients skip step 1: version 2 never exists, the pull says unchanged.
+  g[3] = std::nanf("");
+  ASSERT_THAT(c.PushGrad(0, 1, ElementSpan::Fp32(g)).Wait(), IsOk());
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(StepStats s1, c.FinishStep(1, 0.1, 0.01));
+  EXPECT_TRUE(s1.skipped);
+  EXPECT_EQ(s1.version, 1);
+  const absl::StatusOr<PulledBucket>& pulled = c.PullBucket(0, 2).Wait();
+  ASSERT_THAT(pulled, IsOk());
+  EXPECT_TRUE(pulled->unchanged());
+  EXPECT_EQ(pulled->version(), 1);
+  const absl::StatusOr<PulledBucket>& latest = c.PullShard(0, 0, Client::kLatestVersion).Wait();
+  ASSERT_THAT(latest, IsOk());
+  EXPECT_EQ(latest->version(), 1);
+  EXPECT_FALSE(latest->unchanged());
+}
+
+TEST_F(ClientGrpcTest, DestroyingTheClientCancelsWaitingPulls) {
+  StartCluster();
+  ConnectRanks(testing_fakes::SmallSpec(1), 1);
+  PushInitial(RandomBuckets(11));
+  PullHandle waiting = clients_[0]->PullBucket(0, 5);  // step 4 never comes: the daemon waits
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(waiting.ready());
+  const auto start = std::chrono::steady_clock::now();
+  clients_.clear();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  ASSERT_TRUE(waiting.ready());
+  EXPECT_THAT(waiting.Wait(), StatusIs(absl::StatusCode::kCancelled));
+}
+
+TEST_F(ClientGrpcTest, BadArgumentsAreRefusedWithoutACall) {
+  StartCluster();
+  ConnectRanks(testing_fakes::SmallSpec(2), 2);
+  Client& c = *clients_[0];
+  std::vector<float> small(3);
+  EXPECT_THAT(c.PushGrad(0, 0, ElementSpan::Fp32(small)).Wait(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(c.PushGrad(7, 0, ElementSpan::Fp32(small)).Wait(), StatusIs(absl::StatusCode::kInvalidArgument));
+  std::vector<float> shard(c.layout().buckets[0].shard_numel);
+  EXPECT_THAT(c.PushGrad(0, -1, ElementSpan::Fp32(shard)).Wait(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(c.PushBucketUnreduced(0, 0, ElementSpan::Fp32(shard)).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("whole bucket")));
+  EXPECT_THAT(c.PushInitialParams(0, small).Wait(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(c.PullShard(0, 2, 0).Wait(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(c.PullBucket(0, -5).Wait(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(cluster_->stats().push_streams, 0);
+  EXPECT_EQ(cluster_->stats().pull_streams, 0);
+}
+
+}  // namespace
+}  // namespace mainstay

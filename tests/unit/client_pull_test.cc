@@ -1,0 +1,325 @@
+// From PullParams streams to per-tensor views and FP32 values (client/src/pull_assembly.h,
+// mainstay/pulled.h), with synthetic streams built like a daemon builds them: no daemon.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "client/src/pull_assembly.h"
+#include "client/src/testing/fake_services.h"
+#include "client/src/testing/test_specs.h"
+#include "common/status.h"
+#include "kernels/casts.h"
+#include "kernels/kernels.h"
+#include "mainstay/buffers.h"
+#include "mainstay/pulled.h"
+#include "tests/testing/status_matchers.h"
+
+namespace mainstay {
+namespace {
+
+using client_internal::MakePulledBucket;
+using client_internal::ShardPullAssembler;
+using ::mainstay::testing::IsOk;
+using ::mainstay::testing::StatusIs;
+using ::testing::HasSubstr;
+using testing_fakes::MakePullStream;
+
+// Deterministic master values of a whole bucket: each tensor gets values from its name, so
+// layouts for different D hold the same tensor values.
+std::vector<float> BucketMaster(const Layout& layout, int32_t bucket) {
+  std::vector<float> master(layout.buckets[bucket].numel, 0.0f);
+  for (int32_t t : layout.buckets[bucket].tensors) {
+    const LayoutTensor& info = layout.tensors[t];
+    std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>()(info.name)));
+    const int t_index = static_cast<int>(std::hash<std::string>()(info.name) % 5);
+    // Magnitudes differ by tensor, so scales taken from the wrong tensor or block show.
+    std::normal_distribution<float> dist(0.0f, 0.05f * static_cast<float>(1 << t_index));
+    for (int64_t i = 0; i < info.numel; ++i) master[info.bucket_offset + i] = dist(rng);
+  }
+  return master;
+}
+
+// Pulls shards [begin, end) of a bucket through the assembler, as the client does.
+absl::StatusOr<PulledBucket> Pull(std::shared_ptr<const Layout> layout, int32_t bucket, int32_t begin, int32_t end,
+                                  const std::vector<float>& master, int64_t chunk_bytes = 1000) {
+  const Bucket& b = layout->buckets[bucket];
+  const int64_t base = DataBytes(b.format, begin * b.shard_numel);
+  std::vector<uint8_t> data(DataBytes(b.format, end * b.shard_numel) - base);
+  std::vector<PulledShard> shards;
+  for (int32_t s = begin; s < end; ++s) {
+    MAINSTAY_ASSIGN_OR_RETURN(std::vector<v1::PullParamsResponse> stream,
+                              MakePullStream(*layout, bucket, s, 7, master, chunk_bytes));
+    const IndexRange bytes = ShardByteRange(b, s);
+    ShardPullAssembler assembler(*layout, bucket, s, 7, std::span<uint8_t>(data).subspan(bytes.begin - base, bytes.size()),
+                                 /*verify_crc32c=*/true);
+    for (const v1::PullParamsResponse& m : stream) {
+      MAINSTAY_RETURN_IF_ERROR(assembler.OnMessage(m));
+    }
+    MAINSTAY_ASSIGN_OR_RETURN(PulledShard shard, assembler.Finish());
+    shards.push_back(std::move(shard));
+  }
+  return MakePulledBucket(layout, bucket, begin, std::move(data), std::move(shards));
+}
+
+// FP32 values of a tensor quantized whole and dequantized whole (one fragment, independent of
+// the layout and of the client's per-fragment assembly), as TE would see them.
+std::vector<float> ReferenceDequantize(const LayoutTensor& t, std::span<const float> values) {
+  const Matrix2D view = View2D(t.shape);
+  const kernels::Fragment frag{view, {0, t.numel}};
+  const FormatDescriptor& d = Describe(t.format);
+  std::vector<float> block_amax(ScaleBlockRange(t.format, view, frag.elements).size());
+  float amax = 0;
+  EXPECT_THAT(kernels::ComputePartialAmax(kernels::Device{}, t.format, Format::kBF16, frag, values,
+                                          {&amax, std::span<float>(block_amax)}),
+              IsOk());
+  std::vector<uint8_t> data(DataBytes(t.format, t.numel));
+  std::vector<uint8_t> scales(d.has_block_scales() ? block_amax.size() * BitsOf(d.block_scale) / 8 : 0);
+  float scale_inv = 1.0f;
+  kernels::ScaleInputs in;
+  in.tensor_amax = amax;
+  in.block_amax = block_amax;
+  EXPECT_THAT(kernels::Quantize(kernels::Device{}, t.format, Format::kBF16, frag, values, in,
+                                {data, scales, &scale_inv}),
+              IsOk());
+  std::vector<float> out(t.numel);
+  EXPECT_THAT(kernels::Dequantize(kernels::Device{}, t.format, frag,
+                                  {data, scales, d.tensor_scale ? scale_inv : 1.0f}, std::span<float>(out)),
+              IsOk());
+  return out;
+}
+
+struct TensorResult {
+  int fragments = 0;
+  bool shared_block = false;  // two fragments' scale ranges overlap (a tile cut by a shard boundary)
+  std::vector<float> values;
+  std::vector<uint8_t> data;
+  std::vector<uint8_t> grid;
+};
+
+// Every tensor of the all-formats job, pulled whole bucket by bucket under D ranks.
+std::map<std::string, TensorResult> PullAll(int64_t d) {
+  std::map<std::string, TensorResult> out;
+  absl::StatusOr<Layout> l = ComputeJobLayout(testing_fakes::AllFormatsSpec(d));
+  EXPECT_THAT(l, IsOk());
+  if (!l.ok()) return out;
+  auto layout = std::make_shared<const Layout>(*l);
+  for (int32_t b = 0; b < static_cast<int32_t>(layout->buckets.size()); ++b) {
+    absl::StatusOr<PulledBucket> pulled = Pull(layout, b, 0, static_cast<int32_t>(d), BucketMaster(*layout, b));
+    EXPECT_THAT(pulled, IsOk()) << "D=" << d << " bucket " << b;
+    if (!pulled.ok()) continue;
+    EXPECT_TRUE(pulled->complete());
+    EXPECT_EQ(pulled->version(), 7);
+    for (int32_t t : pulled->tensors()) {
+      absl::StatusOr<TensorView> view = pulled->Tensor(t);
+      EXPECT_THAT(view, IsOk());
+      EXPECT_TRUE(view->complete);
+      TensorResult r;
+      r.fragments = static_cast<int>(view->fragments.size());
+      for (size_t i = 1; i < view->fragments.size(); ++i) {
+        const IndexRange& prev = view->fragments[i - 1].scale_blocks;
+        if (!prev.empty() && view->fragments[i].scale_blocks.begin < prev.end) r.shared_block = true;
+      }
+      r.data.assign(view->data.begin(), view->data.end());
+      absl::StatusOr<std::vector<float>> values = pulled->Dequantize(t);
+      EXPECT_THAT(values, IsOk()) << layout->tensors[t].name;
+      if (values.ok()) r.values = *values;
+      absl::StatusOr<std::vector<uint8_t>> grid = pulled->TensorScaleGrid(t);
+      EXPECT_THAT(grid, IsOk());
+      if (grid.ok()) r.grid = *grid;
+      out[layout->tensors[t].name] = std::move(r);
+    }
+  }
+  return out;
+}
+
+TEST(ClientPullTest, WholeBucketDequantizeIsTheSameForEveryDAndEveryFormat) {
+  const std::map<std::string, TensorResult> reference = PullAll(1);
+  ASSERT_EQ(reference.size(), 8u);
+  for (int64_t d : {2, 3, 4, 6}) {
+    const std::map<std::string, TensorResult> got = PullAll(d);
+    ASSERT_EQ(got.size(), reference.size()) << "D=" << d;
+    int split = 0, shared = 0;
+    for (const auto& [name, r] : got) {
+      split += r.fragments > 1;
+      shared += r.shared_block;
+    }
+    // The job is built so that tensors straddle shards and shard boundaries cut 2D tiles.
+    EXPECT_GT(split, 2) << "D=" << d;
+    if (d >= 3) {
+      EXPECT_GT(shared, 0) << "D=" << d;
+    }
+    for (const auto& [name, ref] : reference) {
+      const TensorResult& r = got.at(name);
+      EXPECT_EQ(r.data, ref.data) << name << " D=" << d;
+      EXPECT_EQ(r.grid, ref.grid) << name << " D=" << d;
+      ASSERT_EQ(r.values.size(), ref.values.size());
+      for (size_t i = 0; i < r.values.size(); ++i) {
+        ASSERT_EQ(kernels::FloatBits(r.values[i]), kernels::FloatBits(ref.values[i])) << name << " D=" << d << " i=" << i;
+      }
+    }
+  }
+}
+
+TEST(ClientPullTest, DequantizedValuesEqualWholeTensorDequantization) {
+  auto layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::AllFormatsSpec(3)));
+  int checked = 0;
+  for (int32_t b = 0; b < static_cast<int32_t>(layout->buckets.size()); ++b) {
+    const std::vector<float> master = BucketMaster(*layout, b);
+    MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledBucket pulled, Pull(layout, b, 0, 3, master));
+    for (int32_t t : pulled.tensors()) {
+      const LayoutTensor& info = layout->tensors[t];
+      MAINSTAY_ASSERT_OK_AND_ASSIGN(std::vector<float> values, pulled.Dequantize(t));
+      const std::vector<float> want =
+          ReferenceDequantize(info, std::span<const float>(master).subspan(info.bucket_offset, info.numel));
+      for (int64_t i = 0; i < info.numel; ++i) {
+        ASSERT_EQ(kernels::FloatBits(values[i]), kernels::FloatBits(want[i])) << info.name << " i=" << i;
+      }
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 8);
+}
+
+TEST(ClientPullTest, DequantizedValuesApproximateTheMasters) {
+  auto layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::AllFormatsSpec(3)));
+  for (int32_t b = 0; b < static_cast<int32_t>(layout->buckets.size()); ++b) {
+    const std::vector<float> master = BucketMaster(*layout, b);
+    MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledBucket pulled, Pull(layout, b, 0, 3, master));
+    for (int32_t t : pulled.tensors()) {
+      const LayoutTensor& info = layout->tensors[t];
+      MAINSTAY_ASSERT_OK_AND_ASSIGN(std::vector<float> values, pulled.Dequantize(t));
+      double err = 0, mag = 0;
+      for (int64_t i = 0; i < info.numel; ++i) {
+        const float m = master[info.bucket_offset + i];
+        if (info.format == Format::kBF16) {
+          ASSERT_EQ(values[i], kernels::Bf16ToFloat(kernels::FloatToBf16(m)));
+        }
+        err += std::abs(values[i] - m);
+        mag += std::abs(m);
+      }
+      // 4-bit E2M1 is the coarsest: mean relative error well under 25%.
+      EXPECT_LT(err, 0.25 * mag) << info.name << " " << FormatName(info.format);
+    }
+  }
+}
+
+TEST(ClientPullTest, OneShardCoversOnlyItsFragments) {
+  auto layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::AllFormatsSpec(3)));
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(int32_t mx, FindTensor(*layout, "layers.0.mx.weight"));
+  const int32_t b = layout->tensors[mx].bucket;
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledBucket one, Pull(layout, b, 1, 2, BucketMaster(*layout, b)));
+  EXPECT_FALSE(one.complete());
+  EXPECT_EQ(one.shard_begin(), 1);
+  EXPECT_EQ(one.elements(), (IndexRange{layout->buckets[b].shard_numel, 2 * layout->buckets[b].shard_numel}));
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(TensorView view, one.Tensor("layers.0.mx.weight"));
+  EXPECT_FALSE(view.complete);
+  ASSERT_EQ(view.fragments.size(), 1u);
+  EXPECT_EQ(view.fragments[0].shard, 1);
+  EXPECT_EQ(view.data.size(), static_cast<size_t>(DataBytes(view.format, view.elements.size())));
+  EXPECT_EQ(view.fragments[0].scales.size(), static_cast<size_t>(view.fragments[0].scale_blocks.size()));
+  EXPECT_THAT(one.Dequantize(mx), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("whole bucket")));
+}
+
+TEST(ClientPullTest, TensorLookupErrors) {
+  auto layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::AllFormatsSpec(2)));
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledBucket pulled, Pull(layout, 0, 0, 2, BucketMaster(*layout, 0)));
+  EXPECT_THAT(pulled.Tensor("missing"), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(pulled.Tensor(1000), StatusIs(absl::StatusCode::kInvalidArgument));
+  int32_t other = -1;
+  for (size_t t = 0; t < layout->tensors.size(); ++t) {
+    if (layout->tensors[t].bucket != 0) other = static_cast<int32_t>(t);
+  }
+  ASSERT_GE(other, 0);
+  EXPECT_THAT(pulled.Tensor(other), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bucket")));
+  std::vector<float> wrong(3);
+  EXPECT_THAT(pulled.Dequantize(pulled.tensors()[0], wrong), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(ClientPullTest, UnchangedAnswerMeansKeepTheWeights) {
+  auto layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::SmallSpec(2)));
+  std::vector<PulledShard> shards;
+  for (int32_t s = 0; s < 2; ++s) {
+    std::vector<uint8_t> data(DataBytes(layout->buckets[0].format, layout->buckets[0].shard_numel));
+    ShardPullAssembler assembler(*layout, 0, s, 7, data, true);
+    v1::PullParamsResponse m;
+    m.mutable_header()->set_version(6);
+    m.mutable_header()->set_unchanged(true);
+    ASSERT_THAT(assembler.OnMessage(m), IsOk());
+    m.Clear();
+    m.mutable_data()->set_element_offset(0);
+    m.mutable_data()->set_data("xx");
+    EXPECT_THAT(assembler.OnMessage(m), StatusIs(absl::StatusCode::kInternal, HasSubstr("unchanged")));
+    MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledShard shard, assembler.Finish());
+    shards.push_back(shard);
+  }
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledBucket pulled, MakePulledBucket(layout, 0, 0, {}, shards));
+  EXPECT_TRUE(pulled.unchanged());
+  EXPECT_EQ(pulled.version(), 6);
+  EXPECT_TRUE(pulled.data().empty());
+  ASSERT_FALSE(pulled.tensors().empty());
+  EXPECT_THAT(pulled.Tensor(pulled.tensors()[0]), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("skipped")));
+}
+
+TEST(ClientPullTest, ShardsThatDisagreeOnTheVersionAreAborted) {
+  auto layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::SmallSpec(2)));
+  PulledShard a, b;
+  a.shard = 0;
+  a.version = 5;
+  a.unchanged = true;
+  b.shard = 1;
+  b.version = 6;
+  b.unchanged = true;
+  EXPECT_THAT(MakePulledBucket(layout, 0, 0, {}, {a, b}), StatusIs(absl::StatusCode::kAborted, HasSubstr("pull again")));
+}
+
+// A valid stream with one message changed by `mutate` must be refused with `code`.
+void ExpectRefused(const std::function<void(std::vector<v1::PullParamsResponse>&)>& mutate, absl::StatusCode code,
+                   const std::string& message) {
+  auto layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::AllFormatsSpec(3)));
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(int32_t mx, FindTensor(*layout, "layers.0.mx.weight"));
+  const int32_t b = layout->tensors[mx].bucket;
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(std::vector<v1::PullParamsResponse> stream,
+                                MakePullStream(*layout, b, 1, 7, BucketMaster(*layout, b), 512));
+  mutate(stream);
+  std::vector<uint8_t> data(DataBytes(layout->buckets[b].format, layout->buckets[b].shard_numel));
+  ShardPullAssembler assembler(*layout, b, 1, 7, data, true);
+  absl::Status status;
+  for (const v1::PullParamsResponse& m : stream) {
+    status = assembler.OnMessage(m);
+    if (!status.ok()) break;
+  }
+  if (status.ok()) status = assembler.Finish().status();
+  EXPECT_THAT(status, StatusIs(code, HasSubstr(message)));
+}
+
+TEST(ClientPullTest, ProtocolViolationsAreInternalErrors) {
+  using Stream = std::vector<v1::PullParamsResponse>;
+  ExpectRefused([](Stream& s) { s.insert(s.begin() + 1, s[0]); }, absl::StatusCode::kInternal, "second header");
+  ExpectRefused([](Stream& s) { s.erase(s.begin()); }, absl::StatusCode::kInternal, "before the header");
+  ExpectRefused([](Stream& s) { std::swap(s[1], s[2]); }, absl::StatusCode::kInternal, "expected");
+  ExpectRefused([](Stream& s) { s.erase(s.begin() + 2); }, absl::StatusCode::kInternal, "expected");
+  ExpectRefused([](Stream& s) { s.pop_back(); }, absl::StatusCode::kInternal, "scales");
+  ExpectRefused([](Stream& s) { s[0].mutable_header()->set_version(8); }, absl::StatusCode::kInternal, "version");
+  ExpectRefused([](Stream& s) { s[0].mutable_header()->set_total_data_bytes(1); }, absl::StatusCode::kInternal,
+                "total_data_bytes");
+  ExpectRefused([](Stream& s) { s[0].mutable_header()->mutable_fragments()->RemoveLast(); },
+                absl::StatusCode::kInternal, "fragments");
+  ExpectRefused([](Stream& s) { s[0].mutable_header()->mutable_fragments(0)->set_tensor(99); },
+                absl::StatusCode::kInternal, "fragments[0]");
+  ExpectRefused([](Stream& s) { s[0].mutable_header()->set_scale_type(v1::ELEMENT_TYPE_FP32); },
+                absl::StatusCode::kInternal, "scale_type");
+  ExpectRefused([](Stream& s) { s[0].mutable_header()->set_format(v1::FORMAT_BF16); }, absl::StatusCode::kInternal,
+                "format");
+  ExpectRefused([](Stream& s) { s[1].mutable_data()->mutable_data()->push_back('x'); }, absl::StatusCode::kInternal,
+                "expected");
+  ExpectRefused([](Stream& s) { (*s[1].mutable_data()->mutable_data())[0] ^= 1; }, absl::StatusCode::kDataLoss,
+                "CRC-32C");
+}
+
+}  // namespace
+}  // namespace mainstay
