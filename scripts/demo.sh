@@ -1,26 +1,86 @@
 #!/usr/bin/env bash
-# The README's demo command. Builds mainstayctl and shows what Mainstay computes for a
-# real model: the layout of a Llama-3-8B-shaped model over 8 trainers with the MXFP8
-# recipe, then GPT-2 small with whole-tensor ownership. (The local cluster demo arrives
-# with the shard daemon.)
+# The README's demo command: a local Mainstay cluster on loopback training a small model.
+#
+# Builds, starts mainstay-coordinator and two mainstayd daemons, runs two trainer processes
+# (client/python/examples/mlp_trainer.py: a NumPy MLP learning a teacher network) that keep
+# no optimizer state of their own, prints step, loss, grad norm and step time as they go, then
+# shows the job with mainstayctl and shuts everything down. Environment: DEMO_STEPS (300),
+# DEMO_RECIPE (bf16_with_fp8_current_scaling_mixed), MAINSTAY_BUILD_DIR (build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/install_deps.sh
 build_dir=${MAINSTAY_BUILD_DIR:-build}
-cmake -S . -B "$build_dir" -G Ninja ${MAINSTAY_CMAKE_ARGS:-} > "$build_dir.configure.log" 2>&1 ||
-  { cat "$build_dir.configure.log"; exit 1; }
-cmake --build "$build_dir" -j"$(nproc)" --target mainstayctl
-ctl="$build_dir/cli/mainstayctl"
+mkdir -p "$build_dir"
+echo "== building (log: $build_dir/demo-build.log)"
+{
+  cmake -S . -B "$build_dir" -G Ninja ${MAINSTAY_CMAKE_ARGS:-} &&
+    cmake --build "$build_dir" -j"$(nproc)" --target mainstay-coordinator mainstayd mainstayctl mainstay_python
+} > "$build_dir/demo-build.log" 2>&1 || { tail -50 "$build_dir/demo-build.log"; exit 1; }
 
+run_dir=$(mktemp -d /tmp/mainstay-demo.XXXXXX)
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  rm -rf "$run_dir"
+}
+trap cleanup EXIT
+
+wait_for_file() {  # path, pid of the process that writes it
+  for _ in $(seq 600); do
+    [[ -s "$1" ]] && return 0
+    kill -0 "$2" 2>/dev/null || { echo "process $2 exited; its log:"; cat "$run_dir"/*.log; return 1; }
+    sleep 0.1
+  done
+  echo "timed out waiting for $1"; return 1
+}
+
+echo "== starting mainstay-coordinator and two mainstayd daemons on 127.0.0.1 (logs: $run_dir)"
+"$build_dir/server/grpc/mainstay-coordinator" --listen 127.0.0.1:0 --state-dir "$run_dir/state" \
+  --port-file "$run_dir/coordinator.port" 2> "$run_dir/coordinator.log" &
+pids+=($!)
+wait_for_file "$run_dir/coordinator.port" "${pids[0]}"
+coordinator="127.0.0.1:$(cat "$run_dir/coordinator.port")"
+for i in 0 1; do
+  "$build_dir/server/grpc/mainstayd" --coordinator "$coordinator" --listen 127.0.0.1:0 --node-name "node$i" \
+    --threads 1 --memory-bytes 2000000000 --lease-ttl-ms 3000 --port-file "$run_dir/daemon$i.port" \
+    2> "$run_dir/daemon$i.log" &
+  pids+=($!)
+  wait_for_file "$run_dir/daemon$i.port" "${pids[-1]}"
+done
+ctl="$build_dir/cli/mainstayctl"
+"$ctl" daemons list --coordinator "$coordinator"
+
+steps=${DEMO_STEPS:-300}
+recipe=${DEMO_RECIPE:-bf16_with_fp8_current_scaling_mixed}
 echo
-echo "== Llama-3-8B shape, D=8, bf16_with_mxfp8_mixed, flat layout (summary)"
-"$ctl" layout --spec docs/examples/llama3_8b.json --dp 8 --summary
+echo "== two trainer processes, $steps steps, recipe $recipe (rank 0 prints)"
+# The module is built for Debian's python3 (python3-dev, python3-numpy), not another one on PATH.
+python=/usr/bin/python3
+export PYTHONPATH="$PWD/$build_dir/client/python${PYTHONPATH:+:$PYTHONPATH}"
+trainer_pids=()
+for rank in 0 1; do
+  "$python" client/python/examples/mlp_trainer.py --coordinator "$coordinator" --rank "$rank" --world 2 \
+    --job-file "$run_dir/job.json" --steps "$steps" --recipe "$recipe" 2> "$run_dir/trainer$rank.log" &
+  trainer_pids+=($!)
+done
+status=0
+for pid in "${trainer_pids[@]}"; do wait "$pid" || status=$?; done
+if [[ $status -ne 0 ]]; then
+  echo "a trainer failed (exit $status):"; for f in "$run_dir"/trainer*.log; do echo "--- $f"; tail -n 20 "$f"; done; exit "$status"
+fi
+
+job_id=$("$python" -c 'import json,sys; print(json.load(open(sys.argv[1]))["job_id"])' "$run_dir/job.json")
+sleep 2  # one heartbeat, so the coordinator has the daemons' latest progress
 echo
-echo "== the same model, first tensors and their shards"
-"$ctl" layout --spec docs/examples/llama3_8b.json --dp 8 | sed -n '/^TENSOR /,/^$/p' | head -12
+echo "== mainstayctl jobs show $job_id"
+"$ctl" jobs show "$job_id" --coordinator "$coordinator"
 echo
-echo "== GPT-2 small, D=6, whole_tensor layout: no tensor straddles two daemons"
-"$ctl" layout --spec docs/examples/gpt2_small.json --dp 6 --policy whole_tensor --summary
+echo "== mainstayctl placement $job_id"
+"$ctl" placement --job "$job_id" --coordinator "$coordinator"
 echo
-echo "Full tables: $ctl layout --spec docs/examples/llama3_8b.json --dp 8   (add --json for scripts)"
+echo "== shutting down (SIGTERM: daemons deregister, the coordinator exits)"
+cleanup
+trap - EXIT
+echo "done"

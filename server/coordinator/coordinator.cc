@@ -113,6 +113,9 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
   }
   l->second.expires_ms = s.Now() + l->second.ttl_ms;
   l->second.used_bytes = request.used_bytes();
+  for (const v1::JobProgress& p : request.jobs()) {
+    if (s.state.jobs.count(p.job_id())) s.progress[p.job_id()][request.daemon_id()] = p;
+  }
   v1::HeartbeatResponse response;
   response.set_lease_ttl_ms(l->second.ttl_ms);
   response.set_state(d->second.state());

@@ -72,6 +72,28 @@ struct Coordinator::Impl {
   };
   std::map<std::string, Lease> leases ABSL_GUARDED_BY(mu);
   std::map<std::string, std::string> tokens ABSL_GUARDED_BY(mu);  // job id -> token, for idempotent retries
+  // Job progress as the daemons last reported it (memory only): job id -> daemon id -> progress.
+  std::map<std::string, std::map<std::string, v1::JobProgress>> progress ABSL_GUARDED_BY(mu);
+
+  // The job's info with the progress of its least advanced reporting daemon; that daemon's
+  // stats go to `last_stats` when given.
+  v1::JobInfo InfoWithProgress(const v1::StoredJob& job, v1::StepStats* last_stats = nullptr) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    v1::JobInfo info = job.info();
+    auto it = progress.find(info.job_id());
+    if (it == progress.end()) return info;
+    const v1::JobProgress* least = nullptr;
+    for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
+      auto p = it->second.find(e.daemon_id());
+      if (p == it->second.end()) return info;  // a daemon has not reported yet
+      if (least == nullptr || p->second.committed_step() < least->committed_step()) least = &p->second;
+    }
+    if (least == nullptr) return info;
+    info.set_committed_step(least->committed_step());
+    info.set_version(std::max<int64_t>(least->version(), 0));
+    if (last_stats != nullptr && least->has_last_step_stats()) *last_stats = least->last_step_stats();
+    return info;
+  }
   int64_t batches_since_snapshot ABSL_GUARDED_BY(mu) = 0;
 
   int64_t Now() const { return options.clock->NowUnixMs(); }

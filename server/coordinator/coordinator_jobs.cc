@@ -78,7 +78,9 @@ absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(const v1::GetJobRequest& 
   s.TickLocked();
   MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(request.job_id()));
   v1::GetJobResponse response;
-  *response.mutable_job() = job->info();
+  v1::StepStats last;
+  *response.mutable_job() = s.InfoWithProgress(*job, &last);
+  if (last.step() != 0 || last.version() != 0) *response.mutable_last_step_stats() = last;
   return response;
 }
 
@@ -86,14 +88,14 @@ v1::ListJobsResponse Coordinator::ListJobs(const v1::ListJobsRequest& request) {
   Impl& s = *impl_;
   absl::MutexLock lock(&s.mu);
   s.TickLocked();
-  std::vector<const v1::JobInfo*> jobs;
-  for (const auto& [id, job] : s.state.jobs) jobs.push_back(&job.info());
-  std::sort(jobs.begin(), jobs.end(), [](const v1::JobInfo* a, const v1::JobInfo* b) {
-    return a->created_unix_ms() != b->created_unix_ms() ? a->created_unix_ms() < b->created_unix_ms()
-                                                        : a->job_id() < b->job_id();
+  std::vector<v1::JobInfo> jobs;
+  for (const auto& [id, job] : s.state.jobs) jobs.push_back(s.InfoWithProgress(job));
+  std::sort(jobs.begin(), jobs.end(), [](const v1::JobInfo& a, const v1::JobInfo& b) {
+    return a.created_unix_ms() != b.created_unix_ms() ? a.created_unix_ms() < b.created_unix_ms()
+                                                      : a.job_id() < b.job_id();
   });
   v1::ListJobsResponse response;
-  for (const v1::JobInfo* info : jobs) *response.add_jobs() = *info;
+  for (v1::JobInfo& info : jobs) *response.add_jobs() = std::move(info);
   return response;
 }
 
@@ -106,6 +108,7 @@ absl::Status Coordinator::DeleteJob(const v1::DeleteJobRequest& request) {
   batch.DeleteJob(job.info().job_id());
   MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));
   s.tokens.erase(job.info().job_id());
+  s.progress.erase(job.info().job_id());
   if (s.options.assigner != nullptr) {
     for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
       v1::DropShardRequest drop;

@@ -530,6 +530,18 @@ std::vector<v1::ShardStatus> Job::ShardStatuses() const {
   return out;
 }
 
+v1::JobProgress Job::Progress() const {
+  absl::MutexLock lock(&mu_);
+  v1::JobProgress p;
+  p.set_job_id(job_id_);
+  p.set_committed_step(committed_step_);
+  p.set_version(version_);
+  if (auto it = stats_.find(committed_step_); committed_step_ >= 0 && it != stats_.end()) {
+    *p.mutable_last_step_stats() = it->second;
+  }
+  return p;
+}
+
 int64_t Job::state_bytes() const {
   int64_t total = 0;
   for (const v1::ShardStatus& s : ShardStatuses()) total += s.state_bytes();

@@ -36,6 +36,7 @@
 #include "common/job_spec.h"
 #include "common/layout.h"
 #include "kernels/kernels.h"
+#include "mainstay/v1/coordinator.pb.h"
 #include "mainstay/v1/shard.pb.h"
 #include "server/daemon/reduction_plan.h"
 #include "server/daemon/scaling_state.h"
@@ -139,6 +140,8 @@ class Job : public std::enable_shared_from_this<Job> {
   // A consistent copy of a shard's committed state. FAILED_PRECONDITION when not owned.
   absl::StatusOr<ShardStateCopy> ReadShardState(int32_t bucket, int32_t shard) const;
   std::vector<v1::ShardStatus> ShardStatuses() const;
+  // Where the job stands (reported to the coordinator with the heartbeat).
+  v1::JobProgress Progress() const;
   int64_t state_bytes() const;
   // Stops the step thread and ends every wait with UNAVAILABLE.
   void Shutdown();

@@ -224,7 +224,11 @@ int Main(int argc, char** argv) {
   reg.set_version("0.1.0");
   reg.set_requested_lease_ttl_ms(*lease);
   link_options.on_registered = [&daemon](const std::string& id) { daemon.set_daemon_id(id); };
-  link_options.usage = [&daemon] { return std::make_pair(daemon.used_bytes(), daemon.active_jobs()); };
+  link_options.report = [&daemon](v1::HeartbeatRequest* request) {
+    request->set_used_bytes(daemon.used_bytes());
+    request->set_active_jobs(daemon.active_jobs());
+    for (v1::JobProgress& p : daemon.Progress()) *request->add_jobs() = std::move(p);
+  };
   absl::StatusOr<std::unique_ptr<CoordinatorLink>> started = CoordinatorLink::Start(link_options);
   if (!started.ok()) {
     (*server)->Shutdown();

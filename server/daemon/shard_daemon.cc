@@ -129,6 +129,17 @@ int64_t ShardDaemon::used_bytes() const {
   return total;
 }
 
+std::vector<v1::JobProgress> ShardDaemon::Progress() const {
+  std::vector<std::shared_ptr<Job>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, job] : jobs_) jobs.push_back(job);
+  }
+  std::vector<v1::JobProgress> out;
+  for (const auto& job : jobs) out.push_back(job->Progress());
+  return out;
+}
+
 int ShardDaemon::active_jobs() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(jobs_.size());

@@ -54,6 +54,8 @@ class ShardDaemon {
 
   absl::StatusOr<ShardStateCopy> ReadShardState(const std::string& job_id, int32_t bucket, int32_t shard) const;
 
+  // Progress of every job, for the heartbeat.
+  std::vector<v1::JobProgress> Progress() const;
   int64_t used_bytes() const;
   int active_jobs() const;
   // Stops every job's step thread and ends waits with UNAVAILABLE. Idempotent.

@@ -91,11 +91,7 @@ void CoordinatorLink::RunHeartbeat() {
       request.set_daemon_id(daemon_id_);
       request.set_lease_id(lease_id_);
     }
-    if (options_.usage) {
-      const auto [bytes, jobs] = options_.usage();
-      request.set_used_bytes(bytes);
-      request.set_active_jobs(jobs);
-    }
+    if (options_.report) options_.report(&request);
     ::grpc::ClientContext context;
     SetDeadline(&context, absl::Now() + options_.call_timeout);
     v1::HeartbeatResponse response;

@@ -32,8 +32,8 @@ class CoordinatorLink : public peer::KvClient {
     absl::Duration call_timeout = absl::Seconds(10);
     // Called with the daemon id after every (re-)registration.
     std::function<void(const std::string&)> on_registered;
-    // Heartbeat payload: (used bytes, active jobs).
-    std::function<std::pair<int64_t, int>()> usage;
+    // Fills the heartbeat's payload (used bytes, active jobs, job progress).
+    std::function<void(v1::HeartbeatRequest*)> report;
   };
 
   // Registers and starts the heartbeat. UNAVAILABLE when the coordinator did not answer

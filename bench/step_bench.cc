@@ -1,0 +1,268 @@
+// End-to-end step time of the vertical slice: a coordinator and D daemons (real processes on
+// loopback), D trainer threads of this process with their own Client, one model of --params
+// parameters in square weights. Each measured step: every trainer pushes its shard of every
+// bucket (reduce-scattered FP32 gradients), finishes the step, and pulls every bucket of the new
+// version (the all-gather through the daemons). Reported per phase, with the daemons' own phase
+// times from StepStats.
+//
+// Baseline, measured in the same run: the same update done in-process without the service (the
+// fused AdamW + amax + quantize of the kernels over the whole model, on --baseline-threads
+// threads). ratio = slice step time / in-process step time.
+//
+//   step_bench --coordinator-bin PATH --daemon-bin PATH [--params 256e6] [--dp 2] [--steps 3]
+//              [--recipe bf16_with_fp8_current_scaling_mixed] [--daemon-threads 1]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/job_spec.h"
+#include "kernels/cpu/executor.h"
+#include "kernels/kernels.h"
+#include "mainstay/client.h"
+#include "tests/testing/subprocess.h"
+
+namespace mainstay {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+struct Flags {
+  std::string coordinator_bin, daemon_bin;
+  double params = 256e6;
+  int dp = 2;
+  int steps = 3;
+  int daemon_threads = 1;
+  int baseline_threads = 1;
+  std::string recipe = "bf16_with_fp8_current_scaling_mixed";
+};
+
+[[noreturn]] void Die(const std::string& message) {
+  std::fprintf(stderr, "step_bench: %s\n", message.c_str());
+  std::exit(1);
+}
+
+Flags ParseFlags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string name = argv[i], value = argv[i + 1];
+    if (name == "--coordinator-bin") f.coordinator_bin = value;
+    else if (name == "--daemon-bin") f.daemon_bin = value;
+    else if (name == "--params") f.params = std::atof(value.c_str());
+    else if (name == "--dp") f.dp = std::atoi(value.c_str());
+    else if (name == "--steps") f.steps = std::atoi(value.c_str());
+    else if (name == "--daemon-threads") f.daemon_threads = std::atoi(value.c_str());
+    else if (name == "--baseline-threads") f.baseline_threads = std::atoi(value.c_str());
+    else if (name == "--recipe") f.recipe = value;
+    else Die("unknown flag " + name);
+  }
+  if (f.coordinator_bin.empty() || f.daemon_bin.empty()) Die("--coordinator-bin and --daemon-bin are required");
+  if (f.dp < 1 || f.steps < 1 || f.params < 1e6) Die("bad --dp, --steps or --params");
+  return f;
+}
+
+JobSpec MakeSpec(const Flags& f) {
+  JobSpec spec;
+  spec.name = "step-bench";
+  spec.recipe = f.recipe;
+  spec.data_parallel_size = f.dp;
+  const int64_t side = 4096;
+  const int64_t layers = std::max<int64_t>(1, static_cast<int64_t>(f.params / (side * side)));
+  for (int64_t l = 0; l < layers; ++l) {
+    spec.tensors.push_back({absl::StrCat("layers.", l, ".mlp.fc.weight"), {side, side}});
+  }
+  return spec;
+}
+
+struct TrainerTimes {
+  double push = 0, finish = 0, pull = 0, total = 0;
+  StepStats stats;
+};
+
+// One measured step of one trainer: push every bucket's shard, finish, pull every bucket.
+TrainerTimes Step(Client& c, int64_t step, std::vector<std::vector<float>>& grads) {
+  TrainerTimes t;
+  const Layout& layout = c.layout();
+  const Clock::time_point t0 = Clock::now();
+  std::vector<PushHandle> pushes;
+  for (const Bucket& b : layout.buckets) pushes.push_back(c.PushGrad(b.index, step, ElementSpan::Fp32(grads[static_cast<size_t>(b.index)])));
+  for (PushHandle& p : pushes) {
+    if (!p.Wait().ok()) Die(p.Wait().status().ToString());
+  }
+  const Clock::time_point t1 = Clock::now();
+  absl::StatusOr<StepStats> stats = c.FinishStep(step, 1e-4, 0.0);
+  if (!stats.ok()) Die(stats.status().ToString());
+  t.stats = *stats;
+  const Clock::time_point t2 = Clock::now();
+  std::vector<PullHandle> pulls;
+  for (const Bucket& b : layout.buckets) pulls.push_back(c.PullBucket(b.index, step + 1));
+  for (PullHandle& p : pulls) {
+    if (!p.Wait().ok()) Die(p.Wait().status().ToString());
+  }
+  const Clock::time_point t3 = Clock::now();
+  t.push = Seconds(t0, t1);
+  t.finish = Seconds(t1, t2);
+  t.pull = Seconds(t2, t3);
+  t.total = Seconds(t0, t3);
+  return t;
+}
+
+// The in-process update of the whole model: fused AdamW with amax, then quantize.
+double Baseline(const ResolvedJob& job, int threads, int reps) {
+  kernels::CpuExecutor executor(threads);
+  const kernels::Device device{kernels::Device::Kind::kCpu, &executor, nullptr};
+  double best = 1e30;
+  std::vector<std::vector<float>> master, m, v, grad;
+  std::vector<std::vector<uint8_t>> out;
+  for (const LayoutTensor& t : job.layout.tensors) {
+    master.emplace_back(t.numel, 0.01f);
+    m.emplace_back(t.numel, 0.0f);
+    v.emplace_back(t.numel, 0.0f);
+    grad.emplace_back(t.numel, 0.001f);
+    out.emplace_back(DataBytes(t.format, t.numel));
+  }
+  for (int r = 0; r < reps; ++r) {
+    const Clock::time_point t0 = Clock::now();
+    for (size_t i = 0; i < job.layout.tensors.size(); ++i) {
+      const LayoutTensor& t = job.layout.tensors[i];
+      const kernels::Fragment frag{View2D(t.shape), {0, t.numel}};
+      float amax = 0.0f;
+      kernels::StepOutputs so;
+      so.amax.tensor_amax = &amax;
+      kernels::AdamWHyper h{1e-4f, 0.9f, 0.999f, 1e-8f, 0.0f, r + 1, 1.0f};
+      if (!kernels::FusedAdamW(device, t.format, job.recipe.model_dtype, frag, {grad[i].data(), ElementType::kFloat32},
+                               {master[i].data(), m[i].data(), v[i].data(), ElementType::kFloat32}, h, so)
+               .ok()) {
+        Die("baseline FusedAdamW failed");
+      }
+      kernels::ScaleInputs in;
+      in.tensor_amax = amax;
+      if (!kernels::Quantize(device, t.format, job.recipe.model_dtype, frag, master[i], in, {out[i], {}, nullptr}).ok()) {
+        Die("baseline Quantize failed (use a recipe with per-tensor scales)");
+      }
+    }
+    best = std::min(best, Seconds(t0, Clock::now()));
+  }
+  return best;
+}
+
+int Main(int argc, char** argv) {
+  const Flags f = ParseFlags(argc, argv);
+  const JobSpec spec = MakeSpec(f);
+  absl::StatusOr<ResolvedJob> job = ResolveJob(spec);
+  if (!job.ok()) Die(job.status().ToString());
+  int64_t params = 0;
+  for (const LayoutTensor& t : job->layout.tensors) params += t.numel;
+  std::printf("model: %zu tensors [4096 x 4096], %.1fM parameters, recipe %s, D=%d, %zu buckets\n",
+              job->layout.tensors.size(), params / 1e6, f.recipe.c_str(), f.dp, job->layout.buckets.size());
+
+  std::printf("baseline: in-process fused AdamW + amax + quantize of the whole model on %d thread(s)...\n",
+              f.baseline_threads);
+  std::fflush(stdout);
+  const double baseline = Baseline(*job, f.baseline_threads, 3);
+
+  auto dir = testing::TempDir::Create("mainstay-step-bench");
+  if (!dir.ok()) Die(dir.status().ToString());
+  auto coordinator = testing::Subprocess::Start({{f.coordinator_bin, "--listen", "127.0.0.1:0", "--state-dir",
+                                                  (*dir)->File("state"), "--port-file", (*dir)->File("cport")},
+                                                 (*dir)->File("coordinator.log")});
+  if (!coordinator.ok()) Die(coordinator.status().ToString());
+  absl::StatusOr<int> cport = testing::WaitForPortFile((*dir)->File("cport"), **coordinator, absl::Seconds(60));
+  if (!cport.ok()) Die(cport.status().ToString());
+  const std::string address = absl::StrCat("127.0.0.1:", *cport);
+  std::vector<std::unique_ptr<testing::Subprocess>> daemons;
+  for (int i = 0; i < f.dp; ++i) {
+    const std::string port_file = (*dir)->File(absl::StrCat("dport", i));
+    auto d = testing::Subprocess::Start({{f.daemon_bin, "--coordinator", address, "--listen", "127.0.0.1:0",
+                                          "--node-name", absl::StrCat("node", i), "--threads",
+                                          std::to_string(f.daemon_threads), "--retained-versions", "2",
+                                          "--port-file", port_file},
+                                         (*dir)->File(absl::StrCat("daemon", i, ".log"))});
+    if (!d.ok()) Die(d.status().ToString());
+    if (!testing::WaitForPortFile(port_file, **d, absl::Seconds(60)).ok()) Die("daemon did not start");
+    daemons.push_back(*std::move(d));
+  }
+  // Trainer r on node r: its shards are placed on daemon r (locality).
+  JobSpec placed = spec;
+  for (int r = 0; r < f.dp; ++r) placed.trainer_nodes.push_back(absl::StrCat("node", r));
+  std::vector<std::unique_ptr<Client>> clients;
+  for (int r = 0; r < f.dp; ++r) {
+    ClientOptions o;
+    o.coordinator = address;
+    o.rank = r;
+    o.timeout = std::chrono::minutes(10);
+    if (r == 0) {
+      o.job_spec_json = JobSpecToJson(placed);
+    } else {
+      o.job_id = clients[0]->job_id();
+      o.job_token = clients[0]->job_token();
+    }
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+    if (!c.ok()) Die(c.status().ToString());
+    clients.push_back(*std::move(c));
+  }
+  const Layout& layout = clients[0]->layout();
+  std::printf("setup: initial parameters (version 0)...\n");
+  std::fflush(stdout);
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < f.dp; ++r) {
+      threads.emplace_back([&, r] {
+        for (const Bucket& b : layout.buckets) {
+          std::vector<float> shard(static_cast<size_t>(b.shard_numel), 0.01f);
+          if (!clients[static_cast<size_t>(r)]->PushInitialParams(b.index, shard).Wait().ok()) Die("initial push failed");
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  std::vector<std::vector<std::vector<float>>> grads(static_cast<size_t>(f.dp));
+  for (auto& g : grads) {
+    for (const Bucket& b : layout.buckets) g.emplace_back(static_cast<size_t>(b.shard_numel), 0.001f);
+  }
+  std::printf("%6s %9s %9s %9s %9s | daemon: %8s %8s %8s %8s %8s %8s\n", "step", "total_s", "push_s", "finish_s",
+              "pull_s", "wait_ms", "stats_ms", "rstat_ms", "upd_ms", "ramax_ms", "quant_ms");
+  std::vector<double> totals;
+  for (int64_t step = 0; step < f.steps + 1; ++step) {  // step 0 is a warm-up
+    std::vector<TrainerTimes> times(static_cast<size_t>(f.dp));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < f.dp; ++r) {
+      threads.emplace_back([&, r] {
+        times[static_cast<size_t>(r)] = Step(*clients[static_cast<size_t>(r)], step, grads[static_cast<size_t>(r)]);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    TrainerTimes slowest = *std::max_element(times.begin(), times.end(),
+                                             [](const TrainerTimes& a, const TrainerTimes& b) { return a.total < b.total; });
+    const StepStats::Phases& ph = slowest.stats.phases;
+    std::printf("%6lld %9.2f %9.2f %9.2f %9.2f |         %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f%s\n",
+                static_cast<long long>(step), slowest.total, slowest.push, slowest.finish, slowest.pull,
+                ph.wait_inputs_ms, ph.grad_stats_ms, ph.reduce_stats_ms, ph.update_ms, ph.reduce_amax_ms,
+                ph.quantize_ms, step == 0 ? "  (warm-up)" : "");
+    if (step > 0) totals.push_back(slowest.total);
+  }
+  std::sort(totals.begin(), totals.end());
+  const double median = totals[totals.size() / 2];
+  std::printf("\nslice step (median of %d): %.2f s; in-process baseline: %.2f s; ratio %.2f\n", f.steps, median,
+              baseline, median / baseline);
+  std::printf("bytes per step: pushed %.2f GB (FP32 grads), pulled %.2f GB per trainer\n", params * 4 / 1e9,
+              static_cast<double>(params) / 1e9 * Describe(job->layout.tensors[0].format).bits_per_element / 8 * 1.0);
+  clients.clear();
+  return 0;
+}
+
+}  // namespace
+}  // namespace mainstay
+
+int main(int argc, char** argv) { return mainstay::Main(argc, argv); }
