@@ -12,6 +12,7 @@
 //   step_bench --coordinator-bin PATH --daemon-bin PATH [--params 256e6] [--dp 2] [--steps 3]
 //              [--recipe bf16_with_fp8_current_scaling_mixed] [--daemon-threads 1]
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -78,7 +79,7 @@ JobSpec MakeSpec(const Flags& f) {
   spec.recipe = f.recipe;
   spec.data_parallel_size = f.dp;
   const int64_t side = 4096;
-  const int64_t layers = std::max<int64_t>(1, static_cast<int64_t>(f.params / (side * side)));
+  const int64_t layers = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(f.params / (side * side))));
   for (int64_t l = 0; l < layers; ++l) {
     spec.tensors.push_back({absl::StrCat("layers.", l, ".mlp.fc.weight"), {side, side}});
   }
@@ -256,8 +257,11 @@ int Main(int argc, char** argv) {
   const double median = totals[totals.size() / 2];
   std::printf("\nslice step (median of %d): %.2f s; in-process baseline: %.2f s; ratio %.2f\n", f.steps, median,
               baseline, median / baseline);
-  std::printf("bytes per step: pushed %.2f GB (FP32 grads), pulled %.2f GB per trainer\n", params * 4 / 1e9,
-              static_cast<double>(params) / 1e9 * Describe(job->layout.tensors[0].format).bits_per_element / 8 * 1.0);
+  int64_t published = 0;
+  for (const LayoutTensor& t : job->layout.tensors) published += DataBytes(t.format, t.numel);
+  std::printf("per step and trainer: pushed %.2f GB (its FP32 gradient shards), pulled %.2f GB (every bucket, "
+              "quantized)\n",
+              static_cast<double>(params) * 4 / f.dp / 1e9, static_cast<double>(published) / 1e9);
   clients.clear();
   return 0;
 }
