@@ -28,6 +28,7 @@
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/port_file.h"
+#include "common/stop_signals.h"
 #include "common/status.h"
 #include "server/grpc/coordinator_service.h"
 
@@ -196,14 +197,8 @@ int Main(int argc, char** argv) {
     return 2;
   }
 
-  // Block the stop signals before any thread starts (gRPC's threads inherit the mask), so that
-  // only sigwait below receives them.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  std::signal(SIGPIPE, SIG_IGN);
+  // Before any thread starts (gRPC's threads inherit the mask).
+  const StopSignals stop_signals = StopSignals::Block();
 
   absl::StatusOr<std::unique_ptr<CoordinatorServer>> server = CoordinatorServer::Start(*options);
   if (!server.ok()) {
@@ -222,9 +217,7 @@ int Main(int argc, char** argv) {
     }
   }
 
-  int signal_number = 0;
-  while (sigwait(&stop_signals, &signal_number) != 0) {
-  }
+  const int signal_number = stop_signals.Wait();
   Log(LogLevel::kInfo, "coordinator", absl::StrCat("signal ", signal_number, ": shutting down"));
   (*server)->Shutdown();
   server->reset();

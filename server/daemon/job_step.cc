@@ -74,6 +74,24 @@ float Fp8Max(Format format) {
                                                                                  : kernels::kE4M3Max;
 }
 
+// What a step needs of each fragment of a shard, derived once from the layout.
+struct FragmentWork {
+  const TensorFragment* f;
+  kernels::Fragment frag;  // the tensor's 2D view and the fragment's element range
+  int64_t offset;          // of the fragment inside the shard, elements
+  IndexRange blocks;       // its scale blocks (FragmentScaleBlocks)
+};
+
+std::vector<FragmentWork> FragmentsOf(const Layout& layout, const Shard& shard) {
+  std::vector<FragmentWork> out;
+  for (const TensorFragment& f : shard.fragments) {
+    const LayoutTensor& tensor = layout.tensors[static_cast<size_t>(f.tensor)];
+    out.push_back({&f, kernels::Fragment{View2D(tensor.shape), f.elements}, f.bucket_offset - shard.elements.begin,
+                   FragmentScaleBlocks(layout, f)});
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::Status Job::EnsureGroup(const std::vector<std::string>& members, int64_t epoch, int64_t step,
@@ -202,13 +220,13 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       s.scratch_m = s.m;
       s.scratch_v = s.v;
     }
-    block_amax[i].resize(shard.fragments.size());
-    for (size_t j = 0; j < shard.fragments.size(); ++j) {
-      const TensorFragment& f = shard.fragments[j];
-      const LayoutTensor& tensor = layout.tensors[static_cast<size_t>(f.tensor)];
-      const kernels::Fragment frag{View2D(tensor.shape), f.elements};
-      const int64_t off = f.bucket_offset - shard.elements.begin;
-      const IndexRange blocks = FragmentScaleBlocks(layout, f);
+    const std::vector<FragmentWork> work = FragmentsOf(layout, shard);
+    block_amax[i].resize(work.size());
+    for (size_t j = 0; j < work.size(); ++j) {
+      const TensorFragment& f = *work[j].f;
+      const kernels::Fragment& frag = work[j].frag;
+      const int64_t off = work[j].offset;
+      const IndexRange blocks = work[j].blocks;
       std::vector<float>& bamax = block_amax[i][j];
       bamax.assign(static_cast<size_t>(blocks.size()), 0.0f);
       float tensor_amax = 0.0f;
@@ -272,12 +290,12 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     for (const std::vector<float>& b : block_amax[i]) snap->num_scales += static_cast<int64_t>(b.size());
     snap->scales.assign(static_cast<size_t>(snap->num_scales * scale_bytes), 0);
     int64_t scale_offset = 0;
-    for (size_t j = 0; j < shard.fragments.size(); ++j) {
-      const TensorFragment& f = shard.fragments[j];
-      const LayoutTensor& tensor = layout.tensors[static_cast<size_t>(f.tensor)];
-      const kernels::Fragment frag{View2D(tensor.shape), f.elements};
-      const int64_t off = f.bucket_offset - shard.elements.begin;
-      const IndexRange blocks = FragmentScaleBlocks(layout, f);
+    const std::vector<FragmentWork> work = FragmentsOf(layout, shard);
+    for (size_t j = 0; j < work.size(); ++j) {
+      const TensorFragment& f = *work[j].f;
+      const kernels::Fragment& frag = work[j].frag;
+      const int64_t off = work[j].offset;
+      const IndexRange blocks = work[j].blocks;
       std::vector<float>& bamax = block_amax[i][j];
       plan_.Apply(f.tensor, blocks, std::span<float>(bamax), std::span<const float>(reduced));
       const float amax = reduced[static_cast<size_t>(f.tensor)];

@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/port_file.h"
+#include "common/stop_signals.h"
 #include "common/status.h"
 #include "kernels/cpu/executor.h"
 #include "server/daemon/shard_daemon.h"
@@ -156,12 +157,7 @@ int Main(int argc, char** argv) {
   const std::string advertise =
       flags->Get("--advertise", listen_host == "0.0.0.0" || listen_host == "[::]" ? HostName() : listen_host);
 
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  std::signal(SIGPIPE, SIG_IGN);
+  const StopSignals stop_signals = StopSignals::Block();
 
   // The embedded coordinator, when asked for.
   std::unique_ptr<coordinator::CoordinatorServer> embedded;
@@ -243,9 +239,7 @@ int Main(int argc, char** argv) {
     if (absl::Status s = WritePortFile(path, (*server)->port()); !s.ok()) return Fail(s, 1);
   }
 
-  int signal_number = 0;
-  while (sigwait(&stop_signals, &signal_number) != 0) {
-  }
+  const int signal_number = stop_signals.Wait();
   Log(LogLevel::kInfo, "daemon", absl::StrCat("signal ", signal_number, ": shutting down"));
   link->Shutdown();
   daemon.Shutdown();

@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "common/error_detail.h"
 #include "common/grpc_status.h"
+#include "common/logging.h"
 
 namespace mainstay::grpc_server {
 
@@ -136,6 +137,23 @@ template <typename Response, typename Fn>
   reactor->Finish(ToGrpcWithDetail(context, status));
   calls->Exit();
   return reactor;
+}
+
+// The common shutdown of a server: health NOT_SERVING, stop admitting calls and wait up to
+// `grace` for running ones (waiting calls end at their next slice), then shut the server down
+// with `close_grace` for its last answers, and join the helper threads. `component` names the
+// server in the log.
+inline void ShutdownServer(::grpc::Server* server, Calls& calls, absl::Duration grace, absl::Duration close_grace,
+                           absl::string_view component) {
+  if (server != nullptr && server->GetHealthCheckService() != nullptr) server->GetHealthCheckService()->Shutdown();
+  if (!calls.Drain(absl::Now() + grace)) {
+    Log(LogLevel::kWarning, component, "calls still running at the end of the grace period: cancelling them");
+  }
+  if (server != nullptr) {
+    server->Shutdown(absl::ToChronoTime(absl::Now() + close_grace));
+    server->Wait();
+  }
+  calls.JoinThreads();
 }
 
 // A server stream that ends at once with `status` (RPCs not implemented yet).

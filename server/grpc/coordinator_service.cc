@@ -371,16 +371,8 @@ struct CoordinatorServer::Impl {
   void Shutdown() {
     if (shut_down.exchange(true)) return;
     const absl::Time start = absl::Now();
-    if (server != nullptr && server->GetHealthCheckService() != nullptr) server->GetHealthCheckService()->Shutdown();
     // New calls get UNAVAILABLE from here on; waiting ones end at their next slice.
-    if (!calls.Drain(absl::Now() + kShutdownGrace)) {
-      Log(LogLevel::kWarning, kComponent, "calls still running at the end of the grace period: cancelling them");
-    }
-    if (server != nullptr) {
-      server->Shutdown(absl::ToChronoTime(absl::Now() + kCloseGrace));
-      server->Wait();
-    }
-    calls.JoinThreads();
+    ::mainstay::grpc_server::ShutdownServer(server.get(), calls, kShutdownGrace, kCloseGrace, kComponent);
     {
       absl::MutexLock lock(&tick_mu);
       tick_stop = true;

@@ -350,15 +350,7 @@ struct ShardServer::Impl {
 
   void Shutdown() {
     if (shut_down.exchange(true)) return;
-    if (server != nullptr && server->GetHealthCheckService() != nullptr) server->GetHealthCheckService()->Shutdown();
-    if (!calls.Drain(absl::Now() + kShutdownGrace)) {
-      Log(LogLevel::kWarning, kComponent, "calls still running at the end of the grace period: cancelling them");
-    }
-    if (server != nullptr) {
-      server->Shutdown(absl::ToChronoTime(absl::Now() + kCloseGrace));
-      server->Wait();
-    }
-    calls.JoinThreads();
+    grpc_server::ShutdownServer(server.get(), calls, kShutdownGrace, kCloseGrace, kComponent);
   }
 };
 
