@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/src/client_impl.h"
-#include "client/src/crc32c.h"
+#include "common/crc32c.h"
 #include "client/src/pull_assembly.h"
 #include "client/src/rpc_errors.h"
 #include "common/layout_proto.h"
@@ -90,7 +90,7 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
   h->set_total_bytes(data.bytes());
   h->set_num_contributors(num_contributors);
   h->set_loss_scale(push_options.loss_scale);
-  if (options.push_crc32c) h->set_crc32c(client_internal::Crc32c(data.data, data.bytes()));
+  if (options.push_crc32c) h->set_crc32c(::mainstay::Crc32c(data.data, data.bytes()));
   const int64_t chunk_elements = std::max<int64_t>(1, options.chunk_bytes / data.element_bytes());
 
   PushResult result;

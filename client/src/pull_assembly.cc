@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "client/src/crc32c.h"
+#include "common/crc32c.h"
 #include "common/layout_proto.h"
 #include "common/status.h"
 

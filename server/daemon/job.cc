@@ -298,7 +298,7 @@ absl::StatusOr<v1::PushGradResponse> PushSession::Finish() {
                                                    " elements; nothing was stored"));
   }
   if (!duplicate_ && header_.crc32c() != 0) {
-    const uint32_t crc = Crc32c(buffer_.data(), buffer_.size());
+    const uint32_t crc = ::mainstay::Crc32c(buffer_.data(), buffer_.size());
     if (crc != header_.crc32c()) {
       return absl::DataLossError(absl::StrCat("PushGrad: CRC-32C of the payload is ", crc, ", the header says ",
                                               header_.crc32c(), "; nothing was stored"));

@@ -6,7 +6,7 @@
 #include <atomic>
 #include <string>
 
-#include "client/src/crc32c.h"
+#include "common/crc32c.h"
 #include "client/src/rpc_errors.h"
 #include "client/src/thread_pool.h"
 #include "common/status.h"
@@ -86,8 +86,6 @@ TEST(ClientErrorsTest, OtherCodesAreReturnedToTheCaller) {
 }
 
 TEST(ClientErrorsTest, Crc32cMatchesTheCastagnoliCheckValues) {
-  using client_internal::Crc32c;
-  using client_internal::Crc32cExtend;
   EXPECT_EQ(Crc32c("123456789", 9), 0xE3069283u);
   EXPECT_EQ(Crc32c("", 0), 0u);
   std::string zeros(32, '\0');

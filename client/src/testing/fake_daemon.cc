@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "client/src/crc32c.h"
+#include "common/crc32c.h"
 #include "client/src/testing/fake_state.h"
 #include "common/layout_proto.h"
 #include "kernels/casts.h"
@@ -71,7 +71,7 @@ class FakeDaemon final : public v1::Shard::Service {
       payload += c.data();
     }
     if (static_cast<int64_t>(payload.size()) != h.total_bytes()) return Invalid("short payload");
-    if (h.crc32c() != 0 && client_internal::Crc32c(payload.data(), payload.size()) != h.crc32c()) {
+    if (h.crc32c() != 0 && ::mainstay::Crc32c(payload.data(), payload.size()) != h.crc32c()) {
       absl::MutexLock lock(&s_->mu);
       ++s_->stats.wrong_crc;
       return grpc::Status(grpc::StatusCode::DATA_LOSS, "crc32c mismatch");

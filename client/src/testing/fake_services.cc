@@ -15,7 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "client/src/crc32c.h"
+#include "common/crc32c.h"
 #include "common/job_spec.h"
 #include "common/job_spec_proto.h"
 #include "common/layout_proto.h"
@@ -108,7 +108,7 @@ absl::StatusOr<std::vector<v1::PullParamsResponse>> MakePullStream(const Layout&
   h->set_scale_type(d.has_block_scales() ? ElementTypeToProto(d.block_scale) : v1::ELEMENT_TYPE_UNSPECIFIED);
   h->set_total_scales(entry ? static_cast<int64_t>(scales.size()) / entry : 0);
   h->set_total_scale_bytes(static_cast<int64_t>(scales.size()));
-  h->set_data_crc32c(client_internal::Crc32c(data.data(), data.size()));
+  h->set_data_crc32c(::mainstay::Crc32c(data.data(), data.size()));
   std::vector<v1::PullParamsResponse> out{first};
   const int64_t chunk_elements = std::max<int64_t>(2, (max_chunk_bytes * 8 / d.bits_per_element) / 2 * 2);
   for (int64_t e = 0; e < b.shard_numel; e += chunk_elements) {

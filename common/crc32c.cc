@@ -1,9 +1,9 @@
-#include "client/src/crc32c.h"
+#include "common/crc32c.h"
 
 #include <array>
 #include <cstring>
 
-namespace mainstay::client_internal {
+namespace mainstay {
 namespace {
 
 constexpr uint32_t kPolynomial = 0x82F63B78u;
@@ -60,4 +60,4 @@ uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t size) {
   return ~ExtendPortable(state, p, size);
 }
 
-}  // namespace mainstay::client_internal
+}  // namespace mainstay
