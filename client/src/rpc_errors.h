@@ -7,6 +7,7 @@
 #ifndef MAINSTAY_CLIENT_SRC_RPC_ERRORS_H_
 #define MAINSTAY_CLIENT_SRC_RPC_ERRORS_H_
 
+#include "common/error_detail.h"
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
@@ -18,8 +19,9 @@
 
 namespace mainstay::client_internal {
 
-inline constexpr char kErrorDetailMetadataKey[] = "mainstay-error-detail-bin";
-inline constexpr char kErrorDetailPayloadUrl[] = "type.googleapis.com/mainstay.v1.ErrorDetail";
+// The same key and payload URL as the servers use (common/error_detail.h).
+using ::mainstay::kErrorDetailMetadataKey;
+using ::mainstay::kErrorDetailPayloadUrl;
 
 using TrailingMetadata = std::multimap<grpc::string_ref, grpc::string_ref>;
 

@@ -2,6 +2,7 @@
 #ifndef MAINSTAY_CLIENT_SRC_TESTING_FAKE_STATE_H_
 #define MAINSTAY_CLIENT_SRC_TESTING_FAKE_STATE_H_
 
+#include "common/error_detail.h"
 #include <grpcpp/grpcpp.h>
 
 #include <cmath>
@@ -25,7 +26,7 @@ namespace mainstay::testing_fakes {
 
 inline grpc::Status WithDetail(grpc::ServerContext* context, grpc::StatusCode code, const std::string& message,
                                const v1::ErrorDetail& detail) {
-  context->AddTrailingMetadata("mainstay-error-detail-bin", detail.SerializeAsString());
+  context->AddTrailingMetadata(kErrorDetailMetadataKey, detail.SerializeAsString());
   return grpc::Status(code, message);
 }
 
