@@ -359,6 +359,19 @@ TEST_F(StepProtocolTest, BadPushesAreRejectedWithNothingStored) {
   EXPECT_THAT((*session)->AddChunk(64, std::string(256, '\0')), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+TEST_F(StepProtocolTest, AnEvictedVersionIsFailedPreconditionNamingTheNewest) {
+  // The daemon keeps the newest 4 versions (ShardDaemonOptions::retained_versions).
+  for (int64_t step = 0; step < 5; ++step) {
+    cluster_.PushGrads(step);
+    for (const auto& stats : cluster_.Finish(step, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+  }
+  absl::Status evicted = cluster_.Pull(0, 0, 0).status();
+  EXPECT_THAT(evicted, StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::HasSubstr("newest is 5")));
+  ASSERT_TRUE(GetErrorDetail(evicted).has_value());
+  EXPECT_EQ(GetErrorDetail(evicted)->version(), 5);
+  EXPECT_THAT(cluster_.Pull(0, 0, 2).status(), IsOk());
+}
+
 TEST_F(StepProtocolTest, PullOfAVersionNotPublishedInTimeIsDeadlineExceeded) {
   EXPECT_THAT(cluster_.Pull(0, 0, 1, absl::Milliseconds(200)).status(),
               StatusIs(absl::StatusCode::kDeadlineExceeded));
