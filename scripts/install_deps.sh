@@ -2,6 +2,7 @@
 # Installs every build and test dependency of Mainstay from Debian 12's packages.
 # Idempotent: packages already present are skipped, so a second run takes seconds.
 # Needs root (or sudo). CUDA is not installed here: it is used when found in /usr/local/cuda.
+# python3-torch (CPU, 1.13) is for the tests that load the Python module next to PyTorch.
 set -euo pipefail
 
 PACKAGES=(
@@ -13,6 +14,7 @@ PACKAGES=(
   libucx-dev ucx-utils
   libgloo-dev
   pybind11-dev python3-dev python3-numpy
+  python3-torch
 )
 
 missing=()
