@@ -9,6 +9,11 @@
 // reduction has a fixed shape: sums of squares use kSumLanes FP64 lanes per chunk and chunk
 // totals are added in chunk order; amaxes and counts are exact. So every output is bit for
 // bit the same for any number of threads.
+// GCC 12 warns (-Wdangling-pointer) when the address of a target_clones function (an ifunc
+// symbol, MAINSTAY_VECTOR_CLONES) is stored in a struct, as if it were a local: a false
+// positive, the address is the resolved global function.
+#pragma GCC diagnostic ignored "-Wdangling-pointer"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>

@@ -98,7 +98,7 @@ void* MomentAt(void* base, int64_t begin) {
 }
 
 template <ElementType kGrad, ElementType kMoment>
-void AdamWSpan(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n) {
+MAINSTAY_VECTOR_CLONES void AdamWSpan(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n) {
   // Copies held by value: no store through master[] can alias them, so they stay in registers.
   const AdamWHyper h = args.hyper;
   const AdamWConstants c = args.consts;
@@ -125,7 +125,7 @@ struct SgdArgs {
 };
 
 template <ElementType kGrad, ElementType kMoment>
-void SgdSpan(const SgdArgs& args, const void* grad, int64_t begin, int64_t n) {
+MAINSTAY_VECTOR_CLONES void SgdSpan(const SgdArgs& args, const void* grad, int64_t begin, int64_t n) {
   const SgdHyper h = args.hyper;
   const float multiplier = h.grad_multiplier;
   float* master = args.master + begin;
@@ -165,7 +165,7 @@ inline void WidenFp16Grad(const void* grad, int64_t begin, int64_t n, float* out
 // ---- Model-dtype values and their amax.
 
 template <Format kModel>
-void ModelBitsSpan(const float* master, int64_t n, uint16_t* bits) {
+MAINSTAY_VECTOR_CLONES void ModelBitsSpan(const float* master, int64_t n, uint16_t* bits) {
   for (int64_t i = 0; i < n; ++i) bits[i] = ModelBits<kModel>(master[i]);
 }
 
@@ -173,7 +173,7 @@ void ModelBitsSpan(const float* master, int64_t n, uint16_t* bits) {
 // ignored (fmax semantics), +inf wins. Sign-magnitude encodings order magnitudes like
 // integers, so this is an integer max (16-bit lanes) rather than a float compare.
 template <Format kModel>
-uint16_t MaxMagnitudeBits(const uint16_t* bits, int64_t n) {
+MAINSTAY_VECTOR_CLONES uint16_t MaxMagnitudeBits(const uint16_t* bits, int64_t n) {
   constexpr int16_t kInf = kModel == Format::kFP16 ? 0x7C00 : 0x7F80;  // larger magnitudes are NaN
   int16_t best = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -270,7 +270,7 @@ void Cast16Span(const uint16_t* bits, int64_t n, uint8_t* out) {
 
 // FP8 with a per-tensor scale: q = cvt(fl(x * scale)).
 template <Format kModel, bool kE5M2>
-void CastFp8Span(const uint16_t* bits, int64_t n, float scale, uint8_t* out) {
+MAINSTAY_VECTOR_CLONES void CastFp8Span(const uint16_t* bits, int64_t n, float scale, uint8_t* out) {
   for (int64_t i = 0; i < n; ++i) {
     const float y = ModelValue<kModel>(bits[i]) * scale;
     out[i] = kE5M2 ? E5M2Bits(y) : E4M3Bits(y);  // FloatToE5M2 / FloatToE4M3, branch-free
@@ -280,7 +280,7 @@ void CastFp8Span(const uint16_t* bits, int64_t n, float scale, uint8_t* out) {
 // MXFP8 over n elements made of whole 32-element blocks: per block e = MxfpBlockScale(amax,
 // 448), q = cvt_e4m3(fl(x * 2^(127 - e))).
 template <Format kModel>
-void CastMxfp8Span(const uint16_t* bits, int64_t n, uint8_t* out, uint8_t* scales) {
+MAINSTAY_VECTOR_CLONES void CastMxfp8Span(const uint16_t* bits, int64_t n, uint8_t* out, uint8_t* scales) {
   constexpr int64_t kBlock = 32;
   for (int64_t b = 0; b * kBlock < n; ++b) {
     const uint16_t* x = bits + b * kBlock;

@@ -21,19 +21,9 @@
 #include "absl/status/status.h"
 #include "common/format.h"
 #include "kernels/kernels.h"
+#include "kernels/cpu/vector_casts.h"
 
-// The streaming loops are compiled twice, for AVX2 and for the x86-64 baseline (SSE2), and
-// the copy to run is picked once at load time (GCC function multiversioning): the baseline
-// copy executes about three times as many instructions. Both clones perform the same IEEE operations in
-// the same order (the avx2 target does not enable FMA, and contraction is off), so results
-// do not depend on the CPU. Building with -DMAINSTAY_VECTOR_CLONES= keeps the baseline only.
-#if !defined(MAINSTAY_VECTOR_CLONES)
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
-#define MAINSTAY_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define MAINSTAY_VECTOR_CLONES
-#endif
-#endif
+// MAINSTAY_VECTOR_CLONES: see kernels/cpu/vector_casts.h.
 
 namespace mainstay::kernels::cpu {
 
