@@ -28,6 +28,7 @@
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/port_file.h"
+#include "common/sd_notify.h"
 #include "common/stop_signals.h"
 #include "common/status.h"
 #include "server/grpc/coordinator_service.h"
@@ -217,8 +218,14 @@ int Main(int argc, char** argv) {
     }
   }
 
+  // Type=notify units (deploy/systemd) count as started only now; a no-op outside systemd.
+  if (absl::Status s = SdNotify(absl::StrCat("READY=1\nSTATUS=serving on ", host, ":", (*server)->port())); !s.ok()) {
+    Log(LogLevel::kWarning, "coordinator", s.message());
+  }
+
   const int signal_number = stop_signals.Wait();
   Log(LogLevel::kInfo, "coordinator", absl::StrCat("signal ", signal_number, ": shutting down"));
+  if (absl::Status s = SdNotify("STOPPING=1"); !s.ok()) Log(LogLevel::kWarning, "coordinator", s.message());
   (*server)->Shutdown();
   server->reset();
   return 0;
