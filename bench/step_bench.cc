@@ -187,7 +187,7 @@ int Main(int argc, char** argv) {
     const std::string port_file = (*dir)->File(absl::StrCat("dport", i));
     auto d = testing::Subprocess::Start({{f.daemon_bin, "--coordinator", address, "--listen", "127.0.0.1:0",
                                           "--node-name", absl::StrCat("node", i), "--threads",
-                                          std::to_string(f.daemon_threads), "--retained-versions", "2",
+                                          std::to_string(f.daemon_threads), "--retained-versions", "2", "--metrics-listen", "off",
                                           "--port-file", port_file},
                                          (*dir)->File(absl::StrCat("daemon", i, ".log"))});
     if (!d.ok()) Die(d.status().ToString());

@@ -48,7 +48,8 @@ wait_for_file "$run_dir/coordinator.port" "${pids[0]}"
 coordinator="127.0.0.1:$(cat "$run_dir/coordinator.port")"
 for i in 0 1; do
   "$build_dir/server/grpc/mainstayd" --coordinator "$coordinator" --listen 127.0.0.1:0 --node-name "node$i" \
-    --threads 1 --memory-bytes 2000000000 --lease-ttl-ms 3000 --port-file "$run_dir/daemon$i.port" \
+    --threads 1 --memory-bytes 2000000000 --lease-ttl-ms 3000 --metrics-listen 127.0.0.1:0 \
+    --port-file "$run_dir/daemon$i.port" \
     2> "$run_dir/daemon$i.log" &
   pids+=($!)
   wait_for_file "$run_dir/daemon$i.port" "${pids[-1]}"

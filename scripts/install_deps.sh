@@ -3,6 +3,8 @@
 # Idempotent: packages already present are skipped, so a second run takes seconds.
 # Needs root (or sudo). CUDA is not installed here: it is used when found in /usr/local/cuda.
 # python3-torch (CPU, 1.13) is for the tests that load the Python module next to PyTorch.
+# libcpp-httplib-dev serves mainstayd's /metrics; prometheus (and its promtool) is only for the
+# metrics tests, which skip those checks without it.
 set -euo pipefail
 
 PACKAGES=(
@@ -15,7 +17,13 @@ PACKAGES=(
   libgloo-dev
   pybind11-dev python3-dev python3-numpy
   python3-torch
+  python3-yaml
+  libcpp-httplib-dev prometheus
 )
+# The deploy/k8s checks render manifests with `kubectl kustomize`. Keep a kubectl that is
+# already there (the build machines' image has a newer one, from a package named kubectl, not
+# Debian's); otherwise take Debian's (1.20: it renders the base, the overlay check skips).
+if ! command -v kubectl >/dev/null; then PACKAGES+=(kubernetes-client); fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

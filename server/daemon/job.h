@@ -42,6 +42,10 @@
 #include "server/daemon/scaling_state.h"
 #include "server/peer/peer_group.h"
 
+namespace mainstay::metrics {
+class DaemonMetrics;
+}  // namespace mainstay::metrics
+
 namespace mainstay::daemon {
 
 // Quantization metadata of one fragment of a published shard.
@@ -91,6 +95,7 @@ struct JobOptions {
   int retained_versions = 4;
   absl::Duration peer_timeout = absl::Seconds(120);
   Clock* clock = RealClock::Get();
+  metrics::DaemonMetrics* metrics = nullptr;   // not owned; null: no metrics
 };
 
 class Job;

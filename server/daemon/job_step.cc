@@ -11,6 +11,7 @@
 #include "common/status.h"
 #include "kernels/scaling.h"
 #include "server/daemon/job.h"
+#include "server/metrics/daemon_metrics.h"
 
 namespace mainstay::daemon {
 
@@ -386,6 +387,7 @@ void Job::RunSteps() {
       failures_[step] = ErrorWithDetail(result.status().code() == absl::StatusCode::kInvalidArgument
                                             ? absl::InvalidArgumentError(message)
                                             : absl::AbortedError(message));
+      if (options_.metrics != nullptr) options_.metrics->StepFailed(job_id_);
       continue;
     }
     v1::StepStats& stats = result->stats;
@@ -414,6 +416,7 @@ void Job::RunSteps() {
     stats.set_commit_unix_ms(commit_ms);
     stats.set_step_time_ms(commit_ms - inputs.first_push_ms);
     stats.mutable_phases()->set_wait_inputs_ms(wait_ms);
+    if (options_.metrics != nullptr && step >= 0) options_.metrics->StepDecided(job_id_, stats);
     stats_[step] = std::move(stats);
     while (stats_.size() > 1000) stats_.erase(stats_.begin());
   }

@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/port_file.h"
+#include "common/sd_notify.h"
 #include "common/stop_signals.h"
 #include "common/status.h"
 #include "kernels/cpu/executor.h"
@@ -31,6 +32,8 @@
 #include "server/grpc/coordinator_link.h"
 #include "server/grpc/coordinator_service.h"
 #include "server/grpc/shard_service.h"
+#include "server/metrics/metrics_server.h"
+#include "server/metrics/registry.h"
 #include "server/peer/gloo_peer_group.h"
 
 namespace mainstay::daemon {
@@ -58,6 +61,9 @@ flags:
   --lease-ttl-ms N            lease to ask the coordinator for (default: the coordinator's)
   --port-file FILE            write the Shard service's port to FILE once serving
   --coordinator-port-file F   write the embedded coordinator's port to F (with --standalone)
+  --metrics-listen HOST:PORT  where Prometheus scrapes GET /metrics over HTTP (default 0.0.0.0:9464;
+                              port 0 picks one; "off": no metrics)
+  --metrics-port-file FILE    write the metrics port to FILE once serving
   --help                      this text
 )";
 
@@ -75,7 +81,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   static const std::set<std::string> kValued = {
       "--coordinator", "--state-dir",      "--coordinator-listen", "--listen",        "--advertise",
       "--node-name",   "--threads",        "--memory-bytes",       "--retained-versions", "--peer-timeout-ms",
-      "--lease-ttl-ms", "--port-file",     "--coordinator-port-file"};
+      "--lease-ttl-ms", "--port-file",     "--coordinator-port-file", "--metrics-listen", "--metrics-port-file"};
   Flags f;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -154,6 +160,14 @@ int Main(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError(absl::StrCat("--listen: expected HOST:PORT, got '", listen, "'")), 2);
   }
   const std::string listen_host = listen.substr(0, listen.rfind(':'));
+  const std::string metrics_listen = flags->Get("--metrics-listen", "0.0.0.0:9464");
+  std::unique_ptr<metrics::Registry> registry;  // null: --metrics-listen off
+  if (metrics_listen != "off") {
+    if (absl::Status s = metrics::SplitHostPort(metrics_listen).status(); !s.ok()) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("--metrics-listen: ", s.message())), 2);
+    }
+    registry = std::make_unique<metrics::Registry>();
+  }
   const std::string advertise =
       flags->Get("--advertise", listen_host == "0.0.0.0" || listen_host == "[::]" ? HostName() : listen_host);
 
@@ -202,10 +216,32 @@ int Main(int argc, char** argv) {
   daemon_options.peers = &peers;
   daemon_options.retained_versions = static_cast<int>(*retained);
   daemon_options.peer_timeout = absl::Milliseconds(*peer_timeout);
+  daemon_options.metrics = registry.get();
   ShardDaemon daemon(daemon_options);
 
   absl::StatusOr<std::unique_ptr<ShardServer>> server = ShardServer::Start({listen, 64 << 20, &daemon});
   if (!server.ok()) return Fail(server.status(), 1);
+  std::unique_ptr<metrics::MetricsServer> metrics_server;
+  absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> started_metrics =
+      registry == nullptr ? absl::StatusOr<std::unique_ptr<metrics::MetricsServer>>(nullptr)
+                          : metrics::MetricsServer::Start({metrics_listen, registry.get()});
+  if (!started_metrics.ok() && flags->values.count("--metrics-listen")) {
+    (*server)->Shutdown();
+    return Fail(started_metrics.status(), 1);
+  }
+  if (!started_metrics.ok()) {
+    // Only the default port: several daemons on one host (tests, the demo) must still start.
+    Log(LogLevel::kWarning, "daemon",
+        absl::StrCat("no metrics endpoint: ", started_metrics.status().message(),
+                     "; pass --metrics-listen HOST:PORT (or off)"));
+  } else if (*started_metrics != nullptr) {
+    metrics_server = *std::move(started_metrics);
+    std::fprintf(stderr, "mainstayd: metrics on http://%s:%d/metrics\n",
+                 metrics_listen.substr(0, metrics_listen.rfind(':')).c_str(), metrics_server->port());
+    if (const std::string path = flags->Get("--metrics-port-file"); !path.empty()) {
+      if (absl::Status s = WritePortFile(path, metrics_server->port()); !s.ok()) return Fail(s, 1);
+    }
+  }
   const std::string address = absl::StrCat(advertise, ":", (*server)->port());
 
   CoordinatorLink::Options link_options;
@@ -232,6 +268,11 @@ int Main(int argc, char** argv) {
   }
   link = *std::move(started);
   link_ptr = link.get();
+  metrics::Registry::CollectorId lease_collector = 0;
+  if (registry != nullptr && daemon.metrics() != nullptr) {
+    lease_collector = registry->AddCollector(
+        [m = daemon.metrics(), raw = link.get()] { m->SetLeaseLive(raw->has_live_lease()); });
+  }
   std::fprintf(stderr, "mainstayd %s serving on %s (node %s, %lld threads)\n", link->daemon_id().c_str(),
                address.c_str(), reg.node_name().c_str(), static_cast<long long>(*threads));
   std::fflush(stderr);
@@ -239,11 +280,21 @@ int Main(int argc, char** argv) {
     if (absl::Status s = WritePortFile(path, (*server)->port()); !s.ok()) return Fail(s, 1);
   }
 
+  // Ready only once registered: a Type=notify unit (deploy/systemd) must not count as started
+  // while the coordinator cannot place shards on it. A no-op outside systemd.
+  if (absl::Status s = SdNotify(absl::StrCat("READY=1\nSTATUS=", link->daemon_id(), " serving on ", address));
+      !s.ok()) {
+    Log(LogLevel::kWarning, "daemon", s.message());
+  }
+
   const int signal_number = stop_signals.Wait();
   Log(LogLevel::kInfo, "daemon", absl::StrCat("signal ", signal_number, ": shutting down"));
+  if (absl::Status s = SdNotify("STOPPING=1"); !s.ok()) Log(LogLevel::kWarning, "daemon", s.message());
   link->Shutdown();
   daemon.Shutdown();
   (*server)->Shutdown();
+  if (metrics_server != nullptr) metrics_server->Shutdown();
+  if (lease_collector != 0) registry->RemoveCollector(lease_collector);
   if (embedded != nullptr) embedded->Shutdown();
   return 0;
 }

@@ -8,9 +8,35 @@
 
 namespace mainstay::daemon {
 
-ShardDaemon::ShardDaemon(ShardDaemonOptions options) : options_(std::move(options)) {}
+ShardDaemon::ShardDaemon(ShardDaemonOptions options) : options_(std::move(options)) {
+  if (options_.metrics == nullptr) return;
+  absl::StatusOr<std::unique_ptr<metrics::DaemonMetrics>> m = metrics::DaemonMetrics::Create(options_.metrics);
+  if (!m.ok()) {
+    Log(LogLevel::kWarning, "daemon", absl::StrCat("running without metrics: ", m.status().ToString()));
+    return;
+  }
+  metrics_ = *std::move(m);
+  collector_ = options_.metrics->AddCollector([this] {
+    std::vector<std::shared_ptr<Job>> jobs;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [id, job] : jobs_) jobs.push_back(job);
+    }
+    int64_t shards = 0, bytes = 0;
+    for (const auto& job : jobs) {
+      for (const v1::ShardStatus& s : job->ShardStatuses()) {
+        ++shards;
+        bytes += s.state_bytes();
+      }
+    }
+    metrics_->SetHeld(static_cast<int64_t>(jobs.size()), shards, bytes);
+  });
+}
 
-ShardDaemon::~ShardDaemon() { Shutdown(); }
+ShardDaemon::~ShardDaemon() {
+  if (collector_ != 0) options_.metrics->RemoveCollector(collector_);
+  Shutdown();
+}
 
 void ShardDaemon::set_daemon_id(const std::string& id) {
   absl::MutexLock lock(&mu_);
@@ -53,6 +79,7 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
     options.retained_versions = options_.retained_versions;
     options.peer_timeout = options_.peer_timeout;
     options.clock = options_.clock;
+    options.metrics = metrics_.get();
     MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> created, Job::Create(request, std::move(options)));
     absl::MutexLock lock(&mu_);
     auto [it, inserted] = jobs_.emplace(request.job_id(), created);
@@ -87,6 +114,7 @@ absl::Status ShardDaemon::DropShard(const v1::DropShardRequest& request) {
       if (it != jobs_.end() && it->second == job) jobs_.erase(it);
     }
     job->Shutdown();
+    if (metrics_ != nullptr) metrics_->ForgetJob(request.job_id());
     Log(LogLevel::kInfo, "daemon", absl::StrCat("job ", request.job_id(), ": dropped"));
   }
   return absl::OkStatus();

@@ -2,9 +2,12 @@
 // the handlers of the Shard service, with no gRPC in them (server/grpc/shard_service.cc adapts
 // them). Each job is a daemon::Job with its own step thread.
 //
-// Ownership: the options' executor, peer factory and clock are not owned and must outlive the
-// daemon. Thread safety: every method is thread-safe; PullParams and FinishStep wait up to
-// their deadline. Errors follow shard.proto: UNAVAILABLE when the daemon has not yet received
+// Ownership: the options' executor, peer factory, clock and metrics registry are not owned and
+// must outlive the daemon. With a registry, the daemon records the metrics of
+// server/metrics/daemon_metrics.h into it (a collector of its own refreshes the held-state
+// gauges before each Render; removed by the destructor).
+// Thread safety: every method is thread-safe; PullParams and FinishStep wait up to their
+// deadline. Errors follow shard.proto: UNAVAILABLE when the daemon has not yet received
 // the job or epoch the caller routed with (retry), NOT_FOUND for an unknown bucket,
 // FAILED_PRECONDITION (with an ErrorDetail payload, common/error_detail.h) for a shard the
 // daemon does not own or a step already decided, INVALID_ARGUMENT for malformed requests,
@@ -24,6 +27,8 @@
 #include "kernels/kernels.h"
 #include "mainstay/v1/shard.pb.h"
 #include "server/daemon/job.h"
+#include "server/metrics/daemon_metrics.h"
+#include "server/metrics/registry.h"
 #include "server/peer/peer_group.h"
 
 namespace mainstay::daemon {
@@ -34,6 +39,7 @@ struct ShardDaemonOptions {
   int retained_versions = 4;                // published versions kept per shard
   absl::Duration peer_timeout = absl::Seconds(120);  // bound on one step's peer reductions
   Clock* clock = RealClock::Get();
+  metrics::Registry* metrics = nullptr;     // not owned; null: no metrics
 };
 
 class ShardDaemon {
@@ -58,6 +64,8 @@ class ShardDaemon {
   std::vector<v1::JobProgress> Progress() const;
   int64_t used_bytes() const;
   int active_jobs() const;
+  // The daemon's metrics (for the transport adapters' byte counts); null without a registry.
+  metrics::DaemonMetrics* metrics() const { return metrics_.get(); }
   // Stops every job's step thread and ends waits with UNAVAILABLE. Idempotent.
   void Shutdown();
 
@@ -65,6 +73,8 @@ class ShardDaemon {
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& job_id) const;
 
   const ShardDaemonOptions options_;
+  std::unique_ptr<metrics::DaemonMetrics> metrics_;  // set in the constructor, then constant
+  metrics::Registry::CollectorId collector_ = 0;
   mutable absl::Mutex mu_;
   std::string daemon_id_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -57,6 +57,8 @@ absl::Status CoordinatorLink::Register(absl::Time deadline) {
         daemon_id_ = response.daemon_id();
         lease_id_ = response.lease_id();
         heartbeat_ms_ = std::max<int64_t>(response.heartbeat_interval_ms(), 50);
+        lease_renewed_ = absl::Now();
+        lease_ttl_ = absl::Milliseconds(response.lease_ttl_ms() > 0 ? response.lease_ttl_ms() : 3 * heartbeat_ms_);
       }
       Log(LogLevel::kInfo, kComponent,
           absl::StrCat("registered with coordinator ", options_.coordinator_address, " as ", response.daemon_id(),
@@ -93,7 +95,8 @@ void CoordinatorLink::RunHeartbeat() {
     }
     if (options_.report) options_.report(&request);
     ::grpc::ClientContext context;
-    SetDeadline(&context, absl::Now() + options_.call_timeout);
+    const absl::Time sent = absl::Now();  // the coordinator renews the lease after this
+    SetDeadline(&context, sent + options_.call_timeout);
     v1::HeartbeatResponse response;
     const absl::Status status = FromGrpcStatus(stub_->Heartbeat(&context, request, &response));
     if (status.code() == absl::StatusCode::kNotFound) {
@@ -103,6 +106,10 @@ void CoordinatorLink::RunHeartbeat() {
       }
     } else if (!status.ok()) {
       Log(LogLevel::kWarning, kComponent, absl::StrCat("heartbeat failed: ", status.ToString()));
+    } else {
+      absl::MutexLock lock(&mu_);
+      lease_renewed_ = sent;
+      if (response.lease_ttl_ms() > 0) lease_ttl_ = absl::Milliseconds(response.lease_ttl_ms());
     }
   }
 }

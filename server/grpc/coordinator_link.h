@@ -17,6 +17,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "mainstay/v1/coordinator.grpc.pb.h"
 #include "server/peer/kv_client.h"
@@ -42,6 +43,12 @@ class CoordinatorLink : public peer::KvClient {
   ~CoordinatorLink() override;
 
   std::string daemon_id() const;
+  // True while the coordinator renewed the lease (registration or heartbeat) less than its TTL
+  // ago; false after Shutdown and while a lost lease could not be registered again.
+  bool has_live_lease() const {
+    absl::MutexLock lock(&mu_);
+    return !stopping_ && !lease_id_.empty() && absl::Now() - lease_renewed_ < lease_ttl_;
+  }
   // Stops the heartbeat and deregisters (best effort, bounded by call_timeout).
   void Shutdown();
 
@@ -60,6 +67,8 @@ class CoordinatorLink : public peer::KvClient {
   std::string daemon_id_ ABSL_GUARDED_BY(mu_);
   std::string lease_id_ ABSL_GUARDED_BY(mu_);
   int64_t heartbeat_ms_ ABSL_GUARDED_BY(mu_) = 1000;
+  absl::Time lease_renewed_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Duration lease_ttl_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread heartbeat_;
 };

@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "mainstay/v1/shard.grpc.pb.h"
 #include "server/grpc/calls.h"
+#include "server/metrics/daemon_metrics.h"
 
 namespace mainstay::daemon {
 namespace {
@@ -28,6 +29,7 @@ constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
 constexpr absl::Duration kCloseGrace = absl::Milliseconds(500);
 constexpr int64_t kDefaultChunkBytes = 1 << 20;
 constexpr int64_t kMaxChunkBytes = 4 << 20;
+constexpr char kTransport[] = "grpc";  // the `transport` label of the byte counters
 
 ::grpc::Status ShuttingDown() { return ::grpc::Status(::grpc::StatusCode::UNAVAILABLE, "daemon is shutting down"); }
 
@@ -50,9 +52,9 @@ absl::StatusOr<T> WaitInSlices(::grpc::CallbackServerContext* context, Calls* ca
 // PushGrad: header first (validated before any data), then chunks into the session.
 class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradRequest> {
  public:
-  PushGradReactor(ShardDaemon* core, Calls* calls, ::grpc::CallbackServerContext* context,
-                  v1::PushGradResponse* response)
-      : core_(core), calls_(calls), context_(context), response_(response) {
+  PushGradReactor(ShardDaemon* core, Calls* calls, metrics::Counter* pushed_bytes,
+                  ::grpc::CallbackServerContext* context, v1::PushGradResponse* response)
+      : core_(core), calls_(calls), pushed_bytes_(pushed_bytes), context_(context), response_(response) {
     if (!calls_->Enter()) {
       Finish(ShuttingDown());
       return;
@@ -78,6 +80,7 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
       if (absl::Status s = session_->AddChunk(request_.chunk().element_offset(), request_.chunk().data()); !s.ok()) {
         return End(s);
       }
+      if (pushed_bytes_ != nullptr) pushed_bytes_->Increment(static_cast<double>(request_.chunk().data().size()));
     }
     StartRead(&request_);
   }
@@ -93,6 +96,7 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
 
   ShardDaemon* const core_;
   Calls* const calls_;
+  metrics::Counter* const pushed_bytes_;  // null: no metrics
   ::grpc::CallbackServerContext* const context_;
   v1::PushGradResponse* const response_;
   v1::PushGradRequest request_;
@@ -182,9 +186,10 @@ int64_t ChunkBytes(int64_t requested) {
   return std::max<int64_t>(chunk - chunk % 8, 8);  // whole elements of every type
 }
 
-// PullParams: waits for the version, then header, data chunks, scale chunks.
-absl::Status StreamParams(ShardDaemon* core, Calls* calls, ::grpc::CallbackServerContext* context,
-                          const v1::PullParamsRequest& request,
+// PullParams: waits for the version, then header, data chunks, scale chunks. The payload bytes
+// written go to `pulled_bytes` (null: no metrics).
+absl::Status StreamParams(ShardDaemon* core, Calls* calls, metrics::Counter* pulled_bytes,
+                          ::grpc::CallbackServerContext* context, const v1::PullParamsRequest& request,
                           const std::function<bool(const v1::PullParamsResponse&)>& write) {
   absl::StatusOr<PullResult> result = WaitInSlices<PullResult>(
       context, calls, [&](absl::Time deadline) { return core->PullParams(request, deadline); });
@@ -215,14 +220,22 @@ absl::Status StreamParams(ShardDaemon* core, Calls* calls, ::grpc::CallbackServe
   if (result->unchanged) return absl::OkStatus();
   const int64_t chunk = ChunkBytes(request.max_chunk_bytes());
   const int bits = Describe(s.format).bits_per_element;
+  // Counts each chunk's payload once it is handed to gRPC.
+  const std::function<bool(const v1::PullParamsResponse&)> counted = [&](const v1::PullParamsResponse& m) {
+    if (!write(m)) return false;
+    if (pulled_bytes != nullptr) {
+      pulled_bytes->Increment(static_cast<double>(m.has_data() ? m.data().data().size() : m.scales().data().size()));
+    }
+    return true;
+  };
   MAINSTAY_RETURN_IF_ERROR(WriteChunks<v1::PullParamsResponse>(
-      write, s.data.data(), static_cast<int64_t>(s.data.size()), chunk,
+      counted, s.data.data(), static_cast<int64_t>(s.data.size()), chunk,
       [&](v1::PullParamsResponse& m, int64_t off, const uint8_t* p, int64_t n) {
         m.mutable_data()->set_element_offset(off * 8 / bits);
         m.mutable_data()->set_data(p, static_cast<size_t>(n));
       }));
   const int64_t entry = s.num_scales > 0 ? static_cast<int64_t>(s.scales.size()) / s.num_scales : 1;
-  return WriteChunks<v1::PullParamsResponse>(write, s.scales.data(), static_cast<int64_t>(s.scales.size()), chunk,
+  return WriteChunks<v1::PullParamsResponse>(counted, s.scales.data(), static_cast<int64_t>(s.scales.size()), chunk,
                                              [&](v1::PullParamsResponse& m, int64_t off, const uint8_t* p, int64_t n) {
                                                m.mutable_scales()->set_scale_offset(off / entry);
                                                m.mutable_scales()->set_data(p, static_cast<size_t>(n));
@@ -267,7 +280,12 @@ absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& re
 
 class ShardService final : public v1::Shard::CallbackService {
  public:
-  ShardService(ShardDaemon* core, Calls* calls) : core_(core), calls_(calls) {}
+  ShardService(ShardDaemon* core, Calls* calls) : core_(core), calls_(calls) {
+    if (metrics::DaemonMetrics* m = core->metrics(); m != nullptr) {
+      pushed_bytes_ = m->PushedBytes(kTransport);
+      pulled_bytes_ = m->PulledBytes(kTransport);
+    }
+  }
 
   ::grpc::ServerUnaryReactor* AssignShard(::grpc::CallbackServerContext* context, const v1::AssignShardRequest* request,
                                           v1::AssignShardResponse* response) override {
@@ -279,14 +297,14 @@ class ShardService final : public v1::Shard::CallbackService {
   }
   ::grpc::ServerReadReactor<v1::PushGradRequest>* PushGrad(::grpc::CallbackServerContext* context,
                                                            v1::PushGradResponse* response) override {
-    return new PushGradReactor(core_, calls_, context, response);
+    return new PushGradReactor(core_, calls_, pushed_bytes_.get(), context, response);
   }
   ::grpc::ServerWriteReactor<v1::PullParamsResponse>* PullParams(::grpc::CallbackServerContext* context,
                                                                  const v1::PullParamsRequest* request) override {
     const v1::PullParamsRequest copy = *request;
     return new BlockingWriter<v1::PullParamsResponse>(
-        calls_, context, [core = core_, calls = calls_, context, copy](const auto& write) {
-          return StreamParams(core, calls, context, copy, write);
+        calls_, context, [core = core_, calls = calls_, pulled = pulled_bytes_, context, copy](const auto& write) {
+          return StreamParams(core, calls, pulled.get(), context, copy, write);
         });
   }
   ::grpc::ServerUnaryReactor* FinishStep(::grpc::CallbackServerContext* context, const v1::FinishStepRequest* request,
@@ -334,6 +352,7 @@ class ShardService final : public v1::Shard::CallbackService {
  private:
   ShardDaemon* const core_;
   Calls* const calls_;
+  std::shared_ptr<metrics::Counter> pushed_bytes_, pulled_bytes_;  // null: no metrics
 };
 
 }  // namespace

@@ -60,7 +60,7 @@ class LocalCluster {
     for (int i = 0; i < daemons; ++i) {
       const std::string port_file = c->dir_->File(absl::StrCat("dport", i));
       auto d = Subprocess::Start({{MAINSTAYD_BIN, "--coordinator", c->address_, "--listen", "127.0.0.1:0",
-                                   "--node-name", absl::StrCat("node", i), "--threads", "1", "--memory-bytes",
+                                   "--node-name", absl::StrCat("node", i), "--threads", "1", "--metrics-listen", "off", "--memory-bytes",
                                    "4000000000", "--peer-timeout-ms", "20000", "--port-file", port_file},
                                   c->dir_->File(absl::StrCat("daemon", i, ".log"))});
       EXPECT_THAT(d.status(), IsOk());
