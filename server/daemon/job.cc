@@ -64,11 +64,13 @@ Job::Job(std::string job_id, ResolvedJob resolved, std::string token_sha256, Job
 
 Job::~Job() { Shutdown(); }
 
+void Job::RequestStop() {
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;
+}
+
 void Job::Shutdown() {
-  {
-    absl::MutexLock lock(&mu_);
-    stopping_ = true;
-  }
+  RequestStop();
   if (step_thread_.joinable() && step_thread_.get_id() != std::this_thread::get_id()) step_thread_.join();
 }
 
@@ -402,7 +404,7 @@ absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request,
                                                       version_, ")"));
     }
   }
-  if (stopping_) return absl::UnavailableError("PullParams: the daemon is shutting down");
+  if (stopping_) return absl::UnavailableError("PullParams: the job stopped on this daemon (dropped, or the daemon is shutting down)");
   MAINSTAY_RETURN_IF_ERROR(CheckRoute(request.placement_epoch(), request.bucket(), request.shard()));
   const ShardState& state = *shards_.at(key);
   PullResult result;
@@ -473,7 +475,7 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
                                                     "FinishStep calls of other ranks?"));
   }
   if (auto f = failures_.find(step); f != failures_.end() && !Decided(step)) return f->second;
-  if (stopping_ && !Decided(step)) return absl::UnavailableError("FinishStep: the daemon is shutting down");
+  if (stopping_ && !Decided(step)) return absl::UnavailableError("FinishStep: the job stopped on this daemon (dropped, or the daemon is shutting down)");
   auto it = stats_.find(step);
   if (it == stats_.end()) {
     return absl::NotFoundError(absl::StrCat("FinishStep: stats of step ", step, " are no longer kept"));

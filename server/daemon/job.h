@@ -148,7 +148,10 @@ class Job : public std::enable_shared_from_this<Job> {
   // Where the job stands (reported to the coordinator with the heartbeat).
   v1::JobProgress Progress() const;
   int64_t state_bytes() const;
-  // Stops the step thread and ends every wait with UNAVAILABLE.
+  // Ends every wait with UNAVAILABLE and tells the step thread to stop after the step it may be
+  // running (that one finishes or fails at its peer deadline); returns at once.
+  void RequestStop();
+  // RequestStop, then joins the step thread (up to the running step's peer deadline).
   void Shutdown();
 
  private:

@@ -112,8 +112,22 @@ absl::Status ShardDaemon::DropShard(const v1::DropShardRequest& request) {
       absl::MutexLock lock(&mu_);
       auto it = jobs_.find(request.job_id());
       if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+      job->RequestStop();  // waits end now; the step thread is joined by a reaper
+      for (auto r = reapers_.begin(); r != reapers_.end();) {  // join the reapers that are done
+        if (r->done->load()) {
+          r->thread.join();
+          r = reapers_.erase(r);
+        } else {
+          ++r;
+        }
+      }
+      auto done = std::make_shared<std::atomic<bool>>(false);
+      reapers_.push_back({std::thread([job, done] {
+                            job->Shutdown();
+                            done->store(true);
+                          }),
+                          done});
     }
-    job->Shutdown();
     if (metrics_ != nullptr) metrics_->ForgetJob(request.job_id());
     Log(LogLevel::kInfo, "daemon", absl::StrCat("job ", request.job_id(), ": dropped"));
   }
@@ -180,7 +194,18 @@ void ShardDaemon::Shutdown() {
     stopping_ = true;
     jobs.swap(jobs_);
   }
+  for (auto& [id, job] : jobs) job->RequestStop();
   for (auto& [id, job] : jobs) job->Shutdown();
+  JoinDroppedJobs();
+}
+
+void ShardDaemon::JoinDroppedJobs() {
+  std::vector<Reaper> reapers;
+  {
+    absl::MutexLock lock(&mu_);
+    reapers.swap(reapers_);
+  }
+  for (Reaper& r : reapers) r.thread.join();
 }
 
 }  // namespace mainstay::daemon

@@ -15,9 +15,12 @@
 #ifndef MAINSTAY_SERVER_DAEMON_SHARD_DAEMON_H_
 #define MAINSTAY_SERVER_DAEMON_SHARD_DAEMON_H_
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -68,6 +71,8 @@ class ShardDaemon {
   metrics::DaemonMetrics* metrics() const { return metrics_.get(); }
   // Stops every job's step thread and ends waits with UNAVAILABLE. Idempotent.
   void Shutdown();
+  // Waits until the jobs dropped so far have stopped (tests).
+  void JoinDroppedJobs();
 
  private:
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& job_id) const;
@@ -78,6 +83,13 @@ class ShardDaemon {
   mutable absl::Mutex mu_;
   std::string daemon_id_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Dropped jobs whose step threads are being joined off the caller's thread (a step may sit in
+  // a peer reduction until its deadline, and DropShard must not block a gRPC thread that long).
+  struct Reaper {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Reaper> reapers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -372,6 +372,33 @@ TEST_F(StepProtocolTest, AnEvictedVersionIsFailedPreconditionNamingTheNewest) {
   EXPECT_THAT(cluster_.Pull(0, 0, 2).status(), IsOk());
 }
 
+TEST_F(StepProtocolTest, DroppingAJobReturnsAtOnceWhileItsStepWaitsForAPeer) {
+  cluster_.PushGrads(0);
+  // Rank 0 finishes on daemon 0 only: its step waits in the peer reduction for daemon 1
+  // (until the 2 s peer timeout).
+  absl::Status finish;
+  std::thread waiter([&] {
+    v1::FinishStepRequest req;
+    req.set_job_id(kJob);
+    req.set_placement_epoch(1);
+    req.set_step(0);
+    req.set_rank(0);
+    req.set_lr(1e-3);
+    finish = cluster_.daemon_of(0).FinishStep(req, absl::Now() + absl::Seconds(30)).status();
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  v1::DropShardRequest drop;
+  drop.set_job_id(kJob);
+  drop.set_placement_epoch(2);
+  const absl::Time start = absl::Now();
+  EXPECT_THAT(cluster_.daemon_of(0).DropShard(drop), IsOk());
+  // The step thread is stuck until the 2 s peer timeout; DropShard must not wait for it.
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(1500)) << "DropShard waited for the step thread";
+  waiter.join();
+  EXPECT_THAT(finish, StatusIs(absl::StatusCode::kUnavailable));
+  cluster_.daemon_of(0).JoinDroppedJobs();
+}
+
 TEST_F(StepProtocolTest, PullOfAVersionNotPublishedInTimeIsDeadlineExceeded) {
   EXPECT_THAT(cluster_.Pull(0, 0, 1, absl::Milliseconds(200)).status(),
               StatusIs(absl::StatusCode::kDeadlineExceeded));
