@@ -199,6 +199,18 @@ struct Coordinator::Impl {
     return job;
   }
 
+  // The job, for a caller presenting `job_token`: a token that is not this job's is
+  // PERMISSION_DENIED (a trainer of job A never reads job B). An empty token is accepted (the
+  // admin CLI; the admin token that will gate it is not implemented yet).
+  absl::StatusOr<const v1::StoredJob*> JobForCaller(const std::string& id, const std::string& job_token) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, JobOrNotFound(id));
+    if (!job_token.empty() && Sha256(job_token) != job->job_token_sha256()) {
+      return absl::PermissionDeniedError(absl::StrCat("job '", id, "': the job_token is not this job's"));
+    }
+    return job;
+  }
+
   // Ready daemons and the memory they have left after every job's ranks placed on them.
   std::vector<DaemonCandidate> Candidates(const std::string& exclude) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     std::map<std::string, int64_t> reserved;

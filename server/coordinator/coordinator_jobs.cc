@@ -76,7 +76,7 @@ absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(const v1::GetJobRequest& 
   Impl& s = *impl_;
   absl::MutexLock lock(&s.mu);
   s.TickLocked();
-  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(request.job_id()));
+  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobForCaller(request.job_id(), request.job_token()));
   v1::GetJobResponse response;
   v1::StepStats last;
   *response.mutable_job() = s.InfoWithProgress(*job, &last);
@@ -124,7 +124,7 @@ absl::Status Coordinator::DeleteJob(const v1::DeleteJobRequest& request) {
 absl::StatusOr<v1::GetLayoutResponse> Coordinator::GetLayout(const v1::GetLayoutRequest& request) {
   Impl& s = *impl_;
   absl::MutexLock lock(&s.mu);
-  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(request.job_id()));
+  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobForCaller(request.job_id(), request.job_token()));
   v1::GetLayoutResponse response;
   *response.mutable_layout() = job->layout();
   response.set_version(job->info().version());
@@ -134,7 +134,7 @@ absl::StatusOr<v1::GetLayoutResponse> Coordinator::GetLayout(const v1::GetLayout
 absl::StatusOr<v1::GetPlacementResponse> Coordinator::GetPlacement(const v1::GetPlacementRequest& request) {
   Impl& s = *impl_;
   absl::MutexLock lock(&s.mu);
-  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(request.job_id()));
+  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobForCaller(request.job_id(), request.job_token()));
   v1::GetPlacementResponse response;
   *response.mutable_placement() = job->placement();
   return response;
@@ -145,7 +145,7 @@ absl::StatusOr<v1::Placement> Coordinator::WaitPlacement(const std::string& job_
   Impl& s = *impl_;
   absl::MutexLock lock(&s.mu);
   while (true) {
-    MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(job_id));
+    MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobForCaller(job_id, job_token));
     if (job->placement().epoch() > known_epoch) return job->placement();
     if (s.changed.WaitWithDeadline(&s.mu, deadline)) {
       return absl::DeadlineExceededError(

@@ -10,8 +10,9 @@
 // daemons through a GrpcShardAssigner.
 //
 // Not implemented yet (answered UNIMPLEMENTED with the reason): KvWatch (callers poll KvGet
-// with wait_ms), Admin MoveShard, GetShardStats, DumpTensor and the checkpoint RPCs. Tokens
-// (admin and per-job) are not checked yet.
+// with wait_ms), Admin MoveShard, GetShardStats, DumpTensor and the checkpoint RPCs. A per-job token
+// that is not the job's is PERMISSION_DENIED on GetJob, GetLayout, GetPlacement and
+// WatchPlacement; an empty one is still accepted, and the admin token is not implemented yet.
 //
 // Thread safety: port() may be called from any thread; Shutdown is idempotent and may be
 // called from any thread but one at a time (the destructor calls it). Shutdown stops

@@ -218,6 +218,34 @@ TEST_F(CoordinatorCoreTest, BadJobsAreRejectedAndChangeNothing) {
   EXPECT_EQ(assigner_.calls().size(), calls_before);
 }
 
+TEST_F(CoordinatorCoreTest, AJobTokenReadsOnlyItsOwnJob) {
+  Register("n1", kGiB);
+  auto a = Create(SmallSpec("a", 1));
+  auto b = Create(SmallSpec("b", 1));
+  ASSERT_THAT(a, IsOk());
+  ASSERT_THAT(b, IsOk());
+  v1::GetLayoutRequest layout;
+  layout.set_job_id(b->job_id());
+  layout.set_job_token(a->job_token());
+  EXPECT_THAT(coordinator_->GetLayout(layout), StatusIs(absl::StatusCode::kPermissionDenied));
+  v1::GetPlacementRequest placement;
+  placement.set_job_id(b->job_id());
+  placement.set_job_token(a->job_token());
+  EXPECT_THAT(coordinator_->GetPlacement(placement), StatusIs(absl::StatusCode::kPermissionDenied));
+  v1::GetJobRequest job;
+  job.set_job_id(b->job_id());
+  job.set_job_token(a->job_token());
+  EXPECT_THAT(coordinator_->GetJob(job), StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(coordinator_->WaitPlacement(b->job_id(), a->job_token(), 0, absl::Now() + absl::Seconds(1)),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  // Its own token reads it; the error never echoes a token.
+  layout.set_job_token(b->job_token());
+  EXPECT_THAT(coordinator_->GetLayout(layout), IsOk());
+  placement.set_job_token("wrong");
+  absl::Status denied = coordinator_->GetPlacement(placement).status();
+  EXPECT_THAT(std::string(denied.message()), ::testing::Not(::testing::HasSubstr("wrong")));
+}
+
 TEST_F(CoordinatorCoreTest, IdempotentCreateReturnsTheSameJob) {
   Register("n1", kGiB);
   v1::CreateJobRequest req;
