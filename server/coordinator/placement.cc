@@ -10,7 +10,10 @@ namespace mainstay::coordinator {
 int64_t BytesPerRank(const Layout& layout, int moment_bytes) {
   int64_t bytes = 0;
   for (const Bucket& b : layout.buckets) {
-    bytes += b.shard_numel * (4 + 2 * moment_bytes + 4) + 2 * DataBytes(b.format, b.shard_numel);
+    // What mainstayd holds per shard (docs/daemon.md "Memory"): master and moments twice (the
+    // state and the scratch copies of the atomic commit), FP32 gradients of two open steps,
+    // and the published versions it retains (its default, 4).
+    bytes += b.shard_numel * (2 * (4 + 2 * moment_bytes) + 2 * 4) + 4 * DataBytes(b.format, b.shard_numel);
   }
   return bytes;
 }

@@ -23,9 +23,11 @@ struct DaemonCandidate {
   int64_t free_bytes = 0;  // memory left for new shards
 };
 
-// Bytes a daemon holds for one rank's shards of `layout`: per element the FP32 master, the
-// two moments (`moment_bytes` each), an FP32 gradient staging buffer, plus two published
-// versions of the quantized data.
+// Bytes a daemon holds for one rank's shards of `layout`, as mainstayd keeps them: per element
+// the FP32 master and two moments (`moment_bytes` each) twice (state and the scratch copies
+// of the atomic commit), FP32 gradients of two open steps, plus four published versions of
+// the quantized data (the daemon's default --retained-versions). Unreduced pushes
+// (num_contributors = D) hold D gradients per step and are not counted.
 int64_t BytesPerRank(const Layout& layout, int moment_bytes);
 
 // daemon id per rank (D entries). `trainer_nodes` has D entries or none. RESOURCE_EXHAUSTED
