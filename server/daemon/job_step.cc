@@ -205,6 +205,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   reduced[hyper_at + 2] = static_cast<float>(weight_decay);
   reduced[hyper_at + 3] = -static_cast<float>(weight_decay);
   std::vector<std::vector<std::vector<float>>> block_amax(shards.size());
+  std::vector<std::vector<FragmentWork>> work(shards.size());  // per shard, reused by the cast
   for (size_t i = 0; i < shards.size(); ++i) {
     ShardState& s = *shards[i];
     const Bucket& bucket = layout.buckets[static_cast<size_t>(s.bucket)];
@@ -221,13 +222,13 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       s.scratch_m = s.m;
       s.scratch_v = s.v;
     }
-    const std::vector<FragmentWork> work = FragmentsOf(layout, shard);
-    block_amax[i].resize(work.size());
-    for (size_t j = 0; j < work.size(); ++j) {
-      const TensorFragment& f = *work[j].f;
-      const kernels::Fragment& frag = work[j].frag;
-      const int64_t off = work[j].offset;
-      const IndexRange blocks = work[j].blocks;
+    work[i] = FragmentsOf(layout, shard);
+    block_amax[i].resize(work[i].size());
+    for (size_t j = 0; j < work[i].size(); ++j) {
+      const TensorFragment& f = *work[i][j].f;
+      const kernels::Fragment& frag = work[i][j].frag;
+      const int64_t off = work[i][j].offset;
+      const IndexRange blocks = work[i][j].blocks;
       std::vector<float>& bamax = block_amax[i][j];
       bamax.assign(static_cast<size_t>(blocks.size()), 0.0f);
       float tensor_amax = 0.0f;
@@ -291,12 +292,11 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     for (const std::vector<float>& b : block_amax[i]) snap->num_scales += static_cast<int64_t>(b.size());
     snap->scales.assign(static_cast<size_t>(snap->num_scales * scale_bytes), 0);
     int64_t scale_offset = 0;
-    const std::vector<FragmentWork> work = FragmentsOf(layout, shard);
-    for (size_t j = 0; j < work.size(); ++j) {
-      const TensorFragment& f = *work[j].f;
-      const kernels::Fragment& frag = work[j].frag;
-      const int64_t off = work[j].offset;
-      const IndexRange blocks = work[j].blocks;
+    for (size_t j = 0; j < work[i].size(); ++j) {
+      const TensorFragment& f = *work[i][j].f;
+      const kernels::Fragment& frag = work[i][j].frag;
+      const int64_t off = work[i][j].offset;
+      const IndexRange blocks = work[i][j].blocks;
       std::vector<float>& bamax = block_amax[i][j];
       plan_.Apply(f.tensor, blocks, std::span<float>(bamax), std::span<const float>(reduced));
       const float amax = reduced[static_cast<size_t>(f.tensor)];
