@@ -132,6 +132,20 @@ const std::vector<Command>& Commands() {
       {"kv get", "read a key (or keys under a prefix) of the coordinator's KV", "KEY [--prefix] [--json]" + std::string(kRemoteHelp),
        false, RunKvGet},
       {"health", "check the coordinator's gRPC health service", "[--json]" + std::string(kRemoteHelp), false, RunHealth},
+      {"checkpoint create", "checkpoint a job's optimizer state at its newest step (training goes on)",
+       "--job ID [--wait] [--yes] [--json]\n"
+       "  --wait              return once the checkpoint is committed (bounded by --timeout-ms)" +
+           std::string(kRemoteHelp),
+       true, RunCheckpointCreate},
+      {"checkpoint list", "list checkpoints, newest first", "[--job ID] [--json]" + std::string(kRemoteHelp), false,
+       RunCheckpointList},
+      {"checkpoint restore", "load a checkpoint into a job (any D or layout); its trainers rewind to it",
+       "CHECKPOINT_ID [--job ID] [--yes] [--json]\n"
+       "  --job ID            the job to load into (default: the job the checkpoint was taken from)" +
+           std::string(kRemoteHelp),
+       true, RunCheckpointRestore},
+      {"checkpoint delete", "delete a checkpoint's files", "CHECKPOINT_ID [--yes] [--json]" + std::string(kRemoteHelp),
+       true, RunCheckpointDelete},
   };
   return *commands;
 }
@@ -160,7 +174,7 @@ absl::Status RunCommand(const std::vector<std::string>& args, Output& output) {
     output.out << CommandHelp(*command);
     return absl::OkStatus();
   }
-  absl::StatusOr<Args> parsed = Args::Parse(rest, {"json", "yes", "summary", "all", "undo", "prefix"});
+  absl::StatusOr<Args> parsed = Args::Parse(rest, {"json", "yes", "summary", "all", "undo", "prefix", "wait"});
   if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat(parsed.status().message(), "\n", CommandHelp(*command)));
   if (command->mutating && !parsed->Has("yes") && !output.stdin_is_terminal) {
     return absl::FailedPreconditionError(absl::StrCat("'", command->path, "' changes state; pass --yes to confirm"));

@@ -83,6 +83,10 @@ absl::Status RunJobsDelete(const Args& args, Output& output);
 absl::Status RunPlacement(const Args& args, Output& output);
 absl::Status RunKvGet(const Args& args, Output& output);
 absl::Status RunHealth(const Args& args, Output& output);
+absl::Status RunCheckpointCreate(const Args& args, Output& output);  // checkpoint_commands.cc
+absl::Status RunCheckpointList(const Args& args, Output& output);
+absl::Status RunCheckpointRestore(const Args& args, Output& output);
+absl::Status RunCheckpointDelete(const Args& args, Output& output);
 
 }  // namespace mainstay::cli
 

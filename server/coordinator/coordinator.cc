@@ -4,7 +4,15 @@
 
 namespace mainstay::coordinator {
 Coordinator::Coordinator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Coordinator::~Coordinator() = default;
+Coordinator::~Coordinator() {
+  std::vector<std::thread> threads;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->stopping = true;
+    threads.swap(impl_->checkpoint_threads);
+  }
+  for (std::thread& t : threads) t.join();  // background checkpoints end at their daemons' answers
+}
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const CoordinatorOptions& options) {
   if (options.store == nullptr) return absl::InvalidArgumentError("options.store: required");
@@ -29,8 +37,11 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Coordinat
 }
 
 void Coordinator::Tick() {
-  absl::MutexLock lock(&impl_->mu);
-  impl_->TickLocked();
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->TickLocked();
+  }
+  impl_->RecoverJobs();
 }
 
 // ---- Membership.

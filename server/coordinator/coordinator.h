@@ -20,6 +20,7 @@
 #include "common/clock.h"
 #include "mainstay/v1/admin.pb.h"
 #include "mainstay/v1/coordinator.pb.h"
+#include "server/checkpoint/checkpoint_fs.h"
 #include "server/coordinator/shard_assigner.h"
 #include "server/coordinator/state_store.h"
 
@@ -35,6 +36,13 @@ struct CoordinatorOptions {
   int64_t snapshot_every_batches = 1000;  // compaction of the write-ahead log
   int64_t max_kv_value_bytes = 1 << 20;
   std::string coordinator_id = "coordinator";
+  // Checkpoints (coordinator_checkpoints.cc): a directory the coordinator and every daemon
+  // reach under the same path (a shared file system across nodes). Empty: no checkpoints.
+  std::string checkpoint_dir;
+  checkpoint::CheckpointFs* fs = nullptr;  // not owned; null: the POSIX file system
+  // Restore a job from its newest committed checkpoint when one of its daemons loses its
+  // lease (the lost ranks move to ready daemons, trainers rewind). Off: the job stays DEGRADED.
+  bool restore_on_daemon_loss = true;
 };
 
 class Coordinator {
@@ -74,8 +82,29 @@ class Coordinator {
   absl::StatusOr<v1::KvGetResponse> KvGet(const v1::KvGetRequest& request, absl::Time deadline);
   absl::StatusOr<v1::KvDeleteResponse> KvDelete(const v1::KvDeleteRequest& request);
 
+  // ---- Checkpoints (DESIGN.md section 8, docs/checkpoints.md). FAILED_PRECONDITION when
+  // the coordinator has no checkpoint directory.
+  // Picks the newest step every daemon of the job has decided, has each daemon write its
+  // shards at that step (the daemons snapshot and write while training goes on; a daemon
+  // already past it makes the coordinator retry at the newer step, up to 5 times), then
+  // commits the manifest. With `wait`, returns the COMMITTED (or failed) checkpoint, bounded
+  // by `deadline`; without, returns at once in state WRITING. UNAVAILABLE when a daemon of
+  // the job is down. A failed checkpoint leaves no files.
+  absl::StatusOr<v1::CreateCheckpointResponse> CreateCheckpoint(const v1::CreateCheckpointRequest& request,
+                                                                absl::Time deadline);
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const v1::ListCheckpointsRequest& request);
+  // Verifies every file of the checkpoint (DATA_LOSS naming the file and the reason: nothing
+  // changes), checks it fits the job (INVALID_ARGUMENT), then reassigns every shard of the job
+  // from it at a new placement epoch: the daemons reload and republish the saved version and
+  // the job resumes at the checkpoint's committed step + 1 (trainers get ABORTED with it).
+  absl::StatusOr<v1::RestoreCheckpointResponse> RestoreCheckpoint(const v1::RestoreCheckpointRequest& request);
+  // FAILED_PRECONDITION while it is being written; NOT_FOUND when there is no such checkpoint.
+  absl::Status DeleteCheckpoint(const v1::DeleteCheckpointRequest& request);
+
   // Marks daemons whose lease expired DOWN (their jobs DEGRADED) and removes expired KV
-  // entries. The server calls it periodically; every other method calls it first too.
+  // entries; with restore_on_daemon_loss, restores each job that lost a daemon from its newest
+  // committed checkpoint. The server calls it periodically; every other method calls the
+  // bookkeeping part first too.
   void Tick();
 
  private:

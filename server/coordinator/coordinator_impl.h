@@ -10,6 +10,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/escaping.h"
@@ -18,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "server/checkpoint/checkpoint_files.h"
 #include "server/coordinator/coordinator.h"
 #include "server/coordinator/placement.h"
 #include "server/coordinator/state.h"
@@ -96,6 +98,28 @@ struct Coordinator::Impl {
   }
   int64_t batches_since_snapshot ABSL_GUARDED_BY(mu) = 0;
 
+  // Checkpoints being written (memory only: one whose coordinator died has no manifest and
+  // lists as FAILED), and the threads writing those created without `wait`.
+  std::map<std::string, v1::CheckpointInfo> checkpoints_in_flight ABSL_GUARDED_BY(mu);
+  std::vector<std::thread> checkpoint_threads ABSL_GUARDED_BY(mu);
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  // Jobs that lost a daemon and wait to be restored from their latest checkpoint.
+  std::set<std::string> jobs_to_recover ABSL_GUARDED_BY(mu);
+
+  // coordinator_checkpoints.cc.
+  checkpoint::CheckpointFs& Fs() const;
+  // Writes checkpoint `info` of its job at `step` or later; returns it COMMITTED or FAILED.
+  v1::CheckpointInfo RunCheckpoint(v1::CheckpointInfo info, int64_t step, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu);
+  // Every checkpoint on disk and in flight, for one job or all (""), newest first.
+  std::vector<v1::CheckpointInfo> ScanCheckpoints(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu);
+  // Reassigns every shard of `job` from the checkpoint at a new epoch; ranks whose daemon is
+  // not ready move to ready ones.
+  absl::StatusOr<v1::RestoreCheckpointResponse> RestoreLocked(v1::StoredJob job,  // a copy: Commit replaces the stored one
+                                                              const v1::CheckpointManifest& manifest,
+                                                              const std::string& dir) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void RecoverJobs() ABSL_LOCKS_EXCLUDED(mu);
+
   int64_t Now() const { return options.clock->NowUnixMs(); }
 
   // Writes ahead, then applies. Nothing changes when the store fails.
@@ -171,6 +195,11 @@ struct Coordinator::Impl {
       batch.PutDaemon(down);
       leases.erase(id);
       Log(LogLevel::kWarning, "coordinator", absl::StrCat("daemon ", id, " (", d.endpoint().address(), ") missed its lease: DOWN"));
+      for (const auto& [job_id, job] : state.jobs) {
+        for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
+          if (e.daemon_id() == id) jobs_to_recover.insert(job_id);
+        }
+      }
     }
     v1::StateCounters counters = state.counters;
     bool expired_kv = false;
@@ -255,8 +284,10 @@ struct Coordinator::Impl {
   }
 
   // Sends each owner its shards of `job` (those of `ranks`, or all of its ranks when empty).
-  void SendAssignments(const v1::StoredJob& job, const std::set<int>& only_ranks, const std::string& from_peer)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  // The gained shards start from the trainers (new job), from `from_peer`'s copy or, with
+  // `from_checkpoint`, from a checkpoint (the daemons then replace the whole job).
+  void SendAssignments(const v1::StoredJob& job, const std::set<int>& only_ranks, const std::string& from_peer,
+                       const v1::SourceCheckpoint* from_checkpoint = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (options.assigner == nullptr) return;
     std::map<std::string, std::vector<v1::ShardRef>> by_daemon;
     for (const v1::ShardPlacement& p : job.placement().shards()) {
@@ -272,7 +303,9 @@ struct Coordinator::Impl {
       req.set_job_token_sha256(job.job_token_sha256());
       for (const v1::ShardRef& s : shards) *req.add_shards() = s;
       req.set_role(v1::SHARD_ROLE_PRIMARY);
-      if (from_peer.empty()) {
+      if (from_checkpoint != nullptr) {
+        *req.mutable_from_checkpoint() = *from_checkpoint;
+      } else if (from_peer.empty()) {
         req.mutable_from_trainer();
       } else {
         *req.mutable_from_peer()->mutable_daemon() = EndpointOf(from_peer);

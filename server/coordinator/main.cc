@@ -49,8 +49,12 @@ flags:
   --tick-ms N               how often leases and KV TTLs are checked, ms (default 200)
   --coordinator-id ID       id reported to daemons (default <hostname>-<pid>)
   --max-message-bytes N     largest request accepted (default 67108864)
+  --checkpoint-dir DIR      where checkpoints live; every daemon must reach it under the same path
+                            (a shared file system across nodes). Unset: checkpoints are off
+  --no-restore-on-loss      keep a job that lost a daemon DEGRADED instead of restoring it from
+                            its newest checkpoint
   --config FILE             JSON object with the keys listen, state_dir, lease_ttl_ms, tick_ms,
-                            coordinator_id, max_message_bytes; flags override it
+                            coordinator_id, max_message_bytes, checkpoint_dir; flags override it
   --port-file FILE          write the bound port to FILE once serving (for scripts and tests)
   --help                    this text
 
@@ -65,6 +69,8 @@ struct Settings {
   std::optional<int64_t> tick_ms;
   std::optional<std::string> coordinator_id;
   std::optional<int64_t> max_message_bytes;
+  std::optional<std::string> checkpoint_dir;
+  bool no_restore_on_loss = false;
   std::optional<std::string> config;
   std::optional<std::string> port_file;
   bool help = false;
@@ -95,7 +101,11 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
     }
     static const std::set<std::string> kKnown = {"--listen",         "--state-dir",         "--lease-ttl-ms",
                                                  "--tick-ms",        "--coordinator-id",    "--max-message-bytes",
-                                                 "--config",         "--port-file"};
+                                                 "--config",         "--port-file",         "--checkpoint-dir"};
+    if (name == "--no-restore-on-loss") {
+      s.no_restore_on_loss = true;
+      continue;
+    }
     if (!kKnown.count(name)) return absl::InvalidArgumentError(absl::StrCat("unknown flag '", name, "'"));
     if (!value) {
       if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(name, ": missing value"));
@@ -106,6 +116,7 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
     if (name == "--coordinator-id") s.coordinator_id = *value;
     if (name == "--config") s.config = *value;
     if (name == "--port-file") s.port_file = *value;
+    if (name == "--checkpoint-dir") s.checkpoint_dir = *value;
     if (name == "--lease-ttl-ms") {
       MAINSTAY_ASSIGN_OR_RETURN(s.lease_ttl_ms, ParsePositive(name, *value));
     } else if (name == "--tick-ms") {
@@ -143,7 +154,8 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
     return absl::OkStatus();
   };
   static const std::set<std::string> kKeys = {"listen",         "state_dir",         "lease_ttl_ms",
-                                              "tick_ms",        "coordinator_id",    "max_message_bytes"};
+                                              "tick_ms",        "coordinator_id",    "max_message_bytes",
+                                              "checkpoint_dir"};
   for (const auto& [key, value] : j.items()) {
     if (!kKeys.count(key)) {
       return absl::InvalidArgumentError(
@@ -152,6 +164,7 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
   }
   MAINSTAY_RETURN_IF_ERROR(get_string("listen", s.listen));
   MAINSTAY_RETURN_IF_ERROR(get_string("state_dir", s.state_dir));
+  MAINSTAY_RETURN_IF_ERROR(get_string("checkpoint_dir", s.checkpoint_dir));
   MAINSTAY_RETURN_IF_ERROR(get_string("coordinator_id", s.coordinator_id));
   MAINSTAY_RETURN_IF_ERROR(get_int("lease_ttl_ms", s.lease_ttl_ms));
   MAINSTAY_RETURN_IF_ERROR(get_int("tick_ms", s.tick_ms));
@@ -169,6 +182,8 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
     return absl::InvalidArgumentError("--state-dir is required (or state_dir in --config)");
   }
   o.state_dir = *s.state_dir;
+  if (s.checkpoint_dir) o.checkpoint_dir = *s.checkpoint_dir;
+  o.restore_on_daemon_loss = !s.no_restore_on_loss;
   if (s.lease_ttl_ms) o.lease_ttl_ms = *s.lease_ttl_ms;
   if (s.tick_ms) o.tick_interval_ms = *s.tick_ms;
   if (s.coordinator_id) o.coordinator_id = *s.coordinator_id;

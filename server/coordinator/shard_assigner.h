@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "mainstay/v1/shard.pb.h"
 
 namespace mainstay::coordinator {
@@ -22,6 +24,13 @@ class ShardAssigner {
   virtual ~ShardAssigner() = default;
   virtual void Assign(const std::string& daemon_address, const v1::AssignShardRequest& request) = 0;
   virtual void Drop(const std::string& daemon_address, const v1::DropShardRequest& request) = 0;
+  // Synchronous (checkpoints): the daemon's answer, with its ErrorDetail payload kept. The
+  // default answers UNIMPLEMENTED.
+  virtual absl::StatusOr<v1::WriteCheckpointResponse> WriteCheckpoint(const std::string& daemon_address,
+                                                                      const v1::WriteCheckpointRequest& request,
+                                                                      absl::Time deadline) {
+    return absl::UnimplementedError("this ShardAssigner cannot write checkpoints");
+  }
 };
 
 // Records every call (tests).

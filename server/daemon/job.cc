@@ -45,7 +45,33 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::AssignShardRequest& a
         "AssignShard: the layout does not match the one computed from the spec (coordinator and daemon versions "
         "differ?)");
   }
+  std::unique_ptr<Restore> restore;
+  if (assign.has_from_checkpoint()) {
+    const v1::SourceCheckpoint& source = assign.from_checkpoint();
+    restore = std::make_unique<Restore>();
+    restore->checkpoint_id = source.checkpoint_id();
+    const size_t slash = source.manifest_uri().rfind('/');
+    restore->dir = slash == std::string::npos ? "." : source.manifest_uri().substr(0, slash);
+    checkpoint::CheckpointFs& fs = options.fs != nullptr ? *options.fs : *checkpoint::PosixFs();
+    absl::StatusOr<v1::CheckpointManifest> manifest = checkpoint::ReadManifest(fs, restore->dir);
+    if (!manifest.ok()) return Annotate(manifest.status(), absl::StrCat("AssignShard: checkpoint ", source.checkpoint_id()));
+    MAINSTAY_RETURN_IF_ERROR(checkpoint::CheckFitsJob(*resolved, *manifest));
+    restore->manifest = *std::move(manifest);
+  }
   std::shared_ptr<Job> job(new Job(assign.job_id(), *std::move(resolved), assign.job_token_sha256(), std::move(options)));
+  {
+    absl::MutexLock lock(&job->mu_);
+    job->committed_scaling_ = job->ScalingProto();
+    if (restore != nullptr) {
+      job->restored_from_ = restore->checkpoint_id;
+      job->restored_epoch_ = assign.placement_epoch();
+      job->committed_step_ = restore->manifest.committed_step();
+      job->next_step_ = restore->manifest.committed_step() + 1;
+      job->rewound_ = true;
+      job->restoring_ = true;
+      job->restore_ = std::move(restore);
+    }
+  }
   MAINSTAY_RETURN_IF_ERROR(job->Assign(assign));
   job->step_thread_ = std::thread([raw = job.get()] { raw->RunSteps(); });
   return job;
@@ -59,6 +85,7 @@ Job::Job(std::string job_id, ResolvedJob resolved, std::string token_sha256, Job
       plan_(job_.layout),
       loss_scale_(job_.recipe.model_dtype == Format::kFP16 ? job_.recipe.loss_scaling : LossScaling{}) {
   delayed_.assign(job_.layout.tensors.size(), DelayedScaling(job_.recipe.fp8_amax_history_len));
+  cast_scale_.assign(job_.layout.tensors.size(), 1.0f);
   loss_scale_now_ = loss_scale_.scale;
 }
 
@@ -92,6 +119,7 @@ absl::Status Job::ErrorWithDetail(absl::Status status) const {
 }
 
 absl::Status Job::CheckRoute(int64_t epoch, int32_t bucket, int32_t shard) const {
+  if (!restore_error_.ok()) return absl::FailedPreconditionError(restore_error_.message());
   if (epoch > epoch_) {
     return absl::UnavailableError(absl::StrCat("job ", job_id_, ": this daemon has not received placement epoch ",
                                                epoch, " yet (it has ", epoch_, "); retry"));
@@ -129,10 +157,15 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
       return absl::InvalidArgumentError(absl::StrCat("AssignShard: ", ShardName(key.first, key.second),
                                                      " is not in the layout"));
     }
-    if (request.has_from_checkpoint() || request.has_from_peer()) {
+    if (request.has_from_peer()) {
       return absl::UnimplementedError(
-          "AssignShard: restoring a shard from a checkpoint or a peer is not supported by this daemon yet; "
-          "only new jobs (from_trainer)");
+          "AssignShard: copying a shard from a peer is not supported by this daemon yet; only new jobs "
+          "(from_trainer) and restores (from_checkpoint)");
+    }
+    if (request.has_from_checkpoint() && request.from_checkpoint().checkpoint_id() != restored_from_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "AssignShard: job ", job_id_, " already runs here; a restore from checkpoint ",
+          request.from_checkpoint().checkpoint_id(), " replaces the whole job (ShardDaemon does that)"));
     }
   }
   epoch_ = request.placement_epoch();
@@ -204,6 +237,11 @@ absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHe
   if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS) {
     if (h.step() != -1) return absl::InvalidArgumentError("PushGrad: initial parameters must have step -1");
     if (dtype != ElementType::kFloat32) return absl::InvalidArgumentError("PushGrad: initial parameters must be FP32");
+    if (restore_ != nullptr || !restored_from_.empty()) {
+      return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+          "PushGrad: job ", job_id_, " is restored from checkpoint ", restored_from_,
+          "; it takes no initial parameters (pull the latest version instead)")));
+    }
     if (version_ >= 0 || state.initialized) {
       return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
           "PushGrad: initial parameters of job ", job_id_, " were already taken (version ", version_, " exists)")));
@@ -222,6 +260,7 @@ absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHe
                        committed_step_, ")")));
     }
     const int64_t first_open = std::max<int64_t>(next_step_, 0);
+    if (rewound_ && h.step() != next_step_) return RewoundError("PushGrad", h.step());
     if (h.step() > first_open + 1) {
       return ErrorWithDetail(absl::FailedPreconditionError(
           absl::StrCat("PushGrad: step ", h.step(), " is ahead of job ", job_id_, ": the daemon takes steps ",
@@ -372,7 +411,7 @@ bool Job::Ready(int64_t step) const {
   return true;
 }
 
-bool Job::ShouldWake() const { return stopping_ || Ready(next_step_); }
+bool Job::ShouldWake() const { return stopping_ || restore_ != nullptr || Ready(next_step_); }
 
 absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request, absl::Time deadline) {
   MAINSTAY_RETURN_IF_ERROR(CheckToken(request.job_token()));
@@ -381,9 +420,25 @@ absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request,
   const Key key{request.bucket(), request.shard()};
   int64_t wanted = request.version();
   if (request.latest()) {
+    // A job being restored has its version once the restore is done.
+    auto known = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return stopping_ || !restoring_ || !restore_error_.ok();
+    };
+    if (!known()) {
+      if (request.no_wait()) return absl::UnavailableError("PullParams: the job is being restored; retry");
+      if (!mu_.AwaitWithDeadline(absl::Condition(&known), deadline)) {
+        return absl::DeadlineExceededError(absl::StrCat("PullParams: job ", job_id_, " is still being restored"));
+      }
+      MAINSTAY_RETURN_IF_ERROR(CheckRoute(request.placement_epoch(), request.bucket(), request.shard()));
+    }
     wanted = std::max<int64_t>(version_, 0);
   } else if (wanted < 0) {
     return absl::InvalidArgumentError(absl::StrCat("PullParams: version ", wanted, " < 0"));
+  }
+  if (rewound_ && !restoring_ && wanted > version_ + 1) {
+    return ErrorWithDetail(absl::AbortedError(absl::StrCat(
+        "PullParams: job ", job_id_, " was restored from checkpoint ", restored_from_, " at version ", version_,
+        "; version ", wanted, " does not exist: pull the latest version and resume at step ", committed_step_ + 1)));
   }
   if (wanted > std::max<int64_t>(next_step_, 0) + 2) {
     return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
@@ -391,7 +446,7 @@ absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request,
         ")")));
   }
   auto decided = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return stopping_ || !shards_.count(key) || Decided(wanted - 1);
+    return stopping_ || !shards_.count(key) || !restore_error_.ok() || (!restoring_ && Decided(wanted - 1));
   };
   if (!decided()) {
     if (request.no_wait()) {
@@ -451,6 +506,7 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
                                                    " but it runs with lr ", executing_hyper_.first, " weight_decay ",
                                                    executing_hyper_.second));
   }
+  if (step >= 0 && rewound_ && step > next_step_) return RewoundError("FinishStep", step);
   if (step >= 0 && !Decided(step) && executing_step_ != step) {
     const int64_t first_open = std::max<int64_t>(next_step_, 0);
     if (step > first_open + 1) {
@@ -468,12 +524,15 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
     }
     in.finished[request.rank()] = hyper;
   }
-  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || Decided(step) || failures_.count(step); };
+  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return stopping_ || !restore_error_.ok() || (!restoring_ && Decided(step)) || failures_.count(step);
+  };
   if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
     return absl::DeadlineExceededError(absl::StrCat("FinishStep: step ", step, " of job ", job_id_,
                                                     " was not decided before the deadline; waiting for the pushes or "
                                                     "FinishStep calls of other ranks?"));
   }
+  if (!restore_error_.ok()) return absl::FailedPreconditionError(restore_error_.message());
   if (auto f = failures_.find(step); f != failures_.end() && !Decided(step)) return f->second;
   if (stopping_ && !Decided(step)) return absl::UnavailableError("FinishStep: the job stopped on this daemon (dropped, or the daemon is shutting down)");
   auto it = stats_.find(step);

@@ -39,6 +39,8 @@
 #include "mainstay/v1/coordinator.pb.h"
 #include "mainstay/v1/shard.pb.h"
 #include "server/daemon/reduction_plan.h"
+#include "mainstay/v1/checkpoint.pb.h"
+#include "server/checkpoint/checkpoint_files.h"
 #include "server/daemon/scaling_state.h"
 #include "server/peer/peer_group.h"
 
@@ -88,6 +90,19 @@ struct ShardStateCopy {
   std::vector<uint8_t> m, v;    // raw little-endian elements of moment_type; v empty for SGD
 };
 
+// A consistent copy of the job's committed state at one decided step (checkpoints).
+struct JobSnapshot {
+  int64_t version = -1;
+  int64_t committed_step = -1;
+  struct ShardCopy {
+    int32_t bucket = 0, shard = 0;
+    std::vector<float> master;
+    std::vector<uint8_t> m, v;
+  };
+  std::vector<ShardCopy> shards;
+  v1::CheckpointScalingState scaling;
+};
+
 struct JobOptions {
   kernels::Device device;                      // where the kernels run (CPU executor)
   peer::PeerGroupFactory* peers = nullptr;     // not owned; may be null for one-daemon jobs
@@ -96,6 +111,7 @@ struct JobOptions {
   absl::Duration peer_timeout = absl::Seconds(120);
   Clock* clock = RealClock::Get();
   metrics::DaemonMetrics* metrics = nullptr;   // not owned; null: no metrics
+  checkpoint::CheckpointFs* fs = nullptr;      // not owned; null: the POSIX file system
 };
 
 class Job;
@@ -126,7 +142,13 @@ class PushSession {
 class Job : public std::enable_shared_from_this<Job> {
  public:
   // `assign` is the first AssignShard of the job on this daemon. INVALID_ARGUMENT for a spec
-  // or layout that does not resolve.
+  // or layout that does not resolve. With `from_checkpoint`, the manifest is read and checked
+  // against the job here (NOT_FOUND / DATA_LOSS / INVALID_ARGUMENT when it cannot be loaded
+  // into this job); the shards' state is then loaded by the step thread, which republishes
+  // the checkpoint's version (version() stays -1 until then; calls wait or answer as they do
+  // before version 0). Until the first step after the restore is decided, pushes and
+  // FinishStep calls for any step but the resume step (committed_step + 1) are ABORTED with
+  // ErrorDetail.committed_step: the trainers rewind to it.
   static absl::StatusOr<std::shared_ptr<Job>> Create(const v1::AssignShardRequest& assign, JobOptions options);
   ~Job();
 
@@ -141,6 +163,16 @@ class Job : public std::enable_shared_from_this<Job> {
   absl::StatusOr<PullResult> PullParams(const v1::PullParamsRequest& request, absl::Time deadline);
   absl::StatusOr<v1::StepStats> FinishStep(const v1::FinishStepRequest& request, absl::Time deadline);
   absl::StatusOr<v1::StepStats> GetStepStats(const v1::GetStepStatsRequest& request);
+
+  // Writes the owned shards' committed state at `request.committed_step` into
+  // `request.directory_uri` (job_checkpoint.cc): waits until that step is decided (the
+  // deadline: DEADLINE_EXCEEDED), copies the state under the lock (the step thread is held for
+  // a memcpy only), then writes without the lock while training goes on. FAILED_PRECONDITION
+  // with ErrorDetail.committed_step when a later step was already decided.
+  absl::StatusOr<v1::WriteCheckpointResponse> WriteCheckpoint(const v1::WriteCheckpointRequest& request,
+                                                              absl::Time deadline);
+  // The checkpoint this job was restored from and the epoch of that assignment ("" / -1: none).
+  std::pair<std::string, int64_t> restored_from() const;
 
   // A consistent copy of a shard's committed state. FAILED_PRECONDITION when not owned.
   absl::StatusOr<ShardStateCopy> ReadShardState(int32_t bucket, int32_t shard) const;
@@ -174,12 +206,28 @@ class Job : public std::enable_shared_from_this<Job> {
     double loss_scale = 1.0;  // multiplied into these gradients by the trainers (1 = none)
     std::map<int32_t, std::vector<uint8_t>> by_rank;
   };
+  struct RestoredShard {
+    std::vector<float> master;
+    std::vector<uint8_t> m, v;
+  };
+  // A restore in progress: what the step thread loads before republishing.
+  struct Restore {
+    std::string checkpoint_id;
+    std::string dir;
+    v1::CheckpointManifest manifest;
+  };
   struct StepInputs {
     std::map<Key, ShardInputs> shards;
+    std::map<Key, RestoredShard> restored;  // a restore: the loaded state (then step is -1)
+    int64_t publish_version = -1;           // a restore: the version to republish
     std::map<int32_t, std::pair<double, double>> finished;  // rank -> (lr, weight_decay)
     int64_t first_push_ms = 0;
   };
-  struct StepResult;
+  struct StepResult {
+    bool skipped = false;
+    v1::StepStats stats;
+    std::vector<std::shared_ptr<const QuantizedShard>> published;  // one per shard, when not skipped
+  };
 
   Job(std::string job_id, ResolvedJob resolved, std::string token_sha256, JobOptions options);
 
@@ -192,8 +240,20 @@ class Job : public std::enable_shared_from_this<Job> {
   bool Ready(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool ShouldWake() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status ErrorWithDetail(absl::Status status) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // ABORTED for a call about `step` right after a restore, when it is not the resume step.
+  absl::Status RewoundError(const char* call, int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   void RunSteps();
+  // The step thread's restore (job_checkpoint.cc): loads the owned shards from the checkpoint
+  // into `inputs.restored` and the scaling state into the step thread's copies.
+  absl::Status LoadRestore(const Restore& restore, const std::vector<std::shared_ptr<ShardState>>& shards,
+                           StepInputs& inputs);
+  // Called by the step thread with mu_ held when restore_ is set: loads, republishes and
+  // commits the restored version (or records why it failed). Releases mu_ while it works.
+  void RunRestore() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<JobSnapshot> SnapshotAt(int64_t committed_step, absl::Time deadline);
+  // The step thread's scaling state as it goes into a checkpoint.
+  v1::CheckpointScalingState ScalingProto() const;
   // The unlocked part of a step (job_step.cc): everything up to the commit.
   absl::StatusOr<StepResult> ExecuteStep(int64_t step, const StepInputs& inputs,
                                          const std::vector<std::shared_ptr<ShardState>>& shards,
@@ -222,9 +282,17 @@ class Job : public std::enable_shared_from_this<Job> {
   std::map<int64_t, StepInputs> pending_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, v1::StepStats> stats_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, absl::Status> failures_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Restore> restore_ ABSL_GUARDED_BY(mu_);  // taken by the step thread
+  absl::Status restore_error_ ABSL_GUARDED_BY(mu_);         // a restore that failed
+  bool restoring_ ABSL_GUARDED_BY(mu_) = false;             // from Create until the restore ends
+  std::string restored_from_ ABSL_GUARDED_BY(mu_);
+  int64_t restored_epoch_ ABSL_GUARDED_BY(mu_) = -1;
+  bool rewound_ ABSL_GUARDED_BY(mu_) = false;  // restored, and no step decided since
+  v1::CheckpointScalingState committed_scaling_ ABSL_GUARDED_BY(mu_);  // as of committed_step_
 
   // Owned by the step thread (no lock needed).
   std::vector<DelayedScaling> delayed_;
+  std::vector<float> cast_scale_;  // per tensor: the delayed scale the newest version was cast with
   LossScaleState loss_scale_;
   std::unique_ptr<peer::PeerGroup> group_;
   int64_t group_epoch_ = -1;

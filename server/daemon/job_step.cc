@@ -15,12 +15,6 @@
 
 namespace mainstay::daemon {
 
-struct Job::StepResult {
-  bool skipped = false;
-  v1::StepStats stats;
-  std::vector<std::shared_ptr<const QuantizedShard>> published;  // one per shard, when not skipped
-};
-
 namespace {
 
 double MsSince(absl::Time start) { return absl::ToDoubleMilliseconds(absl::Now() - start); }
@@ -138,6 +132,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   const kernels::Device& device = options_.device;
   const absl::Time deadline = absl::Now() + options_.peer_timeout;
   MAINSTAY_RETURN_IF_ERROR(EnsureGroup(members, epoch, step, deadline));
+  const bool restoring = !inputs.restored.empty();
 
   double lr = 0.0, weight_decay = 0.0;
   if (!inputs.finished.empty()) std::tie(lr, weight_decay) = inputs.finished.begin()->second;
@@ -211,7 +206,12 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     const Bucket& bucket = layout.buckets[static_cast<size_t>(s.bucket)];
     const Shard& shard = bucket.shards[static_cast<size_t>(s.shard)];
     const size_t n = static_cast<size_t>(s.numel);
-    if (step < 0) {
+    if (restoring) {
+      const RestoredShard& r = inputs.restored.at({s.bucket, s.shard});
+      s.scratch_master = r.master;
+      s.scratch_m = r.m;
+      s.scratch_v = r.v;
+    } else if (step < 0) {
       const std::vector<uint8_t>& initial = inputs.shards.at({s.bucket, s.shard}).by_rank.begin()->second;
       s.scratch_master.resize(n);
       std::memcpy(s.scratch_master.data(), initial.data(), n * 4);
@@ -280,7 +280,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     const Shard& shard = bucket.shards[static_cast<size_t>(s.shard)];
     const FormatDescriptor& d = Describe(bucket.format);
     auto snap = std::make_shared<QuantizedShard>();
-    snap->version = step + 1;
+    snap->version = restoring ? inputs.publish_version : step + 1;
     snap->bucket = s.bucket;
     snap->shard = s.shard;
     snap->format = bucket.format;
@@ -301,7 +301,8 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       plan_.Apply(f.tensor, blocks, std::span<float>(bamax), std::span<const float>(reduced));
       const float amax = reduced[static_cast<size_t>(f.tensor)];
       kernels::ScaleInputs in;
-      in.tensor_scale = delayed_[static_cast<size_t>(f.tensor)].scale;
+      // A restore republishes the saved version with the scale it was cast with.
+      in.tensor_scale = restoring ? cast_scale_[static_cast<size_t>(f.tensor)] : delayed_[static_cast<size_t>(f.tensor)].scale;
       in.tensor_amax = amax;
       in.block_amax = bamax;
       const IndexRange bytes = FragmentShardByteRange(bucket, shard, f);
@@ -337,7 +338,8 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   // 5. Nothing can fail from here: advance the scaling state the next step will use.
   for (size_t ti = 0; ti < layout.tensors.size(); ++ti) {
     const Format format = layout.tensors[ti].format;
-    if (Describe(format).scaling == ScalingMode::kDelayed) {
+    if (Describe(format).scaling == ScalingMode::kDelayed && !restoring) {
+      cast_scale_[ti] = delayed_[ti].scale;
       delayed_[ti].Record(reduced[ti], Fp8Max(format), job_.recipe.fp8_amax_compute_algo, job_.recipe.fp8_margin);
     }
     stats.add_tensor_amax(reduced[ti]);
@@ -352,6 +354,10 @@ void Job::RunSteps() {
   while (true) {
     mu_.Await(absl::Condition(this, &Job::ShouldWake));
     if (stopping_) break;
+    if (restore_ != nullptr) {
+      RunRestore();
+      continue;
+    }
     const int64_t step = next_step_;
     StepInputs inputs = std::move(pending_[step]);
     pending_.erase(step);
@@ -407,6 +413,8 @@ void Job::RunSteps() {
     }
     if (step >= 0) committed_step_ = step;
     next_step_ = step + 1;
+    rewound_ = false;
+    committed_scaling_ = ScalingProto();
     failed_attempts_ = 0;
     failures_.erase(step);
     loss_scale_now_ = loss_scale_.scale;

@@ -50,6 +50,8 @@ flags:
   --standalone                embed a coordinator in this process (one-node use)
   --state-dir DIR             the embedded coordinator's state directory (with --standalone)
   --coordinator-listen H:P    where the embedded coordinator serves (default 127.0.0.1:7070)
+  --checkpoint-dir DIR        the embedded coordinator's checkpoint directory (with --standalone;
+                              unset: no checkpoints)
   --listen HOST:PORT          where the Shard service serves (default 0.0.0.0:7071; port 0 picks one)
   --advertise HOST            host name or IP that trainers and peers use to reach this daemon
                               (default: the --listen host, or the machine's host name for 0.0.0.0)
@@ -81,7 +83,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   static const std::set<std::string> kValued = {
       "--coordinator", "--state-dir",      "--coordinator-listen", "--listen",        "--advertise",
       "--node-name",   "--threads",        "--memory-bytes",       "--retained-versions", "--peer-timeout-ms",
-      "--lease-ttl-ms", "--port-file",     "--coordinator-port-file", "--metrics-listen", "--metrics-port-file"};
+      "--lease-ttl-ms", "--port-file",     "--coordinator-port-file", "--metrics-listen", "--metrics-port-file",
+      "--checkpoint-dir"};
   Flags f;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -180,6 +183,7 @@ int Main(int argc, char** argv) {
     coordinator::CoordinatorServer::Options options;
     options.listen_address = flags->Get("--coordinator-listen", "127.0.0.1:7070");
     options.state_dir = flags->Get("--state-dir");
+    options.checkpoint_dir = flags->Get("--checkpoint-dir");
     absl::StatusOr<std::unique_ptr<coordinator::CoordinatorServer>> server =
         coordinator::CoordinatorServer::Start(options);
     if (!server.ok()) return Fail(server.status(), 1);

@@ -69,7 +69,12 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
     auto it = jobs_.find(request.job_id());
     if (it != jobs_.end()) job = it->second;
   }
-  if (job != nullptr) {
+  // A restore replaces the whole job (its state rewinds to the checkpoint), once per
+  // (checkpoint, epoch): a retried AssignShard of the same restore is an ordinary Assign.
+  const bool replace = job != nullptr && request.has_from_checkpoint() &&
+                       job->restored_from() != std::make_pair(request.from_checkpoint().checkpoint_id(),
+                                                              request.placement_epoch());
+  if (job != nullptr && !replace) {
     MAINSTAY_RETURN_IF_ERROR(job->Assign(request));
   } else {
     JobOptions options;
@@ -80,8 +85,19 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
     options.peer_timeout = options_.peer_timeout;
     options.clock = options_.clock;
     options.metrics = metrics_.get();
+    options.fs = options_.fs;
     MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> created, Job::Create(request, std::move(options)));
     absl::MutexLock lock(&mu_);
+    if (replace) {
+      auto old = jobs_.find(request.job_id());
+      if (old != jobs_.end()) {
+        ReapLocked(old->second);
+        jobs_.erase(old);
+      }
+      Log(LogLevel::kInfo, "daemon",
+          absl::StrCat("job ", request.job_id(), ": replaced by a restore from checkpoint ",
+                       request.from_checkpoint().checkpoint_id(), " at epoch ", request.placement_epoch()));
+    }
     auto [it, inserted] = jobs_.emplace(request.job_id(), created);
     if (!inserted) {  // a concurrent AssignShard created it first
       created->Shutdown();
@@ -112,26 +128,36 @@ absl::Status ShardDaemon::DropShard(const v1::DropShardRequest& request) {
       absl::MutexLock lock(&mu_);
       auto it = jobs_.find(request.job_id());
       if (it != jobs_.end() && it->second == job) jobs_.erase(it);
-      job->RequestStop();  // waits end now; the step thread is joined by a reaper
-      for (auto r = reapers_.begin(); r != reapers_.end();) {  // join the reapers that are done
-        if (r->done->load()) {
-          r->thread.join();
-          r = reapers_.erase(r);
-        } else {
-          ++r;
-        }
-      }
-      auto done = std::make_shared<std::atomic<bool>>(false);
-      reapers_.push_back({std::thread([job, done] {
-                            job->Shutdown();
-                            done->store(true);
-                          }),
-                          done});
+      ReapLocked(job);
     }
     if (metrics_ != nullptr) metrics_->ForgetJob(request.job_id());
     Log(LogLevel::kInfo, "daemon", absl::StrCat("job ", request.job_id(), ": dropped"));
   }
   return absl::OkStatus();
+}
+
+void ShardDaemon::ReapLocked(std::shared_ptr<Job> job) {
+  job->RequestStop();  // waits end now; the step thread is joined by a reaper
+  for (auto r = reapers_.begin(); r != reapers_.end();) {  // join the reapers that are done
+    if (r->done->load()) {
+      r->thread.join();
+      r = reapers_.erase(r);
+    } else {
+      ++r;
+    }
+  }
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  reapers_.push_back({std::thread([job, done] {
+                        job->Shutdown();
+                        done->store(true);
+                      }),
+                      done});
+}
+
+absl::StatusOr<v1::WriteCheckpointResponse> ShardDaemon::WriteCheckpoint(const v1::WriteCheckpointRequest& request,
+                                                                         absl::Time deadline) {
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job_id()));
+  return job->WriteCheckpoint(request, deadline);
 }
 
 absl::StatusOr<std::unique_ptr<PushSession>> ShardDaemon::BeginPush(const v1::PushGradHeader& header) {

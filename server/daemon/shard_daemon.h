@@ -43,6 +43,7 @@ struct ShardDaemonOptions {
   absl::Duration peer_timeout = absl::Seconds(120);  // bound on one step's peer reductions
   Clock* clock = RealClock::Get();
   metrics::Registry* metrics = nullptr;     // not owned; null: no metrics
+  checkpoint::CheckpointFs* fs = nullptr;   // not owned; null: the POSIX file system
 };
 
 class ShardDaemon {
@@ -62,6 +63,9 @@ class ShardDaemon {
   absl::StatusOr<v1::StepStats> GetStepStats(const v1::GetStepStatsRequest& request);
 
   absl::StatusOr<ShardStateCopy> ReadShardState(const std::string& job_id, int32_t bucket, int32_t shard) const;
+  // Job::WriteCheckpoint of the named job. UNAVAILABLE when the job has no shards here.
+  absl::StatusOr<v1::WriteCheckpointResponse> WriteCheckpoint(const v1::WriteCheckpointRequest& request,
+                                                              absl::Time deadline);
 
   // Progress of every job, for the heartbeat.
   std::vector<v1::JobProgress> Progress() const;
@@ -85,6 +89,8 @@ class ShardDaemon {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Dropped jobs whose step threads are being joined off the caller's thread (a step may sit in
   // a peer reduction until its deadline, and DropShard must not block a gRPC thread that long).
+  // Stops a job that left jobs_ and has a reaper thread join it.
+  void ReapLocked(std::shared_ptr<Job> job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct Reaper {
     std::thread thread;
     std::shared_ptr<std::atomic<bool>> done;

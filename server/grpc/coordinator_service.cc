@@ -280,27 +280,56 @@ class AdminService final : public v1::Admin::CallbackService {
     return new grpc_server::FinishedWriter<v1::DumpTensorResponse>(
         ::grpc::Status(::grpc::StatusCode::UNIMPLEMENTED, "DumpTensor: tensor dumps are not implemented yet"));
   }
+  // The checkpoint RPCs read and write files (and CreateCheckpoint may wait for the daemons):
+  // they run on spawned threads, never on gRPC's.
   ::grpc::ServerUnaryReactor* CreateCheckpoint(::grpc::CallbackServerContext* context,
-                                               const v1::CreateCheckpointRequest*,
-                                               v1::CreateCheckpointResponse*) override {
-    return Unimplemented(context, "CreateCheckpoint: checkpoints are not implemented yet");
+                                               const v1::CreateCheckpointRequest* request,
+                                               v1::CreateCheckpointResponse* response) override {
+    return Blocking(context, response, [this, context, request] {
+      return core_->CreateCheckpoint(*request, CallDeadline(context));
+    });
   }
-  ::grpc::ServerUnaryReactor* ListCheckpoints(::grpc::CallbackServerContext* context, const v1::ListCheckpointsRequest*,
-                                              v1::ListCheckpointsResponse*) override {
-    return Unimplemented(context, "ListCheckpoints: checkpoints are not implemented yet");
+  ::grpc::ServerUnaryReactor* ListCheckpoints(::grpc::CallbackServerContext* context,
+                                              const v1::ListCheckpointsRequest* request,
+                                              v1::ListCheckpointsResponse* response) override {
+    return Blocking(context, response, [this, request] { return core_->ListCheckpoints(*request); });
   }
   ::grpc::ServerUnaryReactor* RestoreCheckpoint(::grpc::CallbackServerContext* context,
-                                                const v1::RestoreCheckpointRequest*,
-                                                v1::RestoreCheckpointResponse*) override {
-    return Unimplemented(context, "RestoreCheckpoint: checkpoints are not implemented yet");
+                                                const v1::RestoreCheckpointRequest* request,
+                                                v1::RestoreCheckpointResponse* response) override {
+    return Blocking(context, response, [this, request] { return core_->RestoreCheckpoint(*request); });
   }
   ::grpc::ServerUnaryReactor* DeleteCheckpoint(::grpc::CallbackServerContext* context,
-                                               const v1::DeleteCheckpointRequest*,
-                                               v1::DeleteCheckpointResponse*) override {
-    return Unimplemented(context, "DeleteCheckpoint: checkpoints are not implemented yet");
+                                               const v1::DeleteCheckpointRequest* request,
+                                               v1::DeleteCheckpointResponse* response) override {
+    return Blocking(context, response, [this, request]() -> absl::StatusOr<v1::DeleteCheckpointResponse> {
+      MAINSTAY_RETURN_IF_ERROR(core_->DeleteCheckpoint(*request));
+      return v1::DeleteCheckpointResponse();
+    });
   }
 
  private:
+  // Runs `fn` (returning StatusOr<Response>) on a spawned thread and finishes the call with it.
+  template <typename Response, typename Fn>
+  ::grpc::ServerUnaryReactor* Blocking(::grpc::CallbackServerContext* context, Response* response, Fn fn) {
+    ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (!calls_->Enter()) {
+      reactor->Finish(ShuttingDown());
+      return reactor;
+    }
+    const bool spawned = calls_->Spawn([this, response, reactor, fn = std::move(fn)] {
+      absl::StatusOr<Response> result = fn();
+      if (result.ok()) *response = *std::move(result);
+      reactor->Finish(ToGrpcStatus(result.status()));
+      calls_->Exit();
+    });
+    if (!spawned) {
+      reactor->Finish(ShuttingDown());
+      calls_->Exit();
+    }
+    return reactor;
+  }
+
   Coordinator* const core_;
   Calls* const calls_;
 };
@@ -413,6 +442,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
   core_options.assigner = impl->assigner.get();
   core_options.default_lease_ttl_ms = options.lease_ttl_ms;
   core_options.coordinator_id = options.coordinator_id;
+  core_options.checkpoint_dir = options.checkpoint_dir;
+  core_options.restore_on_daemon_loss = options.restore_on_daemon_loss;
   MAINSTAY_ASSIGN_OR_RETURN(impl->core, Coordinator::Create(core_options));
 
   impl->coordinator_service = std::make_unique<CoordinatorService>(impl->core.get(), &impl->calls);

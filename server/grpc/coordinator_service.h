@@ -41,6 +41,11 @@ class CoordinatorServer {
     std::string coordinator_id;        // empty: "<hostname>-<pid>"
     // Largest request gRPC accepts; larger ones get RESOURCE_EXHAUSTED from gRPC itself.
     int max_message_bytes = 64 << 20;
+    // Checkpoints (docs/checkpoints.md): a directory every daemon reaches under the same path.
+    // Empty: the checkpoint RPCs answer FAILED_PRECONDITION.
+    std::string checkpoint_dir;
+    // Restore a job from its newest checkpoint when it loses a daemon.
+    bool restore_on_daemon_loss = true;
   };
 
   // INVALID_ARGUMENT for bad options, FAILED_PRECONDITION when another coordinator holds the

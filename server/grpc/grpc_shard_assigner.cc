@@ -8,7 +8,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/error_detail.h"
 #include "common/grpc_status.h"
+#include "common/status.h"
 #include "common/logging.h"
 #include "mainstay/v1/shard.grpc.pb.h"
 
@@ -83,6 +85,12 @@ void GrpcShardAssigner::Enqueue(const std::string& address, Call call) {
     Log(LogLevel::kWarning, kComponent, absl::StrCat("shutting down: not sending ", call.Describe(address)));
     return;
   }
+  Peer* peer = PeerLocked(address);
+  peer->queue.push_back(std::move(call));
+  peer->wake.Signal();
+}
+
+GrpcShardAssigner::Peer* GrpcShardAssigner::PeerLocked(const std::string& address) {
   std::unique_ptr<Peer>& peer = peers_[address];
   if (peer == nullptr) {
     peer = std::make_unique<Peer>();
@@ -95,8 +103,30 @@ void GrpcShardAssigner::Enqueue(const std::string& address, Call call) {
     Peer* raw = peer.get();
     peer->worker = std::thread([this, raw] { RunWorker(raw); });
   }
-  peer->queue.push_back(std::move(call));
-  peer->wake.Signal();
+  return peer.get();
+}
+
+absl::StatusOr<v1::WriteCheckpointResponse> GrpcShardAssigner::WriteCheckpoint(
+    const std::string& address, const v1::WriteCheckpointRequest& request, absl::Time deadline) {
+  v1::Shard::Stub* stub = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
+    stub = PeerLocked(address)->stub.get();  // peers live until the assigner is destroyed
+  }
+  ::grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  v1::WriteCheckpointResponse response;
+  absl::Status status = FromGrpcStatus(stub->WriteCheckpoint(&context, request, &response));
+  if (status.ok()) return response;
+  const auto& trailers = context.GetServerTrailingMetadata();
+  if (auto it = trailers.find(kErrorDetailMetadataKey); it != trailers.end()) {
+    v1::ErrorDetail detail;
+    if (detail.ParseFromArray(it->second.data(), static_cast<int>(it->second.size()))) {
+      status = AttachErrorDetail(std::move(status), detail);
+    }
+  }
+  return Annotate(status, absl::StrCat("WriteCheckpoint on daemon ", address));
 }
 
 void GrpcShardAssigner::RunWorker(Peer* peer) {

@@ -40,6 +40,10 @@ class GrpcShardAssigner : public ShardAssigner {
 
   void Assign(const std::string& daemon_address, const v1::AssignShardRequest& request) override;
   void Drop(const std::string& daemon_address, const v1::DropShardRequest& request) override;
+  // Synchronous, on the daemon's cached channel; the ErrorDetail of a failure is kept.
+  absl::StatusOr<v1::WriteCheckpointResponse> WriteCheckpoint(const std::string& daemon_address,
+                                                              const v1::WriteCheckpointRequest& request,
+                                                              absl::Time deadline) override;
 
   void Shutdown();
 
@@ -47,6 +51,7 @@ class GrpcShardAssigner : public ShardAssigner {
   struct Call;
   struct Peer;
   void Enqueue(const std::string& address, Call call);
+  Peer* PeerLocked(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunWorker(Peer* peer);
   void Deliver(Peer* peer, const Call& call);
 

@@ -342,10 +342,25 @@ class ShardService final : public v1::Shard::CallbackService {
         calls_, context, [core = core_, copy](const auto& write) { return StreamState(core, copy, write); });
   }
   ::grpc::ServerUnaryReactor* WriteCheckpoint(::grpc::CallbackServerContext* context,
-                                              const v1::WriteCheckpointRequest*,
-                                              v1::WriteCheckpointResponse*) override {
+                                              const v1::WriteCheckpointRequest* request,
+                                              v1::WriteCheckpointResponse* response) override {
     ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(::grpc::Status(::grpc::StatusCode::UNIMPLEMENTED, "WriteCheckpoint: checkpoints are not supported yet"));
+    if (!calls_->Enter()) {
+      reactor->Finish(ShuttingDown());
+      return reactor;
+    }
+    // Waits for the step, then writes files: off the gRPC threads.
+    const bool spawned = calls_->Spawn([this, context, request, response, reactor] {
+      absl::StatusOr<v1::WriteCheckpointResponse> written = WaitInSlices<v1::WriteCheckpointResponse>(
+          context, calls_, [&](absl::Time deadline) { return core_->WriteCheckpoint(*request, deadline); });
+      if (written.ok()) *response = *std::move(written);
+      reactor->Finish(ToGrpcWithDetail(context, written.status()));
+      calls_->Exit();
+    });
+    if (!spawned) {
+      reactor->Finish(ShuttingDown());
+      calls_->Exit();
+    }
     return reactor;
   }
 

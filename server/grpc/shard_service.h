@@ -8,7 +8,7 @@
 // in slices that notice a cancelled call or a shutdown; PullParams then streams the immutable
 // snapshot in chunks of at most max_chunk_bytes (default 1 MiB, capped at 4 MiB).
 // FetchShardState streams a consistent copy of a shard's committed state (master, moments);
-// WriteCheckpoint answers UNIMPLEMENTED with the reason.
+// WriteCheckpoint waits for the asked step and writes files on a spawned thread.
 //
 // Ownership: `daemon` is not owned and must outlive the server. Thread safety: port() from
 // any thread; Shutdown is idempotent (the destructor calls it).

@@ -1,0 +1,228 @@
+// Checkpoints of a job (DESIGN.md section 8, docs/checkpoints.md): writing the committed state
+// of the owned shards in model space, and restoring a new job from a checkpoint written with
+// any layout.
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/layout_proto.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "server/daemon/job.h"
+
+namespace mainstay::daemon {
+namespace {
+
+int ElementBytes(ElementType type) { return BitsOf(type) / 8; }
+
+}  // namespace
+
+v1::CheckpointScalingState Job::ScalingProto() const {
+  v1::CheckpointScalingState out;
+  for (size_t t = 0; t < job_.layout.tensors.size(); ++t) {
+    v1::TensorScalingState& s = *out.add_tensors();
+    s.set_tensor_name(job_.layout.tensors[t].name);
+    if (Describe(job_.layout.tensors[t].format).scaling == ScalingMode::kDelayed) {
+      for (float a : delayed_[t].history) s.add_amax_history(a);
+      s.set_scale(delayed_[t].scale);
+      s.set_published_scale(cast_scale_[t]);
+    }
+  }
+  out.set_loss_scale(loss_scale_.scale);
+  out.set_loss_scale_good_steps(loss_scale_.good_steps);
+  out.set_loss_scale_hysteresis_left(loss_scale_.hysteresis_left);
+  return out;
+}
+
+std::pair<std::string, int64_t> Job::restored_from() const {
+  absl::MutexLock lock(&mu_);
+  return {restored_from_, restored_epoch_};
+}
+
+absl::Status Job::RewoundError(const char* call, int64_t step) const {
+  return ErrorWithDetail(absl::AbortedError(absl::StrCat(
+      call, ": job ", job_id_, " was restored from checkpoint ", restored_from_, " at step ", committed_step_,
+      " (version ", version_, "); step ", step, " is not the resume step: pull the latest version and resume at step ",
+      committed_step_ + 1)));
+}
+
+absl::StatusOr<JobSnapshot> Job::SnapshotAt(int64_t committed_step, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return stopping_ || !restore_error_.ok() || (version_ >= 0 && !restoring_ && committed_step_ >= committed_step);
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat("WriteCheckpoint: job ", job_id_, " did not decide step ",
+                                                    committed_step, " before the deadline (committed step ",
+                                                    committed_step_, ")"));
+  }
+  if (stopping_) return absl::UnavailableError("WriteCheckpoint: the job stopped on this daemon");
+  if (!restore_error_.ok()) return absl::FailedPreconditionError(restore_error_.message());
+  if (committed_step_ > committed_step) {
+    return ErrorWithDetail(absl::FailedPreconditionError(
+        absl::StrCat("WriteCheckpoint: job ", job_id_, " has already decided step ", committed_step_,
+                     " (asked for the state after step ", committed_step, ")")));
+  }
+  JobSnapshot snap;
+  snap.version = version_;
+  snap.committed_step = committed_step_;
+  snap.scaling = committed_scaling_;
+  for (const auto& [key, state] : shards_) {
+    if (!state->initialized) {
+      return absl::FailedPreconditionError(absl::StrCat("WriteCheckpoint: shard (bucket ", key.first, ", shard ",
+                                                        key.second, ") of job ", job_id_, " has no state yet"));
+    }
+    snap.shards.push_back({key.first, key.second, state->master, state->m, state->v});
+  }
+  return snap;
+}
+
+absl::StatusOr<v1::WriteCheckpointResponse> Job::WriteCheckpoint(const v1::WriteCheckpointRequest& request,
+                                                                 absl::Time deadline) {
+  if (request.directory_uri().empty()) return absl::InvalidArgumentError("WriteCheckpoint: directory_uri is empty");
+  {
+    absl::MutexLock lock(&mu_);
+    if (request.placement_epoch() != epoch_) {
+      return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+          "WriteCheckpoint: job ", job_id_, " is at placement epoch ", epoch_, ", the request names ",
+          request.placement_epoch())));
+    }
+  }
+  MAINSTAY_ASSIGN_OR_RETURN(JobSnapshot snap, SnapshotAt(request.committed_step(), deadline));
+  checkpoint::CheckpointFs& fs = options_.fs != nullptr ? *options_.fs : *checkpoint::PosixFs();
+  MAINSTAY_RETURN_IF_ERROR(fs.CreateDirs(request.directory_uri()));
+  const Layout& layout = job_.layout;
+  const OptimizerSpec& opt = job_.spec.optimizer;
+  const size_t mb = static_cast<size_t>(ElementBytes(opt.moment_dtype));
+  v1::WriteCheckpointResponse response;
+  response.set_version(snap.version);
+  response.set_committed_step(snap.committed_step);
+  response.set_moment_type(ElementTypeToProto(opt.moment_dtype));
+  response.set_has_second_moment(opt.type == OptimizerType::kAdamW);
+  *response.mutable_scaling() = snap.scaling;
+  for (const JobSnapshot::ShardCopy& copy : snap.shards) {
+    const Bucket& bucket = layout.buckets[static_cast<size_t>(copy.bucket)];
+    const Shard& shard = bucket.shards[static_cast<size_t>(copy.shard)];
+    std::vector<checkpoint::SectionData> sections;
+    for (const TensorFragment& f : shard.fragments) {
+      const size_t off = static_cast<size_t>(f.bucket_offset - shard.elements.begin);
+      const size_t n = static_cast<size_t>(f.elements.size());
+      checkpoint::SectionData s;
+      s.tensor_name = layout.tensors[static_cast<size_t>(f.tensor)].name;
+      s.begin = f.elements.begin;
+      s.end = f.elements.end;
+      s.master = std::span<const float>(copy.master.data() + off, n);
+      s.m = std::span<const uint8_t>(copy.m.data() + off * mb, n * mb);
+      if (!copy.v.empty()) s.v = std::span<const uint8_t>(copy.v.data() + off * mb, n * mb);
+      sections.push_back(std::move(s));
+    }
+    MAINSTAY_ASSIGN_OR_RETURN(
+        v1::CheckpointFile file,
+        checkpoint::WriteDataFile(fs, request.directory_uri(), copy.bucket, copy.shard, sections));
+    *response.add_files() = std::move(file);
+  }
+  return response;
+}
+
+absl::Status Job::LoadRestore(const Restore& restore, const std::vector<std::shared_ptr<ShardState>>& shards,
+                              StepInputs& inputs) {
+  checkpoint::CheckpointFs& fs = options_.fs != nullptr ? *options_.fs : *checkpoint::PosixFs();
+  checkpoint::CheckpointReader reader(fs, restore.dir, restore.manifest);
+  const Layout& layout = job_.layout;
+  const OptimizerSpec& opt = job_.spec.optimizer;
+  const size_t mb = static_cast<size_t>(ElementBytes(opt.moment_dtype));
+  const bool adamw = opt.type == OptimizerType::kAdamW;
+  for (const auto& state : shards) {
+    const Shard& shard = layout.buckets[static_cast<size_t>(state->bucket)].shards[static_cast<size_t>(state->shard)];
+    const size_t n = static_cast<size_t>(state->numel);
+    RestoredShard r;
+    r.master.assign(n, 0.0f);
+    r.m.assign(n * mb, 0);
+    r.v.assign(adamw ? n * mb : 0, 0);
+    for (const TensorFragment& f : shard.fragments) {
+      const size_t off = static_cast<size_t>(f.bucket_offset - shard.elements.begin);
+      MAINSTAY_RETURN_IF_ERROR(reader.ReadRange(layout.tensors[static_cast<size_t>(f.tensor)].name, f.elements.begin,
+                                                f.elements.end, r.master.data() + off, r.m.data() + off * mb,
+                                                adamw ? r.v.data() + off * mb : nullptr));
+    }
+    inputs.restored[{state->bucket, state->shard}] = std::move(r);
+  }
+  // The scaling state: matched by tensor name (the new job may order or format tensors
+  // differently; a tensor that was not delayed-scaled starts fresh, as in a new job).
+  const v1::CheckpointScalingState& scaling = restore.manifest.scaling();
+  std::map<std::string, const v1::TensorScalingState*> by_name;
+  for (const v1::TensorScalingState& t : scaling.tensors()) by_name[t.tensor_name()] = &t;
+  for (size_t t = 0; t < layout.tensors.size(); ++t) {
+    auto it = by_name.find(layout.tensors[t].name);
+    if (it == by_name.end() || it->second->amax_history().empty()) continue;
+    if (Describe(layout.tensors[t].format).scaling != ScalingMode::kDelayed) continue;
+    DelayedScaling& d = delayed_[t];
+    std::fill(d.history.begin(), d.history.end(), 0.0f);
+    for (size_t i = 0; i < d.history.size() && i < static_cast<size_t>(it->second->amax_history_size()); ++i) {
+      d.history[i] = it->second->amax_history(static_cast<int>(i));
+    }
+    d.scale = it->second->scale();
+    cast_scale_[t] = it->second->published_scale();
+  }
+  if (loss_scale_.config.dynamic && scaling.loss_scale() > 0.0) {
+    loss_scale_.scale = scaling.loss_scale();
+    loss_scale_.good_steps = scaling.loss_scale_good_steps();
+    loss_scale_.hysteresis_left = scaling.loss_scale_hysteresis_left();
+  }
+  inputs.publish_version = restore.manifest.version();
+  return absl::OkStatus();
+}
+
+void Job::RunRestore() {
+  std::unique_ptr<Restore> restore = std::move(restore_);
+  std::vector<std::shared_ptr<ShardState>> shards;
+  for (const auto& [key, state] : shards_) shards.push_back(state);
+  const std::vector<std::string> members = members_;
+  const int64_t epoch = epoch_;
+  mu_.Unlock();
+
+  const absl::Time start = absl::Now();
+  StepInputs inputs;
+  absl::Status loaded = LoadRestore(*restore, shards, inputs);
+  absl::StatusOr<StepResult> result =
+      loaded.ok() ? ExecuteStep(-1, inputs, shards, members, epoch) : absl::StatusOr<StepResult>(loaded);
+
+  mu_.Lock();
+  if (!result.ok()) {
+    group_.reset();
+    ++failed_attempts_;
+    const bool retry = !loaded.ok() ? false : failed_attempts_ < 3 && !stopping_;
+    Log(LogLevel::kWarning, "daemon",
+        absl::StrCat("job ", job_id_, ": restoring from checkpoint ", restore->checkpoint_id,
+                     retry ? " failed, retrying: " : " failed: ", result.status().ToString()));
+    if (retry) {
+      restore_ = std::move(restore);
+    } else {
+      restoring_ = false;
+      restore_error_ = absl::Status(result.status().code(),
+                                    absl::StrCat("job ", job_id_, ": restoring from checkpoint ",
+                                                 restore->checkpoint_id, " failed: ", result.status().message()));
+    }
+    return;
+  }
+  for (size_t i = 0; i < shards.size(); ++i) {
+    ShardState& s = *shards[i];
+    s.master.swap(s.scratch_master);
+    s.m.swap(s.scratch_m);
+    s.v.swap(s.scratch_v);
+    s.initialized = true;
+    s.versions.clear();
+    s.versions[inputs.publish_version] = result->published[i];
+  }
+  version_ = inputs.publish_version;
+  restoring_ = false;
+  failed_attempts_ = 0;
+  loss_scale_now_ = loss_scale_.scale;
+  committed_scaling_ = ScalingProto();
+  Log(LogLevel::kInfo, "daemon",
+      absl::StrCat("job ", job_id_, ": restored ", shards.size(), " shard(s) from checkpoint ", restore->checkpoint_id,
+                   " at step ", committed_step_, ", version ", version_, " in ",
+                   absl::FormatDuration(absl::Now() - start)));
+}
+
+}  // namespace mainstay::daemon

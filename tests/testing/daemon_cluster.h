@@ -1,0 +1,292 @@
+// An in-process shard-daemon cluster for tests: several ShardDaemons joined by the in-process
+// peer group, one job whose rank r's shards live on daemon r % daemons (so tensors straddle
+// daemons under the flat policy), and helpers that play the trainers (pushes, FinishStep,
+// pulls) and the coordinator (checkpoints, restores). Compared against ReferenceModel.
+#ifndef MAINSTAY_TESTS_TESTING_DAEMON_CLUSTER_H_
+#define MAINSTAY_TESTS_TESTING_DAEMON_CLUSTER_H_
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/job_spec.h"
+#include "common/job_spec_proto.h"
+#include "common/layout_proto.h"
+#include "common/status.h"
+#include "server/checkpoint/checkpoint_files.h"
+#include "server/daemon/shard_daemon.h"
+#include "server/peer/fake_peer_group.h"
+#include "tests/testing/reference_model.h"
+#include "tests/testing/status_matchers.h"
+
+namespace mainstay::testing {
+
+using daemon::PullResult;
+using daemon::PushSession;
+using daemon::QuantizedShard;
+using daemon::ShardDaemon;
+using daemon::ShardDaemonOptions;
+using daemon::ShardStateCopy;
+using Reference = ReferenceModel;
+
+inline constexpr char kJob[] = "job-1";
+
+inline JobSpec MakeSpec(const std::string& recipe, LayoutPolicy policy, int64_t d) {
+  JobSpec spec;
+  spec.name = "test";
+  spec.recipe = recipe;
+  spec.data_parallel_size = d;
+  spec.layout_policy = policy;
+  spec.bucket_numel = 16384;
+  spec.optimizer.max_grad_norm = 0.0f;  // see the file comment
+  spec.optimizer.weight_decay = 0.0f;
+  spec.tensors = TestTensors();
+  return spec;
+}
+
+class Cluster {
+ public:
+  // `fs`: where checkpoints are written and read (null: the real file system).
+  Cluster(const JobSpec& spec, int daemons, checkpoint::CheckpointFs* fs = nullptr) : spec_(spec) {
+    resolved_ = *ResolveJob(spec);
+    for (int i = 0; i < daemons; ++i) {
+      ShardDaemonOptions o;
+      o.peers = &peers_;
+      o.peer_timeout = absl::Seconds(2);
+      o.fs = fs;
+      daemons_.push_back(std::make_unique<ShardDaemon>(o));
+      daemons_.back()->set_daemon_id(absl::StrCat("d", i));
+    }
+    // Rank r's shards on daemon r % daemons: tensors straddle daemons under `flat`.
+    v1::AssignShardRequest base;
+    base.set_job_id(kJob);
+    base.set_placement_epoch(epoch_);
+    JobSpecToProto(spec, base.mutable_spec());
+    LayoutToProto(resolved_.layout, base.mutable_layout());
+    base.mutable_from_trainer();
+    for (const Bucket& b : resolved_.layout.buckets) {
+      for (const Shard& s : b.shards) {
+        v1::ShardPlacement* p = base.mutable_placement()->add_shards();
+        p->mutable_shard()->set_bucket(b.index);
+        p->mutable_shard()->set_shard(s.rank);
+        p->set_daemon_id(absl::StrCat("d", Owner(s.rank)));
+      }
+    }
+    base_ = base;
+    for (int i = 0; i < daemons; ++i) {
+      v1::AssignShardRequest req = base;
+      for (const Bucket& b : resolved_.layout.buckets) {
+        for (const Shard& s : b.shards) {
+          if (Owner(s.rank) != i) continue;
+          v1::ShardRef* ref = req.add_shards();
+          ref->set_bucket(b.index);
+          ref->set_shard(s.rank);
+        }
+      }
+      EXPECT_THAT(daemons_[static_cast<size_t>(i)]->AssignShard(req).status(), IsOk());
+    }
+  }
+
+  int Owner(int32_t rank) const { return rank % static_cast<int>(daemons_.size()); }
+  ShardDaemon& daemon_of(int32_t rank) { return *daemons_[static_cast<size_t>(Owner(rank))]; }
+  const Layout& layout() const { return resolved_.layout; }
+  const ResolvedJob& resolved() const { return resolved_; }
+  peer::InProcessPeerGroupFactory& peers() { return peers_; }
+  int num_daemons() const { return static_cast<int>(daemons_.size()); }
+  ShardDaemon& daemon(int i) { return *daemons_[static_cast<size_t>(i)]; }
+  int64_t epoch() const { return epoch_; }
+
+  // What the coordinator does for a checkpoint: every daemon writes its shards at
+  // `committed_step` into `dir`, then the manifest is committed. Returns the manifest.
+  absl::StatusOr<v1::CheckpointManifest> Checkpoint(checkpoint::CheckpointFs& fs, const std::string& dir,
+                                                    const std::string& id, int64_t committed_step) {
+    v1::CheckpointManifest manifest;
+    manifest.set_checkpoint_id(id);
+    manifest.set_job_id(kJob);
+    JobSpecToProto(spec_, manifest.mutable_spec());
+    for (auto& d : daemons_) {
+      v1::WriteCheckpointRequest req;
+      req.set_job_id(kJob);
+      req.set_placement_epoch(epoch_);
+      req.set_checkpoint_id(id);
+      req.set_directory_uri(dir);
+      req.set_committed_step(committed_step);
+      MAINSTAY_ASSIGN_OR_RETURN(v1::WriteCheckpointResponse r, d->WriteCheckpoint(req, absl::Now() + absl::Seconds(10)));
+      manifest.set_version(r.version());
+      manifest.set_committed_step(r.committed_step());
+      manifest.set_moment_type(r.moment_type());
+      manifest.set_has_second_moment(r.has_second_moment());
+      *manifest.mutable_scaling() = r.scaling();
+      for (const v1::CheckpointFile& f : r.files()) *manifest.add_files() = f;
+    }
+    MAINSTAY_RETURN_IF_ERROR(checkpoint::WriteManifest(fs, dir, manifest));
+    return manifest;
+  }
+
+  // What the coordinator does for a restore: every shard is assigned again, at the next
+  // epoch, from the checkpoint in `dir`. Returns the first failed AssignShard.
+  absl::Status Restore(const std::string& dir, const std::string& id) {
+    ++epoch_;
+    for (int i = 0; i < num_daemons(); ++i) {
+      v1::AssignShardRequest req = base_;
+      req.set_placement_epoch(epoch_);
+      req.mutable_placement()->set_epoch(epoch_);
+      req.mutable_from_checkpoint()->set_checkpoint_id(id);
+      req.mutable_from_checkpoint()->set_manifest_uri(checkpoint::JoinPath(dir, checkpoint::kManifestName));
+      for (const Bucket& b : resolved_.layout.buckets) {
+        for (const Shard& s : b.shards) {
+          if (Owner(s.rank) != i) continue;
+          v1::ShardRef* ref = req.add_shards();
+          ref->set_bucket(b.index);
+          ref->set_shard(s.rank);
+        }
+      }
+      MAINSTAY_RETURN_IF_ERROR(daemons_[static_cast<size_t>(i)]->AssignShard(req).status());
+    }
+    return absl::OkStatus();
+  }
+
+  // The shard's slice of bucket b filled by value(tensor, index).
+  template <typename Fn>
+  std::vector<float> ShardValues(const Bucket& b, const Shard& s, Fn value) const {
+    std::vector<float> out(static_cast<size_t>(b.shard_numel), 0.0f);
+    for (const TensorFragment& f : s.fragments) {
+      for (int64_t i = f.elements.begin; i < f.elements.end; ++i) {
+        out[static_cast<size_t>(f.bucket_offset - s.elements.begin + (i - f.elements.begin))] = value(f.tensor, i);
+      }
+    }
+    return out;
+  }
+
+  absl::StatusOr<v1::PushGradResponse> Push(int32_t bucket, int32_t shard, int64_t step, int32_t rank,
+                                            const std::vector<float>& values, v1::PushKind kind,
+                                            int32_t contributors = 1, int64_t chunk_elements = 1000) {
+    v1::PushGradHeader h;
+    h.set_job_id(kJob);
+    h.set_placement_epoch(epoch_);
+    h.set_bucket(bucket);
+    h.set_shard(shard);
+    h.set_step(step);
+    h.set_rank(rank);
+    h.set_kind(kind);
+    h.set_dtype(v1::ELEMENT_TYPE_FP32);
+    h.set_total_bytes(static_cast<int64_t>(values.size() * 4));
+    h.set_num_contributors(contributors);
+    MAINSTAY_ASSIGN_OR_RETURN(std::unique_ptr<PushSession> session, daemon_of(shard).BeginPush(h));
+    for (int64_t off = 0; off < static_cast<int64_t>(values.size()); off += chunk_elements) {
+      const int64_t n = std::min<int64_t>(chunk_elements, static_cast<int64_t>(values.size()) - off);
+      MAINSTAY_RETURN_IF_ERROR(session->AddChunk(
+          off, std::string(reinterpret_cast<const char*>(values.data() + off), static_cast<size_t>(n) * 4)));
+    }
+    return session->Finish();
+  }
+
+  void PushInitial(const Reference& ref) {
+    for (const Bucket& b : layout().buckets) {
+      for (const Shard& s : b.shards) {
+        auto values = ShardValues(b, s, [&](int32_t t, int64_t i) { return ref.master(static_cast<size_t>(t))[static_cast<size_t>(i)]; });
+        ASSERT_THAT(Push(b.index, s.rank, -1, s.rank, values, v1::PUSH_KIND_INITIAL_PARAMS).status(), IsOk());
+      }
+    }
+  }
+
+  void PushGrads(int64_t step, float poison = 0.0f) {
+    for (const Bucket& b : layout().buckets) {
+      for (const Shard& s : b.shards) {
+        auto values = ShardValues(b, s, [&](int32_t t, int64_t i) {
+          return GradValue(t, i, step);
+        });
+        if (poison != 0.0f && b.index == 0 && s.rank == 0) values[0] = poison;
+        ASSERT_THAT(Push(b.index, s.rank, step, s.rank, values, v1::PUSH_KIND_GRADIENT).status(), IsOk());
+      }
+    }
+  }
+
+  // Every rank finishes the step on every daemon it pushed to, in parallel (the calls block
+  // until the step is decided). Returns one stats per call.
+  std::vector<absl::StatusOr<v1::StepStats>> Finish(int64_t step, double lr) {
+    std::vector<std::pair<int32_t, int>> calls;
+    for (int32_t r = 0; r < layout().data_parallel_size; ++r) calls.push_back({r, Owner(r)});
+    std::vector<absl::StatusOr<v1::StepStats>> out(calls.size(), absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      threads.emplace_back([&, i] {
+        v1::FinishStepRequest req;
+        req.set_job_id(kJob);
+        req.set_placement_epoch(epoch_);
+        req.set_step(step);
+        req.set_rank(calls[i].first);
+        req.set_lr(lr);
+        out[i] = daemons_[static_cast<size_t>(calls[i].second)]->FinishStep(req, absl::Now() + absl::Seconds(30));
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    return out;
+  }
+
+  absl::StatusOr<PullResult> Pull(int32_t bucket, int32_t shard, int64_t version, absl::Duration wait = absl::Seconds(10)) {
+    v1::PullParamsRequest req;
+    req.set_job_id(kJob);
+    req.set_placement_epoch(epoch_);
+    req.set_bucket(bucket);
+    req.set_shard(shard);
+    req.set_version(version);
+    return daemon_of(shard).PullParams(req, absl::Now() + wait);
+  }
+
+ private:
+  JobSpec spec_;
+  ResolvedJob resolved_;
+  int64_t epoch_ = 1;
+  v1::AssignShardRequest base_;  // the assignment without shards
+  peer::InProcessPeerGroupFactory peers_;
+  std::vector<std::unique_ptr<ShardDaemon>> daemons_;
+};
+
+// Compares every published shard of `version` with the reference quantized whole, and every
+// master with the reference's.
+inline void ExpectMatchesReference(Cluster& c, Reference& ref, int64_t version) {
+  const size_t num_tensors = c.layout().tensors.size();
+  std::vector<std::vector<uint8_t>> data(num_tensors), scales(num_tensors);
+  for (size_t t = 0; t < num_tensors; ++t) ref.Quantize(t, data[t], scales[t]);
+  for (const Bucket& b : c.layout().buckets) {
+    const FormatDescriptor& d = Describe(b.format);
+    const int scale_bytes = d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0;
+    for (const Shard& s : b.shards) {
+      absl::StatusOr<PullResult> pulled = c.Pull(b.index, s.rank, version);
+      ASSERT_THAT(pulled.status(), IsOk());
+      ASSERT_FALSE(pulled->unchanged);
+      const QuantizedShard& q = *pulled->shard;
+      ASSERT_EQ(q.version, version);
+      absl::StatusOr<ShardStateCopy> state = c.daemon_of(s.rank).ReadShardState(kJob, b.index, s.rank);
+      ASSERT_THAT(state.status(), IsOk());
+      int64_t scale_offset = 0;
+      for (const TensorFragment& f : s.fragments) {
+        const size_t t = static_cast<size_t>(f.tensor);
+        const IndexRange bytes = FragmentShardByteRange(b, s, f);
+        const int64_t begin = DataBytes(b.format, f.elements.begin);
+        ASSERT_EQ(0, std::memcmp(q.data.data() + bytes.begin, data[t].data() + begin, static_cast<size_t>(bytes.size())))
+            << "data of " << c.layout().tensors[t].name << " " << f.elements.begin << ".." << f.elements.end;
+        const IndexRange blocks = FragmentScaleBlocks(c.layout(), f);
+        ASSERT_EQ(0, std::memcmp(q.scales.data() + scale_offset * scale_bytes,
+                                 scales[t].data() + blocks.begin * scale_bytes, static_cast<size_t>(blocks.size() * scale_bytes)))
+            << "scales of " << c.layout().tensors[t].name;
+        scale_offset += blocks.size();
+        const int64_t off = f.bucket_offset - s.elements.begin;
+        ASSERT_EQ(0, std::memcmp(state->master.data() + off, ref.master(t).data() + f.elements.begin,
+                                 static_cast<size_t>(f.elements.size()) * 4))
+            << "master of " << c.layout().tensors[t].name;
+      }
+    }
+  }
+}
+
+}  // namespace mainstay::testing
+
+#endif  // MAINSTAY_TESTS_TESTING_DAEMON_CLUSTER_H_
