@@ -159,9 +159,32 @@ class PyClient {
   PyLayout layout_;
 };
 
+AdminCallOptions AdminOptions(const py::object& admin_token, double timeout_s) {
+  AdminCallOptions o;
+  if (!admin_token.is_none()) o.admin_token = admin_token.cast<std::string>();
+  o.timeout = Millis(timeout_s);
+  return o;
+}
+
+py::dict CheckpointDict(const CheckpointInfo& c) {
+  py::dict d;
+  d["checkpoint_id"] = c.checkpoint_id;
+  d["job_id"] = c.job_id;
+  d["job_name"] = c.job_name;
+  d["version"] = c.version;
+  d["state"] = c.state;
+  d["created_unix_ms"] = c.created_unix_ms;
+  d["size_bytes"] = c.size_bytes;
+  d["file_count"] = c.file_count;
+  d["manifest_uri"] = c.manifest_uri;
+  d["error"] = c.error;
+  return d;
+}
+
 }  // namespace
 
-PYBIND11_MODULE(mainstay, m) {
+// The compiled part of the package `mainstay` (client/python/mainstay/__init__.py re-exports it).
+PYBIND11_MODULE(_mainstay, m) {
   m.doc() = "Mainstay trainer client: push gradients, finish steps, pull quantized parameters.";
   BindLayout(m);
   BindPulled(m);
@@ -250,7 +273,33 @@ PYBIND11_MODULE(mainstay, m) {
          "Every shard of the bucket at `version` (Client.LATEST: the newest), in parallel.")
       .def("pull_shard", [](PyClient& c, int32_t bucket, int32_t shard, int64_t version, bool wait, double timeout_s) {
         return c.Pull(c.client().PullShard(bucket, shard, version, Millis(timeout_s)), wait);
-      }, py::arg("bucket"), py::arg("shard"), py::arg("version"), py::arg("wait") = true, py::arg("timeout_s") = 0.0);
+      }, py::arg("bucket"), py::arg("shard"), py::arg("version"), py::arg("wait") = true, py::arg("timeout_s") = 0.0)
+      .def("create_checkpoint", [](PyClient& c, bool wait, const py::object& admin_token, double timeout_s) {
+        const AdminCallOptions o = AdminOptions(admin_token, timeout_s);
+        absl::StatusOr<CheckpointInfo> info;
+        {
+          py::gil_scoped_release release;
+          info = c.client().CreateCheckpoint(wait, o);
+        }
+        return CheckpointDict(Take(std::move(info)));
+      }, py::arg("wait") = true, py::arg("admin_token") = py::none(), py::arg("timeout_s") = 0.0,
+         "Admin CreateCheckpoint of this job at its committed version -> checkpoint info dict. admin_token: "
+         "None = the one given to Client().")
+      .def("restore_checkpoint", [](PyClient& c, const std::string& checkpoint_id, const py::object& admin_token,
+                                    double timeout_s) {
+        const AdminCallOptions o = AdminOptions(admin_token, timeout_s);
+        absl::StatusOr<RestoreResult> r;
+        {
+          py::gil_scoped_release release;
+          r = c.client().RestoreCheckpoint(checkpoint_id, o);
+        }
+        const RestoreResult result = Take(std::move(r));
+        py::dict d;
+        d["version"] = result.version;
+        d["placement_epoch"] = result.placement_epoch;
+        return d;
+      }, py::arg("checkpoint_id"), py::arg("admin_token") = py::none(), py::arg("timeout_s") = 0.0,
+         "Admin RestoreCheckpoint into this job -> {version, placement_epoch}; pull that version next.");
 }
 
 }  // namespace mainstay::python

@@ -89,6 +89,35 @@ py::array Dequantize(const PulledBucket& p, const py::object& key) {
   return out;
 }
 
+// FP32 values of every covered bucket element, into `out` (a writable C-contiguous float32
+// array of elements().size(), e.g. a torch tensor's .numpy() view: no copy) or a new array.
+py::array DequantizeCovered(const PulledBucket& p, const py::object& out_obj) {
+  const int64_t n = p.elements().size();
+  py::array_t<float> out;
+  if (out_obj.is_none()) {
+    out = py::array_t<float>(std::vector<py::ssize_t>{static_cast<py::ssize_t>(n)});
+  } else {
+    const std::string need = "dequantize_covered: out must be a writable C-contiguous float32 numpy array of " +
+                             std::to_string(n) + " elements (the covered shards of the bucket)";
+    if (!py::isinstance<py::array>(out_obj)) throw py::type_error(need);
+    py::array given = py::reinterpret_borrow<py::array>(out_obj);
+    if (!given.dtype().is(py::dtype::of<float>()) || !(given.flags() & py::array::c_style) || !given.writeable() ||
+        given.size() != n) {
+      throw py::value_error(need + "; got " + std::string(py::str(given.dtype())) + " of " +
+                            std::to_string(given.size()) + " elements");
+    }
+    out = py::reinterpret_borrow<py::array_t<float>>(given);
+  }
+  std::span<float> dst(out.mutable_data(), static_cast<size_t>(n));
+  absl::Status s;
+  {
+    py::gil_scoped_release release;
+    s = p.DequantizeCovered(dst);
+  }
+  Check(s);
+  return out;
+}
+
 }  // namespace
 
 void BindPulled(py::module_& m) {
@@ -117,7 +146,10 @@ void BindPulled(py::module_& m) {
         py::dict out;
         for (int32_t t : p.tensors()) out[py::str(p.layout().tensors[t].name)] = Dequantize(p, py::int_(t));
         return out;
-      }, "{name: FP32 array} for every tensor of the bucket (needs the whole bucket).");
+      }, "{name: FP32 array} for every tensor of the bucket (needs the whole bucket).")
+      .def("dequantize_covered", &DequantizeCovered, py::arg("out") = py::none(),
+           "FP32 values of every covered bucket element (padding 0), flat, in bucket order; works for a single "
+           "pulled shard. out: a writable C-contiguous float32 array to fill in place (no copy).");
 
   m.def("dequantize", &Dequantize, py::arg("pulled"), py::arg("tensor"),
         "Same as pulled.dequantize(tensor).");

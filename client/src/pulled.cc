@@ -179,6 +179,39 @@ absl::StatusOr<std::vector<float>> PulledBucket::Dequantize(int32_t tensor) cons
   return out;
 }
 
+absl::Status PulledBucket::DequantizeCovered(std::span<float> out) const {
+  if (!impl_) return absl::FailedPreconditionError("empty PulledBucket");
+  if (impl_->unchanged) {
+    return absl::FailedPreconditionError(absl::StrCat("bucket ", impl_->bucket, ": step ", impl_->version,
+                                                      " was skipped (unchanged); keep the weights you hold"));
+  }
+  const IndexRange covered = elements();
+  if (static_cast<int64_t>(out.size()) != covered.size()) {
+    return InvalidArgumentError("out", "bucket ", impl_->bucket, " shards [", impl_->shard_begin, ", ",
+                                impl_->shard_end, ") cover ", covered.size(), " elements, got ", out.size());
+  }
+  std::fill(out.begin(), out.end(), 0.0f);
+  const Layout& l = *impl_->layout;
+  for (const PulledShard& s : impl_->shards) {
+    for (const FragmentQuantInfo& f : s.fragments) {
+      const LayoutTensor& t = l.tensors[f.tensor];
+      const int entry = ScaleEntryBytes(t.format);
+      const int64_t offset = f.bucket_offset - covered.begin;
+      kernels::QuantizedInputs in;
+      in.data = std::span<const uint8_t>(impl_->data).subspan(DataBytes(t.format, offset),
+                                                              DataBytes(t.format, f.elements.size()));
+      in.block_scales =
+          std::span<const uint8_t>(s.scales).subspan(f.scale_offset * entry, f.scale_blocks.size() * entry);
+      in.tensor_scale_inv = Describe(t.format).tensor_scale ? f.scale_inv : 1.0f;
+      MAINSTAY_RETURN_IF_ERROR(Annotate(
+          kernels::Dequantize(kernels::Device{}, t.format, kernels::Fragment{View2D(t.shape), f.elements}, in,
+                              out.subspan(offset, f.elements.size())),
+          absl::StrCat("dequantize ", t.name, " [", f.elements.begin, ", ", f.elements.end, ")")));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<uint8_t>> PulledBucket::TensorScaleGrid(int32_t tensor) const {
   MAINSTAY_ASSIGN_OR_RETURN(TensorView view, Tensor(tensor));
   const FormatDescriptor& d = Describe(view.format);

@@ -148,6 +148,67 @@ TEST_F(ClientGrpcTest, CreateAttachPushPullReducedModeStep) {
   }
 }
 
+// The checkpoint admin calls over the coordinator's channel: a checkpoint taken at version 1
+// is restored after step 1 made version 2; the job serves version 1 again under a new
+// placement epoch, which the client has already re-read.
+TEST_F(ClientGrpcTest, CheckpointCreateAndRestoreGoToTheCoordinatorsAdminService) {
+  FakeClusterOptions options;
+  options.admin_token = "admin-secret";
+  StartCluster(options);
+  ClientOptions base;
+  base.admin_token = "admin-secret";
+  ConnectRanks(testing_fakes::SmallSpec(1), 1, base);
+  Client& c = *clients_[0];
+  PushInitial(RandomBuckets(1));
+  auto step = [&](int64_t s) {
+    for (int32_t b = 0; b < static_cast<int32_t>(c.layout().buckets.size()); ++b) {
+      const std::vector<float> grad = Random(c.layout().buckets[b].shard_numel, static_cast<uint32_t>(50 + s));
+      EXPECT_THAT(c.PushGrad(b, s, ElementSpan::Fp32(grad)).Wait(), IsOk());
+    }
+    return c.FinishStep(s, 0.1, 0.0);
+  };
+  ASSERT_THAT(step(0), IsOk());
+  const std::vector<float> saved = cluster_->Master(0);
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(CheckpointInfo info, c.CreateCheckpoint(/*wait=*/true));
+  EXPECT_FALSE(info.checkpoint_id.empty());
+  EXPECT_EQ(info.job_id, c.job_id());
+  EXPECT_EQ(info.version, 1);
+  EXPECT_EQ(info.state, "COMMITTED");
+  ASSERT_THAT(step(1), IsOk());
+  ASSERT_NE(cluster_->Master(0), saved);
+
+  // The token given with the call wins over ClientOptions::admin_token.
+  AdminCallOptions wrong;
+  wrong.admin_token = "not-the-token";
+  EXPECT_THAT(c.CreateCheckpoint(true, wrong), StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(c.RestoreCheckpoint(info.checkpoint_id, wrong), StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(c.RestoreCheckpoint("no-such-checkpoint"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("RestoreCheckpoint no-such-checkpoint")));
+  EXPECT_THAT(c.RestoreCheckpoint(""), StatusIs(absl::StatusCode::kInvalidArgument));
+
+  const int64_t epoch_before = c.placement().epoch;
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(RestoreResult restored, c.RestoreCheckpoint(info.checkpoint_id));
+  EXPECT_EQ(restored.version, 1);
+  EXPECT_GT(restored.placement_epoch, epoch_before);
+  EXPECT_EQ(c.placement().epoch, restored.placement_epoch);
+  EXPECT_EQ(cluster_->Master(0), saved);
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledBucket pulled, c.PullBucket(0, Client::kLatestVersion).Wait());
+  EXPECT_EQ(pulled.version(), 1);
+  // Training goes on from the restored step.
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(StepStats again, step(1));
+  EXPECT_EQ(again.version, 2);
+}
+
+TEST_F(ClientGrpcTest, CheckpointCallsWithoutAnAdminServiceAreUnimplemented) {
+  FakeClusterOptions options;
+  options.serve_admin = false;
+  StartCluster(options);
+  ConnectRanks(testing_fakes::SmallSpec(1), 1);
+  EXPECT_THAT(clients_[0]->CreateCheckpoint(true),
+              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("CreateCheckpoint of job")));
+  EXPECT_THAT(clients_[0]->RestoreCheckpoint("ckpt-1"), StatusIs(absl::StatusCode::kUnimplemented));
+}
+
 TEST_F(ClientGrpcTest, UnreducedModeSumsEveryRanksBf16Gradient) {
   StartCluster();
   ConnectRanks(testing_fakes::SmallSpec(2), 2);

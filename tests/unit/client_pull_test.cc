@@ -225,6 +225,48 @@ TEST(ClientPullTest, OneShardCoversOnlyItsFragments) {
   EXPECT_THAT(one.Dequantize(mx), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("whole bucket")));
 }
 
+// The trainer-side all-gather of mainstay.torch: each rank dequantizes only its own shard into its
+// slice of a flat FP32 bucket; the slices put together equal whole-tensor dequantization bit for
+// bit (tiles and MXFP8 blocks cut by shard boundaries included) and padding stays 0.
+TEST(ClientPullTest, ShardByShardDequantizeCoveredEqualsWholeBucketDequantize) {
+  for (int64_t d : {1, 2, 3, 4, 6}) {
+    auto layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::AllFormatsSpec(d)));
+    for (int32_t b = 0; b < static_cast<int32_t>(layout->buckets.size()); ++b) {
+      const Bucket& bucket = layout->buckets[b];
+      const std::vector<float> master = BucketMaster(*layout, b);
+      std::vector<float> flat(bucket.numel, -1.0f);  // every element must be written
+      for (int32_t s = 0; s < static_cast<int32_t>(d); ++s) {
+        MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledBucket one, Pull(layout, b, s, s + 1, master));
+        ASSERT_THAT(one.DequantizeCovered(std::span<float>(flat).subspan(s * bucket.shard_numel, bucket.shard_numel)),
+                    IsOk()) << "D=" << d << " bucket " << b << " shard " << s;
+      }
+      MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledBucket whole, Pull(layout, b, 0, static_cast<int32_t>(d), master));
+      std::vector<bool> in_tensor(bucket.numel, false);
+      for (int32_t t : bucket.tensors) {
+        const LayoutTensor& info = layout->tensors[t];
+        MAINSTAY_ASSERT_OK_AND_ASSIGN(std::vector<float> want, whole.Dequantize(t));
+        for (int64_t i = 0; i < info.numel; ++i) {
+          in_tensor[info.bucket_offset + i] = true;
+          ASSERT_EQ(kernels::FloatBits(flat[info.bucket_offset + i]), kernels::FloatBits(want[i]))
+              << info.name << " D=" << d << " i=" << i;
+        }
+      }
+      for (int64_t i = 0; i < bucket.numel; ++i) {
+        if (!in_tensor[i]) {
+          ASSERT_EQ(flat[i], 0.0f) << "padding element " << i << " D=" << d;
+        }
+      }
+    }
+  }
+}
+
+TEST(ClientPullTest, DequantizeCoveredChecksTheOutputSize) {
+  auto layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::AllFormatsSpec(2)));
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledBucket one, Pull(layout, 0, 1, 2, BucketMaster(*layout, 0)));
+  std::vector<float> wrong(layout->buckets[0].shard_numel + 1);
+  EXPECT_THAT(one.DequantizeCovered(wrong), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cover")));
+}
+
 TEST(ClientPullTest, TensorLookupErrors) {
   auto layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::AllFormatsSpec(2)));
   MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledBucket pulled, Pull(layout, 0, 0, 2, BucketMaster(*layout, 0)));
@@ -263,6 +305,8 @@ TEST(ClientPullTest, UnchangedAnswerMeansKeepTheWeights) {
   EXPECT_TRUE(pulled.data().empty());
   ASSERT_FALSE(pulled.tensors().empty());
   EXPECT_THAT(pulled.Tensor(pulled.tensors()[0]), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("skipped")));
+  std::vector<float> out(2 * layout->buckets[0].shard_numel);
+  EXPECT_THAT(pulled.DequantizeCovered(out), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("skipped")));
 }
 
 TEST(ClientPullTest, ShardsThatDisagreeOnTheVersionAreAborted) {

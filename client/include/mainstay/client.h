@@ -129,6 +129,33 @@ struct ErrorInfo {
 // The ErrorInfo carried by `status`, if any.
 MAINSTAY_CLIENT_EXPORT std::optional<ErrorInfo> GetErrorInfo(const absl::Status& status);
 
+// A checkpoint of a job (mirrors mainstay.v1.CheckpointInfo; admin.proto).
+struct CheckpointInfo {
+  std::string checkpoint_id;
+  std::string job_id;          // job it was taken from
+  std::string job_name;
+  int64_t version = 0;         // version saved
+  std::string state;           // "WRITING", "COMMITTED", "FAILED", "CORRUPT" (or "UNSPECIFIED")
+  int64_t created_unix_ms = 0;
+  int64_t size_bytes = 0;
+  int32_t file_count = 0;
+  std::string manifest_uri;
+  std::string error;           // why it FAILED or is CORRUPT
+};
+
+// What RestoreCheckpoint answered.
+struct RestoreResult {
+  int64_t version = 0;          // version the job now serves
+  int64_t placement_epoch = 0;  // the job's new placement epoch (already re-read by the client)
+};
+
+// Options of the admin calls a Client makes for its own job.
+struct AdminCallOptions {
+  // Admin token sent with the call; unset: ClientOptions::admin_token.
+  std::optional<std::string> admin_token;
+  std::chrono::milliseconds timeout{0};  // 0 = ClientOptions::timeout
+};
+
 // The result of an asynchronous operation, like std::shared_future: copyable, waitable from any
 // thread, any number of times. A default-constructed handle is not valid().
 template <typename T>
@@ -231,6 +258,22 @@ class MAINSTAY_CLIENT_EXPORT Client {
                        std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   PullHandle PullBucket(int32_t bucket, int64_t version,
                         std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+
+  // Admin RPCs on this client's job, over the coordinator's channel (Admin service). The
+  // coordinator checks the admin token when it has one (PERMISSION_DENIED); UNIMPLEMENTED from a
+  // coordinator without checkpoints. UNAVAILABLE is retried until the deadline like every call
+  // (a CreateCheckpoint whose answer was lost may then leave a second checkpoint behind).
+  //
+  // CreateCheckpoint: a checkpoint of the job at its current committed version; with `wait`,
+  // returns once it is COMMITTED (bounded by the deadline), otherwise at once (state WRITING).
+  absl::StatusOr<CheckpointInfo> CreateCheckpoint(bool wait = true, const AdminCallOptions& options = {});
+  // RestoreCheckpoint: loads a COMMITTED checkpoint into this job (tensors must match by name and
+  // shape; D, layout and formats may differ); the job's committed step and version become the
+  // checkpoint's and every shard is reassigned, so the client re-reads the placement before
+  // returning. DATA_LOSS for a torn or corrupt checkpoint (nothing changed). Pull the returned
+  // version afterwards; no pushes of this client may be in flight.
+  absl::StatusOr<RestoreResult> RestoreCheckpoint(const std::string& checkpoint_id,
+                                                  const AdminCallOptions& options = {});
 
   struct Impl;
 

@@ -112,6 +112,13 @@ class MAINSTAY_CLIENT_EXPORT PulledBucket {
   // when `out` is not numel floats.
   absl::Status Dequantize(int32_t tensor, std::span<float> out) const;
   absl::StatusOr<std::vector<float>> Dequantize(int32_t tensor) const;
+  // FP32 values of every covered bucket element: `out` holds elements().size() floats in bucket
+  // order (out[0] is bucket element elements().begin); each covered fragment goes through
+  // kernels::Dequantize, padding between and after tensors becomes 0. Unlike Dequantize this
+  // needs no complete tensor, so a single pulled shard dequantizes into its slice of a flat
+  // bucket buffer (the trainers then all-gather the FP32 shards). FAILED_PRECONDITION when
+  // unchanged; INVALID_ARGUMENT when `out` has the wrong size.
+  absl::Status DequantizeCovered(std::span<float> out) const;
 
   // The tensor's compact block-scale grid (ScaleGrid rows x cols entries of the format's
   // block_scale type, row-major), merged from the fragments; blocks touched by no covered

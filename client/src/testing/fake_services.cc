@@ -22,6 +22,7 @@
 #include "common/status.h"
 #include "kernels/casts.h"
 #include "kernels/kernels.h"
+#include "mainstay/v1/admin.grpc.pb.h"
 #include "mainstay/v1/coordinator.grpc.pb.h"
 #include "mainstay/v1/shard.grpc.pb.h"
 
@@ -208,6 +209,55 @@ class FakeCoordinator final : public v1::Coordinator::Service {
   FakeCluster::State* s_;
 };
 
+class FakeAdmin final : public v1::Admin::Service {
+ public:
+  explicit FakeAdmin(FakeCluster::State* s) : s_(s) {}
+
+  grpc::Status CreateCheckpoint(grpc::ServerContext*, const v1::CreateCheckpointRequest* request,
+                                v1::CreateCheckpointResponse* response) override {
+    absl::MutexLock lock(&s_->mu);
+    if (request->admin_token() != s_->options.admin_token) {
+      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "fake admin: wrong admin token");
+    }
+    if (s_->layout == nullptr || request->job_id() != s_->job_id) return grpc::Status(grpc::StatusCode::NOT_FOUND, "no job");
+    if (s_->version < 0) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "fake admin: no version yet");
+    const std::string id = absl::StrCat("ckpt-", s_->checkpoints.size() + 1);
+    s_->checkpoints[id] = {s_->master, s_->version, s_->committed_step};
+    v1::CheckpointInfo* info = response->mutable_checkpoint();
+    info->set_checkpoint_id(id);
+    info->set_job_id(s_->job_id);
+    info->set_version(s_->version);
+    info->set_state(request->wait() ? v1::CHECKPOINT_STATE_COMMITTED : v1::CHECKPOINT_STATE_WRITING);
+    info->set_manifest_uri(absl::StrCat("mem://", id));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status RestoreCheckpoint(grpc::ServerContext*, const v1::RestoreCheckpointRequest* request,
+                                 v1::RestoreCheckpointResponse* response) override {
+    absl::MutexLock lock(&s_->mu);
+    if (request->admin_token() != s_->options.admin_token) {
+      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "fake admin: wrong admin token");
+    }
+    if (s_->layout == nullptr || request->job_id() != s_->job_id) return grpc::Status(grpc::StatusCode::NOT_FOUND, "no job");
+    auto it = s_->checkpoints.find(request->checkpoint_id());
+    if (it == s_->checkpoints.end()) return grpc::Status(grpc::StatusCode::NOT_FOUND, "fake admin: no such checkpoint");
+    s_->master = it->second.master;
+    s_->version = it->second.version;
+    s_->committed_step = it->second.committed_step;
+    s_->grads.clear();
+    s_->contributors.clear();
+    s_->finished.clear();
+    s_->results.erase(s_->results.upper_bound(s_->committed_step), s_->results.end());
+    ++s_->epoch;
+    s_->changed.SignalAll();
+    response->set_version(s_->version);
+    response->set_placement_epoch(s_->epoch);
+    return grpc::Status::OK;
+  }
+
+ private:
+  FakeCluster::State* s_;
+};
 
 }  // namespace
 
@@ -221,12 +271,13 @@ absl::StatusOr<std::unique_ptr<FakeCluster>> FakeCluster::Start(const FakeCluste
     s->unavailable_left = options.unavailable_calls;
     s->create_unavailable_left = options.create_job_unavailable;
   }
-  auto serve = [&](grpc::Service* service) -> absl::StatusOr<std::string> {
+  auto serve = [&](grpc::Service* service, grpc::Service* second = nullptr) -> absl::StatusOr<std::string> {
     int port = 0;
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     builder.SetMaxReceiveMessageSize(64 << 20);
     builder.RegisterService(service);
+    if (second != nullptr) builder.RegisterService(second);
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     if (server == nullptr || port == 0) return absl::UnavailableError("fake cluster: cannot start a server");
     s->servers.push_back(std::move(server));
@@ -238,7 +289,13 @@ absl::StatusOr<std::unique_ptr<FakeCluster>> FakeCluster::Start(const FakeCluste
     s->daemon_addresses.push_back(address);
   }
   s->services.push_back(std::make_unique<FakeCoordinator>(s));
-  MAINSTAY_ASSIGN_OR_RETURN(s->coordinator_address, serve(s->services.back().get()));
+  grpc::Service* coordinator = s->services.back().get();
+  grpc::Service* admin = nullptr;
+  if (options.serve_admin) {
+    s->services.push_back(std::make_unique<FakeAdmin>(s));
+    admin = s->services.back().get();
+  }
+  MAINSTAY_ASSIGN_OR_RETURN(s->coordinator_address, serve(coordinator, admin));
   return cluster;
 }
 

@@ -8,7 +8,9 @@
 // pushes (duplicates acknowledged), apply plain SGD with decoupled weight decay to FP32 masters
 // once every rank has called FinishStep and every shard has its contributions, skip the step
 // on non-finite gradients, and publish each tensor quantized whole (kernels::Quantize, model
-// dtype bf16, fp8 delayed scale 1) sliced into the fragments of the shard.
+// dtype bf16, fp8 delayed scale 1) sliced into the fragments of the shard. The coordinator's
+// port also serves Admin CreateCheckpoint / RestoreCheckpoint, keeping checkpoints in memory
+// (restore puts back the masters, version and committed step, and advances the epoch).
 //
 // Thread safety: everything may be called concurrently. Not production code.
 #ifndef MAINSTAY_CLIENT_SRC_TESTING_FAKE_SERVICES_H_
@@ -30,6 +32,10 @@ struct FakeClusterOptions {
   int num_daemons = 2;
   int unavailable_calls = 0;       // each daemon answers UNAVAILABLE to its first N data-plane calls
   int create_job_unavailable = 0;  // the coordinator answers UNAVAILABLE to the first N CreateJob
+  // Admin service (checkpoints kept in memory): the admin token it requires ("" = none), or
+  // no Admin service at all (UNIMPLEMENTED, as a coordinator without checkpoints answers).
+  std::string admin_token;
+  bool serve_admin = true;
 };
 
 struct FakeStats {

@@ -56,6 +56,13 @@ struct FakeCluster::State {
   std::map<int64_t, std::map<int32_t, std::pair<double, double>>> finished ABSL_GUARDED_BY(mu);  // step -> rank -> lr, wd
   std::map<int64_t, v1::StepStats> results ABSL_GUARDED_BY(mu);
   FakeStats stats ABSL_GUARDED_BY(mu);
+  // Checkpoints of the fake Admin service: id -> the masters, version and committed step saved.
+  struct Checkpoint {
+    std::vector<std::vector<float>> master;
+    int64_t version = 0;
+    int64_t committed_step = -1;
+  };
+  std::map<std::string, Checkpoint> checkpoints ABSL_GUARDED_BY(mu);
 
   // Data-plane admission, as a daemon `daemon` would answer.
   grpc::Status Admit(grpc::ServerContext* context, int daemon, const std::string& job, const std::string& token,
