@@ -60,7 +60,8 @@ class Cluster:
         self.procs = []
         port_file = os.path.join(self.dir, "coordinator.port")
         self._start("coordinator", [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", "127.0.0.1:0",
-                                    "--state-dir", os.path.join(self.dir, "state"), "--port-file", port_file])
+                                    "--state-dir", os.path.join(self.dir, "state"), "--port-file", port_file,
+                                    "--checkpoint-dir", os.path.join(self.dir, "checkpoints")])
         wait_for_file(port_file, self.procs[-1])
         self.address = "127.0.0.1:" + open(port_file).read().strip()
         for i in range(daemons):
@@ -260,16 +261,11 @@ class ClusterTest(unittest.TestCase):
     def test_state_dict_maps_onto_mainstay_checkpoints(self):
         """state_dict() = CreateCheckpoint(wait) + param_groups; after more steps,
         load_state_dict() = RestoreCheckpoint + pull: the weights and the step count are those of
-        the checkpoint, and training goes on. Skipped while the coordinator answers UNIMPLEMENTED."""
+        the checkpoint, and training goes on."""
         model = tiny_model()
         opt = MainstayOptimizer(model, self.cluster.address, lr=1e-2)
         train_steps(model, opt, 3)
-        try:
-            sd = opt.state_dict()
-        except mainstay.Error as e:
-            if e.code == "UNIMPLEMENTED":
-                self.skipTest("the coordinator has no checkpoints yet (CreateCheckpoint: UNIMPLEMENTED)")
-            raise
+        sd = opt.state_dict()
         check_state_dict_round_trip(self, model, opt, sd)
 
 
