@@ -173,6 +173,18 @@ absl::StatusOr<Route> Client::Impl::RouteForShard(int32_t bucket, int32_t shard)
 }
 
 absl::StatusOr<Route> Client::Impl::RouteForAddress(const std::string& address, const std::string& daemon_id) {
+  {
+    // A daemon that left the placement (lost, or drained) took this rank's pushes of the
+    // step with it: waiting for it cannot succeed, the step must be pushed again.
+    absl::MutexLock lock(&mu);
+    bool present = false;
+    for (const v1::DaemonEndpoint& d : placement.daemons()) present |= d.daemon_id() == daemon_id;
+    if (!present) {
+      return absl::AbortedError(absl::StrCat("daemon ", daemon_id, " is no longer in the job's placement (epoch ",
+                                             placement.epoch(), "; it was lost or drained): pull the latest version "
+                                             "and push the step again"));
+    }
+  }
   Route route;
   route.epoch = placement_epoch();
   route.daemon_id = daemon_id;

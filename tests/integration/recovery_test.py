@@ -1,0 +1,319 @@
+"""Crash recovery with real processes (DESIGN.md section 8, docs/checkpoints.md): a coordinator,
+mainstayd daemons and trainer processes on loopback, killed with SIGKILL at chosen points.
+
+Every trainer's gradient is a deterministic function of (step, rank, the weights it pulled), so a
+run that is interrupted, rewound and replayed must end with exactly the bytes of an uninterrupted
+run of the same job spec: each test compares the final published weights of the two, bit for bit.
+
+    MAINSTAY_COORDINATOR_BIN=... MAINSTAYD_BIN=... MAINSTAYCTL_BIN=... \\
+    PYTHONPATH=<build>/client/python /usr/bin/python3 recovery_test.py
+
+Run with `--trainer ...` it is the trainer process itself.
+"""
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+import mainstay
+
+PYTHON = sys.executable
+D = 2
+STEPS = 16
+LR = 1e-2
+
+
+def spec(name):
+    return {
+        "name": name,
+        "recipe": "bf16_with_fp8_delayed_scaling_mixed",
+        "data_parallel_size": D,
+        "bucket_numel": 3000,
+        "optimizer": {"type": "adamw", "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.0, "max_grad_norm": 0.0},
+        "tensors": [{"name": "a.weight", "shape": [48, 64]}, {"name": "a.bias", "shape": [48]},
+                    {"name": "b.weight", "shape": [32, 48]}, {"name": "b.bias", "shape": [32]}],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer process.
+
+def trainer_main(argv):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trainer", action="store_true")
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--job-file", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--resume", action="store_true", help="attach to a running job and continue from its version")
+    ap.add_argument("--pause-file", help="after each step, wait while this file exists")
+    args = ap.parse_args(argv)
+    if args.rank == 0 and not args.resume:
+        client = mainstay.Client(args.coordinator, spec_json=json.dumps(spec(args.name)), rank=0, timeout_s=90,
+                                 max_backoff_s=0.5)
+        with open(args.job_file + ".tmp", "w") as f:
+            json.dump({"job_id": client.job_id, "job_token": client.job_token}, f)
+        os.replace(args.job_file + ".tmp", args.job_file)
+    else:
+        while not os.path.exists(args.job_file):
+            time.sleep(0.05)
+        job = json.loads(read(args.job_file))
+        client = mainstay.Client(args.coordinator, job_id=job["job_id"], job_token=job["job_token"], rank=args.rank,
+                                 timeout_s=90, max_backoff_s=0.5)
+    layout = client.layout
+    buckets = [b["index"] for b in layout.buckets]
+    names = {b: [layout.tensors[t]["name"] for t in layout.buckets[b]["tensors"]] for b in buckets}
+    shapes = {t["name"]: tuple(t["shape"]) for t in spec(args.name)["tensors"]}
+    params = {n: np.cos(np.arange(np.prod(s), dtype=np.float32) * 0.37).reshape(s).astype(np.float32) * 0.1
+              for n, s in shapes.items()}
+    if not args.resume:
+        for b in buckets:
+            client.push_initial_params(b, layout.flatten(b, {n: params[n] for n in names[b]}))
+
+    def load(version):
+        for b in buckets:
+            pulled = client.pull_bucket(b, version)
+            params.update(pulled.dequantize_all())
+        return pulled.version
+
+    step = 0
+    version = 0
+    if args.resume:
+        version = load(mainstay.Client.LATEST)
+        step = version  # no step of this test is skipped: step s publishes version s + 1
+        print("rank %d resumed at step %d" % (args.rank, step), flush=True)
+    while step < args.steps:
+        try:
+            version = load(version)
+            for b in buckets:
+                g = {}
+                for n in names[b]:
+                    phase = np.float32(0.1 * step + 0.7 * args.rank)
+                    g[n] = (params[n] * np.float32(0.5) + np.sin(np.arange(params[n].size, dtype=np.float32) * 0.01
+                                                                  + phase).reshape(params[n].shape)) / np.float32(D)
+                client.push_bucket_unreduced(b, step, layout.flatten(b, g))
+            stats = client.finish_step(step, lr=LR, weight_decay=0.0)
+            version = stats["version"]
+            print("rank %d step %d version %d" % (args.rank, step, version), flush=True)
+            step += 1
+            while args.pause_file and os.path.exists(args.pause_file):
+                time.sleep(0.05)
+        except mainstay.Error as e:
+            info = e.info or {}
+            if e.code != "ABORTED":
+                raise
+            if "committed_step" in info:  # the job was restored: resume where the daemons say
+                step = info["committed_step"] + 1
+                version = mainstay.Client.LATEST
+                print("rank %d REWOUND to step %d: %s" % (args.rank, step, e.message), flush=True)
+            else:  # the step failed (a daemon left): take the newest version and push again
+                version = load(mainstay.Client.LATEST)
+                step = version
+                print("rank %d RETRYING from step %d: %s" % (args.rank, step, e.message), flush=True)
+    digest = hashlib.sha256()
+    for b in buckets:
+        pulled = client.pull_bucket(b, version)
+        for n, v in sorted(pulled.dequantize_all().items()):
+            digest.update(n.encode() + v.astype(np.float32).tobytes())
+    print("FINAL version %d sha256 %s" % (version, digest.hexdigest()), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests.
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read(path):
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def wait_for(predicate, what, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for " + what)
+
+
+class Cluster:
+    def __init__(self, daemons=2, lease_ms=1500):
+        self.dir = tempfile.mkdtemp(prefix="mainstay-recovery.")
+        self.procs = {}
+        self.lease_ms = lease_ms
+        self.port = free_port()
+        self.address = "127.0.0.1:%d" % self.port
+        self.start_coordinator()
+        for i in range(daemons):
+            self.start_daemon(i)
+
+    def _start(self, name, argv):
+        with open(os.path.join(self.dir, name + ".log"), "a") as log:
+            self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        return self.procs[name]
+
+    def start_coordinator(self):
+        self._start("coordinator", [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", self.address,
+                                    "--state-dir", os.path.join(self.dir, "state"),
+                                    "--checkpoint-dir", os.path.join(self.dir, "checkpoints"), "--tick-ms", "100"])
+        wait_for(lambda: self.ctl("health").returncode == 0, "the coordinator")
+
+    def start_daemon(self, i):
+        pf = os.path.join(self.dir, "daemon%d.port" % i)
+        if os.path.exists(pf):
+            os.remove(pf)
+        p = self._start("daemon%d" % i, [os.environ["MAINSTAYD_BIN"], "--coordinator", self.address, "--listen",
+                                         "127.0.0.1:0", "--node-name", "node%d" % i, "--threads", "1",
+                                         "--memory-bytes", "2000000000", "--lease-ttl-ms", str(self.lease_ms),
+                                         "--peer-timeout-ms", "5000", "--metrics-listen", "off", "--port-file", pf])
+        wait_for(lambda: os.path.exists(pf) and os.path.getsize(pf) > 0 or p.poll() is not None, "daemon%d" % i)
+
+    def kill(self, name):
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait()
+
+    def trainer(self, rank, name, *extra):
+        return self._start("%s.rank%d.%d" % (name, rank, time.time_ns()),
+                           [PYTHON, os.path.abspath(__file__), "--trainer", "--coordinator", self.address, "--rank",
+                            str(rank), "--job-file", os.path.join(self.dir, name + ".job"), "--name", name] + list(extra))
+
+    def ctl(self, *args):
+        return subprocess.run([os.environ["MAINSTAYCTL_BIN"]] + list(args) + ["--coordinator", self.address],
+                              capture_output=True, text=True, timeout=120)
+
+    def log(self, prefix):
+        out = ""
+        for f in sorted(os.listdir(self.dir)):
+            if f.startswith(prefix) and f.endswith(".log"):
+                out += read(os.path.join(self.dir, f))
+        return out
+
+    def logs(self):
+        return "\n".join("--- %s\n%s" % (f, "\n".join(read(os.path.join(self.dir, f)).splitlines()[-25:]))
+                         for f in sorted(os.listdir(self.dir)) if f.endswith(".log"))
+
+    def stop(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def final_of(log):
+    lines = [l for l in log.splitlines() if l.startswith("FINAL ")]
+    assert lines, "no FINAL line in:\n" + log[-3000:]
+    return lines[-1]
+
+
+class RecoveryTest(unittest.TestCase):
+    def setUp(self):
+        self.cluster = Cluster()
+
+    def tearDown(self):
+        self.cluster.stop()
+
+    def run_reference(self):
+        """The same spec, uninterrupted, on the same cluster: its final weights."""
+        ps = [self.cluster.trainer(r, "reference") for r in range(D)]
+        for p in ps:
+            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+        return final_of(self.cluster.log("reference.rank0"))
+
+    def wait_step(self, name, rank, step):
+        wait_for(lambda: ("rank %d step %d " % (rank, step)) in self.cluster.log("%s.rank%d" % (name, rank)),
+                 "%s rank %d step %d" % (name, rank, step), timeout=120)
+
+    def checkpoint(self, name):
+        job = json.loads(read(os.path.join(self.cluster.dir, name + ".job")))["job_id"]
+        r = self.cluster.ctl("checkpoint", "create", "--job", job, "--wait", "--yes", "--json", "--timeout-ms", "60000")
+        self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
+        return json.loads(r.stdout)
+
+    def test_a_trainer_killed_and_restarted_resumes_and_ends_as_an_uninterrupted_run(self):
+        pause = os.path.join(self.cluster.dir, "pause")
+        open(pause, "w").close()
+        ps = [self.cluster.trainer(r, "run", "--pause-file", pause) for r in range(D)]
+        self.wait_step("run", 1, 0)
+        killed = [n for n in self.cluster.procs if n.startswith("run.rank1.")][0]
+        self.cluster.kill(killed)
+        os.remove(pause)
+        restarted = self.cluster.trainer(1, "run", "--resume")
+        self.assertEqual(ps[0].wait(timeout=300), 0, self.cluster.logs())
+        self.assertEqual(restarted.wait(timeout=300), 0, self.cluster.logs())
+        self.assertIn("rank 1 resumed at step 1", self.cluster.log("run.rank1"))
+        self.assertEqual(final_of(self.cluster.log("run.rank0")), self.run_reference())
+
+    def daemon_lost(self, restart):
+        pause = os.path.join(self.cluster.dir, "pause")
+        ps = [self.cluster.trainer(r, "run", "--pause-file", pause) for r in range(D)]
+        self.wait_step("run", 0, 4)
+        open(pause, "w").close()  # hold the trainers between steps while the checkpoint is taken
+        time.sleep(0.5)
+        ckpt = self.checkpoint("run")
+        self.assertEqual(ckpt["state"], "CHECKPOINT_STATE_COMMITTED")
+        saved_version = int(ckpt["version"])
+        os.remove(pause)
+        self.wait_step("run", 0, saved_version + 3)
+        self.cluster.kill("daemon1")
+        if restart:
+            self.cluster.start_daemon(1)
+        for p in ps:
+            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+        log = self.cluster.log("run.rank")
+        # Each rank learns of the restore either from the daemons (ABORTED carrying the step to
+        # resume from) or from its client (the daemon it was waiting on left the placement, so it
+        # pulls the newest version); either way it resumes at the checkpoint's step.
+        for rank in range(D):
+            self.assertRegex(log, r"rank %d (REWOUND to|RETRYING from) step %d:" % (rank, saved_version),
+                             self.cluster.logs())
+        self.assertIn("restoring from checkpoint " + ckpt["checkpoint_id"], self.cluster.log("coordinator"))
+        self.assertEqual(final_of(self.cluster.log("run.rank0")), self.run_reference())
+
+    def test_a_daemon_killed_and_restarted_reloads_the_checkpoint_and_the_job_rewinds_to_it(self):
+        self.daemon_lost(restart=True)
+        r = self.cluster.ctl("placement", "--job", json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"])
+        self.assertEqual(r.stdout.count("node1"), 1, r.stdout)  # rank 1 back on its node
+
+    def test_a_daemon_that_never_returns_has_its_shards_restored_on_the_survivor(self):
+        self.daemon_lost(restart=False)
+
+    def test_a_restarted_coordinator_leaves_the_data_plane_running(self):
+        ps = [self.cluster.trainer(r, "run") for r in range(D)]
+        self.wait_step("run", 0, 2)
+        self.cluster.kill("coordinator")
+        self.wait_step("run", 0, 8)  # steps go on without the coordinator
+        self.cluster.start_coordinator()
+        for p in ps:
+            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+        ckpt = self.checkpoint("run")  # control operations work again
+        self.assertEqual(int(ckpt["version"]), STEPS)
+        self.assertEqual(final_of(self.cluster.log("run.rank0")), self.run_reference())
+
+
+if __name__ == "__main__":
+    if "--trainer" in sys.argv:
+        trainer_main(sys.argv[1:])
+    else:
+        unittest.main(verbosity=2)
