@@ -12,6 +12,7 @@
 #ifndef MAINSTAY_SERVER_COORDINATOR_COORDINATOR_H_
 #define MAINSTAY_SERVER_COORDINATOR_COORDINATOR_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -35,6 +36,9 @@ struct CoordinatorOptions {
   int64_t snapshot_every_batches = 1000;  // compaction of the write-ahead log
   int64_t max_kv_value_bytes = 1 << 20;
   std::string coordinator_id = "coordinator";
+  // Called (under the coordinator's lock: it must not call back into the Coordinator) for each
+  // daemon marked DOWN because its lease ran out; metrics count them. Empty: nothing.
+  std::function<void(const std::string& daemon_id)> on_lease_expired;
 };
 
 class Coordinator {

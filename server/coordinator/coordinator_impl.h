@@ -171,6 +171,7 @@ struct Coordinator::Impl {
       batch.PutDaemon(down);
       leases.erase(id);
       Log(LogLevel::kWarning, "coordinator", absl::StrCat("daemon ", id, " (", d.endpoint().address(), ") missed its lease: DOWN"));
+      if (options.on_lease_expired) options.on_lease_expired(id);
     }
     v1::StateCounters counters = state.counters;
     bool expired_kv = false;

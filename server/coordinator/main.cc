@@ -31,7 +31,10 @@
 #include "common/sd_notify.h"
 #include "common/stop_signals.h"
 #include "common/status.h"
+#include "server/coordinator/admin_auth.h"
 #include "server/grpc/coordinator_service.h"
+#include "server/metrics/metrics_server.h"
+#include "server/metrics/registry.h"
 
 namespace mainstay::coordinator {
 namespace {
@@ -52,6 +55,19 @@ flags:
   --config FILE             JSON object with the keys listen, state_dir, lease_ttl_ms, tick_ms,
                             coordinator_id, max_message_bytes; flags override it
   --port-file FILE          write the bound port to FILE once serving (for scripts and tests)
+  --tls-cert-file FILE      PEM certificate to serve TLS with (also the client certificate of the
+                            calls to daemons); without it the port is plaintext
+  --tls-key-file FILE       PEM private key of --tls-cert-file
+  --tls-ca-file FILE        PEM CA certificates that verify daemons' servers and, with
+                            --tls-client-auth require, clients' certificates
+  --tls-client-auth MODE    none (default) or require: mutual TLS, refuse clients without a
+                            certificate signed by --tls-ca-file
+  --tls-server-name NAME    verify daemons' certificates against NAME instead of their address
+  --admin-token-file FILE   file holding the admin token; admin calls and job reads without a
+                            job token then need it (PERMISSION_DENIED otherwise)
+  --metrics-listen HOST:PORT  where Prometheus scrapes GET /metrics over HTTP (default
+                            0.0.0.0:9464; port 0 picks one; "off": no metrics)
+  --metrics-port-file FILE  write the metrics port to FILE once serving
   --help                    this text
 
 SIGTERM or SIGINT: graceful shutdown, exit 0. Bad flags or config: exit 2.
@@ -67,6 +83,9 @@ struct Settings {
   std::optional<int64_t> max_message_bytes;
   std::optional<std::string> config;
   std::optional<std::string> port_file;
+  std::optional<std::string> tls_cert_file, tls_key_file, tls_ca_file, tls_client_auth, tls_server_name;
+  std::optional<std::string> admin_token_file;
+  std::optional<std::string> metrics_listen, metrics_port_file;
   bool help = false;
 };
 
@@ -93,9 +112,11 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
       name = arg.substr(0, eq);
       value = arg.substr(eq + 1);
     }
-    static const std::set<std::string> kKnown = {"--listen",         "--state-dir",         "--lease-ttl-ms",
-                                                 "--tick-ms",        "--coordinator-id",    "--max-message-bytes",
-                                                 "--config",         "--port-file"};
+    static const std::set<std::string> kKnown = {
+        "--listen",          "--state-dir",       "--lease-ttl-ms",    "--tick-ms",
+        "--coordinator-id",  "--max-message-bytes", "--config",        "--port-file",
+        "--tls-cert-file",   "--tls-key-file",    "--tls-ca-file",     "--tls-client-auth",
+        "--tls-server-name", "--admin-token-file", "--metrics-listen", "--metrics-port-file"};
     if (!kKnown.count(name)) return absl::InvalidArgumentError(absl::StrCat("unknown flag '", name, "'"));
     if (!value) {
       if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(name, ": missing value"));
@@ -106,6 +127,14 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
     if (name == "--coordinator-id") s.coordinator_id = *value;
     if (name == "--config") s.config = *value;
     if (name == "--port-file") s.port_file = *value;
+    if (name == "--tls-cert-file") s.tls_cert_file = *value;
+    if (name == "--tls-key-file") s.tls_key_file = *value;
+    if (name == "--tls-ca-file") s.tls_ca_file = *value;
+    if (name == "--tls-client-auth") s.tls_client_auth = *value;
+    if (name == "--tls-server-name") s.tls_server_name = *value;
+    if (name == "--admin-token-file") s.admin_token_file = *value;
+    if (name == "--metrics-listen") s.metrics_listen = *value;
+    if (name == "--metrics-port-file") s.metrics_port_file = *value;
     if (name == "--lease-ttl-ms") {
       MAINSTAY_ASSIGN_OR_RETURN(s.lease_ttl_ms, ParsePositive(name, *value));
     } else if (name == "--tick-ms") {
@@ -142,8 +171,10 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
     if (!out) out = j[key].get<int64_t>();
     return absl::OkStatus();
   };
-  static const std::set<std::string> kKeys = {"listen",         "state_dir",         "lease_ttl_ms",
-                                              "tick_ms",        "coordinator_id",    "max_message_bytes"};
+  static const std::set<std::string> kKeys = {
+      "listen",          "state_dir",       "lease_ttl_ms",    "tick_ms",          "coordinator_id",
+      "max_message_bytes", "tls_cert_file", "tls_key_file",    "tls_ca_file",      "tls_client_auth",
+      "tls_server_name", "admin_token_file", "metrics_listen"};
   for (const auto& [key, value] : j.items()) {
     if (!kKeys.count(key)) {
       return absl::InvalidArgumentError(
@@ -153,6 +184,13 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
   MAINSTAY_RETURN_IF_ERROR(get_string("listen", s.listen));
   MAINSTAY_RETURN_IF_ERROR(get_string("state_dir", s.state_dir));
   MAINSTAY_RETURN_IF_ERROR(get_string("coordinator_id", s.coordinator_id));
+  MAINSTAY_RETURN_IF_ERROR(get_string("tls_cert_file", s.tls_cert_file));
+  MAINSTAY_RETURN_IF_ERROR(get_string("tls_key_file", s.tls_key_file));
+  MAINSTAY_RETURN_IF_ERROR(get_string("tls_ca_file", s.tls_ca_file));
+  MAINSTAY_RETURN_IF_ERROR(get_string("tls_client_auth", s.tls_client_auth));
+  MAINSTAY_RETURN_IF_ERROR(get_string("tls_server_name", s.tls_server_name));
+  MAINSTAY_RETURN_IF_ERROR(get_string("admin_token_file", s.admin_token_file));
+  MAINSTAY_RETURN_IF_ERROR(get_string("metrics_listen", s.metrics_listen));
   MAINSTAY_RETURN_IF_ERROR(get_int("lease_ttl_ms", s.lease_ttl_ms));
   MAINSTAY_RETURN_IF_ERROR(get_int("tick_ms", s.tick_ms));
   MAINSTAY_RETURN_IF_ERROR(get_int("max_message_bytes", s.max_message_bytes));
@@ -178,6 +216,23 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
     }
     o.max_message_bytes = static_cast<int>(*s.max_message_bytes);
   }
+  o.tls.cert_file = s.tls_cert_file.value_or("");
+  o.tls.key_file = s.tls_key_file.value_or("");
+  o.tls.ca_file = s.tls_ca_file.value_or("");
+  o.tls.server_name = s.tls_server_name.value_or("");
+  const std::string client_auth = s.tls_client_auth.value_or("none");
+  if (client_auth != "none" && client_auth != "require") {
+    return absl::InvalidArgumentError(absl::StrCat("--tls-client-auth: none or require, got '", client_auth, "'"));
+  }
+  o.tls.require_client_cert = client_auth == "require";
+  if (s.admin_token_file) {
+    MAINSTAY_ASSIGN_OR_RETURN(o.admin_token, AdminAuth::ReadTokenFile(*s.admin_token_file));
+  }
+  if (const std::string m = s.metrics_listen.value_or("0.0.0.0:9464"); m != "off") {
+    if (absl::Status st = metrics::SplitHostPort(m).status(); !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--metrics-listen: ", st.message()));
+    }
+  }
   return o;
 }
 
@@ -201,6 +256,11 @@ int Main(int argc, char** argv) {
   // Before any thread starts (gRPC's threads inherit the mask).
   const StopSignals stop_signals = StopSignals::Block();
 
+  const std::string metrics_listen = settings->metrics_listen.value_or("0.0.0.0:9464");
+  std::unique_ptr<metrics::Registry> registry;  // null: --metrics-listen off
+  if (metrics_listen != "off") registry = std::make_unique<metrics::Registry>();
+  options->metrics = registry.get();
+
   absl::StatusOr<std::unique_ptr<CoordinatorServer>> server = CoordinatorServer::Start(*options);
   if (!server.ok()) {
     std::fprintf(stderr, "mainstay-coordinator: %s\n", server.status().ToString().c_str());
@@ -218,6 +278,33 @@ int Main(int argc, char** argv) {
     }
   }
 
+  std::unique_ptr<metrics::MetricsServer> metrics_server;
+  if (registry != nullptr) {
+    absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> started =
+        metrics::MetricsServer::Start({metrics_listen, registry.get()});
+    if (!started.ok() && settings->metrics_listen) {
+      std::fprintf(stderr, "mainstay-coordinator: %s\n", started.status().ToString().c_str());
+      (*server)->Shutdown();
+      return 1;
+    }
+    if (!started.ok()) {
+      // Only the default port: a daemon on the same host may hold it.
+      Log(LogLevel::kWarning, "coordinator",
+          absl::StrCat("no metrics endpoint: ", started.status().message(), "; pass --metrics-listen HOST:PORT (or off)"));
+    } else {
+      metrics_server = *std::move(started);
+      std::fprintf(stderr, "mainstay-coordinator: metrics on http://%s:%d/metrics\n",
+                   metrics_listen.substr(0, metrics_listen.rfind(':')).c_str(), metrics_server->port());
+      if (settings->metrics_port_file) {
+        if (absl::Status s = WritePortFile(*settings->metrics_port_file, metrics_server->port()); !s.ok()) {
+          std::fprintf(stderr, "mainstay-coordinator: %s\n", std::string(s.message()).c_str());
+          (*server)->Shutdown();
+          return 1;
+        }
+      }
+    }
+  }
+
   // Type=notify units (deploy/systemd) count as started only now; a no-op outside systemd.
   if (absl::Status s = SdNotify(absl::StrCat("READY=1\nSTATUS=serving on ", host, ":", (*server)->port())); !s.ok()) {
     Log(LogLevel::kWarning, "coordinator", s.message());
@@ -227,6 +314,7 @@ int Main(int argc, char** argv) {
   Log(LogLevel::kInfo, "coordinator", absl::StrCat("signal ", signal_number, ": shutting down"));
   if (absl::Status s = SdNotify("STOPPING=1"); !s.ok()) Log(LogLevel::kWarning, "coordinator", s.message());
   (*server)->Shutdown();
+  if (metrics_server != nullptr) metrics_server->Shutdown();
   server->reset();
   return 0;
 }

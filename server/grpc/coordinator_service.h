@@ -10,9 +10,20 @@
 // daemons through a GrpcShardAssigner.
 //
 // Not implemented yet (answered UNIMPLEMENTED with the reason): KvWatch (callers poll KvGet
-// with wait_ms), Admin MoveShard, GetShardStats, DumpTensor and the checkpoint RPCs. A per-job token
-// that is not the job's is PERMISSION_DENIED on GetJob, GetLayout, GetPlacement and
-// WatchPlacement; an empty one is still accepted, and the admin token is not implemented yet.
+// with wait_ms), Admin MoveShard, GetShardStats, DumpTensor and the checkpoint RPCs.
+//
+// Security (DESIGN.md section 8): options.tls makes every port TLS or mutual TLS and is also
+// how AssignShard / DropShard reach the daemons. A per-job token that is not the job's is
+// PERMISSION_DENIED on GetJob, GetLayout, GetPlacement and WatchPlacement. With
+// options.admin_token set, every Admin RPC, ListDaemons, ListJobs, CreateJob, DeleteJob, and
+// GetJob / GetLayout / GetPlacement / WatchPlacement without a job token need the admin token
+// (server/coordinator/admin_auth.h: the request's admin_token field or `authorization: Bearer`
+// metadata), else PERMISSION_DENIED. Daemons' calls (RegisterDaemon, Heartbeat,
+// DeregisterDaemon, the KV) never need it: daemons authenticate by mutual TLS.
+//
+// Health: "", "mainstay.v1.Coordinator" and "mainstay.v1.Admin" are SERVING from Start and
+// NOT_SERVING from the first moment of Shutdown. With options.metrics the server records the
+// metrics of server/metrics/coordinator_metrics.h into that registry.
 //
 // Thread safety: port() may be called from any thread; Shutdown is idempotent and may be
 // called from any thread but one at a time (the destructor calls it). Shutdown stops
@@ -26,6 +37,11 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/tls.h"
+
+namespace mainstay::metrics {
+class Registry;
+}  // namespace mainstay::metrics
 
 namespace mainstay::coordinator {
 
@@ -41,9 +57,16 @@ class CoordinatorServer {
     std::string coordinator_id;        // empty: "<hostname>-<pid>"
     // Largest request gRPC accepts; larger ones get RESOURCE_EXHAUSTED from gRPC itself.
     int max_message_bytes = 64 << 20;
+    // TLS of the port and of the calls to daemons; plaintext when tls.cert_file is empty.
+    TlsOptions tls;
+    // The admin token itself (read from --admin-token-file); empty: admin calls are open. Never
+    // logged.
+    std::string admin_token;
+    // Not owned, must outlive the server; null: no metrics.
+    metrics::Registry* metrics = nullptr;
   };
 
-  // INVALID_ARGUMENT for bad options, FAILED_PRECONDITION when another coordinator holds the
+  // INVALID_ARGUMENT for bad options (unreadable or mismatched TLS files included), FAILED_PRECONDITION when another coordinator holds the
   // state directory, DATA_LOSS for a corrupt state, UNAVAILABLE when the address cannot be
   // bound.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(Options options);

@@ -9,6 +9,7 @@
 #include <functional>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_tls.h"
 #include "common/layout_proto.h"
 #include "common/logging.h"
 #include "common/status.h"
@@ -29,7 +30,8 @@ constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
 constexpr absl::Duration kCloseGrace = absl::Milliseconds(500);
 constexpr int64_t kDefaultChunkBytes = 1 << 20;
 constexpr int64_t kMaxChunkBytes = 4 << 20;
-constexpr char kTransport[] = "grpc";  // the `transport` label of the byte counters
+constexpr char kTransport[] = "grpc";
+constexpr char kShardService[] = "mainstay.v1.Shard";  // its health status is the readiness  // the `transport` label of the byte counters
 
 ::grpc::Status ShuttingDown() { return ::grpc::Status(::grpc::StatusCode::UNAVAILABLE, "daemon is shutting down"); }
 
@@ -52,9 +54,9 @@ absl::StatusOr<T> WaitInSlices(::grpc::CallbackServerContext* context, Calls* ca
 // PushGrad: header first (validated before any data), then chunks into the session.
 class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradRequest> {
  public:
-  PushGradReactor(ShardDaemon* core, Calls* calls, metrics::Counter* pushed_bytes,
+  PushGradReactor(ShardDaemon* core, Calls* calls, metrics::Counter* pushed_bytes, StepDrain* drain,
                   ::grpc::CallbackServerContext* context, v1::PushGradResponse* response)
-      : core_(core), calls_(calls), pushed_bytes_(pushed_bytes), context_(context), response_(response) {
+      : core_(core), calls_(calls), pushed_bytes_(pushed_bytes), drain_(drain), context_(context), response_(response) {
     if (!calls_->Enter()) {
       Finish(ShuttingDown());
       return;
@@ -74,6 +76,11 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
       if (!request_.has_header()) return End(absl::InvalidArgumentError("PushGrad: the first message must be the header"));
       absl::StatusOr<std::unique_ptr<PushSession>> session = core_->BeginPush(request_.header());
       if (!session.ok()) return End(session.status());
+      if (drain_ != nullptr) {
+        if (absl::Status s = drain_->AdmitPush(request_.header().job_id(), request_.header().step()); !s.ok()) {
+          return End(s);  // the session is dropped: nothing of this push is stored
+        }
+      }
       session_ = *std::move(session);
     } else {
       if (!request_.has_chunk()) return End(absl::InvalidArgumentError("PushGrad: a second header in one stream"));
@@ -97,6 +104,7 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
   ShardDaemon* const core_;
   Calls* const calls_;
   metrics::Counter* const pushed_bytes_;  // null: no metrics
+  StepDrain* const drain_;                // null: no graceful drain
   ::grpc::CallbackServerContext* const context_;
   v1::PushGradResponse* const response_;
   v1::PushGradRequest request_;
@@ -280,7 +288,7 @@ absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& re
 
 class ShardService final : public v1::Shard::CallbackService {
  public:
-  ShardService(ShardDaemon* core, Calls* calls) : core_(core), calls_(calls) {
+  ShardService(ShardDaemon* core, Calls* calls, StepDrain* drain) : core_(core), calls_(calls), drain_(drain) {
     if (metrics::DaemonMetrics* m = core->metrics(); m != nullptr) {
       pushed_bytes_ = m->PushedBytes(kTransport);
       pulled_bytes_ = m->PulledBytes(kTransport);
@@ -297,7 +305,7 @@ class ShardService final : public v1::Shard::CallbackService {
   }
   ::grpc::ServerReadReactor<v1::PushGradRequest>* PushGrad(::grpc::CallbackServerContext* context,
                                                            v1::PushGradResponse* response) override {
-    return new PushGradReactor(core_, calls_, pushed_bytes_.get(), context, response);
+    return new PushGradReactor(core_, calls_, pushed_bytes_.get(), drain_, context, response);
   }
   ::grpc::ServerWriteReactor<v1::PullParamsResponse>* PullParams(::grpc::CallbackServerContext* context,
                                                                  const v1::PullParamsRequest* request) override {
@@ -352,6 +360,7 @@ class ShardService final : public v1::Shard::CallbackService {
  private:
   ShardDaemon* const core_;
   Calls* const calls_;
+  StepDrain* const drain_;
   std::shared_ptr<metrics::Counter> pushed_bytes_, pulled_bytes_;  // null: no metrics
 };
 
@@ -364,6 +373,8 @@ struct ShardServer::Impl {
   std::unique_ptr<::grpc::Server> server;
   int port = 0;
   std::atomic<bool> shut_down{false};
+  absl::Mutex health_mu;  // orders SetReady against BeginDrain
+  bool drained ABSL_GUARDED_BY(health_mu) = false;
 
   ~Impl() { Shutdown(); }
 
@@ -378,16 +389,34 @@ ShardServer::~ShardServer() = default;
 int ShardServer::port() const { return impl_->port; }
 void ShardServer::Shutdown() { impl_->Shutdown(); }
 
+void ShardServer::SetReady(bool ready) {
+  absl::MutexLock lock(&impl_->health_mu);
+  if (impl_->drained || impl_->server == nullptr) return;
+  if (::grpc::HealthCheckServiceInterface* health = impl_->server->GetHealthCheckService(); health != nullptr) {
+    health->SetServingStatus(kShardService, ready);
+  }
+}
+
+void ShardServer::BeginDrain() {
+  absl::MutexLock lock(&impl_->health_mu);
+  impl_->drained = true;
+  if (impl_->server == nullptr) return;
+  if (::grpc::HealthCheckServiceInterface* health = impl_->server->GetHealthCheckService(); health != nullptr) {
+    health->SetServingStatus(false);
+  }
+}
+
 absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options) {
   if (options.daemon == nullptr) return absl::InvalidArgumentError("daemon: required");
   if (options.listen_address.empty()) return absl::InvalidArgumentError("listen_address: must not be empty");
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<::grpc::ServerCredentials> credentials, MakeServerCredentials(options.tls));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls);
+  impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls, options.drain);
   ::grpc::EnableDefaultHealthCheckService(true);
   ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   ::grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, ::grpc::InsecureServerCredentials(), &impl->port);
+  builder.AddListeningPort(options.listen_address, credentials, &impl->port);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.RegisterService(impl->service.get());
   impl->server = builder.BuildAndStart();
@@ -396,11 +425,12 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options)
                                                " (address in use or not local?)"));
   }
   if (::grpc::HealthCheckServiceInterface* health = impl->server->GetHealthCheckService(); health != nullptr) {
-    health->SetServingStatus(true);
     health->SetServingStatus("", true);
-    health->SetServingStatus("mainstay.v1.Shard", true);
+    health->SetServingStatus(kShardService, false);  // ready once registered: SetReady
   }
-  Log(LogLevel::kInfo, kComponent, absl::StrCat("serving the Shard service on port ", impl->port));
+  Log(LogLevel::kInfo, kComponent,
+      absl::StrCat("serving the Shard service on port ", impl->port,
+                   options.tls.ServerEnabled() ? (options.tls.require_client_cert ? " (mutual TLS)" : " (TLS)") : " (plaintext)"));
   return std::unique_ptr<ShardServer>(new ShardServer(std::move(impl)));
 }
 
