@@ -63,6 +63,8 @@ flags:
   --tls-client-auth MODE    none (default) or require: mutual TLS, refuse clients without a
                             certificate signed by --tls-ca-file
   --tls-server-name NAME    verify daemons' certificates against NAME instead of their address
+  --health-listen HOST:PORT a plaintext port serving only grpc.health.v1 (for probes that cannot
+                            speak TLS, e.g. Kubernetes'); default none
   --admin-token-file FILE   file holding the admin token; admin calls and job reads without a
                             job token then need it (PERMISSION_DENIED otherwise)
   --metrics-listen HOST:PORT  where Prometheus scrapes GET /metrics over HTTP (default
@@ -85,6 +87,7 @@ struct Settings {
   std::optional<std::string> port_file;
   std::optional<std::string> tls_cert_file, tls_key_file, tls_ca_file, tls_client_auth, tls_server_name;
   std::optional<std::string> admin_token_file;
+  std::optional<std::string> health_listen;
   std::optional<std::string> metrics_listen, metrics_port_file;
   bool help = false;
 };
@@ -116,7 +119,8 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
         "--listen",          "--state-dir",       "--lease-ttl-ms",    "--tick-ms",
         "--coordinator-id",  "--max-message-bytes", "--config",        "--port-file",
         "--tls-cert-file",   "--tls-key-file",    "--tls-ca-file",     "--tls-client-auth",
-        "--tls-server-name", "--admin-token-file", "--metrics-listen", "--metrics-port-file"};
+        "--tls-server-name", "--admin-token-file", "--metrics-listen", "--metrics-port-file",
+        "--health-listen"};
     if (!kKnown.count(name)) return absl::InvalidArgumentError(absl::StrCat("unknown flag '", name, "'"));
     if (!value) {
       if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(name, ": missing value"));
@@ -133,6 +137,7 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
     if (name == "--tls-client-auth") s.tls_client_auth = *value;
     if (name == "--tls-server-name") s.tls_server_name = *value;
     if (name == "--admin-token-file") s.admin_token_file = *value;
+    if (name == "--health-listen") s.health_listen = *value;
     if (name == "--metrics-listen") s.metrics_listen = *value;
     if (name == "--metrics-port-file") s.metrics_port_file = *value;
     if (name == "--lease-ttl-ms") {
@@ -174,7 +179,7 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
   static const std::set<std::string> kKeys = {
       "listen",          "state_dir",       "lease_ttl_ms",    "tick_ms",          "coordinator_id",
       "max_message_bytes", "tls_cert_file", "tls_key_file",    "tls_ca_file",      "tls_client_auth",
-      "tls_server_name", "admin_token_file", "metrics_listen"};
+      "tls_server_name", "admin_token_file", "metrics_listen", "health_listen"};
   for (const auto& [key, value] : j.items()) {
     if (!kKeys.count(key)) {
       return absl::InvalidArgumentError(
@@ -191,6 +196,7 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
   MAINSTAY_RETURN_IF_ERROR(get_string("tls_server_name", s.tls_server_name));
   MAINSTAY_RETURN_IF_ERROR(get_string("admin_token_file", s.admin_token_file));
   MAINSTAY_RETURN_IF_ERROR(get_string("metrics_listen", s.metrics_listen));
+  MAINSTAY_RETURN_IF_ERROR(get_string("health_listen", s.health_listen));
   MAINSTAY_RETURN_IF_ERROR(get_int("lease_ttl_ms", s.lease_ttl_ms));
   MAINSTAY_RETURN_IF_ERROR(get_int("tick_ms", s.tick_ms));
   MAINSTAY_RETURN_IF_ERROR(get_int("max_message_bytes", s.max_message_bytes));
@@ -225,6 +231,11 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
     return absl::InvalidArgumentError(absl::StrCat("--tls-client-auth: none or require, got '", client_auth, "'"));
   }
   o.tls.require_client_cert = client_auth == "require";
+  o.health_listen_address = s.health_listen.value_or("");
+  if (!o.health_listen_address.empty() && o.health_listen_address.rfind(':') == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--health-listen: expected HOST:PORT, got '", o.health_listen_address, "'"));
+  }
   if (s.admin_token_file) {
     MAINSTAY_ASSIGN_OR_RETURN(o.admin_token, AdminAuth::ReadTokenFile(*s.admin_token_file));
   }
@@ -268,6 +279,9 @@ int Main(int argc, char** argv) {
   }
   const std::string host = options->listen_address.substr(0, options->listen_address.rfind(':'));
   std::fprintf(stderr, "mainstay-coordinator listening on %s:%d\n", host.c_str(), (*server)->port());
+  if ((*server)->health_port() != 0) {
+    std::fprintf(stderr, "mainstay-coordinator: plaintext health port %d\n", (*server)->health_port());
+  }
   std::fflush(stderr);
   if (settings->port_file) {
     absl::Status s = WritePortFile(*settings->port_file, (*server)->port());

@@ -81,6 +81,8 @@ flags:
   --tls-client-auth MODE      none (default) or require: mutual TLS, refuse clients without a
                               certificate signed by --tls-ca-file
   --tls-server-name NAME      verify the coordinator's certificate against NAME instead of its address
+  --health-listen HOST:PORT   a plaintext port serving only grpc.health.v1 (for probes that cannot
+                              speak TLS, e.g. Kubernetes'); default none
   --admin-token-file FILE     the embedded coordinator's admin token (with --standalone)
   --help                      this text
 )";
@@ -101,7 +103,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       "--node-name",   "--threads",        "--memory-bytes",       "--retained-versions", "--peer-timeout-ms",
       "--lease-ttl-ms", "--port-file",     "--coordinator-port-file", "--metrics-listen", "--metrics-port-file",
       "--drain-timeout-ms", "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-client-auth",
-      "--tls-server-name", "--admin-token-file"};
+      "--tls-server-name", "--admin-token-file", "--health-listen"};
   Flags f;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -280,7 +282,8 @@ int Main(int argc, char** argv) {
   ShardDaemon daemon(daemon_options);
   StepDrain drain;
 
-  absl::StatusOr<std::unique_ptr<ShardServer>> server = ShardServer::Start({listen, 64 << 20, &daemon, *tls, &drain});
+  absl::StatusOr<std::unique_ptr<ShardServer>> server =
+      ShardServer::Start({listen, 64 << 20, &daemon, *tls, &drain, flags->Get("--health-listen")});
   if (!server.ok()) return Fail(server.status(), 1);
   std::unique_ptr<metrics::MetricsServer> metrics_server;
   absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> started_metrics =

@@ -37,6 +37,7 @@
 #include "server/coordinator/state_store.h"
 #include "server/grpc/calls.h"
 #include "server/grpc/grpc_shard_assigner.h"
+#include "server/grpc/health_port.h"
 #include "server/grpc/rpc_metrics.h"
 #include "server/metrics/coordinator_metrics.h"
 #include "server/metrics/registry.h"
@@ -456,6 +457,7 @@ struct CoordinatorServer::Impl {
   std::unique_ptr<CoordinatorService> coordinator_service;
   std::unique_ptr<AdminService> admin_service;
   std::unique_ptr<::grpc::Server> server;
+  std::unique_ptr<grpc_server::HealthPort> health_port;  // null: none
   int port = 0;
 
   absl::Mutex tick_mu;
@@ -483,7 +485,9 @@ struct CoordinatorServer::Impl {
     if (shut_down.exchange(true)) return;
     const absl::Time start = absl::Now();
     // New calls get UNAVAILABLE from here on; waiting ones end at their next slice.
+    if (health_port != nullptr) health_port->SetServingStatus(false);
     ::mainstay::grpc_server::ShutdownServer(server.get(), calls, kShutdownGrace, kCloseGrace, kComponent);
+    if (health_port != nullptr) health_port->Shutdown();
     if (collector != 0) options.metrics->RemoveCollector(collector);  // it reads the core
     collector = 0;
     {
@@ -502,6 +506,7 @@ CoordinatorServer::CoordinatorServer(std::unique_ptr<Impl> impl) : impl_(std::mo
 CoordinatorServer::~CoordinatorServer() = default;
 
 int CoordinatorServer::port() const { return impl_->port; }
+int CoordinatorServer::health_port() const { return impl_->health_port == nullptr ? 0 : impl_->health_port->port(); }
 
 void CoordinatorServer::Shutdown() { impl_->Shutdown(); }
 
@@ -566,6 +571,12 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
     health->SetServingStatus("", true);
     health->SetServingStatus("mainstay.v1.Coordinator", true);
     health->SetServingStatus("mainstay.v1.Admin", true);
+  }
+  if (!options.health_listen_address.empty()) {
+    MAINSTAY_ASSIGN_OR_RETURN(impl->health_port, grpc_server::HealthPort::Start(options.health_listen_address));
+    for (const char* service : {"", "mainstay.v1.Coordinator", "mainstay.v1.Admin"}) {
+      impl->health_port->SetServingStatus(service, true);
+    }
   }
   Impl* raw = impl.get();
   if (impl->metrics != nullptr) {

@@ -64,6 +64,9 @@ class CoordinatorServer {
     std::string admin_token;
     // Not owned, must outlive the server; null: no metrics.
     metrics::Registry* metrics = nullptr;
+    // "host:port" of a plaintext port serving only grpc.health.v1 with the same statuses
+    // (server/grpc/health_port.h), for probes that cannot speak TLS; empty: none.
+    std::string health_listen_address;
   };
 
   // INVALID_ARGUMENT for bad options (unreadable or mismatched TLS files included), FAILED_PRECONDITION when another coordinator holds the
@@ -77,6 +80,8 @@ class CoordinatorServer {
 
   // The bound port (the chosen one when the address asked for port 0).
   int port() const;
+  // The bound health-only port; 0 without options.health_listen_address.
+  int health_port() const;
 
   // Graceful and bounded (about 5 seconds at most); idempotent.
   void Shutdown();

@@ -15,6 +15,7 @@
 #include "common/status.h"
 #include "mainstay/v1/shard.grpc.pb.h"
 #include "server/grpc/calls.h"
+#include "server/grpc/health_port.h"
 #include "server/metrics/daemon_metrics.h"
 
 namespace mainstay::daemon {
@@ -371,6 +372,7 @@ struct ShardServer::Impl {
   Calls calls;
   std::unique_ptr<ShardService> service;
   std::unique_ptr<::grpc::Server> server;
+  std::unique_ptr<grpc_server::HealthPort> health_port;  // null: none
   int port = 0;
   std::atomic<bool> shut_down{false};
   absl::Mutex health_mu;  // orders SetReady against BeginDrain
@@ -380,13 +382,16 @@ struct ShardServer::Impl {
 
   void Shutdown() {
     if (shut_down.exchange(true)) return;
+    if (health_port != nullptr) health_port->SetServingStatus(false);
     grpc_server::ShutdownServer(server.get(), calls, kShutdownGrace, kCloseGrace, kComponent);
+    if (health_port != nullptr) health_port->Shutdown();
   }
 };
 
 ShardServer::ShardServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ShardServer::~ShardServer() = default;
 int ShardServer::port() const { return impl_->port; }
+int ShardServer::health_port() const { return impl_->health_port == nullptr ? 0 : impl_->health_port->port(); }
 void ShardServer::Shutdown() { impl_->Shutdown(); }
 
 void ShardServer::SetReady(bool ready) {
@@ -395,6 +400,7 @@ void ShardServer::SetReady(bool ready) {
   if (::grpc::HealthCheckServiceInterface* health = impl_->server->GetHealthCheckService(); health != nullptr) {
     health->SetServingStatus(kShardService, ready);
   }
+  if (impl_->health_port != nullptr) impl_->health_port->SetServingStatus(kShardService, ready);
 }
 
 void ShardServer::BeginDrain() {
@@ -404,6 +410,7 @@ void ShardServer::BeginDrain() {
   if (::grpc::HealthCheckServiceInterface* health = impl_->server->GetHealthCheckService(); health != nullptr) {
     health->SetServingStatus(false);
   }
+  if (impl_->health_port != nullptr) impl_->health_port->SetServingStatus(false);
 }
 
 absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options) {
@@ -427,6 +434,10 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options)
   if (::grpc::HealthCheckServiceInterface* health = impl->server->GetHealthCheckService(); health != nullptr) {
     health->SetServingStatus("", true);
     health->SetServingStatus(kShardService, false);  // ready once registered: SetReady
+  }
+  if (!options.health_listen_address.empty()) {
+    MAINSTAY_ASSIGN_OR_RETURN(impl->health_port, grpc_server::HealthPort::Start(options.health_listen_address));
+    impl->health_port->SetServingStatus("", true);
   }
   Log(LogLevel::kInfo, kComponent,
       absl::StrCat("serving the Shard service on port ", impl->port,

@@ -38,6 +38,9 @@ class ShardServer {
     daemon::ShardDaemon* daemon = nullptr;        // required, not owned
     TlsOptions tls;                               // plaintext when tls.cert_file is empty
     StepDrain* drain = nullptr;                   // not owned, must outlive the server; null: none
+    // "host:port" of a plaintext port serving only grpc.health.v1 with the same statuses
+    // (server/grpc/health_port.h), for probes that cannot speak TLS; empty: none.
+    std::string health_listen_address;
   };
 
   // INVALID_ARGUMENT for bad options (unreadable or mismatched TLS files included);
@@ -48,6 +51,8 @@ class ShardServer {
   ShardServer& operator=(const ShardServer&) = delete;
 
   int port() const;
+  // The bound health-only port; 0 without options.health_listen_address.
+  int health_port() const;
   // The readiness of "mainstay.v1.Shard" (ignored after BeginDrain or Shutdown).
   void SetReady(bool ready);
   // Health NOT_SERVING for every service, for good; calls are still served (the steps in

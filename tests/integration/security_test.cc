@@ -4,10 +4,14 @@
 // servers present and use as their client certificate, a trainer's client certificate, and a
 // second CA with a client certificate of its own). Trainers go through the client library,
 // operators through the mainstayctl binary, and raw gRPC stubs probe what must be refused.
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -85,6 +89,22 @@ void MakeCert(const TempDir& dir, const std::string& ca, const std::string& name
         dir.File("openssl.log"));
 }
 
+// A port that was free a moment ago (for --health-listen, whose port is not written to a file).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = -1;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
 template <typename Stub, typename Request, typename Response>
 absl::Status Call(Stub& stub, ::grpc::Status (Stub::*method)(::grpc::ClientContext*, const Request&, Response*),
                   const Request& request, Response* response, const std::string& admin_token = "") {
@@ -111,9 +131,12 @@ class SecurityTest : public ::testing::Test {
     const std::vector<std::string> tls = {"--tls-cert-file", dir_->File("server.pem"), "--tls-key-file",
                                           dir_->File("server.key"), "--tls-ca-file", dir_->File("cluster-ca.pem"),
                                           "--tls-client-auth", "require"};
+    health_addresses_ = new std::vector<std::string>{absl::StrCat("127.0.0.1:", FreePort()),
+                                                     absl::StrCat("127.0.0.1:", FreePort())};
     std::vector<std::string> argv = {MAINSTAY_COORDINATOR_BIN, "--listen", "127.0.0.1:0", "--state-dir",
                                      dir_->File("state"), "--port-file", dir_->File("cport"), "--metrics-listen",
-                                     "off", "--admin-token-file", dir_->File("admin-token")};
+                                     "off", "--admin-token-file", dir_->File("admin-token"), "--health-listen",
+                                     (*health_addresses_)[0]};
     argv.insert(argv.end(), tls.begin(), tls.end());
     auto coordinator = Subprocess::Start({argv, dir_->File("coordinator.log")});
     ASSERT_THAT(coordinator.status(), IsOk());
@@ -124,7 +147,7 @@ class SecurityTest : public ::testing::Test {
 
     argv = {MAINSTAYD_BIN, "--coordinator", *address_, "--listen", "127.0.0.1:0", "--node-name", "node0",
             "--threads", "1", "--memory-bytes", "4000000000", "--port-file", dir_->File("dport"),
-            "--metrics-listen", "off"};
+            "--metrics-listen", "off", "--health-listen", (*health_addresses_)[1]};
     argv.insert(argv.end(), tls.begin(), tls.end());
     auto daemon = Subprocess::Start({argv, dir_->File("daemon.log")});
     ASSERT_THAT(daemon.status(), IsOk());
@@ -141,6 +164,8 @@ class SecurityTest : public ::testing::Test {
     delete daemon_address_;
     delete admin_token_;
     delete tokens_;
+    delete health_addresses_;
+    health_addresses_ = nullptr;
     delete dir_;
     daemon_ = coordinator_ = nullptr;
     address_ = daemon_address_ = admin_token_ = nullptr;
@@ -208,6 +233,7 @@ class SecurityTest : public ::testing::Test {
   static std::string* daemon_address_;
   static std::string* admin_token_;
   static std::vector<std::string>* tokens_;  // every secret the tests used
+  static std::vector<std::string>* health_addresses_;  // --health-listen of coordinator, daemon
 };
 TempDir* SecurityTest::dir_ = nullptr;
 Subprocess* SecurityTest::coordinator_ = nullptr;
@@ -216,6 +242,7 @@ std::string* SecurityTest::address_ = nullptr;
 std::string* SecurityTest::daemon_address_ = nullptr;
 std::string* SecurityTest::admin_token_ = nullptr;
 std::vector<std::string>* SecurityTest::tokens_ = nullptr;
+std::vector<std::string>* SecurityTest::health_addresses_ = nullptr;
 
 TEST_F(SecurityTest, TrainerStepsEndToEndOverMutualTls) {
   std::unique_ptr<Client> client = CreateJob("tls-steps");
@@ -324,6 +351,28 @@ TEST_F(SecurityTest, MutualTlsRefusesClientsWithoutACertificateOrWithOneFromAnot
   ::grpc::health::v1::HealthCheckResponse response;
   EXPECT_THAT(Call(*health, &::grpc::health::v1::Health::Stub::Check, {}, &response),
               StatusIs(absl::StatusCode::kUnavailable));
+}
+
+TEST_F(SecurityTest, PlaintextHealthPortMirrorsTheTlsServersAndServesNothingElse) {
+  const std::vector<std::pair<std::string, std::string>> checks = {
+      {(*health_addresses_)[0], "mainstay.v1.Coordinator"}, {(*health_addresses_)[1], "mainstay.v1.Shard"}};
+  for (const auto& [address, service] : checks) {
+    auto channel = Channel(address, {});
+    auto health = ::grpc::health::v1::Health::NewStub(channel);
+    ::grpc::health::v1::HealthCheckRequest request;
+    request.set_service(service);
+    ::grpc::health::v1::HealthCheckResponse response;
+    EXPECT_THAT(Call(*health, &::grpc::health::v1::Health::Stub::Check, request, &response), IsOk()) << address;
+    EXPECT_EQ(response.status(), ::grpc::health::v1::HealthCheckResponse::SERVING) << address << " " << service;
+  }
+  // Only health: the services themselves are not on the plaintext port.
+  auto coordinator = v1::Coordinator::NewStub(Channel((*health_addresses_)[0], {}));
+  v1::ListDaemonsResponse daemons;
+  EXPECT_THAT(Call(*coordinator, &v1::Coordinator::Stub::ListDaemons, {}, &daemons, *admin_token_),
+              StatusIs(absl::StatusCode::kUnimplemented));
+  auto shard = v1::Shard::NewStub(Channel((*health_addresses_)[1], {}));
+  v1::GetStepStatsResponse stats;
+  EXPECT_THAT(Call(*shard, &v1::Shard::Stub::GetStepStats, {}, &stats), StatusIs(absl::StatusCode::kUnimplemented));
 }
 
 TEST_F(SecurityTest, AdminCallsWithoutOrWithAWrongAdminTokenArePermissionDenied) {
