@@ -63,6 +63,9 @@ flags:
   --tls-client-auth MODE    none (default) or require: mutual TLS, refuse clients without a
                             certificate signed by --tls-ca-file
   --tls-server-name NAME    verify daemons' certificates against NAME instead of their address
+  --tls-internal-name NAME  with mutual TLS: the certificate name (CN or SAN) only the cluster's
+                            servers carry; daemons' calls (registration, heartbeats, the KV) from
+                            other certificates (trainers', operators') are refused
   --health-listen HOST:PORT a plaintext port serving only grpc.health.v1 (for probes that cannot
                             speak TLS, e.g. Kubernetes'); default none
   --admin-token-file FILE   file holding the admin token; admin calls and job reads without a
@@ -85,7 +88,8 @@ struct Settings {
   std::optional<int64_t> max_message_bytes;
   std::optional<std::string> config;
   std::optional<std::string> port_file;
-  std::optional<std::string> tls_cert_file, tls_key_file, tls_ca_file, tls_client_auth, tls_server_name;
+  std::optional<std::string> tls_cert_file, tls_key_file, tls_ca_file, tls_client_auth, tls_server_name,
+      tls_internal_name;
   std::optional<std::string> admin_token_file;
   std::optional<std::string> health_listen;
   std::optional<std::string> metrics_listen, metrics_port_file;
@@ -120,7 +124,7 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
         "--coordinator-id",  "--max-message-bytes", "--config",        "--port-file",
         "--tls-cert-file",   "--tls-key-file",    "--tls-ca-file",     "--tls-client-auth",
         "--tls-server-name", "--admin-token-file", "--metrics-listen", "--metrics-port-file",
-        "--health-listen"};
+        "--health-listen",   "--tls-internal-name"};
     if (!kKnown.count(name)) return absl::InvalidArgumentError(absl::StrCat("unknown flag '", name, "'"));
     if (!value) {
       if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(name, ": missing value"));
@@ -136,6 +140,7 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
     if (name == "--tls-ca-file") s.tls_ca_file = *value;
     if (name == "--tls-client-auth") s.tls_client_auth = *value;
     if (name == "--tls-server-name") s.tls_server_name = *value;
+    if (name == "--tls-internal-name") s.tls_internal_name = *value;
     if (name == "--admin-token-file") s.admin_token_file = *value;
     if (name == "--health-listen") s.health_listen = *value;
     if (name == "--metrics-listen") s.metrics_listen = *value;
@@ -179,7 +184,7 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
   static const std::set<std::string> kKeys = {
       "listen",          "state_dir",       "lease_ttl_ms",    "tick_ms",          "coordinator_id",
       "max_message_bytes", "tls_cert_file", "tls_key_file",    "tls_ca_file",      "tls_client_auth",
-      "tls_server_name", "admin_token_file", "metrics_listen", "health_listen"};
+      "tls_server_name", "admin_token_file", "metrics_listen", "health_listen", "tls_internal_name"};
   for (const auto& [key, value] : j.items()) {
     if (!kKeys.count(key)) {
       return absl::InvalidArgumentError(
@@ -194,6 +199,7 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
   MAINSTAY_RETURN_IF_ERROR(get_string("tls_ca_file", s.tls_ca_file));
   MAINSTAY_RETURN_IF_ERROR(get_string("tls_client_auth", s.tls_client_auth));
   MAINSTAY_RETURN_IF_ERROR(get_string("tls_server_name", s.tls_server_name));
+  MAINSTAY_RETURN_IF_ERROR(get_string("tls_internal_name", s.tls_internal_name));
   MAINSTAY_RETURN_IF_ERROR(get_string("admin_token_file", s.admin_token_file));
   MAINSTAY_RETURN_IF_ERROR(get_string("metrics_listen", s.metrics_listen));
   MAINSTAY_RETURN_IF_ERROR(get_string("health_listen", s.health_listen));
@@ -231,6 +237,7 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
     return absl::InvalidArgumentError(absl::StrCat("--tls-client-auth: none or require, got '", client_auth, "'"));
   }
   o.tls.require_client_cert = client_auth == "require";
+  o.internal_peer_name = s.tls_internal_name.value_or("");
   o.health_listen_address = s.health_listen.value_or("");
   if (!o.health_listen_address.empty() && o.health_listen_address.rfind(':') == std::string::npos) {
     return absl::InvalidArgumentError(

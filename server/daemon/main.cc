@@ -81,6 +81,9 @@ flags:
   --tls-client-auth MODE      none (default) or require: mutual TLS, refuse clients without a
                               certificate signed by --tls-ca-file
   --tls-server-name NAME      verify the coordinator's certificate against NAME instead of its address
+  --tls-internal-name NAME    with mutual TLS: the certificate name (CN or SAN) only the cluster's
+                              servers carry; AssignShard, DropShard, FetchShardState and
+                              WriteCheckpoint from other certificates (trainers') are refused
   --health-listen HOST:PORT   a plaintext port serving only grpc.health.v1 (for probes that cannot
                               speak TLS, e.g. Kubernetes'); default none
   --admin-token-file FILE     the embedded coordinator's admin token (with --standalone)
@@ -103,7 +106,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       "--node-name",   "--threads",        "--memory-bytes",       "--retained-versions", "--peer-timeout-ms",
       "--lease-ttl-ms", "--port-file",     "--coordinator-port-file", "--metrics-listen", "--metrics-port-file",
       "--drain-timeout-ms", "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-client-auth",
-      "--tls-server-name", "--admin-token-file", "--health-listen"};
+      "--tls-server-name", "--admin-token-file", "--health-listen", "--tls-internal-name"};
   Flags f;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -240,11 +243,12 @@ int Main(int argc, char** argv) {
     options.listen_address = flags->Get("--coordinator-listen", "127.0.0.1:7070");
     options.state_dir = flags->Get("--state-dir");
     options.tls = *tls;
+    options.internal_peer_name = flags->Get("--tls-internal-name");
     options.admin_token = admin_token;
     options.metrics = registry.get();  // the coordinator's metrics on the daemon's endpoint
     absl::StatusOr<std::unique_ptr<coordinator::CoordinatorServer>> server =
         coordinator::CoordinatorServer::Start(options);
-    if (!server.ok()) return Fail(server.status(), 1);
+    if (!server.ok()) return Fail(server.status(), server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
     embedded = *std::move(server);
     const std::string host = options.listen_address.substr(0, options.listen_address.rfind(':'));
     coordinator_address = absl::StrCat(host == "0.0.0.0" ? "127.0.0.1" : host, ":", embedded->port());
@@ -283,8 +287,9 @@ int Main(int argc, char** argv) {
   StepDrain drain;
 
   absl::StatusOr<std::unique_ptr<ShardServer>> server =
-      ShardServer::Start({listen, 64 << 20, &daemon, *tls, &drain, flags->Get("--health-listen")});
-  if (!server.ok()) return Fail(server.status(), 1);
+      ShardServer::Start({listen, 64 << 20, &daemon, *tls, flags->Get("--tls-internal-name"), &drain,
+                          flags->Get("--health-listen")});
+  if (!server.ok()) return Fail(server.status(), server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
   std::unique_ptr<metrics::MetricsServer> metrics_server;
   absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> started_metrics =
       registry == nullptr ? absl::StatusOr<std::unique_ptr<metrics::MetricsServer>>(nullptr)

@@ -38,6 +38,7 @@
 #include "server/grpc/calls.h"
 #include "server/grpc/grpc_shard_assigner.h"
 #include "server/grpc/health_port.h"
+#include "server/grpc/peer_identity.h"
 #include "server/grpc/rpc_metrics.h"
 #include "server/metrics/coordinator_metrics.h"
 #include "server/metrics/registry.h"
@@ -174,21 +175,32 @@ class WatchPlacementReactor final : public ::grpc::ServerWriteReactor<v1::WatchP
 
 class CoordinatorService final : public v1::Coordinator::CallbackService {
  public:
-  CoordinatorService(Coordinator* core, Calls* calls, const AdminAuth* auth) : core_(core), calls_(calls), auth_(auth) {}
+  // Daemons' calls (membership, the KV) need an internal peer (server/grpc/peer_identity.h).
+  CoordinatorService(Coordinator* core, Calls* calls, const AdminAuth* auth, std::string internal_peer_name)
+      : core_(core), calls_(calls), auth_(auth), internal_(std::move(internal_peer_name)) {}
 
   ::grpc::ServerUnaryReactor* RegisterDaemon(::grpc::CallbackServerContext* context,
                                              const v1::RegisterDaemonRequest* request,
                                              v1::RegisterDaemonResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->RegisterDaemon(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::RegisterDaemonResponse> {
+      MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "RegisterDaemon"));
+      return core_->RegisterDaemon(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* Heartbeat(::grpc::CallbackServerContext* context, const v1::HeartbeatRequest* request,
                                         v1::HeartbeatResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->Heartbeat(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::HeartbeatResponse> {
+      MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "Heartbeat"));
+      return core_->Heartbeat(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* DeregisterDaemon(::grpc::CallbackServerContext* context,
                                                const v1::DeregisterDaemonRequest* request,
                                                v1::DeregisterDaemonResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->DeregisterDaemon(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::Status {
+      MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "DeregisterDaemon"));
+      return core_->DeregisterDaemon(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* ListDaemons(::grpc::CallbackServerContext* context,
                                           const v1::ListDaemonsRequest* request,
@@ -252,10 +264,16 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
 
   ::grpc::ServerUnaryReactor* KvPut(::grpc::CallbackServerContext* context, const v1::KvPutRequest* request,
                                     v1::KvPutResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->KvPut(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::KvPutResponse> {
+      MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "KvPut"));
+      return core_->KvPut(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* KvGet(::grpc::CallbackServerContext* context, const v1::KvGetRequest* request,
                                     v1::KvGetResponse* response) override {
+    if (absl::Status s = grpc_server::CheckInternalPeer(context, internal_, "KvGet"); !s.ok()) {
+      return Refuse(context, s);
+    }
     if (request->wait_ms() <= 0) {
       return Serve(calls_, context, response, [&] { return core_->KvGet(*request, absl::Now()); });
     }
@@ -278,7 +296,10 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   }
   ::grpc::ServerUnaryReactor* KvDelete(::grpc::CallbackServerContext* context, const v1::KvDeleteRequest* request,
                                        v1::KvDeleteResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->KvDelete(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::KvDeleteResponse> {
+      MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "KvDelete"));
+      return core_->KvDelete(*request);
+    });
   }
   ::grpc::ServerWriteReactor<v1::KvWatchResponse>* KvWatch(::grpc::CallbackServerContext*,
                                                            const v1::KvWatchRequest*) override {
@@ -288,10 +309,12 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
 
  private:
   // A job read with a job token is the core's to check (PERMISSION_DENIED for another job's);
-  // without one it is an admin's read and needs the admin token when one is configured.
+  // without one it is a daemon's (an internal peer, when that is configured) or an admin's read,
+  // which needs the admin token when one is configured.
   absl::Status CheckJobRead(const ::grpc::CallbackServerContext* context, const std::string& job_token,
                             const std::string& admin_field, absl::string_view call) const {
     if (!job_token.empty()) return absl::OkStatus();
+    if (!internal_.empty() && grpc_server::IsInternalPeer(context, internal_)) return absl::OkStatus();
     return auth_->Check(AdminTokenOf(context, admin_field), absl::StrCat(call, " without a job token"));
   }
 
@@ -310,6 +333,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   Coordinator* const core_;
   Calls* const calls_;
   const AdminAuth* const auth_;
+  const std::string internal_;  // empty: no internal-peer check
 };
 
 // Every Admin RPC needs the admin token when one is configured (read-only ones too: they
@@ -520,6 +544,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
     return absl::InvalidArgumentError(absl::StrCat("max_message_bytes: must be > 0, got ", options.max_message_bytes));
   }
   if (options.coordinator_id.empty()) options.coordinator_id = DefaultCoordinatorId();
+  if (!options.internal_peer_name.empty() && !options.tls.require_client_cert) {
+    return absl::InvalidArgumentError(
+        "--tls-internal-name needs mutual TLS (--tls-client-auth require): the name is read from client certificates");
+  }
 
   // TLS files first: a bad one is the operator's to fix (INVALID_ARGUMENT), before any state is touched.
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<::grpc::ServerCredentials> credentials, MakeServerCredentials(options.tls));
@@ -546,7 +574,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
   }
   MAINSTAY_ASSIGN_OR_RETURN(impl->core, Coordinator::Create(core_options));
 
-  impl->coordinator_service = std::make_unique<CoordinatorService>(impl->core.get(), &impl->calls, &impl->auth);
+  impl->coordinator_service =
+      std::make_unique<CoordinatorService>(impl->core.get(), &impl->calls, &impl->auth, options.internal_peer_name);
   impl->admin_service = std::make_unique<AdminService>(impl->core.get(), &impl->calls, &impl->auth);
   ::grpc::EnableDefaultHealthCheckService(true);
   ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();

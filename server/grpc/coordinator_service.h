@@ -19,7 +19,8 @@
 // GetJob / GetLayout / GetPlacement / WatchPlacement without a job token need the admin token
 // (server/coordinator/admin_auth.h: the request's admin_token field or `authorization: Bearer`
 // metadata), else PERMISSION_DENIED. Daemons' calls (RegisterDaemon, Heartbeat,
-// DeregisterDaemon, the KV) never need it: daemons authenticate by mutual TLS.
+// DeregisterDaemon, the KV) never need it: daemons authenticate by mutual TLS, and with
+// options.internal_peer_name only the servers' certificates may make them.
 //
 // Health: "", "mainstay.v1.Coordinator" and "mainstay.v1.Admin" are SERVING from Start and
 // NOT_SERVING from the first moment of Shutdown. With options.metrics the server records the
@@ -59,6 +60,11 @@ class CoordinatorServer {
     int max_message_bytes = 64 << 20;
     // TLS of the port and of the calls to daemons; plaintext when tls.cert_file is empty.
     TlsOptions tls;
+    // With mutual TLS: the name (certificate CN or SAN) that only the cluster's servers'
+    // certificates carry; daemons' calls (RegisterDaemon, Heartbeat, DeregisterDaemon, the KV)
+    // from any other certificate are PERMISSION_DENIED (server/grpc/peer_identity.h). Empty: no
+    // such check. Needs tls.require_client_cert.
+    std::string internal_peer_name;
     // The admin token itself (read from --admin-token-file); empty: admin calls are open. Never
     // logged.
     std::string admin_token;
@@ -69,8 +75,8 @@ class CoordinatorServer {
     std::string health_listen_address;
   };
 
-  // INVALID_ARGUMENT for bad options (unreadable or mismatched TLS files included), FAILED_PRECONDITION when another coordinator holds the
-  // state directory, DATA_LOSS for a corrupt state, UNAVAILABLE when the address cannot be
+  // INVALID_ARGUMENT for bad options (unreadable or mismatched TLS files included),
+  // FAILED_PRECONDITION when another coordinator holds the state directory, DATA_LOSS for a corrupt state, UNAVAILABLE when the address cannot be
   // bound.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(Options options);
 

@@ -16,6 +16,7 @@
 #include "mainstay/v1/shard.grpc.pb.h"
 #include "server/grpc/calls.h"
 #include "server/grpc/health_port.h"
+#include "server/grpc/peer_identity.h"
 #include "server/metrics/daemon_metrics.h"
 
 namespace mainstay::daemon {
@@ -289,7 +290,8 @@ absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& re
 
 class ShardService final : public v1::Shard::CallbackService {
  public:
-  ShardService(ShardDaemon* core, Calls* calls, StepDrain* drain) : core_(core), calls_(calls), drain_(drain) {
+  ShardService(ShardDaemon* core, Calls* calls, StepDrain* drain, std::string internal_peer_name)
+      : core_(core), calls_(calls), drain_(drain), internal_(std::move(internal_peer_name)) {
     if (metrics::DaemonMetrics* m = core->metrics(); m != nullptr) {
       pushed_bytes_ = m->PushedBytes(kTransport);
       pulled_bytes_ = m->PulledBytes(kTransport);
@@ -298,11 +300,18 @@ class ShardService final : public v1::Shard::CallbackService {
 
   ::grpc::ServerUnaryReactor* AssignShard(::grpc::CallbackServerContext* context, const v1::AssignShardRequest* request,
                                           v1::AssignShardResponse* response) override {
-    return grpc_server::Serve(calls_, context, response, ShuttingDown(), [&] { return core_->AssignShard(*request); });
+    return grpc_server::Serve(calls_, context, response, ShuttingDown(),
+                              [&]() -> absl::StatusOr<v1::AssignShardResponse> {
+                                MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "AssignShard"));
+                                return core_->AssignShard(*request);
+                              });
   }
   ::grpc::ServerUnaryReactor* DropShard(::grpc::CallbackServerContext* context, const v1::DropShardRequest* request,
                                         v1::DropShardResponse* response) override {
-    return grpc_server::Serve(calls_, context, response, ShuttingDown(), [&] { return core_->DropShard(*request); });
+    return grpc_server::Serve(calls_, context, response, ShuttingDown(), [&]() -> absl::Status {
+      MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "DropShard"));
+      return core_->DropShard(*request);
+    });
   }
   ::grpc::ServerReadReactor<v1::PushGradRequest>* PushGrad(::grpc::CallbackServerContext* context,
                                                            v1::PushGradResponse* response) override {
@@ -346,6 +355,9 @@ class ShardService final : public v1::Shard::CallbackService {
   }
   ::grpc::ServerWriteReactor<v1::FetchShardStateResponse>* FetchShardState(
       ::grpc::CallbackServerContext* context, const v1::FetchShardStateRequest* request) override {
+    if (absl::Status s = grpc_server::CheckInternalPeer(context, internal_, "FetchShardState"); !s.ok()) {
+      return new grpc_server::FinishedWriter<v1::FetchShardStateResponse>(ToGrpcStatus(s));
+    }
     const v1::FetchShardStateRequest copy = *request;
     return new BlockingWriter<v1::FetchShardStateResponse>(
         calls_, context, [core = core_, copy](const auto& write) { return StreamState(core, copy, write); });
@@ -354,6 +366,10 @@ class ShardService final : public v1::Shard::CallbackService {
                                               const v1::WriteCheckpointRequest*,
                                               v1::WriteCheckpointResponse*) override {
     ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (absl::Status s = grpc_server::CheckInternalPeer(context, internal_, "WriteCheckpoint"); !s.ok()) {
+      reactor->Finish(ToGrpcStatus(s));
+      return reactor;
+    }
     reactor->Finish(::grpc::Status(::grpc::StatusCode::UNIMPLEMENTED, "WriteCheckpoint: checkpoints are not supported yet"));
     return reactor;
   }
@@ -362,6 +378,7 @@ class ShardService final : public v1::Shard::CallbackService {
   ShardDaemon* const core_;
   Calls* const calls_;
   StepDrain* const drain_;
+  const std::string internal_;  // empty: no internal-peer check
   std::shared_ptr<metrics::Counter> pushed_bytes_, pulled_bytes_;  // null: no metrics
 };
 
@@ -419,7 +436,11 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options)
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<::grpc::ServerCredentials> credentials, MakeServerCredentials(options.tls));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls, options.drain);
+  if (!options.internal_peer_name.empty() && !options.tls.require_client_cert) {
+    return absl::InvalidArgumentError(
+        "--tls-internal-name needs mutual TLS (--tls-client-auth require): the name is read from client certificates");
+  }
+  impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls, options.drain, options.internal_peer_name);
   ::grpc::EnableDefaultHealthCheckService(true);
   ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   ::grpc::ServerBuilder builder;

@@ -37,6 +37,11 @@ class ShardServer {
     int max_message_bytes = 64 << 20;
     daemon::ShardDaemon* daemon = nullptr;        // required, not owned
     TlsOptions tls;                               // plaintext when tls.cert_file is empty
+    // With mutual TLS: the name (certificate CN or SAN) that only the cluster's servers'
+    // certificates carry; AssignShard, DropShard, FetchShardState and WriteCheckpoint from any
+    // other certificate (a trainer's) are PERMISSION_DENIED (server/grpc/peer_identity.h).
+    // Empty: no such check. Needs tls.require_client_cert.
+    std::string internal_peer_name;
     StepDrain* drain = nullptr;                   // not owned, must outlive the server; null: none
     // "host:port" of a plaintext port serving only grpc.health.v1 with the same statuses
     // (server/grpc/health_port.h), for probes that cannot speak TLS; empty: none.

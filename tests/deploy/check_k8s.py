@@ -249,6 +249,8 @@ def check_tls(c, kind_name, template, container):
     for flag in ("--tls-cert-file", "--tls-key-file", "--tls-ca-file"):
         check_secret_file(c, kind_name, template, container, flag_value(args, flag), flag)
     c.check(flag_value(args, "--tls-client-auth") == "require", f"{kind_name}: --tls-client-auth is not require (mutual TLS)")
+    c.check(bool(flag_value(args, "--tls-internal-name")),
+            f"{kind_name}: no --tls-internal-name: trainers' certificates could make the servers' internal calls")
     c.check(health_port(args) is not None, f"{kind_name}: no --health-listen: the kubelet's gRPC probes cannot speak TLS")
     ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
     c.check(ports.get("health") == health_port(args), f"{kind_name}: no container port 'health' for --health-listen")

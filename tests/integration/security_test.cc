@@ -1,8 +1,9 @@
 // Security end to end (DESIGN.md section 8) with the real binaries on loopback: a
 // mainstay-coordinator and a mainstayd serving mutual TLS with an admin token, certificates
 // made by `openssl` at test time (a CA, a certificate for localhost / 127.0.0.1 that the
-// servers present and use as their client certificate, a trainer's client certificate, and a
-// second CA with a client certificate of its own). Trainers go through the client library,
+// servers present and use as their client certificate, which also names the cluster's internal
+// peer name, a trainer's client certificate, and a second CA with a client certificate of its
+// own). Trainers go through the client library,
 // operators through the mainstayctl binary, and raw gRPC stubs probe what must be refused.
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
@@ -78,10 +79,13 @@ void MakeCa(const TempDir& dir, const std::string& name) {
         dir.File("openssl.log"));
 }
 
-// NAME.pem / NAME.key signed by CA-ca, for servers and clients, with SANs localhost and 127.0.0.1.
-void MakeCert(const TempDir& dir, const std::string& ca, const std::string& name) {
+constexpr char kInternalName[] = "mainstay-internal";  // --tls-internal-name
+constexpr char kServerSans[] = "DNS:localhost,IP:127.0.0.1,DNS:mainstay-internal";
+
+// NAME.pem / NAME.key signed by CA-ca, for servers and clients, with these SANs.
+void MakeCert(const TempDir& dir, const std::string& ca, const std::string& name, const std::string& sans = kServerSans) {
   WriteFile(dir.File(name + ".ext"),
-            "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n");
+            absl::StrCat("subjectAltName=", sans, "\nextendedKeyUsage=serverAuth,clientAuth\n"));
   Shell(absl::StrCat("cd ", dir.path(), " && openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes",
                      " -keyout ", name, ".key -out ", name, ".csr -subj '/CN=", name, "'",
                      " && openssl x509 -req -in ", name, ".csr -CA ", ca, "-ca.pem -CAkey ", ca, "-ca.key",
@@ -120,7 +124,7 @@ class SecurityTest : public ::testing::Test {
     dir_ = TempDir::Create("mainstay-security").value().release();
     MakeCa(*dir_, "cluster");
     MakeCert(*dir_, "cluster", "server");
-    MakeCert(*dir_, "cluster", "trainer");
+    MakeCert(*dir_, "cluster", "trainer", "DNS:trainer-7");
     MakeCa(*dir_, "rogue");
     MakeCert(*dir_, "rogue", "intruder");
     if (HasFatalFailure()) return;
@@ -130,7 +134,7 @@ class SecurityTest : public ::testing::Test {
 
     const std::vector<std::string> tls = {"--tls-cert-file", dir_->File("server.pem"), "--tls-key-file",
                                           dir_->File("server.key"), "--tls-ca-file", dir_->File("cluster-ca.pem"),
-                                          "--tls-client-auth", "require"};
+                                          "--tls-client-auth", "require", "--tls-internal-name", kInternalName};
     health_addresses_ = new std::vector<std::string>{absl::StrCat("127.0.0.1:", FreePort()),
                                                      absl::StrCat("127.0.0.1:", FreePort())};
     std::vector<std::string> argv = {MAINSTAY_COORDINATOR_BIN, "--listen", "127.0.0.1:0", "--state-dir",
@@ -183,6 +187,14 @@ class SecurityTest : public ::testing::Test {
     tls.ca_file = dir_->File("cluster-ca.pem");
     tls.cert_file = dir_->File("trainer.pem");
     tls.key_file = dir_->File("trainer.key");
+    return tls;
+  }
+  // The servers' own certificate, as the coordinator and the daemons present it as clients.
+  static TlsOptions ServerTls() {
+    TlsOptions tls;
+    tls.ca_file = dir_->File("cluster-ca.pem");
+    tls.cert_file = dir_->File("server.pem");
+    tls.key_file = dir_->File("server.key");
     return tls;
   }
   static std::shared_ptr<::grpc::Channel> Channel(const std::string& address, const TlsOptions& tls) {
@@ -477,12 +489,20 @@ TEST_F(SecurityTest, AdminCallsWithoutOrWithAWrongAdminTokenArePermissionDenied)
   EXPECT_THAT(Call(*admin, &AdminStub::CordonDaemon, cordon, &cordoned), IsOk());
   EXPECT_EQ(cordoned.daemon().state(), v1::DAEMON_STATE_READY);
 
-  // Daemons' calls never need the admin token (they authenticate by mutual TLS).
+  // Daemons' calls never need the admin token: they authenticate by mutual TLS, with a
+  // certificate that names the internal peer name (a trainer's does not).
   v1::KvPutRequest put;
   put.set_key("security-test");
   put.set_value("v");
   v1::KvPutResponse put_response;
-  EXPECT_THAT(Call(*coordinator, &CoordinatorStub::KvPut, put, &put_response), IsOk());
+  EXPECT_THAT(Call(*coordinator, &CoordinatorStub::KvPut, put, &put_response),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr(kInternalName)));
+  auto as_server = v1::Coordinator::NewStub(Channel(*address_, ServerTls()));
+  EXPECT_THAT(Call(*as_server, &CoordinatorStub::KvPut, put, &put_response), IsOk());
+  v1::RegisterDaemonRequest fake;
+  fake.set_address("127.0.0.1:1");
+  v1::RegisterDaemonResponse registered;
+  EXPECT_THAT(Call(*coordinator, &CoordinatorStub::RegisterDaemon, fake, &registered), denied);
 }
 
 TEST_F(SecurityTest, AClientOfJobANeverReadsOrWritesJobB) {
@@ -571,6 +591,40 @@ TEST_F(SecurityTest, AClientOfJobANeverReadsOrWritesJobB) {
   stats.set_job_token(token_a);
   v1::GetStepStatsResponse stats_response;
   EXPECT_THAT(Call(*shard, &v1::Shard::Stub::GetStepStats, stats, &stats_response), denied);
+  // The daemon-only calls, which carry no job token, are refused to a trainer's certificate.
+  {
+    ::grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + kCallTimeout));
+    v1::FetchShardStateRequest fetch;
+    fetch.set_job_id(job_b);
+    auto reader = shard->FetchShardState(&context, fetch);
+    v1::FetchShardStateResponse message;
+    EXPECT_FALSE(reader->Read(&message));
+    EXPECT_THAT(FromGrpcStatus(reader->Finish()), StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr(kInternalName)));
+  }
+  v1::DropShardRequest drop;
+  drop.set_job_id(job_b);
+  drop.set_placement_epoch(epoch + 1);
+  v1::DropShardResponse dropped;
+  EXPECT_THAT(Call(*shard, &v1::Shard::Stub::DropShard, drop, &dropped), denied);
+  v1::AssignShardRequest assign;
+  assign.set_job_id(job_b);
+  v1::AssignShardResponse assigned;
+  EXPECT_THAT(Call(*shard, &v1::Shard::Stub::AssignShard, assign, &assigned), denied);
+  // The servers' certificate may: the copy of B's committed state streams.
+  {
+    auto as_server = v1::Shard::NewStub(Channel(*daemon_address_, ServerTls()));
+    ::grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + kCallTimeout));
+    v1::FetchShardStateRequest fetch;
+    fetch.set_job_id(job_b);
+    auto reader = as_server->FetchShardState(&context, fetch);
+    v1::FetchShardStateResponse message;
+    EXPECT_TRUE(reader->Read(&message));
+    while (reader->Read(&message)) {
+    }
+    EXPECT_THAT(FromGrpcStatus(reader->Finish()), IsOk());
+  }
 
   // B is untouched: its own trainer still pushes step 0 and gets version 1.
   const Layout& b_layout = b->layout();
@@ -686,6 +740,18 @@ TEST_F(SecurityFlagsTest, MissingMismatchedOrInconsistentFilesExitWithCode2Namin
             2)
       << out;
   EXPECT_THAT(out, HasSubstr("--tls-client-auth"));
+  EXPECT_EQ(Run(Coordinator({"--tls-cert-file", dir_->File("server.pem"), "--tls-key-file", dir_->File("server.key"),
+                             "--tls-internal-name", "mainstay-internal"}),
+                &out),
+            2)
+      << out;
+  EXPECT_THAT(out, HasSubstr("--tls-internal-name needs mutual TLS"));
+  EXPECT_EQ(Run({MAINSTAYD_BIN, "--coordinator", "127.0.0.1:1", "--metrics-listen", "off", "--tls-internal-name",
+                 "mainstay-internal"},
+                &out),
+            2)
+      << out;
+  EXPECT_THAT(out, HasSubstr("--tls-internal-name needs mutual TLS"));
 }
 
 }  // namespace
