@@ -38,7 +38,7 @@
 #include "server/grpc/calls.h"
 #include "server/grpc/grpc_shard_assigner.h"
 #include "server/grpc/health_port.h"
-#include "server/grpc/peer_identity.h"
+#include "server/grpc/caller_identity.h"
 #include "server/grpc/rpc_metrics.h"
 #include "server/metrics/coordinator_metrics.h"
 #include "server/metrics/registry.h"
@@ -71,19 +71,6 @@ constexpr absl::Duration kCloseGrace = absl::Milliseconds(500);
   ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(::grpc::Status(::grpc::StatusCode::UNIMPLEMENTED, message));
   return reactor;
-}
-
-// The admin token a call presents: the request's admin_token field when set, else the
-// `authorization: Bearer TOKEN` metadata (calls whose request has no such field, and clients
-// such as mainstayctl that set it once per connection).
-std::string AdminTokenOf(const ::grpc::CallbackServerContext* context, const std::string& field) {
-  if (!field.empty()) return field;
-  const auto& metadata = context->client_metadata();
-  auto it = metadata.find("authorization");
-  if (it == metadata.end()) return "";
-  const absl::string_view value(it->second.data(), it->second.size());
-  constexpr absl::string_view kBearer = "Bearer ";
-  return absl::StartsWith(value, kBearer) ? std::string(value.substr(kBearer.size())) : "";
 }
 
 // Answers a unary call at once with `status` (a refused admin check).
@@ -206,7 +193,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
                                           const v1::ListDaemonsRequest* request,
                                           v1::ListDaemonsResponse* response) override {
     return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::ListDaemonsResponse> {
-      MAINSTAY_RETURN_IF_ERROR(auth_->Check(AdminTokenOf(context, ""), "ListDaemons"));
+      MAINSTAY_RETURN_IF_ERROR(auth_->Check(grpc_server::AdminTokenOf(context, ""), "ListDaemons"));
       return core_->ListDaemons(*request);
     });
   }
@@ -214,7 +201,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   ::grpc::ServerUnaryReactor* CreateJob(::grpc::CallbackServerContext* context, const v1::CreateJobRequest* request,
                                         v1::CreateJobResponse* response) override {
     return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::CreateJobResponse> {
-      MAINSTAY_RETURN_IF_ERROR(auth_->Check(AdminTokenOf(context, request->admin_token()), "CreateJob"));
+      MAINSTAY_RETURN_IF_ERROR(auth_->Check(grpc_server::AdminTokenOf(context, request->admin_token()), "CreateJob"));
       return core_->CreateJob(*request);
     });
   }
@@ -228,14 +215,14 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   ::grpc::ServerUnaryReactor* ListJobs(::grpc::CallbackServerContext* context, const v1::ListJobsRequest* request,
                                        v1::ListJobsResponse* response) override {
     return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::ListJobsResponse> {
-      MAINSTAY_RETURN_IF_ERROR(auth_->Check(AdminTokenOf(context, request->admin_token()), "ListJobs"));
+      MAINSTAY_RETURN_IF_ERROR(auth_->Check(grpc_server::AdminTokenOf(context, request->admin_token()), "ListJobs"));
       return core_->ListJobs(*request);
     });
   }
   ::grpc::ServerUnaryReactor* DeleteJob(::grpc::CallbackServerContext* context, const v1::DeleteJobRequest* request,
                                         v1::DeleteJobResponse* response) override {
     return Serve(calls_, context, response, [&]() -> absl::Status {
-      MAINSTAY_RETURN_IF_ERROR(auth_->Check(AdminTokenOf(context, request->admin_token()), "DeleteJob"));
+      MAINSTAY_RETURN_IF_ERROR(auth_->Check(grpc_server::AdminTokenOf(context, request->admin_token()), "DeleteJob"));
       return core_->DeleteJob(*request);
     });
   }
@@ -315,7 +302,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
                             const std::string& admin_field, absl::string_view call) const {
     if (!job_token.empty()) return absl::OkStatus();
     if (!internal_.empty() && grpc_server::IsInternalPeer(context, internal_)) return absl::OkStatus();
-    return auth_->Check(AdminTokenOf(context, admin_field), absl::StrCat(call, " without a job token"));
+    return auth_->Check(grpc_server::AdminTokenOf(context, admin_field), absl::StrCat(call, " without a job token"));
   }
 
   // KvGet with wait_ms, in kWaitSlice steps so that a cancelled call or a shutdown ends it.
@@ -402,41 +389,13 @@ class AdminService final : public v1::Admin::CallbackService {
  private:
   absl::Status Admit(const ::grpc::CallbackServerContext* context, const std::string& field,
                      absl::string_view call) const {
-    return auth_->Check(AdminTokenOf(context, field), call);
+    return auth_->Check(grpc_server::AdminTokenOf(context, field), call);
   }
 
   Coordinator* const core_;
   Calls* const calls_;
   const AdminAuth* const auth_;
 };
-
-// The state gauges of server/metrics/coordinator_metrics.h, from the core (before each scrape).
-void CollectState(Coordinator* core, metrics::CoordinatorMetrics* m) {
-  auto short_name = [](const std::string& name, absl::string_view prefix) {
-    return absl::StartsWith(name, prefix) ? name.substr(prefix.size()) : name;
-  };
-  std::map<std::string, int64_t> daemons, jobs, epochs;
-  for (int i = 0; i < v1::DaemonState_descriptor()->value_count(); ++i) {
-    const auto* value = v1::DaemonState_descriptor()->value(i);
-    if (value->number() != 0) daemons[short_name(value->name(), "DAEMON_STATE_")] = 0;
-  }
-  for (int i = 0; i < v1::JobState_descriptor()->value_count(); ++i) {
-    const auto* value = v1::JobState_descriptor()->value(i);
-    if (value->number() != 0) jobs[short_name(value->name(), "JOB_STATE_")] = 0;
-  }
-  v1::ListDaemonsRequest all;
-  all.set_include_down(true);
-  const v1::ListDaemonsResponse listed = core->ListDaemons(all);
-  for (const v1::DaemonInfo& d : listed.daemons()) {
-    ++daemons[short_name(v1::DaemonState_Name(d.state()), "DAEMON_STATE_")];
-  }
-  const v1::ListJobsResponse listed_jobs = core->ListJobs(v1::ListJobsRequest());
-  for (const v1::JobInfo& j : listed_jobs.jobs()) {
-    ++jobs[short_name(v1::JobState_Name(j.state()), "JOB_STATE_")];
-    epochs[j.job_id()] = j.placement_epoch();
-  }
-  m->SetState(daemons, jobs, epochs);
-}
 
 std::string DefaultCoordinatorId() {
   char host[256] = {};
@@ -609,11 +568,17 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
   }
   Impl* raw = impl.get();
   if (impl->metrics != nullptr) {
-    impl->collector = options.metrics->AddCollector([raw] { CollectState(raw->core.get(), raw->metrics.get()); });
+    impl->collector = options.metrics->AddCollector([raw] {
+      v1::ListDaemonsRequest all;
+      all.set_include_down(true);
+      raw->metrics->SetState(raw->core->ListDaemons(all), raw->core->ListJobs(v1::ListJobsRequest()));
+    });
   }
   impl->ticker = std::thread([raw] { raw->RunTicker(); });
   Log(LogLevel::kInfo, kComponent,
-      absl::StrCat("serving on port ", impl->port, options.tls.ServerEnabled() ? (options.tls.require_client_cert ? " (mutual TLS)" : " (TLS)") : " (plaintext)",
+      absl::StrCat("serving on port ", impl->port,
+                   options.tls.ServerEnabled() ? (options.tls.require_client_cert ? " with mutual TLS" : " with TLS")
+                                               : " in plaintext",
                    " (state ", options.state_dir, ", lease ", options.lease_ttl_ms, " ms, id ", options.coordinator_id,
                    impl->auth.enabled() ? ", admin token required" : ", no admin token", ")"));
   return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(std::move(impl)));

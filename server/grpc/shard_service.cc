@@ -16,7 +16,7 @@
 #include "mainstay/v1/shard.grpc.pb.h"
 #include "server/grpc/calls.h"
 #include "server/grpc/health_port.h"
-#include "server/grpc/peer_identity.h"
+#include "server/grpc/caller_identity.h"
 #include "server/metrics/daemon_metrics.h"
 
 namespace mainstay::daemon {
@@ -462,7 +462,7 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options)
   }
   Log(LogLevel::kInfo, kComponent,
       absl::StrCat("serving the Shard service on port ", impl->port,
-                   options.tls.ServerEnabled() ? (options.tls.require_client_cert ? " (mutual TLS)" : " (TLS)") : " (plaintext)"));
+                   options.tls.ServerEnabled() ? (options.tls.require_client_cert ? " with mutual TLS" : " with TLS") : " in plaintext"));
   return std::unique_ptr<ShardServer>(new ShardServer(std::move(impl)));
 }
 

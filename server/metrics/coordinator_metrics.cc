@@ -3,6 +3,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "common/status.h"
 
 namespace mainstay::metrics {
@@ -67,6 +68,29 @@ void CoordinatorMetrics::SetState(const std::map<std::string, int64_t>& daemons_
   Replace(daemons_, daemons_by_state, daemon_states_, /*remove_absent=*/false);
   Replace(jobs_, jobs_by_state, job_states_, /*remove_absent=*/false);
   Replace(epochs_, epochs_by_job, epoch_jobs_, /*remove_absent=*/true);
+}
+
+void CoordinatorMetrics::SetState(const v1::ListDaemonsResponse& listed_daemons, const v1::ListJobsResponse& listed_jobs) {
+  auto short_name = [](const std::string& name, absl::string_view prefix) {
+    return absl::StartsWith(name, prefix) ? name.substr(prefix.size()) : name;
+  };
+  std::map<std::string, int64_t> daemons, jobs, epochs;
+  for (int i = 0; i < v1::DaemonState_descriptor()->value_count(); ++i) {
+    const auto* value = v1::DaemonState_descriptor()->value(i);
+    if (value->number() != 0) daemons[short_name(value->name(), "DAEMON_STATE_")] = 0;
+  }
+  for (int i = 0; i < v1::JobState_descriptor()->value_count(); ++i) {
+    const auto* value = v1::JobState_descriptor()->value(i);
+    if (value->number() != 0) jobs[short_name(value->name(), "JOB_STATE_")] = 0;
+  }
+  for (const v1::DaemonInfo& d : listed_daemons.daemons()) {
+    ++daemons[short_name(v1::DaemonState_Name(d.state()), "DAEMON_STATE_")];
+  }
+  for (const v1::JobInfo& j : listed_jobs.jobs()) {
+    ++jobs[short_name(v1::JobState_Name(j.state()), "JOB_STATE_")];
+    epochs[j.job_id()] = j.placement_epoch();
+  }
+  SetState(daemons, jobs, epochs);
 }
 
 }  // namespace mainstay::metrics

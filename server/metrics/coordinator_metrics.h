@@ -23,6 +23,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "mainstay/v1/coordinator.pb.h"
 #include "server/metrics/registry.h"
 
 namespace mainstay::metrics {
@@ -47,6 +48,9 @@ class CoordinatorMetrics {
   void SetState(const std::map<std::string, int64_t>& daemons_by_state,
                 const std::map<std::string, int64_t>& jobs_by_state,
                 const std::map<std::string, int64_t>& epochs_by_job);
+  // The same from the coordinator's lists (every daemon, DOWN ones included, and every job);
+  // every state of the DaemonState and JobState enums gets a series, 0 when none is in it.
+  void SetState(const v1::ListDaemonsResponse& daemons, const v1::ListJobsResponse& jobs);
 
  private:
   explicit CoordinatorMetrics(Registry* registry) : registry_(registry) {}

@@ -39,6 +39,30 @@ TEST(CoordinatorMetricsTest, RendersCountersAndStateGauges) {
   EXPECT_THAT(text, HasSubstr("mainstay_coordinator_placement_epoch{job_id=\"job-2\"} 2\n"));
 }
 
+TEST(CoordinatorMetricsTest, StateFromTheCoordinatorsListsRendersEveryStateOfTheEnums) {
+  Registry registry;
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(auto m, CoordinatorMetrics::Create(&registry));
+  v1::ListDaemonsResponse daemons;
+  daemons.add_daemons()->set_state(v1::DAEMON_STATE_READY);
+  daemons.add_daemons()->set_state(v1::DAEMON_STATE_READY);
+  daemons.add_daemons()->set_state(v1::DAEMON_STATE_CORDONED);
+  v1::ListJobsResponse jobs;
+  v1::JobInfo* job = jobs.add_jobs();
+  job->set_job_id("job-4");
+  job->set_state(v1::JOB_STATE_DEGRADED);
+  job->set_placement_epoch(5);
+  m->SetState(daemons, jobs);
+  const std::string text = registry.Render();
+  EXPECT_THAT(text, HasSubstr("mainstay_coordinator_daemons{state=\"READY\"} 2\n"));
+  EXPECT_THAT(text, HasSubstr("mainstay_coordinator_daemons{state=\"CORDONED\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("mainstay_coordinator_daemons{state=\"DOWN\"} 0\n"));
+  EXPECT_THAT(text, HasSubstr("mainstay_coordinator_daemons{state=\"DRAINING\"} 0\n"));
+  EXPECT_THAT(text, Not(HasSubstr("UNSPECIFIED")));
+  EXPECT_THAT(text, HasSubstr("mainstay_coordinator_jobs{state=\"DEGRADED\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("mainstay_coordinator_jobs{state=\"PLACING\"} 0\n"));
+  EXPECT_THAT(text, HasSubstr("mainstay_coordinator_placement_epoch{job_id=\"job-4\"} 5\n"));
+}
+
 TEST(CoordinatorMetricsTest, NeedsARegistryAndRefusesClashingNames) {
   EXPECT_THAT(CoordinatorMetrics::Create(nullptr).status(), StatusIs(absl::StatusCode::kInvalidArgument));
   Registry registry;

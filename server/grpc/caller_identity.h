@@ -1,4 +1,11 @@
-// Which callers are the cluster's own servers (DESIGN.md section 8). With mutual TLS every
+// Who a call comes from (DESIGN.md section 8): the admin token it presents, and whether it is
+// one of the cluster's own servers.
+//
+// The admin token: the request's admin_token field when set, else the call's
+// `authorization: Bearer TOKEN` metadata (calls whose request has no such field, and clients
+// such as mainstayctl that set it once per connection); server/coordinator/admin_auth.h checks it.
+//
+// Internal peers: with mutual TLS every
 // client holds a certificate from the cluster's CA, trainers included; the calls meant only for
 // the coordinator and the daemons (registration, heartbeats, the KV of peer rendezvous, shard
 // assignment, shard state copies) also need the caller's certificate to name
@@ -6,8 +13,8 @@
 // servers' certificates carry. Empty name: no such check (plaintext clusters, TLS without it).
 //
 // Thread safety: stateless.
-#ifndef MAINSTAY_SERVER_GRPC_PEER_IDENTITY_H_
-#define MAINSTAY_SERVER_GRPC_PEER_IDENTITY_H_
+#ifndef MAINSTAY_SERVER_GRPC_CALLER_IDENTITY_H_
+#define MAINSTAY_SERVER_GRPC_CALLER_IDENTITY_H_
 
 #include <grpcpp/grpcpp.h>
 
@@ -15,10 +22,22 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 namespace mainstay::grpc_server {
+
+// The admin token the call presents (`field`: the request's admin_token, empty when it has none).
+inline std::string AdminTokenOf(const ::grpc::ServerContextBase* context, const std::string& field) {
+  if (!field.empty()) return field;
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) return "";
+  const absl::string_view value(it->second.data(), it->second.size());
+  constexpr absl::string_view kBearer = "Bearer ";
+  return absl::StartsWith(value, kBearer) ? std::string(value.substr(kBearer.size())) : "";
+}
 
 // True when `internal_peer_name` is empty or the call's verified client certificate names it.
 inline bool IsInternalPeer(const ::grpc::ServerContextBase* context, const std::string& internal_peer_name) {
@@ -44,4 +63,4 @@ inline absl::Status CheckInternalPeer(const ::grpc::ServerContextBase* context, 
 
 }  // namespace mainstay::grpc_server
 
-#endif  // MAINSTAY_SERVER_GRPC_PEER_IDENTITY_H_
+#endif  // MAINSTAY_SERVER_GRPC_CALLER_IDENTITY_H_
