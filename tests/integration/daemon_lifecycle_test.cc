@@ -129,7 +129,8 @@ TEST_F(DaemonLifecycleTest, ShardHealthIsNotServingUntilTheDaemonHasRegistered) 
   // The daemon first: it serves while it keeps trying to register.
   ASSERT_THAT(StartDaemon(absl::StrCat("127.0.0.1:", coordinator_port), daemon_address), IsOk());
   ASSERT_TRUE(WaitForHealth(daemon_address, "", HealthCheckResponse::SERVING, kStartTimeout)) << Logs();
-  EXPECT_EQ(Health(daemon_address, kShardService).value_or(HealthCheckResponse::UNKNOWN), HealthCheckResponse::NOT_SERVING);
+  ASSERT_TRUE(WaitForHealth(daemon_address, kShardService, HealthCheckResponse::NOT_SERVING, absl::Seconds(10)))
+      << Logs();
   absl::SleepFor(absl::Seconds(1));  // still not registered: still not ready
   EXPECT_EQ(Health(daemon_address, kShardService).value_or(HealthCheckResponse::UNKNOWN), HealthCheckResponse::NOT_SERVING);
 

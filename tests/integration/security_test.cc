@@ -721,6 +721,12 @@ TEST_F(SecurityFlagsTest, MissingMismatchedOrInconsistentFilesExitWithCode2Namin
   EXPECT_EQ(Run(Coordinator({"--tls-ca-file", dir_->File("server.key")}), &out), 2) << out;
   EXPECT_THAT(out, HasSubstr("no PEM certificate"));
 
+  // The same from the --config file's keys.
+  WriteFile(dir_->File("config.json"), absl::StrCat("{\"tls_cert_file\": \"", missing, "\", \"tls_key_file\": \"",
+                                                    dir_->File("server.key"), "\"}"));
+  EXPECT_EQ(Run(Coordinator({"--config", dir_->File("config.json")}), &out), 2) << out;
+  EXPECT_THAT(out, HasSubstr(missing));
+
   WriteFile(dir_->File("short-token"), "short\n");
   EXPECT_EQ(Run(Coordinator({"--admin-token-file", dir_->File("short-token")}), &out), 2) << out;
   EXPECT_THAT(out, HasSubstr("shorter than"));
