@@ -98,7 +98,13 @@ absl::Status Args::CheckKnown(const std::vector<std::string>& known) const {
 
 constexpr char kRemoteHelp[] =
     "\n  --coordinator ADDR  coordinator host:port (default $MAINSTAY_COORDINATOR, else 127.0.0.1:7070)"
-    "\n  --timeout-ms N      deadline of each call (default 10000)";
+    "\n  --timeout-ms N      deadline of each call (default 10000)"
+    "\n  --tls-ca-file F     connect with TLS, verifying the coordinator with the PEM CA in F"
+    "\n                      (default $MAINSTAY_TLS_CA_FILE)"
+    "\n  --tls-cert-file F   client certificate for mutual TLS (default $MAINSTAY_TLS_CERT_FILE)"
+    "\n  --tls-key-file F    its private key (default $MAINSTAY_TLS_KEY_FILE)"
+    "\n  --tls-server-name N verify the coordinator's certificate against N instead of its address"
+    "\n  --admin-token-file F  the coordinator's admin token (default $MAINSTAY_ADMIN_TOKEN_FILE)";
 
 const std::vector<Command>& Commands() {
   static const std::vector<Command>* commands = new std::vector<Command>{

@@ -1,6 +1,13 @@
 // How mainstayctl reaches the coordinator: address from --coordinator, else the
 // MAINSTAY_COORDINATOR environment variable, else 127.0.0.1:7070; every call has a deadline
 // (--timeout-ms, default 10000). Errors keep gRPC's code and say which coordinator answered.
+//
+// Security: --tls-ca-file / --tls-cert-file / --tls-key-file / --tls-server-name (defaults
+// $MAINSTAY_TLS_CA_FILE, $MAINSTAY_TLS_CERT_FILE, $MAINSTAY_TLS_KEY_FILE) connect with TLS or
+// mutual TLS (common/grpc_tls.h); --admin-token-file (default $MAINSTAY_ADMIN_TOKEN_FILE) is
+// read once and sent with every call as `authorization: Bearer TOKEN` metadata, which the
+// coordinator accepts in place of the requests' admin_token fields. A file that cannot be read
+// is INVALID_ARGUMENT naming it (exit 2).
 #ifndef MAINSTAY_CLI_COORDINATOR_CLIENT_H_
 #define MAINSTAY_CLI_COORDINATOR_CLIENT_H_
 
@@ -18,7 +25,9 @@
 namespace mainstay::cli {
 
 // Flags every remote command takes.
-inline const std::vector<std::string> kRemoteFlags = {"coordinator", "timeout-ms", "json", "yes"};
+inline const std::vector<std::string> kRemoteFlags = {"coordinator",   "timeout-ms",   "json",
+                                                      "yes",           "tls-ca-file",  "tls-cert-file",
+                                                      "tls-key-file",  "tls-server-name", "admin-token-file"};
 
 class CoordinatorConnection {
  public:
@@ -36,6 +45,7 @@ class CoordinatorConnection {
 
  private:
   std::string address_;
+  std::string admin_token_;  // empty: none
   int64_t timeout_ms_ = 10000;
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::Coordinator::Stub> coordinator_;

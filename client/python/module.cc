@@ -55,7 +55,8 @@ class PyClient {
  public:
   PyClient(const std::string& coordinator, const py::object& spec_json, const py::object& job_id,
            const py::object& job_token, int32_t rank, double timeout_s, const std::string& admin_token,
-           int64_t chunk_bytes, double initial_backoff_s, double max_backoff_s) {
+           int64_t chunk_bytes, double initial_backoff_s, double max_backoff_s, const std::string& tls_ca_file,
+           const std::string& tls_cert_file, const std::string& tls_key_file, const std::string& tls_server_name) {
     ClientOptions o;
     o.coordinator = coordinator;
     if (!spec_json.is_none()) o.job_spec_json = spec_json.cast<std::string>();
@@ -67,6 +68,10 @@ class PyClient {
     o.chunk_bytes = chunk_bytes;
     o.initial_backoff = Millis(initial_backoff_s);
     o.max_backoff = Millis(max_backoff_s);
+    o.tls.ca_file = tls_ca_file;
+    o.tls.cert_file = tls_cert_file;
+    o.tls.key_file = tls_key_file;
+    o.tls.server_name = tls_server_name;
     absl::StatusOr<std::unique_ptr<Client>> client;
     {
       py::gil_scoped_release release;
@@ -200,11 +205,13 @@ PYBIND11_MODULE(_mainstay, m) {
                        "Attaches to a job (job_id + job_token) or creates it (spec_json), then pushes, finishes "
                        "steps and pulls. Methods are thread-safe; blocking calls release the GIL.")
       .def(py::init<const std::string&, const py::object&, const py::object&, const py::object&, int32_t, double,
-                    const std::string&, int64_t, double, double>(),
+                    const std::string&, int64_t, double, double, const std::string&, const std::string&,
+                    const std::string&, const std::string&>(),
            py::arg("coordinator"), py::arg("spec_json") = py::none(), py::arg("job_id") = py::none(),
            py::arg("job_token") = py::none(), py::arg("rank") = 0, py::arg("timeout_s") = 60.0,
            py::arg("admin_token") = "", py::arg("chunk_bytes") = 1 << 20, py::arg("initial_backoff_s") = 0.05,
-           py::arg("max_backoff_s") = 2.0)
+           py::arg("max_backoff_s") = 2.0, py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "",
+           py::arg("tls_key_file") = "", py::arg("tls_server_name") = "")
       .def_readonly_static("LATEST", &Client::kLatestVersion)
       .def_property_readonly("job_id", [](PyClient& c) { return c.client().job_id(); })
       .def_property_readonly("job_token", [](PyClient& c) { return c.client().job_token(); })

@@ -23,12 +23,12 @@ using client_internal::StepRecord;
 
 namespace client_internal {
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const ChannelSecurity& security) {
   grpc::ChannelArguments args;
   // Chunks are at most 4 MiB of payload; layouts of large models are a few MiB.
   args.SetMaxReceiveMessageSize(256 << 20);
   args.SetMaxSendMessageSize(64 << 20);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  return security.CreateChannel(address, args);
 }
 
 StepStats StepStatsFromProto(const v1::StepStats& p) {
@@ -151,7 +151,7 @@ absl::Status Client::Impl::RefreshPlacement(Deadline deadline, int64_t min_epoch
 std::shared_ptr<v1::Shard::Stub> Client::Impl::StubFor(const std::string& address) {
   absl::MutexLock lock(&mu);
   std::shared_ptr<v1::Shard::Stub>& stub = stubs[address];
-  if (stub == nullptr) stub = v1::Shard::NewStub(client_internal::MakeChannel(address));
+  if (stub == nullptr) stub = v1::Shard::NewStub(client_internal::MakeChannel(address, security));
   return stub;
 }
 
@@ -271,7 +271,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   MAINSTAY_RETURN_IF_ERROR(CheckOptions(options));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->coordinator_channel = client_internal::MakeChannel(options.coordinator);
+  MAINSTAY_ASSIGN_OR_RETURN(impl->security, ChannelSecurity::Create(options.tls));
+  impl->coordinator_channel = client_internal::MakeChannel(options.coordinator, impl->security);
   impl->coordinator = v1::Coordinator::NewStub(impl->coordinator_channel);
   const Deadline deadline = impl->DeadlineAfter(options.timeout);
   const std::string where = absl::StrCat("coordinator ", options.coordinator);

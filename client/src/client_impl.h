@@ -25,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "client/src/thread_pool.h"
+#include "common/grpc_tls.h"
 #include "common/layout.h"
 #include "mainstay/client.h"
 #include "mainstay/v1/coordinator.grpc.pb.h"
@@ -59,13 +60,14 @@ struct StepRecord {
   std::map<std::string, std::string> daemons;  // address -> daemon id, of acknowledged pushes
 };
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const ChannelSecurity& security);
 StepStats StepStatsFromProto(const v1::StepStats& proto);
 
 }  // namespace client_internal
 
 struct __attribute__((visibility("hidden"))) Client::Impl {
   ClientOptions options;
+  ChannelSecurity security;  // from options.tls, made once at Connect
   std::string job_id;
   std::string job_token;
   std::shared_ptr<const Layout> layout;

@@ -12,6 +12,7 @@
 #ifndef MAINSTAY_SERVER_COORDINATOR_COORDINATOR_H_
 #define MAINSTAY_SERVER_COORDINATOR_COORDINATOR_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -43,6 +44,9 @@ struct CoordinatorOptions {
   // Restore a job from its newest committed checkpoint when one of its daemons loses its
   // lease (the lost ranks move to ready daemons, trainers rewind). Off: the job stays DEGRADED.
   bool restore_on_daemon_loss = true;
+  // Called (under the coordinator's lock: it must not call back into the Coordinator) for each
+  // daemon marked DOWN because its lease ran out; metrics count them. Empty: nothing.
+  std::function<void(const std::string& daemon_id)> on_lease_expired;
 };
 
 class Coordinator {

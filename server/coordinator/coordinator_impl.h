@@ -200,6 +200,7 @@ struct Coordinator::Impl {
           if (e.daemon_id() == id) jobs_to_recover.insert(job_id);
         }
       }
+      if (options.on_lease_expired) options.on_lease_expired(id);
     }
     v1::StateCounters counters = state.counters;
     bool expired_kv = false;

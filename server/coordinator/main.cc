@@ -31,7 +31,10 @@
 #include "common/sd_notify.h"
 #include "common/stop_signals.h"
 #include "common/status.h"
+#include "server/coordinator/admin_auth.h"
 #include "server/grpc/coordinator_service.h"
+#include "server/metrics/metrics_server.h"
+#include "server/metrics/registry.h"
 
 namespace mainstay::coordinator {
 namespace {
@@ -56,6 +59,24 @@ flags:
   --config FILE             JSON object with the keys listen, state_dir, lease_ttl_ms, tick_ms,
                             coordinator_id, max_message_bytes, checkpoint_dir; flags override it
   --port-file FILE          write the bound port to FILE once serving (for scripts and tests)
+  --tls-cert-file FILE      PEM certificate to serve TLS with (also the client certificate of the
+                            calls to daemons); without it the port is plaintext
+  --tls-key-file FILE       PEM private key of --tls-cert-file
+  --tls-ca-file FILE        PEM CA certificates that verify daemons' servers and, with
+                            --tls-client-auth require, clients' certificates
+  --tls-client-auth MODE    none (default) or require: mutual TLS, refuse clients without a
+                            certificate signed by --tls-ca-file
+  --tls-server-name NAME    verify daemons' certificates against NAME instead of their address
+  --tls-internal-name NAME  with mutual TLS: the certificate name (CN or SAN) only the cluster's
+                            servers carry; daemons' calls (registration, heartbeats, the KV) from
+                            other certificates (trainers', operators') are refused
+  --health-listen HOST:PORT a plaintext port serving only grpc.health.v1 (for probes that cannot
+                            speak TLS, e.g. Kubernetes'); default none
+  --admin-token-file FILE   file holding the admin token; admin calls and job reads without a
+                            job token then need it (PERMISSION_DENIED otherwise)
+  --metrics-listen HOST:PORT  where Prometheus scrapes GET /metrics over HTTP (default
+                            0.0.0.0:9464; port 0 picks one; "off": no metrics)
+  --metrics-port-file FILE  write the metrics port to FILE once serving
   --help                    this text
 
 SIGTERM or SIGINT: graceful shutdown, exit 0. Bad flags or config: exit 2.
@@ -73,6 +94,11 @@ struct Settings {
   bool no_restore_on_loss = false;
   std::optional<std::string> config;
   std::optional<std::string> port_file;
+  std::optional<std::string> tls_cert_file, tls_key_file, tls_ca_file, tls_client_auth, tls_server_name,
+      tls_internal_name;
+  std::optional<std::string> admin_token_file;
+  std::optional<std::string> health_listen;
+  std::optional<std::string> metrics_listen, metrics_port_file;
   bool help = false;
 };
 
@@ -99,9 +125,12 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
       name = arg.substr(0, eq);
       value = arg.substr(eq + 1);
     }
-    static const std::set<std::string> kKnown = {"--listen",         "--state-dir",         "--lease-ttl-ms",
-                                                 "--tick-ms",        "--coordinator-id",    "--max-message-bytes",
-                                                 "--config",         "--port-file",         "--checkpoint-dir"};
+    static const std::set<std::string> kKnown = {
+        "--listen",          "--state-dir",       "--lease-ttl-ms",    "--tick-ms",
+        "--coordinator-id",  "--max-message-bytes", "--config",        "--port-file",
+        "--tls-cert-file",   "--tls-key-file",    "--tls-ca-file",     "--tls-client-auth",
+        "--tls-server-name", "--admin-token-file", "--metrics-listen", "--metrics-port-file",
+        "--health-listen",   "--tls-internal-name", "--checkpoint-dir"};
     if (name == "--no-restore-on-loss") {
       s.no_restore_on_loss = true;
       continue;
@@ -117,6 +146,16 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
     if (name == "--config") s.config = *value;
     if (name == "--port-file") s.port_file = *value;
     if (name == "--checkpoint-dir") s.checkpoint_dir = *value;
+    if (name == "--tls-cert-file") s.tls_cert_file = *value;
+    if (name == "--tls-key-file") s.tls_key_file = *value;
+    if (name == "--tls-ca-file") s.tls_ca_file = *value;
+    if (name == "--tls-client-auth") s.tls_client_auth = *value;
+    if (name == "--tls-server-name") s.tls_server_name = *value;
+    if (name == "--tls-internal-name") s.tls_internal_name = *value;
+    if (name == "--admin-token-file") s.admin_token_file = *value;
+    if (name == "--health-listen") s.health_listen = *value;
+    if (name == "--metrics-listen") s.metrics_listen = *value;
+    if (name == "--metrics-port-file") s.metrics_port_file = *value;
     if (name == "--lease-ttl-ms") {
       MAINSTAY_ASSIGN_OR_RETURN(s.lease_ttl_ms, ParsePositive(name, *value));
     } else if (name == "--tick-ms") {
@@ -153,9 +192,11 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
     if (!out) out = j[key].get<int64_t>();
     return absl::OkStatus();
   };
-  static const std::set<std::string> kKeys = {"listen",         "state_dir",         "lease_ttl_ms",
-                                              "tick_ms",        "coordinator_id",    "max_message_bytes",
-                                              "checkpoint_dir"};
+  static const std::set<std::string> kKeys = {
+      "listen",          "state_dir",       "lease_ttl_ms",    "tick_ms",          "coordinator_id",
+      "max_message_bytes", "tls_cert_file", "tls_key_file",    "tls_ca_file",      "tls_client_auth",
+      "tls_server_name", "admin_token_file", "metrics_listen", "health_listen", "tls_internal_name",
+      "checkpoint_dir"};
   for (const auto& [key, value] : j.items()) {
     if (!kKeys.count(key)) {
       return absl::InvalidArgumentError(
@@ -166,6 +207,15 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
   MAINSTAY_RETURN_IF_ERROR(get_string("state_dir", s.state_dir));
   MAINSTAY_RETURN_IF_ERROR(get_string("checkpoint_dir", s.checkpoint_dir));
   MAINSTAY_RETURN_IF_ERROR(get_string("coordinator_id", s.coordinator_id));
+  MAINSTAY_RETURN_IF_ERROR(get_string("tls_cert_file", s.tls_cert_file));
+  MAINSTAY_RETURN_IF_ERROR(get_string("tls_key_file", s.tls_key_file));
+  MAINSTAY_RETURN_IF_ERROR(get_string("tls_ca_file", s.tls_ca_file));
+  MAINSTAY_RETURN_IF_ERROR(get_string("tls_client_auth", s.tls_client_auth));
+  MAINSTAY_RETURN_IF_ERROR(get_string("tls_server_name", s.tls_server_name));
+  MAINSTAY_RETURN_IF_ERROR(get_string("tls_internal_name", s.tls_internal_name));
+  MAINSTAY_RETURN_IF_ERROR(get_string("admin_token_file", s.admin_token_file));
+  MAINSTAY_RETURN_IF_ERROR(get_string("metrics_listen", s.metrics_listen));
+  MAINSTAY_RETURN_IF_ERROR(get_string("health_listen", s.health_listen));
   MAINSTAY_RETURN_IF_ERROR(get_int("lease_ttl_ms", s.lease_ttl_ms));
   MAINSTAY_RETURN_IF_ERROR(get_int("tick_ms", s.tick_ms));
   MAINSTAY_RETURN_IF_ERROR(get_int("max_message_bytes", s.max_message_bytes));
@@ -193,6 +243,29 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
     }
     o.max_message_bytes = static_cast<int>(*s.max_message_bytes);
   }
+  o.tls.cert_file = s.tls_cert_file.value_or("");
+  o.tls.key_file = s.tls_key_file.value_or("");
+  o.tls.ca_file = s.tls_ca_file.value_or("");
+  o.tls.server_name = s.tls_server_name.value_or("");
+  const std::string client_auth = s.tls_client_auth.value_or("none");
+  if (client_auth != "none" && client_auth != "require") {
+    return absl::InvalidArgumentError(absl::StrCat("--tls-client-auth: none or require, got '", client_auth, "'"));
+  }
+  o.tls.require_client_cert = client_auth == "require";
+  o.internal_peer_name = s.tls_internal_name.value_or("");
+  o.health_listen_address = s.health_listen.value_or("");
+  if (!o.health_listen_address.empty() && o.health_listen_address.rfind(':') == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--health-listen: expected HOST:PORT, got '", o.health_listen_address, "'"));
+  }
+  if (s.admin_token_file) {
+    MAINSTAY_ASSIGN_OR_RETURN(o.admin_token, AdminAuth::ReadTokenFile(*s.admin_token_file));
+  }
+  if (const std::string m = s.metrics_listen.value_or("0.0.0.0:9464"); m != "off") {
+    if (absl::Status st = metrics::SplitHostPort(m).status(); !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--metrics-listen: ", st.message()));
+    }
+  }
   return o;
 }
 
@@ -216,6 +289,11 @@ int Main(int argc, char** argv) {
   // Before any thread starts (gRPC's threads inherit the mask).
   const StopSignals stop_signals = StopSignals::Block();
 
+  const std::string metrics_listen = settings->metrics_listen.value_or("0.0.0.0:9464");
+  std::unique_ptr<metrics::Registry> registry;  // null: --metrics-listen off
+  if (metrics_listen != "off") registry = std::make_unique<metrics::Registry>();
+  options->metrics = registry.get();
+
   absl::StatusOr<std::unique_ptr<CoordinatorServer>> server = CoordinatorServer::Start(*options);
   if (!server.ok()) {
     std::fprintf(stderr, "mainstay-coordinator: %s\n", server.status().ToString().c_str());
@@ -223,6 +301,9 @@ int Main(int argc, char** argv) {
   }
   const std::string host = options->listen_address.substr(0, options->listen_address.rfind(':'));
   std::fprintf(stderr, "mainstay-coordinator listening on %s:%d\n", host.c_str(), (*server)->port());
+  if ((*server)->health_port() != 0) {
+    std::fprintf(stderr, "mainstay-coordinator: plaintext health port %d\n", (*server)->health_port());
+  }
   std::fflush(stderr);
   if (settings->port_file) {
     absl::Status s = WritePortFile(*settings->port_file, (*server)->port());
@@ -230,6 +311,33 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "mainstay-coordinator: %s\n", std::string(s.message()).c_str());
       (*server)->Shutdown();
       return 1;
+    }
+  }
+
+  std::unique_ptr<metrics::MetricsServer> metrics_server;
+  if (registry != nullptr) {
+    absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> started =
+        metrics::MetricsServer::Start({metrics_listen, registry.get()});
+    if (!started.ok() && settings->metrics_listen) {
+      std::fprintf(stderr, "mainstay-coordinator: %s\n", started.status().ToString().c_str());
+      (*server)->Shutdown();
+      return 1;
+    }
+    if (!started.ok()) {
+      // Only the default port: a daemon on the same host may hold it.
+      Log(LogLevel::kWarning, "coordinator",
+          absl::StrCat("no metrics endpoint: ", started.status().message(), "; pass --metrics-listen HOST:PORT (or off)"));
+    } else {
+      metrics_server = *std::move(started);
+      std::fprintf(stderr, "mainstay-coordinator: metrics on http://%s:%d/metrics\n",
+                   metrics_listen.substr(0, metrics_listen.rfind(':')).c_str(), metrics_server->port());
+      if (settings->metrics_port_file) {
+        if (absl::Status s = WritePortFile(*settings->metrics_port_file, metrics_server->port()); !s.ok()) {
+          std::fprintf(stderr, "mainstay-coordinator: %s\n", std::string(s.message()).c_str());
+          (*server)->Shutdown();
+          return 1;
+        }
+      }
     }
   }
 
@@ -242,6 +350,7 @@ int Main(int argc, char** argv) {
   Log(LogLevel::kInfo, "coordinator", absl::StrCat("signal ", signal_number, ": shutting down"));
   if (absl::Status s = SdNotify("STOPPING=1"); !s.ok()) Log(LogLevel::kWarning, "coordinator", s.message());
   (*server)->Shutdown();
+  if (metrics_server != nullptr) metrics_server->Shutdown();
   server->reset();
   return 0;
 }

@@ -3,8 +3,10 @@
 //   mainstayd --coordinator HOST:PORT [--listen HOST:PORT] [--node-name NAME] ...
 //   mainstayd --standalone --state-dir DIR ...   (embeds a coordinator: one node, no setup)
 //
-// SIGTERM / SIGINT: deregister and shut down (exit 0). Bad flags: a message and exit 2; a
-// failure to start (port in use, coordinator unreachable): exit 1.
+// SIGTERM / SIGINT: a graceful stop (exit 0): health NOT_SERVING, pushes of new steps refused,
+// the steps in flight finish (up to --drain-timeout-ms), the checkpoint hook, deregistration,
+// then the servers stop. Bad flags or TLS files: a message and exit 2; a failure to start
+// (port in use, coordinator unreachable): exit 1.
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
@@ -28,7 +30,11 @@
 #include "common/stop_signals.h"
 #include "common/status.h"
 #include "kernels/cpu/executor.h"
+#include "common/grpc_tls.h"
+#include "common/tls.h"
+#include "server/coordinator/admin_auth.h"
 #include "server/daemon/shard_daemon.h"
+#include "server/daemon/step_drain.h"
 #include "server/grpc/coordinator_link.h"
 #include "server/grpc/coordinator_service.h"
 #include "server/grpc/shard_service.h"
@@ -66,6 +72,23 @@ flags:
   --metrics-listen HOST:PORT  where Prometheus scrapes GET /metrics over HTTP (default 0.0.0.0:9464;
                               port 0 picks one; "off": no metrics)
   --metrics-port-file FILE    write the metrics port to FILE once serving
+  --drain-timeout-ms N        on SIGTERM, how long the steps in flight may take to finish before
+                              the daemon deregisters anyway (default 30000)
+  --tls-cert-file FILE        PEM certificate to serve TLS with (also the client certificate of the
+                              calls to the coordinator); without it the port is plaintext
+  --tls-key-file FILE         PEM private key of --tls-cert-file
+  --tls-ca-file FILE          PEM CA certificates that verify the coordinator and, with
+                              --tls-client-auth require, clients' certificates; given alone,
+                              outgoing calls use TLS while the port stays plaintext
+  --tls-client-auth MODE      none (default) or require: mutual TLS, refuse clients without a
+                              certificate signed by --tls-ca-file
+  --tls-server-name NAME      verify the coordinator's certificate against NAME instead of its address
+  --tls-internal-name NAME    with mutual TLS: the certificate name (CN or SAN) only the cluster's
+                              servers carry; AssignShard, DropShard, FetchShardState and
+                              WriteCheckpoint from other certificates (trainers') are refused
+  --health-listen HOST:PORT   a plaintext port serving only grpc.health.v1 (for probes that cannot
+                              speak TLS, e.g. Kubernetes'); default none
+  --admin-token-file FILE     the embedded coordinator's admin token (with --standalone)
   --help                      this text
 )";
 
@@ -84,6 +107,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       "--coordinator", "--state-dir",      "--coordinator-listen", "--listen",        "--advertise",
       "--node-name",   "--threads",        "--memory-bytes",       "--retained-versions", "--peer-timeout-ms",
       "--lease-ttl-ms", "--port-file",     "--coordinator-port-file", "--metrics-listen", "--metrics-port-file",
+      "--drain-timeout-ms", "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-client-auth",
+      "--tls-server-name", "--admin-token-file", "--health-listen", "--tls-internal-name",
       "--checkpoint-dir"};
   Flags f;
   for (int i = 1; i < argc; ++i) {
@@ -114,8 +139,34 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     return absl::InvalidArgumentError("give exactly one of --coordinator HOST:PORT and --standalone");
   }
   if (f.standalone && f.Get("--state-dir").empty()) return absl::InvalidArgumentError("--standalone needs --state-dir DIR");
+  if (!f.standalone && f.values.count("--admin-token-file")) {
+    return absl::InvalidArgumentError("--admin-token-file is for the embedded coordinator: give it with --standalone "
+                                      "(a separate coordinator takes it itself)");
+  }
   return f;
 }
+
+absl::StatusOr<TlsOptions> TlsFromFlags(const Flags& f) {
+  TlsOptions tls;
+  tls.cert_file = f.Get("--tls-cert-file");
+  tls.key_file = f.Get("--tls-key-file");
+  tls.ca_file = f.Get("--tls-ca-file");
+  tls.server_name = f.Get("--tls-server-name");
+  const std::string client_auth = f.Get("--tls-client-auth", "none");
+  if (client_auth != "none" && client_auth != "require") {
+    return absl::InvalidArgumentError(absl::StrCat("--tls-client-auth: none or require, got '", client_auth, "'"));
+  }
+  tls.require_client_cert = client_auth == "require";
+  // Checked here, before anything starts: a bad file is exit 2 with its path and the reason.
+  MAINSTAY_RETURN_IF_ERROR(MakeServerCredentials(tls).status());
+  return tls;
+}
+
+// Shutdown hook: checkpoint if configured — issue 7. It runs once the steps in flight are
+// decided (or the drain timed out) and before the daemon deregisters, so a checkpoint taken
+// here holds the last committed version of every shard and the coordinator still lists the
+// daemon as their owner. Checkpoints are not implemented yet: nothing to write.
+absl::Status CheckpointIfConfigured(ShardDaemon& daemon) { return absl::OkStatus(); }
 
 absl::StatusOr<int64_t> IntFlag(const Flags& f, const std::string& name, int64_t fallback) {
   const std::string text = f.Get(name);
@@ -154,9 +205,20 @@ int Main(int argc, char** argv) {
   absl::StatusOr<int64_t> retained = IntFlag(*flags, "--retained-versions", 4);
   absl::StatusOr<int64_t> peer_timeout = IntFlag(*flags, "--peer-timeout-ms", 120000);
   absl::StatusOr<int64_t> lease = IntFlag(*flags, "--lease-ttl-ms", 0);
+  absl::StatusOr<int64_t> drain_timeout = IntFlag(*flags, "--drain-timeout-ms", 30000);
   for (const absl::Status& s : {threads.status(), memory.status(), retained.status(), peer_timeout.status(),
-                                lease.status()}) {
+                                lease.status(), drain_timeout.status()}) {
     if (!s.ok()) return Fail(s, 2);
+  }
+  absl::StatusOr<TlsOptions> tls = TlsFromFlags(*flags);
+  if (!tls.ok()) return Fail(tls.status(), 2);
+  absl::StatusOr<ChannelSecurity> security = ChannelSecurity::Create(*tls);
+  if (!security.ok()) return Fail(security.status(), 2);
+  std::string admin_token;
+  if (const std::string path = flags->Get("--admin-token-file"); !path.empty()) {
+    absl::StatusOr<std::string> token = coordinator::AdminAuth::ReadTokenFile(path);
+    if (!token.ok()) return Fail(token.status(), 2);
+    admin_token = *std::move(token);
   }
   const std::string listen = flags->Get("--listen", "0.0.0.0:7071");
   if (listen.rfind(':') == std::string::npos) {
@@ -184,9 +246,13 @@ int Main(int argc, char** argv) {
     options.listen_address = flags->Get("--coordinator-listen", "127.0.0.1:7070");
     options.state_dir = flags->Get("--state-dir");
     options.checkpoint_dir = flags->Get("--checkpoint-dir");
+    options.tls = *tls;
+    options.internal_peer_name = flags->Get("--tls-internal-name");
+    options.admin_token = admin_token;
+    options.metrics = registry.get();  // the coordinator's metrics on the daemon's endpoint
     absl::StatusOr<std::unique_ptr<coordinator::CoordinatorServer>> server =
         coordinator::CoordinatorServer::Start(options);
-    if (!server.ok()) return Fail(server.status(), 1);
+    if (!server.ok()) return Fail(server.status(), server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
     embedded = *std::move(server);
     const std::string host = options.listen_address.substr(0, options.listen_address.rfind(':'));
     coordinator_address = absl::StrCat(host == "0.0.0.0" ? "127.0.0.1" : host, ":", embedded->port());
@@ -222,9 +288,12 @@ int Main(int argc, char** argv) {
   daemon_options.peer_timeout = absl::Milliseconds(*peer_timeout);
   daemon_options.metrics = registry.get();
   ShardDaemon daemon(daemon_options);
+  StepDrain drain;
 
-  absl::StatusOr<std::unique_ptr<ShardServer>> server = ShardServer::Start({listen, 64 << 20, &daemon});
-  if (!server.ok()) return Fail(server.status(), 1);
+  absl::StatusOr<std::unique_ptr<ShardServer>> server =
+      ShardServer::Start({listen, 64 << 20, &daemon, *tls, flags->Get("--tls-internal-name"), &drain,
+                          flags->Get("--health-listen")});
+  if (!server.ok()) return Fail(server.status(), server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
   std::unique_ptr<metrics::MetricsServer> metrics_server;
   absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> started_metrics =
       registry == nullptr ? absl::StatusOr<std::unique_ptr<metrics::MetricsServer>>(nullptr)
@@ -250,6 +319,7 @@ int Main(int argc, char** argv) {
 
   CoordinatorLink::Options link_options;
   link_options.coordinator_address = coordinator_address;
+  link_options.security = *security;
   v1::RegisterDaemonRequest& reg = link_options.registration;
   reg.set_address(address);
   reg.set_node_name(flags->Get("--node-name", HostName()));
@@ -277,6 +347,8 @@ int Main(int argc, char** argv) {
     lease_collector = registry->AddCollector(
         [m = daemon.metrics(), raw = link.get()] { m->SetLeaseLive(raw->has_live_lease()); });
   }
+  // Registered, and a fresh process holds no shards yet (they arrive by AssignShard): ready.
+  (*server)->SetReady(true);
   std::fprintf(stderr, "mainstayd %s serving on %s (node %s, %lld threads)\n", link->daemon_id().c_str(),
                address.c_str(), reg.node_name().c_str(), static_cast<long long>(*threads));
   std::fflush(stderr);
@@ -294,9 +366,32 @@ int Main(int argc, char** argv) {
   const int signal_number = stop_signals.Wait();
   Log(LogLevel::kInfo, "daemon", absl::StrCat("signal ", signal_number, ": shutting down"));
   if (absl::Status s = SdNotify("STOPPING=1"); !s.ok()) Log(LogLevel::kWarning, "daemon", s.message());
+  // 1. Not ready, and no new steps: only pushes of the steps in flight are admitted.
+  (*server)->BeginDrain();
+  const std::map<std::string, int64_t> in_flight = drain.Begin(daemon.Progress());
+  // 2. The steps in flight finish and commit (their trainers' pushes, FinishStep and pulls
+  // are still served), bounded by --drain-timeout-ms.
+  if (!in_flight.empty()) {
+    Log(LogLevel::kInfo, "daemon",
+        absl::StrCat("draining: waiting up to ", *drain_timeout, " ms for ", in_flight.size(), " step(s) in flight"));
+    const absl::Time drain_start = absl::Now();
+    absl::Status drained = drain.AwaitInFlight([&daemon] { return daemon.Progress(); },
+                                               drain_start + absl::Milliseconds(*drain_timeout));
+    if (drained.ok()) {
+      Log(LogLevel::kInfo, "daemon", absl::StrCat("steps in flight decided in ", absl::FormatDuration(absl::Now() - drain_start)));
+    } else {
+      Log(LogLevel::kWarning, "daemon", absl::StrCat("stopping anyway: ", drained.message()));
+    }
+  }
+  // 3. Checkpoint if configured — issue 7.
+  if (absl::Status s = CheckpointIfConfigured(daemon); !s.ok()) {
+    Log(LogLevel::kWarning, "daemon", absl::StrCat("checkpoint before exit failed: ", s.ToString()));
+  }
+  // 4. Deregister (the coordinator marks the daemon DOWN at once), 5. stop serving (calls
+  // running now, e.g. pulls of the last version, get a few seconds), 6. stop the jobs.
   link->Shutdown();
-  daemon.Shutdown();
   (*server)->Shutdown();
+  daemon.Shutdown();
   if (metrics_server != nullptr) metrics_server->Shutdown();
   if (lease_collector != 0) registry->RemoveCollector(lease_collector);
   if (embedded != nullptr) embedded->Shutdown();

@@ -23,7 +23,7 @@ void SetDeadline(::grpc::ClientContext* context, absl::Time deadline) {
 CoordinatorLink::CoordinatorLink(Options options) : options_(std::move(options)) {
   ::grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
-  channel_ = ::grpc::CreateCustomChannel(options_.coordinator_address, ::grpc::InsecureChannelCredentials(), args);
+  channel_ = options_.security.CreateChannel(options_.coordinator_address, args);
   stub_ = v1::Coordinator::NewStub(channel_);
 }
 

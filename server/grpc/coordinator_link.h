@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/grpc_tls.h"
 #include "mainstay/v1/coordinator.grpc.pb.h"
 #include "server/peer/kv_client.h"
 
@@ -28,6 +29,7 @@ class CoordinatorLink : public peer::KvClient {
  public:
   struct Options {
     std::string coordinator_address;           // "host:port"
+    ChannelSecurity security;                  // plaintext, TLS or mutual TLS (common/grpc_tls.h)
     v1::RegisterDaemonRequest registration;    // address, node name, transports, resources
     absl::Duration register_timeout = absl::Seconds(60);  // keep retrying UNAVAILABLE this long
     absl::Duration call_timeout = absl::Seconds(10);

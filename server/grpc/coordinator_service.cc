@@ -21,19 +21,27 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/grpc_status.h"
+#include "common/grpc_tls.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "mainstay/v1/admin.grpc.pb.h"
 #include "mainstay/v1/coordinator.grpc.pb.h"
+#include "server/coordinator/admin_auth.h"
 #include "server/coordinator/coordinator.h"
 #include "server/coordinator/state_store.h"
 #include "server/grpc/calls.h"
 #include "server/grpc/grpc_shard_assigner.h"
+#include "server/grpc/health_port.h"
+#include "server/grpc/caller_identity.h"
+#include "server/grpc/rpc_metrics.h"
+#include "server/metrics/coordinator_metrics.h"
+#include "server/metrics/registry.h"
 
 namespace mainstay::coordinator {
 namespace {
@@ -65,7 +73,12 @@ constexpr absl::Duration kCloseGrace = absl::Milliseconds(500);
   return reactor;
 }
 
-// A server stream that ends at once with `status` (for RPCs not implemented yet).
+// Answers a unary call at once with `status` (a refused admin check).
+::grpc::ServerUnaryReactor* Refuse(::grpc::CallbackServerContext* context, const absl::Status& status) {
+  ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
 
 // WatchPlacement: a helper thread waits for the job's placement to pass the last epoch sent
 // (in kWaitSlice steps, to notice cancellation and shutdown), writes it, and waits for the
@@ -149,64 +162,105 @@ class WatchPlacementReactor final : public ::grpc::ServerWriteReactor<v1::WatchP
 
 class CoordinatorService final : public v1::Coordinator::CallbackService {
  public:
-  CoordinatorService(Coordinator* core, Calls* calls) : core_(core), calls_(calls) {}
+  // Daemons' calls (membership, the KV) need an internal peer (server/grpc/peer_identity.h).
+  CoordinatorService(Coordinator* core, Calls* calls, const AdminAuth* auth, std::string internal_peer_name)
+      : core_(core), calls_(calls), auth_(auth), internal_(std::move(internal_peer_name)) {}
 
   ::grpc::ServerUnaryReactor* RegisterDaemon(::grpc::CallbackServerContext* context,
                                              const v1::RegisterDaemonRequest* request,
                                              v1::RegisterDaemonResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->RegisterDaemon(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::RegisterDaemonResponse> {
+      MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "RegisterDaemon"));
+      return core_->RegisterDaemon(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* Heartbeat(::grpc::CallbackServerContext* context, const v1::HeartbeatRequest* request,
                                         v1::HeartbeatResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->Heartbeat(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::HeartbeatResponse> {
+      MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "Heartbeat"));
+      return core_->Heartbeat(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* DeregisterDaemon(::grpc::CallbackServerContext* context,
                                                const v1::DeregisterDaemonRequest* request,
                                                v1::DeregisterDaemonResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->DeregisterDaemon(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::Status {
+      MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "DeregisterDaemon"));
+      return core_->DeregisterDaemon(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* ListDaemons(::grpc::CallbackServerContext* context,
                                           const v1::ListDaemonsRequest* request,
                                           v1::ListDaemonsResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->ListDaemons(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::ListDaemonsResponse> {
+      MAINSTAY_RETURN_IF_ERROR(auth_->Check(grpc_server::AdminTokenOf(context, ""), "ListDaemons"));
+      return core_->ListDaemons(*request);
+    });
   }
 
   ::grpc::ServerUnaryReactor* CreateJob(::grpc::CallbackServerContext* context, const v1::CreateJobRequest* request,
                                         v1::CreateJobResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->CreateJob(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::CreateJobResponse> {
+      MAINSTAY_RETURN_IF_ERROR(auth_->Check(grpc_server::AdminTokenOf(context, request->admin_token()), "CreateJob"));
+      return core_->CreateJob(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* GetJob(::grpc::CallbackServerContext* context, const v1::GetJobRequest* request,
                                      v1::GetJobResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->GetJob(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::GetJobResponse> {
+      MAINSTAY_RETURN_IF_ERROR(CheckJobRead(context, request->job_token(), request->admin_token(), "GetJob"));
+      return core_->GetJob(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* ListJobs(::grpc::CallbackServerContext* context, const v1::ListJobsRequest* request,
                                        v1::ListJobsResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->ListJobs(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::ListJobsResponse> {
+      MAINSTAY_RETURN_IF_ERROR(auth_->Check(grpc_server::AdminTokenOf(context, request->admin_token()), "ListJobs"));
+      return core_->ListJobs(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* DeleteJob(::grpc::CallbackServerContext* context, const v1::DeleteJobRequest* request,
                                         v1::DeleteJobResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->DeleteJob(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::Status {
+      MAINSTAY_RETURN_IF_ERROR(auth_->Check(grpc_server::AdminTokenOf(context, request->admin_token()), "DeleteJob"));
+      return core_->DeleteJob(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* GetLayout(::grpc::CallbackServerContext* context, const v1::GetLayoutRequest* request,
                                         v1::GetLayoutResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->GetLayout(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::GetLayoutResponse> {
+      MAINSTAY_RETURN_IF_ERROR(CheckJobRead(context, request->job_token(), "", "GetLayout"));
+      return core_->GetLayout(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* GetPlacement(::grpc::CallbackServerContext* context,
                                            const v1::GetPlacementRequest* request,
                                            v1::GetPlacementResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->GetPlacement(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::GetPlacementResponse> {
+      MAINSTAY_RETURN_IF_ERROR(CheckJobRead(context, request->job_token(), "", "GetPlacement"));
+      return core_->GetPlacement(*request);
+    });
   }
   ::grpc::ServerWriteReactor<v1::WatchPlacementResponse>* WatchPlacement(
-      ::grpc::CallbackServerContext*, const v1::WatchPlacementRequest* request) override {
+      ::grpc::CallbackServerContext* context, const v1::WatchPlacementRequest* request) override {
+    if (absl::Status s = CheckJobRead(context, request->job_token(), "", "WatchPlacement"); !s.ok()) {
+      return new grpc_server::FinishedWriter<v1::WatchPlacementResponse>(ToGrpcStatus(s));
+    }
     return new WatchPlacementReactor(core_, calls_, *request);
   }
 
   ::grpc::ServerUnaryReactor* KvPut(::grpc::CallbackServerContext* context, const v1::KvPutRequest* request,
                                     v1::KvPutResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->KvPut(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::KvPutResponse> {
+      MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "KvPut"));
+      return core_->KvPut(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* KvGet(::grpc::CallbackServerContext* context, const v1::KvGetRequest* request,
                                     v1::KvGetResponse* response) override {
+    if (absl::Status s = grpc_server::CheckInternalPeer(context, internal_, "KvGet"); !s.ok()) {
+      return Refuse(context, s);
+    }
     if (request->wait_ms() <= 0) {
       return Serve(calls_, context, response, [&] { return core_->KvGet(*request, absl::Now()); });
     }
@@ -229,7 +283,10 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   }
   ::grpc::ServerUnaryReactor* KvDelete(::grpc::CallbackServerContext* context, const v1::KvDeleteRequest* request,
                                        v1::KvDeleteResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->KvDelete(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::KvDeleteResponse> {
+      MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "KvDelete"));
+      return core_->KvDelete(*request);
+    });
   }
   ::grpc::ServerWriteReactor<v1::KvWatchResponse>* KvWatch(::grpc::CallbackServerContext*,
                                                            const v1::KvWatchRequest*) override {
@@ -238,6 +295,16 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   }
 
  private:
+  // A job read with a job token is the core's to check (PERMISSION_DENIED for another job's);
+  // without one it is a daemon's (an internal peer, when that is configured) or an admin's read,
+  // which needs the admin token when one is configured.
+  absl::Status CheckJobRead(const ::grpc::CallbackServerContext* context, const std::string& job_token,
+                            const std::string& admin_field, absl::string_view call) const {
+    if (!job_token.empty()) return absl::OkStatus();
+    if (!internal_.empty() && grpc_server::IsInternalPeer(context, internal_)) return absl::OkStatus();
+    return auth_->Check(grpc_server::AdminTokenOf(context, admin_field), absl::StrCat(call, " without a job token"));
+  }
+
   // KvGet with wait_ms, in kWaitSlice steps so that a cancelled call or a shutdown ends it.
   absl::StatusOr<v1::KvGetResponse> WaitForKv(::grpc::CallbackServerContext* context, const v1::KvGetRequest& request) {
     const absl::Time end = std::min(CallDeadline(context), absl::Now() + absl::Milliseconds(request.wait_ms()));
@@ -252,31 +319,46 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
 
   Coordinator* const core_;
   Calls* const calls_;
+  const AdminAuth* const auth_;
+  const std::string internal_;  // empty: no internal-peer check
 };
 
+// Every Admin RPC needs the admin token when one is configured (read-only ones too: they
+// reveal jobs' data); the check comes first in each handler.
 class AdminService final : public v1::Admin::CallbackService {
  public:
-  AdminService(Coordinator* core, Calls* calls) : core_(core), calls_(calls) {}
+  AdminService(Coordinator* core, Calls* calls, const AdminAuth* auth) : core_(core), calls_(calls), auth_(auth) {}
 
   ::grpc::ServerUnaryReactor* CordonDaemon(::grpc::CallbackServerContext* context,
                                            const v1::CordonDaemonRequest* request,
                                            v1::CordonDaemonResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->CordonDaemon(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::CordonDaemonResponse> {
+      MAINSTAY_RETURN_IF_ERROR(Admit(context, request->admin_token(), "CordonDaemon"));
+      return core_->CordonDaemon(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* DrainDaemon(::grpc::CallbackServerContext* context, const v1::DrainDaemonRequest* request,
                                           v1::DrainDaemonResponse* response) override {
-    return Serve(calls_, context, response, [&] { return core_->DrainDaemon(*request); });
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::DrainDaemonResponse> {
+      MAINSTAY_RETURN_IF_ERROR(Admit(context, request->admin_token(), "DrainDaemon"));
+      return core_->DrainDaemon(*request);
+    });
   }
-  ::grpc::ServerUnaryReactor* MoveShard(::grpc::CallbackServerContext* context, const v1::MoveShardRequest*,
+  ::grpc::ServerUnaryReactor* MoveShard(::grpc::CallbackServerContext* context, const v1::MoveShardRequest* request,
                                         v1::MoveShardResponse*) override {
+    if (absl::Status s = Admit(context, request->admin_token(), "MoveShard"); !s.ok()) return Refuse(context, s);
     return Unimplemented(context, "MoveShard: moving a single shard is not implemented yet (DrainDaemon moves all of a daemon's shards)");
   }
-  ::grpc::ServerUnaryReactor* GetShardStats(::grpc::CallbackServerContext* context, const v1::GetShardStatsRequest*,
-                                            v1::GetShardStatsResponse*) override {
+  ::grpc::ServerUnaryReactor* GetShardStats(::grpc::CallbackServerContext* context,
+                                            const v1::GetShardStatsRequest* request, v1::GetShardStatsResponse*) override {
+    if (absl::Status s = Admit(context, request->admin_token(), "GetShardStats"); !s.ok()) return Refuse(context, s);
     return Unimplemented(context, "GetShardStats: per-shard stats from the daemons are not implemented yet");
   }
-  ::grpc::ServerWriteReactor<v1::DumpTensorResponse>* DumpTensor(::grpc::CallbackServerContext*,
-                                                                 const v1::DumpTensorRequest*) override {
+  ::grpc::ServerWriteReactor<v1::DumpTensorResponse>* DumpTensor(::grpc::CallbackServerContext* context,
+                                                                 const v1::DumpTensorRequest* request) override {
+    if (absl::Status s = Admit(context, request->admin_token(), "DumpTensor"); !s.ok()) {
+      return new grpc_server::FinishedWriter<v1::DumpTensorResponse>(ToGrpcStatus(s));
+    }
     return new grpc_server::FinishedWriter<v1::DumpTensorResponse>(
         ::grpc::Status(::grpc::StatusCode::UNIMPLEMENTED, "DumpTensor: tensor dumps are not implemented yet"));
   }
@@ -285,6 +367,7 @@ class AdminService final : public v1::Admin::CallbackService {
   ::grpc::ServerUnaryReactor* CreateCheckpoint(::grpc::CallbackServerContext* context,
                                                const v1::CreateCheckpointRequest* request,
                                                v1::CreateCheckpointResponse* response) override {
+    if (absl::Status s = Admit(context, request->admin_token(), "CreateCheckpoint"); !s.ok()) return Refuse(context, s);
     return Blocking(context, response, [this, context, request] {
       return core_->CreateCheckpoint(*request, CallDeadline(context));
     });
@@ -292,16 +375,19 @@ class AdminService final : public v1::Admin::CallbackService {
   ::grpc::ServerUnaryReactor* ListCheckpoints(::grpc::CallbackServerContext* context,
                                               const v1::ListCheckpointsRequest* request,
                                               v1::ListCheckpointsResponse* response) override {
+    if (absl::Status s = Admit(context, request->admin_token(), "ListCheckpoints"); !s.ok()) return Refuse(context, s);
     return Blocking(context, response, [this, request] { return core_->ListCheckpoints(*request); });
   }
   ::grpc::ServerUnaryReactor* RestoreCheckpoint(::grpc::CallbackServerContext* context,
                                                 const v1::RestoreCheckpointRequest* request,
                                                 v1::RestoreCheckpointResponse* response) override {
+    if (absl::Status s = Admit(context, request->admin_token(), "RestoreCheckpoint"); !s.ok()) return Refuse(context, s);
     return Blocking(context, response, [this, request] { return core_->RestoreCheckpoint(*request); });
   }
   ::grpc::ServerUnaryReactor* DeleteCheckpoint(::grpc::CallbackServerContext* context,
                                                const v1::DeleteCheckpointRequest* request,
                                                v1::DeleteCheckpointResponse* response) override {
+    if (absl::Status s = Admit(context, request->admin_token(), "DeleteCheckpoint"); !s.ok()) return Refuse(context, s);
     return Blocking(context, response, [this, request]() -> absl::StatusOr<v1::DeleteCheckpointResponse> {
       MAINSTAY_RETURN_IF_ERROR(core_->DeleteCheckpoint(*request));
       return v1::DeleteCheckpointResponse();
@@ -330,8 +416,14 @@ class AdminService final : public v1::Admin::CallbackService {
     return reactor;
   }
 
+  absl::Status Admit(const ::grpc::CallbackServerContext* context, const std::string& field,
+                     absl::string_view call) const {
+    return auth_->Check(grpc_server::AdminTokenOf(context, field), call);
+  }
+
   Coordinator* const core_;
   Calls* const calls_;
+  const AdminAuth* const auth_;
 };
 
 std::string DefaultCoordinatorId() {
@@ -367,6 +459,9 @@ struct CoordinatorServer::Impl {
   int lock_fd = -1;
   // Destroyed in reverse order: the server before the services, the core before the
   // assigner and the store it uses.
+  AdminAuth auth;
+  std::unique_ptr<metrics::CoordinatorMetrics> metrics;  // null: no registry
+  metrics::Registry::CollectorId collector = 0;
   std::unique_ptr<StateStore> store;
   std::unique_ptr<GrpcShardAssigner> assigner;
   std::unique_ptr<Coordinator> core;
@@ -374,6 +469,7 @@ struct CoordinatorServer::Impl {
   std::unique_ptr<CoordinatorService> coordinator_service;
   std::unique_ptr<AdminService> admin_service;
   std::unique_ptr<::grpc::Server> server;
+  std::unique_ptr<grpc_server::HealthPort> health_port;  // null: none
   int port = 0;
 
   absl::Mutex tick_mu;
@@ -401,7 +497,11 @@ struct CoordinatorServer::Impl {
     if (shut_down.exchange(true)) return;
     const absl::Time start = absl::Now();
     // New calls get UNAVAILABLE from here on; waiting ones end at their next slice.
+    if (health_port != nullptr) health_port->SetServingStatus(false);
     ::mainstay::grpc_server::ShutdownServer(server.get(), calls, kShutdownGrace, kCloseGrace, kComponent);
+    if (health_port != nullptr) health_port->Shutdown();
+    if (collector != 0) options.metrics->RemoveCollector(collector);  // it reads the core
+    collector = 0;
     {
       absl::MutexLock lock(&tick_mu);
       tick_stop = true;
@@ -418,6 +518,7 @@ CoordinatorServer::CoordinatorServer(std::unique_ptr<Impl> impl) : impl_(std::mo
 CoordinatorServer::~CoordinatorServer() = default;
 
 int CoordinatorServer::port() const { return impl_->port; }
+int CoordinatorServer::health_port() const { return impl_->health_port == nullptr ? 0 : impl_->health_port->port(); }
 
 void CoordinatorServer::Shutdown() { impl_->Shutdown(); }
 
@@ -431,12 +532,26 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
     return absl::InvalidArgumentError(absl::StrCat("max_message_bytes: must be > 0, got ", options.max_message_bytes));
   }
   if (options.coordinator_id.empty()) options.coordinator_id = DefaultCoordinatorId();
+  if (!options.internal_peer_name.empty() && !options.tls.require_client_cert) {
+    return absl::InvalidArgumentError(
+        "--tls-internal-name needs mutual TLS (--tls-client-auth require): the name is read from client certificates");
+  }
+
+  // TLS files first: a bad one is the operator's to fix (INVALID_ARGUMENT), before any state is touched.
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<::grpc::ServerCredentials> credentials, MakeServerCredentials(options.tls));
+  GrpcShardAssignerOptions assigner_options;
+  MAINSTAY_ASSIGN_OR_RETURN(assigner_options.security, ChannelSecurity::Create(options.tls));
 
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->auth = AdminAuth(options.admin_token);
+  impl->options.admin_token.clear();  // kept only as a digest in `auth`
+  if (options.metrics != nullptr) {
+    MAINSTAY_ASSIGN_OR_RETURN(impl->metrics, metrics::CoordinatorMetrics::Create(options.metrics));
+  }
   MAINSTAY_ASSIGN_OR_RETURN(impl->lock_fd, LockStateDir(options.state_dir));
   MAINSTAY_ASSIGN_OR_RETURN(impl->store, OpenFileStateStore(options.state_dir));
-  impl->assigner = std::make_unique<GrpcShardAssigner>();
+  impl->assigner = std::make_unique<GrpcShardAssigner>(assigner_options);
   CoordinatorOptions core_options;
   core_options.store = impl->store.get();
   core_options.assigner = impl->assigner.get();
@@ -444,15 +559,24 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
   core_options.coordinator_id = options.coordinator_id;
   core_options.checkpoint_dir = options.checkpoint_dir;
   core_options.restore_on_daemon_loss = options.restore_on_daemon_loss;
+  if (impl->metrics != nullptr) {
+    core_options.on_lease_expired = [m = impl->metrics.get()](const std::string&) { m->LeaseExpired(); };
+  }
   MAINSTAY_ASSIGN_OR_RETURN(impl->core, Coordinator::Create(core_options));
 
-  impl->coordinator_service = std::make_unique<CoordinatorService>(impl->core.get(), &impl->calls);
-  impl->admin_service = std::make_unique<AdminService>(impl->core.get(), &impl->calls);
+  impl->coordinator_service =
+      std::make_unique<CoordinatorService>(impl->core.get(), &impl->calls, &impl->auth, options.internal_peer_name);
+  impl->admin_service = std::make_unique<AdminService>(impl->core.get(), &impl->calls, &impl->auth);
   ::grpc::EnableDefaultHealthCheckService(true);
   ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   ::grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, ::grpc::InsecureServerCredentials(), &impl->port);
+  builder.AddListeningPort(options.listen_address, credentials, &impl->port);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  if (impl->metrics != nullptr) {
+    std::vector<std::unique_ptr<::grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(grpc_server::MakeRpcCounter(impl->metrics.get()));
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  }
   builder.RegisterService(impl->coordinator_service.get());
   builder.RegisterService(impl->admin_service.get());
   impl->server = builder.BuildAndStart();
@@ -467,10 +591,27 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
     health->SetServingStatus("mainstay.v1.Coordinator", true);
     health->SetServingStatus("mainstay.v1.Admin", true);
   }
+  if (!options.health_listen_address.empty()) {
+    MAINSTAY_ASSIGN_OR_RETURN(impl->health_port, grpc_server::HealthPort::Start(options.health_listen_address));
+    for (const char* service : {"", "mainstay.v1.Coordinator", "mainstay.v1.Admin"}) {
+      impl->health_port->SetServingStatus(service, true);
+    }
+  }
   Impl* raw = impl.get();
+  if (impl->metrics != nullptr) {
+    impl->collector = options.metrics->AddCollector([raw] {
+      v1::ListDaemonsRequest all;
+      all.set_include_down(true);
+      raw->metrics->SetState(raw->core->ListDaemons(all), raw->core->ListJobs(v1::ListJobsRequest()));
+    });
+  }
   impl->ticker = std::thread([raw] { raw->RunTicker(); });
-  Log(LogLevel::kInfo, kComponent, absl::StrCat("serving on port ", impl->port, " (state ", options.state_dir,
-                                                ", lease ", options.lease_ttl_ms, " ms, id ", options.coordinator_id, ")"));
+  Log(LogLevel::kInfo, kComponent,
+      absl::StrCat("serving on port ", impl->port,
+                   options.tls.ServerEnabled() ? (options.tls.require_client_cert ? " with mutual TLS" : " with TLS")
+                                               : " in plaintext",
+                   " (state ", options.state_dir, ", lease ", options.lease_ttl_ms, " ms, id ", options.coordinator_id,
+                   impl->auth.enabled() ? ", admin token required" : ", no admin token", ")"));
   return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(std::move(impl)));
 }
 

@@ -10,9 +10,21 @@
 // daemons through a GrpcShardAssigner.
 //
 // Not implemented yet (answered UNIMPLEMENTED with the reason): KvWatch (callers poll KvGet
-// with wait_ms), Admin MoveShard, GetShardStats, DumpTensor and the checkpoint RPCs. A per-job token
-// that is not the job's is PERMISSION_DENIED on GetJob, GetLayout, GetPlacement and
-// WatchPlacement; an empty one is still accepted, and the admin token is not implemented yet.
+// with wait_ms), Admin MoveShard, GetShardStats, DumpTensor and the checkpoint RPCs.
+//
+// Security (DESIGN.md section 8): options.tls makes every port TLS or mutual TLS and is also
+// how AssignShard / DropShard reach the daemons. A per-job token that is not the job's is
+// PERMISSION_DENIED on GetJob, GetLayout, GetPlacement and WatchPlacement. With
+// options.admin_token set, every Admin RPC, ListDaemons, ListJobs, CreateJob, DeleteJob, and
+// GetJob / GetLayout / GetPlacement / WatchPlacement without a job token need the admin token
+// (server/coordinator/admin_auth.h: the request's admin_token field or `authorization: Bearer`
+// metadata), else PERMISSION_DENIED. Daemons' calls (RegisterDaemon, Heartbeat,
+// DeregisterDaemon, the KV) never need it: daemons authenticate by mutual TLS, and with
+// options.internal_peer_name only the servers' certificates may make them.
+//
+// Health: "", "mainstay.v1.Coordinator" and "mainstay.v1.Admin" are SERVING from Start and
+// NOT_SERVING from the first moment of Shutdown. With options.metrics the server records the
+// metrics of server/metrics/coordinator_metrics.h into that registry.
 //
 // Thread safety: port() may be called from any thread; Shutdown is idempotent and may be
 // called from any thread but one at a time (the destructor calls it). Shutdown stops
@@ -26,6 +38,11 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/tls.h"
+
+namespace mainstay::metrics {
+class Registry;
+}  // namespace mainstay::metrics
 
 namespace mainstay::coordinator {
 
@@ -46,10 +63,25 @@ class CoordinatorServer {
     std::string checkpoint_dir;
     // Restore a job from its newest checkpoint when it loses a daemon.
     bool restore_on_daemon_loss = true;
+    // TLS of the port and of the calls to daemons; plaintext when tls.cert_file is empty.
+    TlsOptions tls;
+    // With mutual TLS: the name (certificate CN or SAN) that only the cluster's servers'
+    // certificates carry; daemons' calls (RegisterDaemon, Heartbeat, DeregisterDaemon, the KV)
+    // from any other certificate are PERMISSION_DENIED (server/grpc/peer_identity.h). Empty: no
+    // such check. Needs tls.require_client_cert.
+    std::string internal_peer_name;
+    // The admin token itself (read from --admin-token-file); empty: admin calls are open. Never
+    // logged.
+    std::string admin_token;
+    // Not owned, must outlive the server; null: no metrics.
+    metrics::Registry* metrics = nullptr;
+    // "host:port" of a plaintext port serving only grpc.health.v1 with the same statuses
+    // (server/grpc/health_port.h), for probes that cannot speak TLS; empty: none.
+    std::string health_listen_address;
   };
 
-  // INVALID_ARGUMENT for bad options, FAILED_PRECONDITION when another coordinator holds the
-  // state directory, DATA_LOSS for a corrupt state, UNAVAILABLE when the address cannot be
+  // INVALID_ARGUMENT for bad options (unreadable or mismatched TLS files included),
+  // FAILED_PRECONDITION when another coordinator holds the state directory, DATA_LOSS for a corrupt state, UNAVAILABLE when the address cannot be
   // bound.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(Options options);
 
@@ -59,6 +91,8 @@ class CoordinatorServer {
 
   // The bound port (the chosen one when the address asked for port 0).
   int port() const;
+  // The bound health-only port; 0 without options.health_listen_address.
+  int health_port() const;
 
   // Graceful and bounded (about 5 seconds at most); idempotent.
   void Shutdown();

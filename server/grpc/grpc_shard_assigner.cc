@@ -99,7 +99,7 @@ GrpcShardAssigner::Peer* GrpcShardAssigner::PeerLocked(const std::string& addres
     ::grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, static_cast<int>(absl::ToInt64Milliseconds(options_.initial_backoff)));
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(absl::ToInt64Milliseconds(options_.max_backoff)));
-    peer->stub = v1::Shard::NewStub(::grpc::CreateCustomChannel(address, ::grpc::InsecureChannelCredentials(), args));
+    peer->stub = v1::Shard::NewStub(options_.security.CreateChannel(address, args));
     Peer* raw = peer.get();
     peer->worker = std::thread([this, raw] { RunWorker(raw); });
   }

@@ -22,6 +22,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/grpc_tls.h"
 #include "server/coordinator/shard_assigner.h"
 
 namespace mainstay::coordinator {
@@ -31,6 +32,8 @@ struct GrpcShardAssignerOptions {
   absl::Duration give_up_after = absl::Minutes(1);    // per call, from when it was made
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
+  // How the daemons are dialled: plaintext, TLS or mutual TLS (common/grpc_tls.h).
+  ChannelSecurity security;
 };
 
 class GrpcShardAssigner : public ShardAssigner {

@@ -9,11 +9,14 @@
 #include <functional>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_tls.h"
 #include "common/layout_proto.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "mainstay/v1/shard.grpc.pb.h"
 #include "server/grpc/calls.h"
+#include "server/grpc/health_port.h"
+#include "server/grpc/caller_identity.h"
 #include "server/metrics/daemon_metrics.h"
 
 namespace mainstay::daemon {
@@ -29,7 +32,8 @@ constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
 constexpr absl::Duration kCloseGrace = absl::Milliseconds(500);
 constexpr int64_t kDefaultChunkBytes = 1 << 20;
 constexpr int64_t kMaxChunkBytes = 4 << 20;
-constexpr char kTransport[] = "grpc";  // the `transport` label of the byte counters
+constexpr char kTransport[] = "grpc";
+constexpr char kShardService[] = "mainstay.v1.Shard";  // its health status is the readiness  // the `transport` label of the byte counters
 
 ::grpc::Status ShuttingDown() { return ::grpc::Status(::grpc::StatusCode::UNAVAILABLE, "daemon is shutting down"); }
 
@@ -52,9 +56,9 @@ absl::StatusOr<T> WaitInSlices(::grpc::CallbackServerContext* context, Calls* ca
 // PushGrad: header first (validated before any data), then chunks into the session.
 class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradRequest> {
  public:
-  PushGradReactor(ShardDaemon* core, Calls* calls, metrics::Counter* pushed_bytes,
+  PushGradReactor(ShardDaemon* core, Calls* calls, metrics::Counter* pushed_bytes, StepDrain* drain,
                   ::grpc::CallbackServerContext* context, v1::PushGradResponse* response)
-      : core_(core), calls_(calls), pushed_bytes_(pushed_bytes), context_(context), response_(response) {
+      : core_(core), calls_(calls), pushed_bytes_(pushed_bytes), drain_(drain), context_(context), response_(response) {
     if (!calls_->Enter()) {
       Finish(ShuttingDown());
       return;
@@ -74,6 +78,11 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
       if (!request_.has_header()) return End(absl::InvalidArgumentError("PushGrad: the first message must be the header"));
       absl::StatusOr<std::unique_ptr<PushSession>> session = core_->BeginPush(request_.header());
       if (!session.ok()) return End(session.status());
+      if (drain_ != nullptr) {
+        if (absl::Status s = drain_->AdmitPush(request_.header().job_id(), request_.header().step()); !s.ok()) {
+          return End(s);  // the session is dropped: nothing of this push is stored
+        }
+      }
       session_ = *std::move(session);
     } else {
       if (!request_.has_chunk()) return End(absl::InvalidArgumentError("PushGrad: a second header in one stream"));
@@ -97,6 +106,7 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
   ShardDaemon* const core_;
   Calls* const calls_;
   metrics::Counter* const pushed_bytes_;  // null: no metrics
+  StepDrain* const drain_;                // null: no graceful drain
   ::grpc::CallbackServerContext* const context_;
   v1::PushGradResponse* const response_;
   v1::PushGradRequest request_;
@@ -280,7 +290,8 @@ absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& re
 
 class ShardService final : public v1::Shard::CallbackService {
  public:
-  ShardService(ShardDaemon* core, Calls* calls) : core_(core), calls_(calls) {
+  ShardService(ShardDaemon* core, Calls* calls, StepDrain* drain, std::string internal_peer_name)
+      : core_(core), calls_(calls), drain_(drain), internal_(std::move(internal_peer_name)) {
     if (metrics::DaemonMetrics* m = core->metrics(); m != nullptr) {
       pushed_bytes_ = m->PushedBytes(kTransport);
       pulled_bytes_ = m->PulledBytes(kTransport);
@@ -289,15 +300,22 @@ class ShardService final : public v1::Shard::CallbackService {
 
   ::grpc::ServerUnaryReactor* AssignShard(::grpc::CallbackServerContext* context, const v1::AssignShardRequest* request,
                                           v1::AssignShardResponse* response) override {
-    return grpc_server::Serve(calls_, context, response, ShuttingDown(), [&] { return core_->AssignShard(*request); });
+    return grpc_server::Serve(calls_, context, response, ShuttingDown(),
+                              [&]() -> absl::StatusOr<v1::AssignShardResponse> {
+                                MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "AssignShard"));
+                                return core_->AssignShard(*request);
+                              });
   }
   ::grpc::ServerUnaryReactor* DropShard(::grpc::CallbackServerContext* context, const v1::DropShardRequest* request,
                                         v1::DropShardResponse* response) override {
-    return grpc_server::Serve(calls_, context, response, ShuttingDown(), [&] { return core_->DropShard(*request); });
+    return grpc_server::Serve(calls_, context, response, ShuttingDown(), [&]() -> absl::Status {
+      MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckInternalPeer(context, internal_, "DropShard"));
+      return core_->DropShard(*request);
+    });
   }
   ::grpc::ServerReadReactor<v1::PushGradRequest>* PushGrad(::grpc::CallbackServerContext* context,
                                                            v1::PushGradResponse* response) override {
-    return new PushGradReactor(core_, calls_, pushed_bytes_.get(), context, response);
+    return new PushGradReactor(core_, calls_, pushed_bytes_.get(), drain_, context, response);
   }
   ::grpc::ServerWriteReactor<v1::PullParamsResponse>* PullParams(::grpc::CallbackServerContext* context,
                                                                  const v1::PullParamsRequest* request) override {
@@ -337,6 +355,9 @@ class ShardService final : public v1::Shard::CallbackService {
   }
   ::grpc::ServerWriteReactor<v1::FetchShardStateResponse>* FetchShardState(
       ::grpc::CallbackServerContext* context, const v1::FetchShardStateRequest* request) override {
+    if (absl::Status s = grpc_server::CheckInternalPeer(context, internal_, "FetchShardState"); !s.ok()) {
+      return new grpc_server::FinishedWriter<v1::FetchShardStateResponse>(ToGrpcStatus(s));
+    }
     const v1::FetchShardStateRequest copy = *request;
     return new BlockingWriter<v1::FetchShardStateResponse>(
         calls_, context, [core = core_, copy](const auto& write) { return StreamState(core, copy, write); });
@@ -345,6 +366,10 @@ class ShardService final : public v1::Shard::CallbackService {
                                               const v1::WriteCheckpointRequest* request,
                                               v1::WriteCheckpointResponse* response) override {
     ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (absl::Status s = grpc_server::CheckInternalPeer(context, internal_, "WriteCheckpoint"); !s.ok()) {
+      reactor->Finish(ToGrpcStatus(s));
+      return reactor;
+    }
     if (!calls_->Enter()) {
       reactor->Finish(ShuttingDown());
       return reactor;
@@ -367,6 +392,8 @@ class ShardService final : public v1::Shard::CallbackService {
  private:
   ShardDaemon* const core_;
   Calls* const calls_;
+  StepDrain* const drain_;
+  const std::string internal_;  // empty: no internal-peer check
   std::shared_ptr<metrics::Counter> pushed_bytes_, pulled_bytes_;  // null: no metrics
 };
 
@@ -377,32 +404,62 @@ struct ShardServer::Impl {
   Calls calls;
   std::unique_ptr<ShardService> service;
   std::unique_ptr<::grpc::Server> server;
+  std::unique_ptr<grpc_server::HealthPort> health_port;  // null: none
   int port = 0;
   std::atomic<bool> shut_down{false};
+  absl::Mutex health_mu;  // orders SetReady against BeginDrain
+  bool drained ABSL_GUARDED_BY(health_mu) = false;
 
   ~Impl() { Shutdown(); }
 
   void Shutdown() {
     if (shut_down.exchange(true)) return;
+    if (health_port != nullptr) health_port->SetServingStatus(false);
     grpc_server::ShutdownServer(server.get(), calls, kShutdownGrace, kCloseGrace, kComponent);
+    if (health_port != nullptr) health_port->Shutdown();
   }
 };
 
 ShardServer::ShardServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ShardServer::~ShardServer() = default;
 int ShardServer::port() const { return impl_->port; }
+int ShardServer::health_port() const { return impl_->health_port == nullptr ? 0 : impl_->health_port->port(); }
 void ShardServer::Shutdown() { impl_->Shutdown(); }
+
+void ShardServer::SetReady(bool ready) {
+  absl::MutexLock lock(&impl_->health_mu);
+  if (impl_->drained || impl_->server == nullptr) return;
+  if (::grpc::HealthCheckServiceInterface* health = impl_->server->GetHealthCheckService(); health != nullptr) {
+    health->SetServingStatus(kShardService, ready);
+  }
+  if (impl_->health_port != nullptr) impl_->health_port->SetServingStatus(kShardService, ready);
+}
+
+void ShardServer::BeginDrain() {
+  absl::MutexLock lock(&impl_->health_mu);
+  impl_->drained = true;
+  if (impl_->server == nullptr) return;
+  if (::grpc::HealthCheckServiceInterface* health = impl_->server->GetHealthCheckService(); health != nullptr) {
+    health->SetServingStatus(false);
+  }
+  if (impl_->health_port != nullptr) impl_->health_port->SetServingStatus(false);
+}
 
 absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options) {
   if (options.daemon == nullptr) return absl::InvalidArgumentError("daemon: required");
   if (options.listen_address.empty()) return absl::InvalidArgumentError("listen_address: must not be empty");
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<::grpc::ServerCredentials> credentials, MakeServerCredentials(options.tls));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls);
+  if (!options.internal_peer_name.empty() && !options.tls.require_client_cert) {
+    return absl::InvalidArgumentError(
+        "--tls-internal-name needs mutual TLS (--tls-client-auth require): the name is read from client certificates");
+  }
+  impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls, options.drain, options.internal_peer_name);
   ::grpc::EnableDefaultHealthCheckService(true);
   ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   ::grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, ::grpc::InsecureServerCredentials(), &impl->port);
+  builder.AddListeningPort(options.listen_address, credentials, &impl->port);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.RegisterService(impl->service.get());
   impl->server = builder.BuildAndStart();
@@ -411,11 +468,16 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options)
                                                " (address in use or not local?)"));
   }
   if (::grpc::HealthCheckServiceInterface* health = impl->server->GetHealthCheckService(); health != nullptr) {
-    health->SetServingStatus(true);
     health->SetServingStatus("", true);
-    health->SetServingStatus("mainstay.v1.Shard", true);
+    health->SetServingStatus(kShardService, false);  // ready once registered: SetReady
   }
-  Log(LogLevel::kInfo, kComponent, absl::StrCat("serving the Shard service on port ", impl->port));
+  if (!options.health_listen_address.empty()) {
+    MAINSTAY_ASSIGN_OR_RETURN(impl->health_port, grpc_server::HealthPort::Start(options.health_listen_address));
+    impl->health_port->SetServingStatus("", true);
+  }
+  Log(LogLevel::kInfo, kComponent,
+      absl::StrCat("serving the Shard service on port ", impl->port,
+                   options.tls.ServerEnabled() ? (options.tls.require_client_cert ? " with mutual TLS" : " with TLS") : " in plaintext"));
   return std::unique_ptr<ShardServer>(new ShardServer(std::move(impl)));
 }
 

@@ -1,6 +1,11 @@
 // The shard daemon as a gRPC server: the mainstay.v1.Shard service over the ShardDaemon core
-// (server/daemon/shard_daemon.h), plus the standard health service ("" and
-// "mainstay.v1.Shard" SERVING while it runs) and server reflection.
+// (server/daemon/shard_daemon.h), plus the standard health service and server reflection.
+//
+// Health: "" is SERVING while the process serves (liveness); "mainstay.v1.Shard" (readiness)
+// is NOT_SERVING until SetReady(true) (the daemon's main calls it once registered with the
+// coordinator) and from BeginDrain on, when both go NOT_SERVING. options.tls makes the port
+// TLS or mutual TLS (common/grpc_tls.h). With options.drain, pushes pass StepDrain::AdmitPush
+// after their header is accepted (UNAVAILABLE for new steps while draining, nothing stored).
 //
 // PushGrad is a callback read reactor that validates the header before any data arrives and
 // stages chunks in the core's PushSession (nothing is stored until the stream ends well).
@@ -19,7 +24,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/tls.h"
 #include "server/daemon/shard_daemon.h"
+#include "server/daemon/step_drain.h"
 
 namespace mainstay::daemon {
 
@@ -29,15 +36,33 @@ class ShardServer {
     std::string listen_address = "127.0.0.1:0";  // port 0 picks a free port (see port())
     int max_message_bytes = 64 << 20;
     daemon::ShardDaemon* daemon = nullptr;        // required, not owned
+    TlsOptions tls;                               // plaintext when tls.cert_file is empty
+    // With mutual TLS: the name (certificate CN or SAN) that only the cluster's servers'
+    // certificates carry; AssignShard, DropShard, FetchShardState and WriteCheckpoint from any
+    // other certificate (a trainer's) are PERMISSION_DENIED (server/grpc/peer_identity.h).
+    // Empty: no such check. Needs tls.require_client_cert.
+    std::string internal_peer_name;
+    StepDrain* drain = nullptr;                   // not owned, must outlive the server; null: none
+    // "host:port" of a plaintext port serving only grpc.health.v1 with the same statuses
+    // (server/grpc/health_port.h), for probes that cannot speak TLS; empty: none.
+    std::string health_listen_address;
   };
 
-  // INVALID_ARGUMENT for bad options; UNAVAILABLE when the address cannot be bound.
+  // INVALID_ARGUMENT for bad options (unreadable or mismatched TLS files included);
+  // UNAVAILABLE when the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<ShardServer>> Start(Options options);
   ~ShardServer();
   ShardServer(const ShardServer&) = delete;
   ShardServer& operator=(const ShardServer&) = delete;
 
   int port() const;
+  // The bound health-only port; 0 without options.health_listen_address.
+  int health_port() const;
+  // The readiness of "mainstay.v1.Shard" (ignored after BeginDrain or Shutdown).
+  void SetReady(bool ready);
+  // Health NOT_SERVING for every service, for good; calls are still served (the steps in
+  // flight finish; options.drain refuses new ones).
+  void BeginDrain();
   // Stops accepting calls, ends waiting ones with UNAVAILABLE, bounded to a few seconds.
   void Shutdown();
 

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Renders a kustomization of deploy/k8s with `kubectl kustomize` and checks its structure.
 
-usage: check_k8s.py --variant gpu|cpu [--kubectl PATH] DIR
+usage: check_k8s.py --variant gpu|cpu [--tls] [--kubectl PATH] DIR
 
 Checks what a reader of the manifests would otherwise find out on a cluster: the expected
 kinds, one namespace, probes that hit the gRPC port each binary listens on (Kubernetes' native
 gRPC probe against grpc.health.v1), Services and the PodDisruptionBudget that select the pods
 they mean, every $(VAR) of the daemon's args defined, ConfigMap keys that exist, tagged images,
-Prometheus scrape annotations, and GPU resources plus hostIPC in the gpu variant and neither
-in the cpu one. Exit 77 (CTest: skipped) with the reason when kubectl or PyYAML is missing, or
+Prometheus scrape annotations, the daemon's readiness on service mainstay.v1.Shard (ready once
+registered), GPU resources plus hostIPC in the gpu variant and neither in the cpu one, and with
+--tls: TLS flags whose files lie on mounted Secrets, mutual TLS, the coordinator's admin token
+from a Secret, and probes on the plaintext --health-listen port. Exit 77 (CTest: skipped) with the reason when kubectl or PyYAML is missing, or
 when kubectl's built-in kustomize is too old for overlays.
 """
 import argparse
@@ -66,7 +68,7 @@ def selects(selector, labels):
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
-def check_pod(c, kind_name, template, container, grpc_port, config_maps):
+def check_pod(c, kind_name, template, container, grpc_port, config_maps, probe_port=None, ready_service=""):
     spec = template["spec"]
     meta = template["metadata"]
     ann = meta.get("annotations", {})
@@ -83,9 +85,11 @@ def check_pod(c, kind_name, template, container, grpc_port, config_maps):
         grpc = p.get("grpc")
         c.check(grpc is not None, f"{kind_name}: {probe} is not a gRPC probe")
         if grpc is not None:
-            # The native gRPC probe takes a number, not a port name.
-            c.check(grpc.get("port") == grpc_port, f"{kind_name}: {probe} probes port {grpc.get('port')}, not {grpc_port}")
-            c.check(grpc.get("service", "") == "", f"{kind_name}: {probe} asks for service {grpc.get('service')!r}; both binaries report \"\"")
+            # The native gRPC probe takes a number, not a port name, and cannot speak TLS.
+            want_port = probe_port or grpc_port
+            c.check(grpc.get("port") == want_port, f"{kind_name}: {probe} probes port {grpc.get('port')}, not {want_port}")
+            want = ready_service if probe == "readinessProbe" else ""
+            c.check(grpc.get("service", "") == want, f"{kind_name}: {probe} asks for service {grpc.get('service')!r}, not {want!r}")
     image = container.get("image", "")
     c.check(re.fullmatch(r"[\w./-]*mainstay:[\w.-]+", image) is not None and not image.endswith(":latest"),
             f"{kind_name}: image {image!r} is not a tagged mainstay image")
@@ -111,6 +115,7 @@ def check_pod(c, kind_name, template, container, grpc_port, config_maps):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", choices=["gpu", "cpu"], required=True)
+    parser.add_argument("--tls", action="store_true")
     parser.add_argument("--kubectl", default=None)
     parser.add_argument("dir")
     args = parser.parse_args()
@@ -125,7 +130,7 @@ def main():
     minor = kubectl_minor(kubectl)
     # kubectl <= 1.20 embeds kustomize v2.0.3, which reads neither a directory in `resources:`
     # nor `patches:`; the base sticks to fields it knows.
-    if args.variant == "cpu" and (minor is None or minor < 21):
+    if (args.variant == "cpu" or args.tls) and (minor is None or minor < 21):
         skip(f"kubectl 1.{minor} embeds kustomize v2.0.3, too old for overlays (needs kubectl >= 1.21)")
 
     rendered = subprocess.run([kubectl, "kustomize", args.dir], capture_output=True, text=True)
@@ -165,7 +170,10 @@ def main():
                 listen = json.loads(cm[cfg_name]).get("listen")
     listen = listen or "0.0.0.0:7070"
     coordinator_port = port_of(listen)
-    check_pod(c, "coordinator", template, container, coordinator_port, config_maps)
+    check_pod(c, "coordinator", template, container, coordinator_port, config_maps, health_port(cargs))
+    if args.tls:
+        check_tls(c, "coordinator", template, container)
+        check_secret_file(c, "coordinator", template, container, flag_value(cargs, "--admin-token-file"), "--admin-token-file")
     state_dir = flag_value(cargs, "--state-dir")
     claims = {t["metadata"]["name"] for t in sts["spec"].get("volumeClaimTemplates", [])}
     mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
@@ -191,7 +199,9 @@ def main():
     container = spec["containers"][0]
     dargs = container.get("args", [])
     daemon_port = port_of(flag_value(dargs, "--listen") or "0.0.0.0:7071")
-    check_pod(c, "mainstayd", template, container, daemon_port, config_maps)
+    check_pod(c, "mainstayd", template, container, daemon_port, config_maps, health_port(dargs), "mainstay.v1.Shard")
+    if args.tls:
+        check_tls(c, "mainstayd", template, container)
     c.check(spec.get("nodeSelector"), "mainstayd: no nodeSelector")
     c.check(ds["spec"].get("updateStrategy", {}).get("type") == "OnDelete",
             "mainstayd: updateStrategy is not OnDelete (a rolling update would drop every shard's state)")
@@ -219,12 +229,39 @@ def main():
     return report(c, args)
 
 
+def health_port(args):
+    value = flag_value(args, "--health-listen")
+    return port_of(value) if value else None
+
+
+def check_secret_file(c, kind_name, template, container, path, flag):
+    """`path` (the value of `flag`) lies on a volume mounted from a Secret."""
+    if not c.check(path is not None, f"{kind_name}: no {flag}"):
+        return
+    secrets = {v["name"] for v in template["spec"].get("volumes", []) if "secret" in v}
+    mounts = [m for m in container.get("volumeMounts", []) if m["name"] in secrets]
+    c.check(any(path.startswith(m["mountPath"].rstrip("/") + "/") for m in mounts),
+            f"{kind_name}: {flag} {path} is not on a volume mounted from a Secret")
+
+
+def check_tls(c, kind_name, template, container):
+    args = container.get("args", [])
+    for flag in ("--tls-cert-file", "--tls-key-file", "--tls-ca-file"):
+        check_secret_file(c, kind_name, template, container, flag_value(args, flag), flag)
+    c.check(flag_value(args, "--tls-client-auth") == "require", f"{kind_name}: --tls-client-auth is not require (mutual TLS)")
+    c.check(bool(flag_value(args, "--tls-internal-name")),
+            f"{kind_name}: no --tls-internal-name: trainers' certificates could make the servers' internal calls")
+    c.check(health_port(args) is not None, f"{kind_name}: no --health-listen: the kubelet's gRPC probes cannot speak TLS")
+    ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+    c.check(ports.get("health") == health_port(args), f"{kind_name}: no container port 'health' for --health-listen")
+
+
 def report(c, args):
     for f in c.failures:
         print("FAIL:", f)
     if c.failures:
         return 1
-    print(f"PASS: {args.variant} ({args.dir}): {c.passed} checks")
+    print(f"PASS: {args.variant}{' tls' if args.tls else ''} ({args.dir}): {c.passed} checks")
     return 0
 
 

@@ -1,7 +1,8 @@
-// mainstayd's Prometheus endpoint end to end: the real mainstay-coordinator and one real
-// mainstayd (--metrics-listen 127.0.0.1:0) on loopback, a trainer through the public client
+// The Prometheus endpoints end to end: the real mainstay-coordinator and one real
+// mainstayd (both --metrics-listen 127.0.0.1:0) on loopback, a trainer through the public client
 // library running two steps and a pull. Then GET /metrics shows the steps, the bytes and the
-// lease (and passes `promtool check metrics` where installed), and a real Prometheus server,
+// lease (and passes `promtool check metrics` where installed), the coordinator's shows its
+// daemons, jobs, epochs, RPCs and a lease expiration, and a real Prometheus server,
 // scraping the daemon every second, answers its query API with the committed steps. The
 // Prometheus part is skipped (GTEST_SKIP) without the prometheus binary (Debian package
 // `prometheus`). Every wait is a poll with a generous deadline (loaded CI machines).
@@ -94,12 +95,16 @@ class MetricsLiveTest : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = TempDir::Create("mainstay-metrics").value().release();
     auto coordinator = Subprocess::Start({{MAINSTAY_COORDINATOR_BIN, "--listen", "127.0.0.1:0", "--state-dir",
-                                           dir_->File("state"), "--port-file", dir_->File("cport")},
+                                           dir_->File("state"), "--port-file", dir_->File("cport"), "--metrics-listen",
+                                           "127.0.0.1:0", "--metrics-port-file", dir_->File("cmport")},
                                           dir_->File("coordinator.log")});
     ASSERT_THAT(coordinator.status(), IsOk());
     coordinator_ = coordinator->release();
     absl::StatusOr<int> cport = testing::WaitForPortFile(dir_->File("cport"), *coordinator_, kStartTimeout);
     ASSERT_THAT(cport.status(), IsOk()) << Logs();
+    absl::StatusOr<int> cmport = testing::WaitForPortFile(dir_->File("cmport"), *coordinator_, kStartTimeout);
+    ASSERT_THAT(cmport.status(), IsOk()) << Logs();
+    coordinator_metrics_port_ = *cmport;
     address_ = new std::string(absl::StrCat("127.0.0.1:", *cport));
     auto daemon = Subprocess::Start(
         {{MAINSTAYD_BIN, "--coordinator", *address_, "--listen", "127.0.0.1:0", "--node-name", "node0", "--threads",
@@ -172,6 +177,7 @@ class MetricsLiveTest : public ::testing::Test {
   static std::string* address_;
   static std::string* job_id_;
   static int metrics_port_;
+  static int coordinator_metrics_port_;
 };
 TempDir* MetricsLiveTest::dir_ = nullptr;
 Subprocess* MetricsLiveTest::coordinator_ = nullptr;
@@ -179,6 +185,7 @@ Subprocess* MetricsLiveTest::daemon_ = nullptr;
 std::string* MetricsLiveTest::address_ = nullptr;
 std::string* MetricsLiveTest::job_id_ = nullptr;
 int MetricsLiveTest::metrics_port_ = 0;
+int MetricsLiveTest::coordinator_metrics_port_ = 0;
 
 TEST_F(MetricsLiveTest, EndpointShowsCommittedStepsBytesHeldStateAndLiveLease) {
   ASSERT_NE(job_id_, nullptr);
@@ -202,6 +209,55 @@ TEST_F(MetricsLiveTest, EndpointShowsCommittedStepsBytesHeldStateAndLiveLease) {
 
   if (const std::string promtool = FindProgram("promtool"); !promtool.empty()) {
     const std::string file = dir_->File("scrape.txt");
+    std::ofstream(file) << text;
+    const std::string command = absl::StrCat(promtool, " check metrics < ", file, " > ", file, ".out 2>&1");
+    EXPECT_EQ(std::system(command.c_str()), 0) << ReadFileOrEmpty(file + ".out");
+  }
+}
+
+TEST_F(MetricsLiveTest, CoordinatorEndpointShowsDaemonsJobsEpochsRpcsAndALeaseExpiration) {
+  ASSERT_NE(job_id_, nullptr);
+  // A second daemon with a short lease, killed without deregistering: its lease runs out.
+  auto extra = Subprocess::Start({{MAINSTAYD_BIN, "--coordinator", *address_, "--listen", "127.0.0.1:0", "--node-name",
+                                   "node1", "--threads", "1", "--memory-bytes", "1000000", "--lease-ttl-ms", "1000",
+                                   "--metrics-listen", "off", "--port-file", dir_->File("dport2")},
+                                  dir_->File("daemon2.log")});
+  ASSERT_THAT(extra.status(), IsOk());
+  ASSERT_THAT(testing::WaitForPortFile(dir_->File("dport2"), **extra, kStartTimeout).status(), IsOk()) << Logs();
+  std::string text = HttpGet(coordinator_metrics_port_, "/metrics");
+  EXPECT_EQ(SeriesValue(text, "mainstay_coordinator_daemons{state=\"READY\"}"), 2) << text;
+  EXPECT_EQ(SeriesValue(text, "mainstay_coordinator_lease_expirations_total"), 0) << text;
+  ASSERT_THAT((*extra)->Kill().status(), IsOk());
+
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  int status = 0;
+  while (absl::Now() < deadline) {
+    text = HttpGet(coordinator_metrics_port_, "/metrics", &status);
+    if (SeriesValue(text, "mainstay_coordinator_lease_expirations_total") >= 1) break;
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  ASSERT_EQ(status, 200) << Logs();
+  EXPECT_EQ(SeriesValue(text, "mainstay_coordinator_lease_expirations_total"), 1) << text;
+  EXPECT_EQ(SeriesValue(text, "mainstay_coordinator_daemons{state=\"READY\"}"), 1) << text;
+  EXPECT_EQ(SeriesValue(text, "mainstay_coordinator_daemons{state=\"DOWN\"}"), 1) << text;
+  EXPECT_EQ(SeriesValue(text, "mainstay_coordinator_daemons{state=\"DRAINING\"}"), 0) << text;
+  EXPECT_EQ(SeriesValue(text, "mainstay_coordinator_jobs{state=\"READY\"}"), 1) << text;
+  EXPECT_GE(SeriesValue(text, absl::StrCat("mainstay_coordinator_placement_epoch{job_id=\"", *job_id_, "\"}")), 1)
+      << text;
+  EXPECT_EQ(SeriesValue(text, "mainstay_coordinator_rpcs_total{method=\"mainstay.v1.Coordinator/CreateJob\","
+                              "code=\"OK\"}"),
+            1)
+      << text;
+  EXPECT_GE(SeriesValue(text, "mainstay_coordinator_rpcs_total{method=\"mainstay.v1.Coordinator/RegisterDaemon\","
+                              "code=\"OK\"}"),
+            2)
+      << text;
+  EXPECT_GE(SeriesValue(text, "mainstay_coordinator_rpcs_total{method=\"mainstay.v1.Coordinator/GetLayout\","
+                              "code=\"OK\"}"),
+            1)
+      << text;
+  if (const std::string promtool = FindProgram("promtool"); !promtool.empty()) {
+    const std::string file = dir_->File("coordinator_scrape.txt");
     std::ofstream(file) << text;
     const std::string command = absl::StrCat(promtool, " check metrics < ", file, " > ", file, ".out 2>&1");
     EXPECT_EQ(std::system(command.c_str()), 0) << ReadFileOrEmpty(file + ".out");

@@ -41,6 +41,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/layout.h"
+#include "common/tls.h"
 #include "mainstay/buffers.h"
 #include "mainstay/export.h"
 #include "mainstay/pulled.h"
@@ -52,11 +53,16 @@ struct ClientOptions {
   // Create a job: the job spec as JSON text (docs/job_spec.md). Exactly one of job_spec_json and
   // (job_id, job_token) is given.
   std::string job_spec_json;
-  std::string admin_token;    // for CreateJob when the coordinator requires one
+  std::string admin_token;    // for CreateJob when the coordinator requires one (never logged)
   // Attach to a job: its id and the token CreateJob returned to the launcher.
   std::string job_id;
   std::string job_token;
   int32_t rank = 0;           // this trainer's rank, in [0, D)
+  // TLS to the coordinator and the daemons (common/tls.h): ca_file verifies their certificates
+  // (TLS), cert_file + key_file are this trainer's certificate where they require one (mutual
+  // TLS), server_name overrides the name verified. Plaintext when all are empty. Connect
+  // answers INVALID_ARGUMENT naming a file that cannot be read or does not match.
+  TlsOptions tls;
 
   std::chrono::milliseconds timeout{60000};         // deadline of each operation, all attempts
   std::chrono::milliseconds initial_backoff{50};    // first wait after UNAVAILABLE

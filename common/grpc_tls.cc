@@ -1,0 +1,150 @@
+#include "common/grpc_tls.h"
+
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace mainstay {
+namespace {
+
+// The whole file; INVALID_ARGUMENT with the path and errno's reason when it cannot be read.
+absl::StatusOr<std::string> ReadPem(const std::string& what, const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " ", path, ": cannot read: ", std::strerror(errno)));
+  }
+  std::string text;
+  char buffer[4096];
+  size_t n;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), f)) > 0) text.append(buffer, n);
+  const bool failed = std::ferror(f) != 0;
+  const int error = errno;
+  std::fclose(f);
+  if (failed) return absl::InvalidArgumentError(absl::StrCat(what, " ", path, ": cannot read: ", std::strerror(error)));
+  if (text.empty()) return absl::InvalidArgumentError(absl::StrCat(what, " ", path, ": the file is empty"));
+  return text;
+}
+
+struct BioFree {
+  void operator()(BIO* b) const { BIO_free(b); }
+};
+struct X509Free {
+  void operator()(X509* x) const { X509_free(x); }
+};
+struct KeyFree {
+  void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
+};
+
+std::unique_ptr<BIO, BioFree> MemoryBio(const std::string& text) {
+  return std::unique_ptr<BIO, BioFree>(BIO_new_mem_buf(text.data(), static_cast<int>(text.size())));
+}
+
+// The first certificate of a PEM text; null when there is none.
+std::unique_ptr<X509, X509Free> FirstCertificate(const std::string& pem) {
+  auto bio = MemoryBio(pem);
+  std::unique_ptr<X509, X509Free> cert(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr));
+  ERR_clear_error();
+  return cert;
+}
+
+struct Pems {
+  std::string cert, key, ca;
+};
+
+// Reads and checks the files the options name.
+absl::StatusOr<Pems> LoadPems(const TlsOptions& o, bool server) {
+  if (!o.cert_file.empty() && o.key_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("TLS certificate file ", o.cert_file, " given without its key file"));
+  }
+  if (o.cert_file.empty() && !o.key_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("TLS key file ", o.key_file, " given without a certificate file"));
+  }
+  if (server && o.require_client_cert && o.ca_file.empty()) {
+    return absl::InvalidArgumentError("TLS client certificates required but no CA file to verify them with");
+  }
+  if (server && o.require_client_cert && o.cert_file.empty()) {
+    return absl::InvalidArgumentError("TLS client certificates required but no server certificate and key");
+  }
+  Pems pems;
+  if (!o.cert_file.empty()) {
+    MAINSTAY_ASSIGN_OR_RETURN(pems.cert, ReadPem("TLS certificate file", o.cert_file));
+    MAINSTAY_ASSIGN_OR_RETURN(pems.key, ReadPem("TLS key file", o.key_file));
+    std::unique_ptr<X509, X509Free> cert = FirstCertificate(pems.cert);
+    if (cert == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("TLS certificate file ", o.cert_file, ": no PEM certificate in it"));
+    }
+    auto bio = MemoryBio(pems.key);
+    std::unique_ptr<EVP_PKEY, KeyFree> key(PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr));
+    ERR_clear_error();
+    if (key == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("TLS key file ", o.key_file, ": no unencrypted PEM private key in it"));
+    }
+    if (X509_check_private_key(cert.get(), key.get()) != 1) {
+      ERR_clear_error();
+      return absl::InvalidArgumentError(absl::StrCat("TLS key file ", o.key_file,
+                                                     ": does not match the certificate in ", o.cert_file));
+    }
+  }
+  if (!o.ca_file.empty()) {
+    MAINSTAY_ASSIGN_OR_RETURN(pems.ca, ReadPem("TLS CA file", o.ca_file));
+    if (FirstCertificate(pems.ca) == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("TLS CA file ", o.ca_file, ": no PEM certificate in it"));
+    }
+  }
+  return pems;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<::grpc::ServerCredentials>> MakeServerCredentials(const TlsOptions& options) {
+  if (!options.ServerEnabled()) {
+    if (!options.key_file.empty() || options.require_client_cert) {
+      MAINSTAY_RETURN_IF_ERROR(LoadPems(options, /*server=*/true).status());  // names the inconsistency
+    }
+    return ::grpc::InsecureServerCredentials();
+  }
+  MAINSTAY_ASSIGN_OR_RETURN(Pems pems, LoadPems(options, /*server=*/true));
+  ::grpc::SslServerCredentialsOptions ssl(options.require_client_cert
+                                              ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                              : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  // Without mutual TLS the CA file is only for this process's outgoing calls.
+  if (options.require_client_cert) ssl.pem_root_certs = pems.ca;
+  ssl.pem_key_cert_pairs.push_back({pems.key, pems.cert});
+  return ::grpc::SslServerCredentials(ssl);
+}
+
+ChannelSecurity::ChannelSecurity() : credentials_(::grpc::InsecureChannelCredentials()) {}
+
+absl::StatusOr<ChannelSecurity> ChannelSecurity::Create(const TlsOptions& options) {
+  ChannelSecurity security;
+  if (!options.ClientEnabled()) return security;
+  MAINSTAY_ASSIGN_OR_RETURN(Pems pems, LoadPems(options, /*server=*/false));
+  ::grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = pems.ca;  // empty: gRPC's default roots
+  ssl.pem_private_key = pems.key;
+  ssl.pem_cert_chain = pems.cert;
+  security.credentials_ = ::grpc::SslCredentials(ssl);
+  security.server_name_ = options.server_name;
+  security.tls_ = true;
+  return security;
+}
+
+std::shared_ptr<::grpc::Channel> ChannelSecurity::CreateChannel(const std::string& address,
+                                                                ::grpc::ChannelArguments args) const {
+  if (!server_name_.empty()) args.SetSslTargetNameOverride(server_name_);
+  return ::grpc::CreateCustomChannel(address, credentials_, args);
+}
+
+}  // namespace mainstay
