@@ -236,7 +236,18 @@ absl::Status Client::Impl::Retry(absl::string_view what, Deadline deadline, cons
       if (refreshed.ok() && placement_epoch() > route.epoch) continue;  // re-route at once
       action = RetryAction::kBackoff;  // the coordinator lags behind the daemon: wait
     }
-    if (action == RetryAction::kFail) return Annotate(status, where);
+    if (action == RetryAction::kFail) {
+      // A job restored from a checkpoint answers ABORTED from its new placement epoch: learn
+      // that placement now, so the caller's next call (the resume step) goes where it must
+      // and never reaches a daemon still running the job's old state.
+      if (status.code() == absl::StatusCode::kAborted && route_fn) {
+        std::optional<v1::ErrorDetail> detail = client_internal::ErrorDetailOf(status);
+        if (detail.has_value() && detail->placement_epoch() > route.epoch) {
+          RefreshPlacement(deadline, detail->placement_epoch()).IgnoreError();
+        }
+      }
+      return Annotate(status, where);
+    }
     const auto now = std::chrono::system_clock::now();
     if (now + backoff >= deadline) {
       const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count();
@@ -382,12 +393,20 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, double lr, double wei
                                                       " pushed nothing for this step through this client"));
   }
   // The daemons count this rank's pushes of the step only once they are acknowledged.
-  for (const client_internal::StepPush& p : pushes) {
+  absl::Status failed;
+  for (const client_internal::StepPush& p : pushes) {  // all of them: none may still be running
     const absl::Status& s = p.done.get();
-    if (!s.ok()) {
-      return Annotate(s, absl::StrCat("FinishStep(", step, "): the push of bucket ", p.bucket, " shard ", p.shard,
-                                      " failed; push it again, then call FinishStep again"));
+    if (!s.ok() && failed.ok()) {
+      failed = Annotate(s, absl::StrCat("FinishStep(", step, "): the push of bucket ", p.bucket, " shard ", p.shard,
+                                        " failed; push it again, then call FinishStep again"));
     }
+  }
+  if (!failed.ok()) {
+    // The step's record goes: pushing the step again starts it afresh (a record kept here
+    // would fail every later FinishStep of this step with this old error).
+    absl::MutexLock lock(&impl_->mu);
+    impl_->steps.erase(step);
+    return failed;
   }
   std::vector<std::pair<std::string, std::string>> daemons;  // address, id
   {

@@ -42,6 +42,7 @@ void Coordinator::Tick() {
     impl_->TickLocked();
   }
   impl_->RecoverJobs();
+  impl_->RunCheckpointPolicy();
 }
 
 // ---- Membership.
@@ -155,6 +156,7 @@ absl::Status Coordinator::DeregisterDaemon(const v1::DeregisterDaemonRequest& re
   s.AddJobHealth(batch);
   MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));
   s.leases.erase(request.daemon_id());
+  s.MarkJobsToRecover(request.daemon_id());  // a stopped daemon's jobs are restored like a lost one's
   return absl::OkStatus();
 }
 

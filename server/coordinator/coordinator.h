@@ -44,6 +44,13 @@ struct CoordinatorOptions {
   // Restore a job from its newest committed checkpoint when one of its daemons loses its
   // lease (the lost ranks move to ready daemons, trainers rewind). Off: the job stays DEGRADED.
   bool restore_on_daemon_loss = true;
+  // Checkpoint policy: a checkpoint of every job each time it has decided this many more steps
+  // (0: off) or, if it decided any, this much time after the last one (0: off); only the newest
+  // `checkpoint_keep` of those periodic checkpoints are kept (0: all). Manual ones are never
+  // deleted by it.
+  int64_t checkpoint_every_steps = 0;
+  int64_t checkpoint_every_ms = 0;
+  int checkpoint_keep = 3;
   // Called (under the coordinator's lock: it must not call back into the Coordinator) for each
   // daemon marked DOWN because its lease ran out; metrics count them. Empty: nothing.
   std::function<void(const std::string& daemon_id)> on_lease_expired;

@@ -3,6 +3,7 @@
 // listing, deleting, restoring, and restoring jobs that lost a daemon.
 #include <algorithm>
 #include <future>
+#include <tuple>
 
 #include "common/error_detail.h"
 #include "common/job_spec_proto.h"
@@ -45,6 +46,7 @@ v1::CheckpointInfo InfoFromManifest(const v1::CheckpointManifest& m, const std::
   info.set_size_bytes(size);
   info.set_file_count(m.files_size());
   info.set_manifest_uri(checkpoint::JoinPath(dir, checkpoint::kManifestName));
+  info.set_periodic(m.periodic());
   return info;
 }
 
@@ -113,6 +115,7 @@ v1::CheckpointInfo Coordinator::Impl::RunCheckpoint(v1::CheckpointInfo info, int
     manifest.set_job_name(info.job_name());
     *manifest.mutable_spec() = job.info().spec();
     manifest.set_created_unix_ms(info.created_unix_ms());
+    manifest.set_periodic(info.periodic());
     const v1::WriteCheckpointResponse& first = written.front();
     manifest.set_version(first.version());
     manifest.set_committed_step(first.committed_step());
@@ -155,6 +158,57 @@ v1::CheckpointInfo Coordinator::Impl::RunCheckpoint(v1::CheckpointInfo info, int
   return info;
 }
 
+absl::StatusOr<std::pair<v1::CheckpointInfo, int64_t>> Coordinator::Impl::BeginCheckpointLocked(
+    const std::string& job_id, bool periodic) {
+  if (stopping) return absl::UnavailableError("the coordinator is shutting down");
+  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, JobOrNotFound(job_id));
+  for (const v1::DaemonEndpoint& e : job->placement().daemons()) {
+    auto d = state.daemons.find(e.daemon_id());
+    if (d == state.daemons.end() || d->second.state() == v1::DAEMON_STATE_DOWN) {
+      return absl::UnavailableError(
+          absl::StrCat("job ", job_id, ": daemon ", e.daemon_id(), " is down; a checkpoint needs every shard"));
+    }
+  }
+  // The newest step any daemon reported: the others decide it within a step.
+  int64_t step = -1;
+  if (auto p = progress.find(job_id); p != progress.end()) {
+    for (const auto& [daemon, progress] : p->second) step = std::max(step, progress.committed_step());
+  }
+  v1::CheckpointInfo info;
+  info.set_job_id(job_id);
+  info.set_job_name(job->info().spec().name());
+  info.set_created_unix_ms(Now());
+  info.set_checkpoint_id(absl::StrCat(job->info().spec().name(), "-", info.created_unix_ms(), "-", RandomHex(3)));
+  info.set_state(v1::CHECKPOINT_STATE_WRITING);
+  info.set_periodic(periodic);
+  info.set_manifest_uri(checkpoint::JoinPath(checkpoint::JoinPath(options.checkpoint_dir, info.checkpoint_id()),
+                                             checkpoint::kManifestName));
+  checkpoints_in_flight[info.checkpoint_id()] = info;
+  return std::make_pair(info, step);
+}
+
+void Coordinator::Impl::EndCheckpoint(const v1::CheckpointInfo& done) {
+  {
+    absl::MutexLock lock(&mu);
+    if (done.state() == v1::CHECKPOINT_STATE_COMMITTED) {
+      checkpoints_in_flight.erase(done.checkpoint_id());
+    } else {
+      checkpoints_in_flight[done.checkpoint_id()] = done;
+    }
+  }
+  if (done.state() != v1::CHECKPOINT_STATE_COMMITTED || !done.periodic() || options.checkpoint_keep <= 0) return;
+  // Retention: the newest `checkpoint_keep` periodic checkpoints of the job stay.
+  int kept = 0;
+  for (const v1::CheckpointInfo& c : ScanCheckpoints(done.job_id())) {
+    if (!c.periodic() || c.state() != v1::CHECKPOINT_STATE_COMMITTED) continue;
+    if (++kept <= options.checkpoint_keep) continue;
+    absl::Status deleted = DeleteFiles(c.checkpoint_id());
+    Log(deleted.ok() ? LogLevel::kInfo : LogLevel::kWarning, "coordinator",
+        absl::StrCat("checkpoint retention (keep ", options.checkpoint_keep, "): delete ", c.checkpoint_id(), ": ",
+                     deleted.ok() ? "done" : deleted.ToString()));
+  }
+}
+
 absl::StatusOr<v1::CreateCheckpointResponse> Coordinator::CreateCheckpoint(const v1::CreateCheckpointRequest& request,
                                                                            absl::Time deadline) {
   Impl& s = *impl_;
@@ -165,36 +219,10 @@ absl::StatusOr<v1::CreateCheckpointResponse> Coordinator::CreateCheckpoint(const
   {
     absl::MutexLock lock(&s.mu);
     s.TickLocked();
-    if (s.stopping) return absl::UnavailableError("the coordinator is shutting down");
-    MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(request.job_id()));
-    for (const v1::DaemonEndpoint& e : job->placement().daemons()) {
-      auto d = s.state.daemons.find(e.daemon_id());
-      if (d == s.state.daemons.end() || d->second.state() == v1::DAEMON_STATE_DOWN) {
-        return absl::UnavailableError(absl::StrCat("job ", request.job_id(), ": daemon ", e.daemon_id(),
-                                                   " is down; a checkpoint needs every shard"));
-      }
-    }
-    // The newest step any daemon reported: the others decide it within a step.
-    if (auto p = s.progress.find(request.job_id()); p != s.progress.end()) {
-      for (const auto& [daemon, progress] : p->second) step = std::max(step, progress.committed_step());
-    }
-    info.set_job_id(request.job_id());
-    info.set_job_name(job->info().spec().name());
-    info.set_created_unix_ms(s.Now());
-    info.set_checkpoint_id(absl::StrCat(job->info().spec().name(), "-", info.created_unix_ms(), "-", RandomHex(3)));
-    info.set_state(v1::CHECKPOINT_STATE_WRITING);
-    info.set_manifest_uri(checkpoint::JoinPath(checkpoint::JoinPath(s.options.checkpoint_dir, info.checkpoint_id()),
-                                               checkpoint::kManifestName));
-    s.checkpoints_in_flight[info.checkpoint_id()] = info;
+    MAINSTAY_ASSIGN_OR_RETURN(std::tie(info, step), s.BeginCheckpointLocked(request.job_id(), /*periodic=*/false));
     if (!request.wait()) {
       s.checkpoint_threads.emplace_back([&s, info, step] {
-        v1::CheckpointInfo done = s.RunCheckpoint(info, step, absl::Now() + kBackgroundDeadline);
-        absl::MutexLock lock(&s.mu);
-        if (done.state() == v1::CHECKPOINT_STATE_COMMITTED) {
-          s.checkpoints_in_flight.erase(done.checkpoint_id());
-        } else {
-          s.checkpoints_in_flight[done.checkpoint_id()] = done;
-        }
+        s.EndCheckpoint(s.RunCheckpoint(info, step, absl::Now() + kBackgroundDeadline));
       });
       v1::CreateCheckpointResponse response;
       *response.mutable_checkpoint() = info;
@@ -202,16 +230,51 @@ absl::StatusOr<v1::CreateCheckpointResponse> Coordinator::CreateCheckpoint(const
     }
   }
   v1::CheckpointInfo done = s.RunCheckpoint(info, step, deadline);
-  absl::MutexLock lock(&s.mu);
-  if (done.state() == v1::CHECKPOINT_STATE_COMMITTED) {
-    s.checkpoints_in_flight.erase(done.checkpoint_id());
-  } else {
-    s.checkpoints_in_flight[done.checkpoint_id()] = done;
+  s.EndCheckpoint(done);
+  if (done.state() != v1::CHECKPOINT_STATE_COMMITTED) {
     return absl::AbortedError(absl::StrCat("checkpoint ", done.checkpoint_id(), " failed: ", done.error()));
   }
   v1::CreateCheckpointResponse response;
   *response.mutable_checkpoint() = done;
   return response;
+}
+
+void Coordinator::Impl::RunCheckpointPolicy() {
+  if (options.checkpoint_dir.empty() || options.assigner == nullptr ||
+      (options.checkpoint_every_steps <= 0 && options.checkpoint_every_ms <= 0)) {
+    return;
+  }
+  absl::MutexLock lock(&mu);
+  if (stopping) return;
+  const int64_t now = Now();
+  for (const auto& [job_id, job] : state.jobs) {
+    int64_t step = -1;
+    if (auto p = progress.find(job_id); p != progress.end()) {
+      for (const auto& [daemon, progress] : p->second) step = std::max(step, progress.committed_step());
+    }
+    auto [last, inserted] = policy_last.try_emplace(job_id, std::make_pair(step, now));
+    if (inserted) continue;  // the policy counts from when this coordinator first saw the job
+    const bool by_steps = options.checkpoint_every_steps > 0 && step >= last->second.first + options.checkpoint_every_steps;
+    const bool by_time = options.checkpoint_every_ms > 0 && now >= last->second.second + options.checkpoint_every_ms &&
+                         step > last->second.first;  // an idle job is not checkpointed again
+    if (!by_steps && !by_time) continue;
+    bool writing = false;
+    for (const auto& [id, c] : checkpoints_in_flight) {
+      writing |= c.job_id() == job_id && c.state() == v1::CHECKPOINT_STATE_WRITING;
+    }
+    if (writing) continue;
+    absl::StatusOr<std::pair<v1::CheckpointInfo, int64_t>> begun = BeginCheckpointLocked(job_id, /*periodic=*/true);
+    if (!begun.ok()) continue;  // a daemon is down: recovery, not a checkpoint, comes next
+    last->second = {step, now};
+    Log(LogLevel::kInfo, "coordinator",
+        absl::StrCat("checkpoint policy: job ", job_id, " at step ", step, " -> ", begun->first.checkpoint_id()));
+    checkpoint_threads.emplace_back([this, info = begun->first, at = begun->second] {
+      EndCheckpoint(RunCheckpoint(info, at, absl::Now() + kBackgroundDeadline));
+    });
+  }
+  for (auto it = policy_last.begin(); it != policy_last.end();) {  // forget deleted jobs
+    it = state.jobs.count(it->first) ? std::next(it) : policy_last.erase(it);
+  }
 }
 
 std::vector<v1::CheckpointInfo> Coordinator::Impl::ScanCheckpoints(const std::string& job_id) {
@@ -278,10 +341,15 @@ absl::Status Coordinator::DeleteCheckpoint(const v1::DeleteCheckpointRequest& re
       return absl::NotFoundError(absl::StrCat("no checkpoint '", request.checkpoint_id(), "'"));
     }
   }
+  return s.DeleteFiles(request.checkpoint_id());
+}
+
+absl::Status Coordinator::Impl::DeleteFiles(const std::string& checkpoint_id) {
+  const std::string dir = checkpoint::JoinPath(options.checkpoint_dir, checkpoint_id);
   // The manifest goes first: a delete cut short leaves an uncommitted (FAILED) directory, never
   // a manifest over missing files.
-  MAINSTAY_RETURN_IF_ERROR(s.Fs().RemoveAll(checkpoint::JoinPath(dir, checkpoint::kManifestName)));
-  return s.Fs().RemoveAll(dir);
+  MAINSTAY_RETURN_IF_ERROR(Fs().RemoveAll(checkpoint::JoinPath(dir, checkpoint::kManifestName)));
+  return Fs().RemoveAll(dir);
 }
 
 absl::StatusOr<v1::RestoreCheckpointResponse> Coordinator::Impl::RestoreLocked(v1::StoredJob job,

@@ -119,6 +119,17 @@ struct Coordinator::Impl {
                                                               const v1::CheckpointManifest& manifest,
                                                               const std::string& dir) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void RecoverJobs() ABSL_LOCKS_EXCLUDED(mu);
+  // Registers a checkpoint of the job as WRITING; returns it and the step to write.
+  absl::StatusOr<std::pair<v1::CheckpointInfo, int64_t>> BeginCheckpointLocked(const std::string& job_id,
+                                                                                bool periodic)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Records the outcome; after a periodic one, applies the retention.
+  void EndCheckpoint(const v1::CheckpointInfo& done) ABSL_LOCKS_EXCLUDED(mu);
+  absl::Status DeleteFiles(const std::string& checkpoint_id);
+  // Starts the periodic checkpoints that are due (options.checkpoint_every_*).
+  void RunCheckpointPolicy() ABSL_LOCKS_EXCLUDED(mu);
+  // Per job: (step, time) of the last periodic checkpoint, or of when the policy first saw it.
+  std::map<std::string, std::pair<int64_t, int64_t>> policy_last ABSL_GUARDED_BY(mu);
 
   int64_t Now() const { return options.clock->NowUnixMs(); }
 
@@ -183,6 +194,15 @@ struct Coordinator::Impl {
     }
   }
 
+  // Queues every job placed on the daemon for RecoverJobs (the next Tick).
+  void MarkJobsToRecover(const std::string& daemon_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (const auto& [job_id, job] : state.jobs) {
+      for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
+        if (e.daemon_id() == daemon_id) jobs_to_recover.insert(job_id);
+      }
+    }
+  }
+
   void TickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     const int64_t now = Now();
     Batch batch;
@@ -195,11 +215,7 @@ struct Coordinator::Impl {
       batch.PutDaemon(down);
       leases.erase(id);
       Log(LogLevel::kWarning, "coordinator", absl::StrCat("daemon ", id, " (", d.endpoint().address(), ") missed its lease: DOWN"));
-      for (const auto& [job_id, job] : state.jobs) {
-        for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
-          if (e.daemon_id() == id) jobs_to_recover.insert(job_id);
-        }
-      }
+      MarkJobsToRecover(id);
       if (options.on_lease_expired) options.on_lease_expired(id);
     }
     v1::StateCounters counters = state.counters;

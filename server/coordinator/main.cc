@@ -56,6 +56,10 @@ flags:
                             (a shared file system across nodes). Unset: checkpoints are off
   --no-restore-on-loss      keep a job that lost a daemon DEGRADED instead of restoring it from
                             its newest checkpoint
+  --checkpoint-every-steps N  checkpoint every job each N decided steps (default 0: off)
+  --checkpoint-every-seconds N  ... or N seconds after its last one, if it decided a step since
+                            (default 0: off)
+  --checkpoint-keep N       periodic checkpoints kept per job, the newest (default 3; 0: all)
   --config FILE             JSON object with the keys listen, state_dir, lease_ttl_ms, tick_ms,
                             coordinator_id, max_message_bytes, checkpoint_dir; flags override it
   --port-file FILE          write the bound port to FILE once serving (for scripts and tests)
@@ -92,6 +96,7 @@ struct Settings {
   std::optional<int64_t> max_message_bytes;
   std::optional<std::string> checkpoint_dir;
   bool no_restore_on_loss = false;
+  std::optional<int64_t> checkpoint_every_steps, checkpoint_every_seconds, checkpoint_keep;
   std::optional<std::string> config;
   std::optional<std::string> port_file;
   std::optional<std::string> tls_cert_file, tls_key_file, tls_ca_file, tls_client_auth, tls_server_name,
@@ -130,7 +135,8 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
         "--coordinator-id",  "--max-message-bytes", "--config",        "--port-file",
         "--tls-cert-file",   "--tls-key-file",    "--tls-ca-file",     "--tls-client-auth",
         "--tls-server-name", "--admin-token-file", "--metrics-listen", "--metrics-port-file",
-        "--health-listen",   "--tls-internal-name", "--checkpoint-dir"};
+        "--health-listen",   "--tls-internal-name", "--checkpoint-dir", "--checkpoint-every-steps",
+        "--checkpoint-every-seconds", "--checkpoint-keep"};
     if (name == "--no-restore-on-loss") {
       s.no_restore_on_loss = true;
       continue;
@@ -162,6 +168,15 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
       MAINSTAY_ASSIGN_OR_RETURN(s.tick_ms, ParsePositive(name, *value));
     } else if (name == "--max-message-bytes") {
       MAINSTAY_ASSIGN_OR_RETURN(s.max_message_bytes, ParsePositive(name, *value));
+    } else if (name == "--checkpoint-every-steps" || name == "--checkpoint-every-seconds" ||
+               name == "--checkpoint-keep") {
+      int64_t n = 0;
+      if (!absl::SimpleAtoi(*value, &n) || n < 0 || n > (int64_t{1} << 40)) {
+        return absl::InvalidArgumentError(absl::StrCat(name, ": expected an integer >= 0, got '", *value, "'"));
+      }
+      (name == "--checkpoint-every-steps"    ? s.checkpoint_every_steps
+       : name == "--checkpoint-every-seconds" ? s.checkpoint_every_seconds
+                                              : s.checkpoint_keep) = n;
     }
   }
   return s;
@@ -234,6 +249,13 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
   o.state_dir = *s.state_dir;
   if (s.checkpoint_dir) o.checkpoint_dir = *s.checkpoint_dir;
   o.restore_on_daemon_loss = !s.no_restore_on_loss;
+  const bool policy = s.checkpoint_every_steps.value_or(0) > 0 || s.checkpoint_every_seconds.value_or(0) > 0;
+  if (policy && o.checkpoint_dir.empty()) {
+    return absl::InvalidArgumentError("--checkpoint-every-steps/--checkpoint-every-seconds need --checkpoint-dir");
+  }
+  o.checkpoint_every_steps = s.checkpoint_every_steps.value_or(0);
+  o.checkpoint_every_ms = s.checkpoint_every_seconds.value_or(0) * 1000;
+  o.checkpoint_keep = static_cast<int>(s.checkpoint_keep.value_or(3));
   if (s.lease_ttl_ms) o.lease_ttl_ms = *s.lease_ttl_ms;
   if (s.tick_ms) o.tick_interval_ms = *s.tick_ms;
   if (s.coordinator_id) o.coordinator_id = *s.coordinator_id;

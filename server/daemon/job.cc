@@ -65,6 +65,7 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::AssignShardRequest& a
     if (restore != nullptr) {
       job->restored_from_ = restore->checkpoint_id;
       job->restored_epoch_ = assign.placement_epoch();
+      job->restored_version_ = restore->manifest.version();
       job->committed_step_ = restore->manifest.committed_step();
       job->next_step_ = restore->manifest.committed_step() + 1;
       job->rewound_ = true;
@@ -435,10 +436,13 @@ absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request,
   } else if (wanted < 0) {
     return absl::InvalidArgumentError(absl::StrCat("PullParams: version ", wanted, " < 0"));
   }
-  if (rewound_ && !restoring_ && wanted > version_ + 1) {
+
+  // Checked even while the restore is loading: a trainer that was ahead must rewind, not wait.
+  if (rewound_ && wanted > restored_version_ + 1) {
     return ErrorWithDetail(absl::AbortedError(absl::StrCat(
-        "PullParams: job ", job_id_, " was restored from checkpoint ", restored_from_, " at version ", version_,
-        "; version ", wanted, " does not exist: pull the latest version and resume at step ", committed_step_ + 1)));
+        "PullParams: job ", job_id_, " was restored from checkpoint ", restored_from_, " at version ",
+        restored_version_, "; version ", wanted, " does not exist: pull the latest version and resume at step ",
+        committed_step_ + 1)));
   }
   if (wanted > std::max<int64_t>(next_step_, 0) + 2) {
     return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(

@@ -287,6 +287,7 @@ class Job : public std::enable_shared_from_this<Job> {
   bool restoring_ ABSL_GUARDED_BY(mu_) = false;             // from Create until the restore ends
   std::string restored_from_ ABSL_GUARDED_BY(mu_);
   int64_t restored_epoch_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t restored_version_ ABSL_GUARDED_BY(mu_) = -1;  // the version the restore publishes
   bool rewound_ ABSL_GUARDED_BY(mu_) = false;  // restored, and no step decided since
   v1::CheckpointScalingState committed_scaling_ ABSL_GUARDED_BY(mu_);  // as of committed_step_
 

@@ -72,6 +72,9 @@ flags:
   --metrics-listen HOST:PORT  where Prometheus scrapes GET /metrics over HTTP (default 0.0.0.0:9464;
                               port 0 picks one; "off": no metrics)
   --metrics-port-file FILE    write the metrics port to FILE once serving
+  --checkpoint-on-stop        on SIGTERM, once the steps in flight are decided, checkpoint every job
+                              this daemon serves (through the coordinator, which needs
+                              --checkpoint-dir) before deregistering
   --drain-timeout-ms N        on SIGTERM, how long the steps in flight may take to finish before
                               the daemon deregisters anyway (default 30000)
   --tls-cert-file FILE        PEM certificate to serve TLS with (also the client certificate of the
@@ -95,6 +98,7 @@ flags:
 struct Flags {
   std::map<std::string, std::string> values;
   bool standalone = false;
+  bool checkpoint_on_stop = false;
   bool help = false;
   std::string Get(const std::string& name, const std::string& fallback = "") const {
     auto it = values.find(name);
@@ -119,6 +123,10 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     }
     if (arg == "--standalone") {
       f.standalone = true;
+      continue;
+    }
+    if (arg == "--checkpoint-on-stop") {
+      f.checkpoint_on_stop = true;
       continue;
     }
     std::string name = arg;
@@ -162,11 +170,28 @@ absl::StatusOr<TlsOptions> TlsFromFlags(const Flags& f) {
   return tls;
 }
 
-// Shutdown hook: checkpoint if configured — issue 7. It runs once the steps in flight are
-// decided (or the drain timed out) and before the daemon deregisters, so a checkpoint taken
-// here holds the last committed version of every shard and the coordinator still lists the
-// daemon as their owner. Checkpoints are not implemented yet: nothing to write.
-absl::Status CheckpointIfConfigured(ShardDaemon& daemon) { return absl::OkStatus(); }
+// With --checkpoint-on-stop: after the steps in flight are decided (or the drain timed out)
+// and before the daemon deregisters, a checkpoint of every job it serves, through the
+// coordinator (which has every daemon of the job write its shards at the same step). The
+// coordinator still lists this daemon as their owner, so the checkpoint holds the last
+// committed version; a job that lost this daemon is then restored from it without rewinding.
+absl::Status CheckpointIfConfigured(bool enabled, ShardDaemon& daemon, CoordinatorLink& link,
+                                    const std::string& admin_token, absl::Duration timeout) {
+  if (!enabled) return absl::OkStatus();
+  absl::Status first;
+  for (const v1::JobProgress& job : daemon.Progress()) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<v1::CheckpointInfo> info = link.CreateCheckpoint(job.job_id(), admin_token, start + timeout);
+    if (info.ok()) {
+      Log(LogLevel::kInfo, "daemon",
+          absl::StrCat("job ", job.job_id(), ": checkpoint ", info->checkpoint_id(), " (version ", info->version(),
+                       ") written before stopping in ", absl::FormatDuration(absl::Now() - start)));
+    } else if (first.ok()) {
+      first = Annotate(info.status(), absl::StrCat("job ", job.job_id()));
+    }
+  }
+  return first;
+}
 
 absl::StatusOr<int64_t> IntFlag(const Flags& f, const std::string& name, int64_t fallback) {
   const std::string text = f.Get(name);
@@ -384,7 +409,9 @@ int Main(int argc, char** argv) {
     }
   }
   // 3. Checkpoint if configured — issue 7.
-  if (absl::Status s = CheckpointIfConfigured(daemon); !s.ok()) {
+  if (absl::Status s = CheckpointIfConfigured(flags->checkpoint_on_stop, daemon, *link, admin_token,
+                                              absl::Milliseconds(*drain_timeout) + absl::Seconds(30));
+      !s.ok()) {
     Log(LogLevel::kWarning, "daemon", absl::StrCat("checkpoint before exit failed: ", s.ToString()));
   }
   // 4. Deregister (the coordinator marks the daemon DOWN at once), 5. stop serving (calls

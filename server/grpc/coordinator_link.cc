@@ -23,8 +23,13 @@ void SetDeadline(::grpc::ClientContext* context, absl::Time deadline) {
 CoordinatorLink::CoordinatorLink(Options options) : options_(std::move(options)) {
   ::grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
+  // A restarted coordinator must be found again within a heartbeat or two, not after gRPC's
+  // default reconnect backoff (up to 2 minutes), during which every call fails at once.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   channel_ = options_.security.CreateChannel(options_.coordinator_address, args);
   stub_ = v1::Coordinator::NewStub(channel_);
+  admin_ = v1::Admin::NewStub(channel_);
 }
 
 absl::StatusOr<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(Options options) {
@@ -139,10 +144,19 @@ absl::Status CoordinatorLink::Put(const std::string& key, const std::string& val
   request.set_key(key);
   request.set_value(value);
   request.set_ttl_ms(absl::ToInt64Milliseconds(ttl));
-  ::grpc::ClientContext context;
-  SetDeadline(&context, absl::Now() + options_.call_timeout);
-  v1::KvPutResponse response;
-  return Annotate(FromGrpcStatus(stub_->KvPut(&context, request, &response)), absl::StrCat("KvPut ", key));
+  // Retried while the coordinator is unreachable (restarting), up to one call timeout: a peer
+  // group's rendezvous must not fail a step because of a coordinator blip.
+  const absl::Time deadline = absl::Now() + options_.call_timeout;
+  while (true) {
+    ::grpc::ClientContext context;
+    SetDeadline(&context, deadline);
+    v1::KvPutResponse response;
+    const absl::Status status = FromGrpcStatus(stub_->KvPut(&context, request, &response));
+    if (status.code() != absl::StatusCode::kUnavailable || absl::Now() + absl::Milliseconds(200) >= deadline) {
+      return Annotate(status, absl::StrCat("KvPut ", key));
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+  }
 }
 
 absl::StatusOr<std::string> CoordinatorLink::Get(const std::string& key, absl::Time deadline) {
@@ -166,6 +180,21 @@ absl::StatusOr<std::string> CoordinatorLink::Get(const std::string& key, absl::T
     }
     if (status.code() == absl::StatusCode::kUnavailable) absl::SleepFor(absl::Milliseconds(100));
   }
+}
+
+absl::StatusOr<v1::CheckpointInfo> CoordinatorLink::CreateCheckpoint(const std::string& job_id,
+                                                                     const std::string& admin_token,
+                                                                     absl::Time deadline) {
+  v1::CreateCheckpointRequest request;
+  request.set_admin_token(admin_token);
+  request.set_job_id(job_id);
+  request.set_wait(true);
+  ::grpc::ClientContext context;
+  SetDeadline(&context, deadline);
+  v1::CreateCheckpointResponse response;
+  MAINSTAY_RETURN_IF_ERROR(
+      Annotate(FromGrpcStatus(admin_->CreateCheckpoint(&context, request, &response)), "CreateCheckpoint"));
+  return response.checkpoint();
 }
 
 }  // namespace mainstay::daemon

@@ -20,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/grpc_tls.h"
+#include "mainstay/v1/admin.grpc.pb.h"
 #include "mainstay/v1/coordinator.grpc.pb.h"
 #include "server/peer/kv_client.h"
 
@@ -57,6 +58,11 @@ class CoordinatorLink : public peer::KvClient {
   absl::Status Put(const std::string& key, const std::string& value, absl::Duration ttl) override;
   absl::StatusOr<std::string> Get(const std::string& key, absl::Time deadline) override;
 
+  // Admin CreateCheckpoint(wait) of a job this daemon serves (checkpoint on stop), with the
+  // admin token when the coordinator requires one.
+  absl::StatusOr<v1::CheckpointInfo> CreateCheckpoint(const std::string& job_id, const std::string& admin_token,
+                                                      absl::Time deadline);
+
  private:
   explicit CoordinatorLink(Options options);
   absl::Status Register(absl::Time deadline);
@@ -65,6 +71,7 @@ class CoordinatorLink : public peer::KvClient {
   const Options options_;
   std::shared_ptr<::grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::unique_ptr<v1::Admin::Stub> admin_;
   mutable absl::Mutex mu_;
   std::string daemon_id_ ABSL_GUARDED_BY(mu_);
   std::string lease_id_ ABSL_GUARDED_BY(mu_);

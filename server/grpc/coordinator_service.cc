@@ -559,6 +559,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
   core_options.coordinator_id = options.coordinator_id;
   core_options.checkpoint_dir = options.checkpoint_dir;
   core_options.restore_on_daemon_loss = options.restore_on_daemon_loss;
+  core_options.checkpoint_every_steps = options.checkpoint_every_steps;
+  core_options.checkpoint_every_ms = options.checkpoint_every_ms;
+  core_options.checkpoint_keep = options.checkpoint_keep;
   if (impl->metrics != nullptr) {
     core_options.on_lease_expired = [m = impl->metrics.get()](const std::string&) { m->LeaseExpired(); };
   }

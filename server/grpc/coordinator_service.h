@@ -63,6 +63,10 @@ class CoordinatorServer {
     std::string checkpoint_dir;
     // Restore a job from its newest checkpoint when it loses a daemon.
     bool restore_on_daemon_loss = true;
+    // Checkpoint policy (CoordinatorOptions): every N steps / T ms, keeping the newest K.
+    int64_t checkpoint_every_steps = 0;
+    int64_t checkpoint_every_ms = 0;
+    int checkpoint_keep = 3;
     // TLS of the port and of the calls to daemons; plaintext when tls.cert_file is empty.
     TlsOptions tls;
     // With mutual TLS: the name (certificate CN or SAN) that only the cluster's servers'

@@ -877,8 +877,12 @@ TEST_F(CoordinatorTest, BadInputGetsTheRightCodeAndChangesNothing) {
 
   v1::CreateCheckpointRequest checkpoint;
   checkpoint.set_job_id(good.job_id());
+  // This coordinator runs without --checkpoint-dir.
   EXPECT_THAT(Rpc(admin(), &AdminStub::CreateCheckpoint, checkpoint),
-              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("checkpoints are not implemented yet")));
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("--checkpoint-dir")));
+  v1::RestoreCheckpointRequest restore;
+  restore.set_checkpoint_id("../etc");
+  EXPECT_THAT(Rpc(admin(), &AdminStub::RestoreCheckpoint, restore), StatusIs(absl::StatusCode::kFailedPrecondition));
 
   // Nothing changed.
   MAINSTAY_ASSERT_OK_AND_ASSIGN(v1::ListJobsResponse jobs, Rpc(stub(), &CoordinatorStub::ListJobs, {}));

@@ -58,6 +58,7 @@ def trainer_main(argv):
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--resume", action="store_true", help="attach to a running job and continue from its version")
     ap.add_argument("--pause-file", help="after each step, wait while this file exists")
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
     args = ap.parse_args(argv)
     if args.rank == 0 and not args.resume:
         client = mainstay.Client(args.coordinator, spec_json=json.dumps(spec(args.name)), rank=0, timeout_s=90,
@@ -107,6 +108,7 @@ def trainer_main(argv):
             version = stats["version"]
             print("rank %d step %d version %d" % (args.rank, step, version), flush=True)
             step += 1
+            time.sleep(args.step_sleep)
             while args.pause_file and os.path.exists(args.pause_file):
                 time.sleep(0.05)
         except mainstay.Error as e:
@@ -153,10 +155,12 @@ def wait_for(predicate, what, timeout=60):
 
 
 class Cluster:
-    def __init__(self, daemons=2, lease_ms=1500):
+    def __init__(self, daemons=2, lease_ms=1500, coordinator_flags=(), daemon_flags=()):
         self.dir = tempfile.mkdtemp(prefix="mainstay-recovery.")
         self.procs = {}
         self.lease_ms = lease_ms
+        self.coordinator_flags = list(coordinator_flags)
+        self.daemon_flags = list(daemon_flags)
         self.port = free_port()
         self.address = "127.0.0.1:%d" % self.port
         self.start_coordinator()
@@ -171,7 +175,8 @@ class Cluster:
     def start_coordinator(self):
         self._start("coordinator", [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", self.address,
                                     "--state-dir", os.path.join(self.dir, "state"),
-                                    "--checkpoint-dir", os.path.join(self.dir, "checkpoints"), "--tick-ms", "100"])
+                                    "--checkpoint-dir", os.path.join(self.dir, "checkpoints"), "--tick-ms", "100"]
+                    + self.coordinator_flags)
         wait_for(lambda: self.ctl("health").returncode == 0, "the coordinator")
 
     def start_daemon(self, i):
@@ -181,7 +186,8 @@ class Cluster:
         p = self._start("daemon%d" % i, [os.environ["MAINSTAYD_BIN"], "--coordinator", self.address, "--listen",
                                          "127.0.0.1:0", "--node-name", "node%d" % i, "--threads", "1",
                                          "--memory-bytes", "2000000000", "--lease-ttl-ms", str(self.lease_ms),
-                                         "--peer-timeout-ms", "5000", "--metrics-listen", "off", "--port-file", pf])
+                                         "--peer-timeout-ms", "5000", "--metrics-listen", "off", "--port-file", pf]
+                    + self.daemon_flags)
         wait_for(lambda: os.path.exists(pf) and os.path.getsize(pf) > 0 or p.poll() is not None, "daemon%d" % i)
 
     def kill(self, name):
@@ -298,6 +304,46 @@ class RecoveryTest(unittest.TestCase):
 
     def test_a_daemon_that_never_returns_has_its_shards_restored_on_the_survivor(self):
         self.daemon_lost(restart=False)
+
+    def test_periodic_checkpoints_keep_the_newest(self):
+        self.cluster.stop()
+        self.cluster = Cluster(coordinator_flags=["--checkpoint-every-steps", "3", "--checkpoint-keep", "2"])
+        ps = [self.cluster.trainer(r, "run", "--steps", "30", "--step-sleep", "0.1") for r in range(D)]
+        for p in ps:
+            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+        time.sleep(1.0)  # a periodic checkpoint started by the last heartbeat finishes
+        taken = self.cluster.log("coordinator").count("checkpoint policy: job")
+        self.assertGreaterEqual(taken, 3, self.cluster.log("coordinator"))
+        r = self.cluster.ctl("checkpoint", "list", "--json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        listed = json.loads(r.stdout).get("checkpoints", [])
+        periodic = [c for c in listed if c.get("periodic") and c["state"] == "CHECKPOINT_STATE_COMMITTED"]
+        self.assertEqual(len(periodic), 2, r.stdout)
+        self.assertIn("checkpoint retention (keep 2): delete", self.cluster.log("coordinator"))
+        # A manual checkpoint is not subject to the retention.
+        manual = self.checkpoint("run")
+        self.assertFalse(manual.get("periodic", False))
+
+    def test_a_daemon_stopped_with_checkpoint_on_stop_loses_no_step(self):
+        self.cluster.stop()
+        self.cluster = Cluster(daemon_flags=["--checkpoint-on-stop"])
+        pause = os.path.join(self.cluster.dir, "pause")
+        ps = [self.cluster.trainer(r, "run", "--pause-file", pause) for r in range(D)]
+        self.wait_step("run", 0, 6)
+        open(pause, "w").close()
+        time.sleep(0.5)  # both ranks finish their step and wait
+        self.cluster.procs["daemon1"].send_signal(signal.SIGTERM)
+        self.assertEqual(self.cluster.procs["daemon1"].wait(timeout=60), 0, self.cluster.logs())
+        self.assertIn("written before stopping", self.cluster.log("daemon1"))
+        done = max(int(l.split()[3]) for l in self.cluster.log("run.rank0").splitlines() if " step " in l
+                   and l.startswith("rank 0 step"))
+        os.remove(pause)
+        for p in ps:
+            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+        log = self.cluster.log("run.rank")
+        for rank in range(D):  # no step is redone: the checkpoint holds the last one decided
+            self.assertNotRegex(log, r"rank %d (REWOUND to|RETRYING from) step (?!%d:)" % (rank, done + 1), log)
+        self.assertEqual(final_of(self.cluster.log("run.rank0")), self.run_reference())
 
     def test_a_restarted_coordinator_leaves_the_data_plane_running(self):
         ps = [self.cluster.trainer(r, "run") for r in range(D)]
