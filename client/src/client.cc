@@ -28,6 +28,12 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Cha
   // Chunks are at most 4 MiB of payload; layouts of large models are a few MiB.
   args.SetMaxReceiveMessageSize(256 << 20);
   args.SetMaxSendMessageSize(64 << 20);
+  // A daemon cut off by the network (no RST) must not hold a call until its deadline: HTTP/2
+  // pings every 5 s, unanswered for 5 s, close the connection, the attempt fails UNAVAILABLE
+  // and the retry loop re-reads the placement. mainstayd accepts pings this often.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 5000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
   return security.CreateChannel(address, args);
 }
 

@@ -461,6 +461,10 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options)
   ::grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, credentials, &impl->port);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  // Trainers ping every few seconds while a call runs (client keepalive, to notice a
+  // partitioned daemon); without these gRPC answers such pings with GOAWAY "too_many_pings".
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   builder.RegisterService(impl->service.get());
   impl->server = builder.BuildAndStart();
   if (impl->server == nullptr || impl->port == 0) {

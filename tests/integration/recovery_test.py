@@ -155,14 +155,18 @@ def wait_for(predicate, what, timeout=60):
 
 
 class Cluster:
-    def __init__(self, daemons=2, lease_ms=1500, coordinator_flags=(), daemon_flags=()):
+    def __init__(self, daemons=2, lease_ms=1500, coordinator_flags=(), daemon_flags=(), host="127.0.0.1",
+                 daemon_hosts=None):
+        """`daemon_hosts[i]`: (address to listen on, command prefix), e.g. a network namespace."""
         self.dir = tempfile.mkdtemp(prefix="mainstay-recovery.")
         self.procs = {}
         self.lease_ms = lease_ms
         self.coordinator_flags = list(coordinator_flags)
         self.daemon_flags = list(daemon_flags)
+        self.daemon_hosts = daemon_hosts or {}
         self.port = free_port()
-        self.address = "127.0.0.1:%d" % self.port
+        self.address = "%s:%d" % (host, self.port)
+        self.listen = "0.0.0.0:%d" % self.port if host != "127.0.0.1" else self.address
         self.start_coordinator()
         for i in range(daemons):
             self.start_daemon(i)
@@ -173,7 +177,7 @@ class Cluster:
         return self.procs[name]
 
     def start_coordinator(self):
-        self._start("coordinator", [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", self.address,
+        self._start("coordinator", [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", self.listen,
                                     "--state-dir", os.path.join(self.dir, "state"),
                                     "--checkpoint-dir", os.path.join(self.dir, "checkpoints"), "--tick-ms", "100"]
                     + self.coordinator_flags)
@@ -183,8 +187,9 @@ class Cluster:
         pf = os.path.join(self.dir, "daemon%d.port" % i)
         if os.path.exists(pf):
             os.remove(pf)
-        p = self._start("daemon%d" % i, [os.environ["MAINSTAYD_BIN"], "--coordinator", self.address, "--listen",
-                                         "127.0.0.1:0", "--node-name", "node%d" % i, "--threads", "1",
+        host, prefix = self.daemon_hosts.get(i, ("127.0.0.1", []))
+        p = self._start("daemon%d" % i, prefix + [os.environ["MAINSTAYD_BIN"], "--coordinator", self.address, "--listen",
+                                         host + ":0", "--node-name", "node%d" % i, "--threads", "1",
                                          "--memory-bytes", "2000000000", "--lease-ttl-ms", str(self.lease_ms),
                                          "--peer-timeout-ms", "5000", "--metrics-listen", "off", "--port-file", pf]
                     + self.daemon_flags)
@@ -356,6 +361,68 @@ class RecoveryTest(unittest.TestCase):
         ckpt = self.checkpoint("run")  # control operations work again
         self.assertEqual(int(ckpt["version"]), STEPS)
         self.assertEqual(final_of(self.cluster.log("run.rank0")), self.run_reference())
+
+
+def sh(*argv):
+    return subprocess.run(list(argv), capture_output=True, text=True)
+
+
+class PartitionTest(unittest.TestCase):
+    """Daemon 1 runs in its own network namespace, joined to the others by a veth pair; the link
+    is cut mid-run. Needs root and `ip netns` (iproute2); skipped with the reason otherwise."""
+
+    def setUp(self):
+        if os.geteuid() != 0:
+            self.skipTest("needs root for ip netns (network namespaces)")
+        tag = "%x" % (os.getpid() & 0xfff)
+        self.ns, self.veth = "mstest" + tag, "msv" + tag
+        net = "10.%d.%d" % (200 + (os.getpid() % 50), os.getpid() % 250)
+        self.outside, self.inside = net + ".1", net + ".2"
+        steps = [["ip", "netns", "add", self.ns],
+                 ["ip", "link", "add", self.veth + "a", "type", "veth", "peer", "name", self.veth + "b"],
+                 ["ip", "link", "set", self.veth + "b", "netns", self.ns],
+                 ["ip", "addr", "add", self.outside + "/24", "dev", self.veth + "a"],
+                 ["ip", "link", "set", self.veth + "a", "up"],
+                 ["ip", "netns", "exec", self.ns, "ip", "addr", "add", self.inside + "/24", "dev", self.veth + "b"],
+                 ["ip", "netns", "exec", self.ns, "ip", "link", "set", self.veth + "b", "up"],
+                 ["ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up"]]
+        for argv in steps:
+            r = sh(*argv)
+            if r.returncode != 0:
+                self.tearDownNet()
+                self.skipTest("network namespaces are not available here (%s: %s)" % (" ".join(argv), r.stderr.strip()))
+        self.cluster = Cluster(host=self.outside, daemon_hosts={
+            0: (self.outside, []), 1: (self.inside, ["ip", "netns", "exec", self.ns])})
+
+    def tearDownNet(self):
+        sh("ip", "link", "del", self.veth + "a")
+        sh("ip", "netns", "del", self.ns)
+
+    def tearDown(self):
+        self.cluster.stop()
+        self.tearDownNet()
+
+    def test_a_partitioned_daemon_is_replaced_from_the_checkpoint_and_the_run_ends_exactly(self):
+        test = RecoveryTest()
+        test.cluster = self.cluster
+        pause = os.path.join(self.cluster.dir, "pause")
+        ps = [self.cluster.trainer(r, "run", "--pause-file", pause) for r in range(D)]
+        RecoveryTest.wait_step(test, "run", 0, 4)
+        open(pause, "w").close()
+        time.sleep(0.5)
+        ckpt = RecoveryTest.checkpoint(test, "run")
+        os.remove(pause)
+        RecoveryTest.wait_step(test, "run", 0, int(ckpt["version"]) + 2)
+        r = sh("ip", "link", "set", self.veth + "a", "down")  # the partition
+        self.assertEqual(r.returncode, 0, r.stderr)
+        for p in ps:
+            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+        self.assertIn("restoring from checkpoint " + ckpt["checkpoint_id"], self.cluster.log("coordinator"))
+        self.assertIn("missed its lease", self.cluster.log("coordinator"))
+        final = final_of(self.cluster.log("run.rank0"))
+        sh("ip", "link", "set", self.veth + "a", "up")  # healed; the reference runs on both daemons again
+        wait_for(lambda: self.cluster.ctl("daemons", "list").stdout.count("READY") == 2, "daemon 1 back", 30)
+        self.assertEqual(final, RecoveryTest.run_reference(test))
 
 
 if __name__ == "__main__":
