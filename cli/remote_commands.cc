@@ -10,6 +10,7 @@
 #include "absl/time/time.h"
 #include "cli/command.h"
 #include "cli/coordinator_client.h"
+#include "cli/output_format.h"
 #include "cli/table.h"
 #include "common/job_spec.h"
 #include "common/job_spec_proto.h"
@@ -29,33 +30,6 @@ absl::StatusOr<std::string> OnePositional(const Args& args, absl::string_view wh
     return absl::InvalidArgumentError(absl::StrCat("expected exactly one ", what, ", got ", args.positionals().size()));
   }
   return args.positionals()[0];
-}
-
-void PrintJson(const google::protobuf::Message& message, Output& output) {
-  std::string json;
-  google::protobuf::util::JsonPrintOptions options;
-  options.add_whitespace = true;
-  options.preserve_proto_field_names = true;
-  options.always_print_primitive_fields = true;
-  (void)google::protobuf::util::MessageToJsonString(message, &json, options);
-  output.out << json;
-}
-
-// "DAEMON_STATE_READY" -> "READY".
-std::string EnumShort(const std::string& name, absl::string_view prefix) {
-  return absl::StartsWith(name, prefix) ? name.substr(prefix.size()) : name;
-}
-
-std::string Bytes(int64_t n) {
-  if (n < 1024) return absl::StrCat(n, " B");
-  if (n < (int64_t{1} << 20)) return absl::StrFormat("%.1f KiB", n / 1024.0);
-  if (n < (int64_t{1} << 30)) return absl::StrFormat("%.1f MiB", n / 1048576.0);
-  return absl::StrFormat("%.1f GiB", n / 1073741824.0);
-}
-
-std::string Time(int64_t unix_ms) {
-  if (unix_ms == 0) return "-";
-  return absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(unix_ms), absl::LocalTimeZone());
 }
 
 std::string LeaseLeft(int64_t expires_ms) {

@@ -19,6 +19,7 @@
 #ifndef MAINSTAY_SERVER_DAEMON_JOB_H_
 #define MAINSTAY_SERVER_DAEMON_JOB_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -199,6 +200,17 @@ class Job : public std::enable_shared_from_this<Job> {
     std::vector<uint8_t> m, v, scratch_m, scratch_v;
     std::vector<float> grad_sum;  // for num_contributors > 1
     std::map<int64_t, std::shared_ptr<const QuantizedShard>> versions;
+
+    // The commit of a step or a restore: the scratch state becomes the state and `published`
+    // its newest version (keeping at most `retained` versions). Under the job's lock.
+    void Commit(std::shared_ptr<const QuantizedShard> published, int retained) {
+      master.swap(scratch_master);
+      m.swap(scratch_m);
+      v.swap(scratch_v);
+      initialized = true;
+      versions[published->version] = std::move(published);
+      while (static_cast<int>(versions.size()) > std::max(retained, 1)) versions.erase(versions.begin());
+    }
   };
   struct ShardInputs {
     int32_t num_contributors = 1;

@@ -205,15 +205,7 @@ void Job::RunRestore() {
     }
     return;
   }
-  for (size_t i = 0; i < shards.size(); ++i) {
-    ShardState& s = *shards[i];
-    s.master.swap(s.scratch_master);
-    s.m.swap(s.scratch_m);
-    s.v.swap(s.scratch_v);
-    s.initialized = true;
-    s.versions.clear();
-    s.versions[inputs.publish_version] = result->published[i];
-  }
+  for (size_t i = 0; i < shards.size(); ++i) shards[i]->Commit(result->published[i], options_.retained_versions);
   version_ = inputs.publish_version;
   restoring_ = false;
   failed_attempts_ = 0;

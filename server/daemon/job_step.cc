@@ -398,17 +398,7 @@ void Job::RunSteps() {
     }
     v1::StepStats& stats = result->stats;
     if (!result->skipped) {
-      for (size_t i = 0; i < shards.size(); ++i) {
-        ShardState& s = *shards[i];
-        s.master.swap(s.scratch_master);
-        s.m.swap(s.scratch_m);
-        s.v.swap(s.scratch_v);
-        s.initialized = true;
-        s.versions[step + 1] = result->published[i];
-        while (static_cast<int>(s.versions.size()) > std::max(options_.retained_versions, 1)) {
-          s.versions.erase(s.versions.begin());
-        }
-      }
+      for (size_t i = 0; i < shards.size(); ++i) shards[i]->Commit(result->published[i], options_.retained_versions);
       version_ = step + 1;
     }
     if (step >= 0) committed_step_ = step;
