@@ -40,6 +40,7 @@ using ::mainstay::testing::Subprocess;
 using ::mainstay::testing::TempDir;
 
 constexpr absl::Duration kStartTimeout = absl::Seconds(60);
+constexpr int64_t kMaxChunkBytes = 4 << 20;  // docs/protocol.md
 
 float Lr(int64_t step) { return 1e-3f * static_cast<float>(step + 1); }
 
@@ -262,6 +263,16 @@ TEST_F(BadInputTest, StreamCancelledByTheTrainerMidwayStoresNothing) {
   const size_t half = g.size() / 2;
   EXPECT_THAT(RawPush(address_, Header(1), InChunks(std::span(g).first(half)), /*cancel_before_end=*/true),
               StatusIs(absl::StatusCode::kCancelled));
+  ExpectStepOneCommitsAsIfNothingHappened();
+}
+
+TEST_F(BadInputTest, ChunkOverFourMebibytesIsInvalidArgumentAndStoresNothing) {
+  const std::vector<float> g = Grad(1);
+  const size_t big = static_cast<size_t>(kMaxChunkBytes) / 4 + 1;  // one element over the limit
+  ASSERT_LT(big, g.size()) << "the shard must hold more than a maximal chunk";
+  EXPECT_THAT(RawPush(address_, Header(1),
+                      {{0, Bytes(std::span(g).first(big))}, {static_cast<int64_t>(big), Bytes(std::span(g).subspan(big))}}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   ExpectStepOneCommitsAsIfNothingHappened();
 }
 
