@@ -7,6 +7,10 @@
 #   mainstay_cc_binary(NAME mainstayctl SRCS main.cc DEPS mainstay::cli)
 
 set(MAINSTAY_WARNINGS -Wall -Wextra -Werror -Wno-unused-parameter)
+if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+  # GCC-only warning names in `#pragma GCC diagnostic` (e.g. -Wdangling-pointer) are not errors.
+  list(APPEND MAINSTAY_WARNINGS -Wno-unknown-warning-option)
+endif()
 
 function(mainstay_warnings target)
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${MAINSTAY_WARNINGS}>)

@@ -201,11 +201,12 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(absl::string_view json_text) {
   Json j = Json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false,
                        /*ignore_comments=*/true);
   if (j.is_discarded()) {
-    // Re-parse with exceptions only to get the position of the syntax error.
+    // Re-parse with exceptions only to get the position of the syntax error. Not only
+    // parse_error: a number too large for a double ("1e400") is out_of_range.
     try {
       Json unused = Json::parse(json_text.begin(), json_text.end(), nullptr, true, true);
       (void)unused;
-    } catch (const Json::parse_error& e) {
+    } catch (const Json::exception& e) {
       return absl::InvalidArgumentError(absl::StrCat("spec: not valid JSON: ", e.what()));
     }
     return absl::InvalidArgumentError("spec: not valid JSON");

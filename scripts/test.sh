@@ -4,7 +4,9 @@
 # reported as skipped without a device).
 #
 # Environment: MAINSTAY_BUILD_DIR (default build), MAINSTAY_CMAKE_ARGS (extra configure
-# flags, e.g. -DMAINSTAY_ENABLE_CUDA=OFF), MAINSTAY_CTEST_ARGS (e.g. "-L unit").
+# flags, e.g. -DMAINSTAY_ENABLE_CUDA=OFF), MAINSTAY_CTEST_ARGS (e.g. "-L unit"),
+# MAINSTAY_FUZZ_SECONDS (when set: afterwards, scripts/fuzz.sh runs each libFuzzer target that
+# long in a clang build of its own, docs/fuzzing.md; off by default, the build takes minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,3 +28,8 @@ echo "build took $(( $(date +%s) - start ))s"
 echo "== test"
 # shellcheck disable=SC2086
 ctest --test-dir "$build_dir" --output-on-failure -j"$jobs" ${MAINSTAY_CTEST_ARGS:-}
+
+if [ -n "${MAINSTAY_FUZZ_SECONDS:-}" ]; then
+  echo "== fuzz (${MAINSTAY_FUZZ_SECONDS}s per target)"
+  bash scripts/fuzz.sh "$MAINSTAY_FUZZ_SECONDS"
+fi

@@ -22,6 +22,9 @@ namespace {
 
 int ElementBytes(ElementType type) { return BitsOf(type) / 8; }
 
+// shard.proto: a chunk holds at most 4 MiB (a large bucket is never one giant message).
+constexpr size_t kMaxChunkBytes = 4 << 20;
+
 std::string Sha256(const std::string& text) {
   unsigned char digest[SHA256_DIGEST_LENGTH];
   SHA256(reinterpret_cast<const unsigned char*>(text.data()), text.size(), digest);
@@ -317,6 +320,10 @@ absl::Status PushSession::AddChunk(int64_t element_offset, const std::string& da
   if (element_offset != received_) {
     return absl::InvalidArgumentError(absl::StrCat("PushGrad: chunk at element ", element_offset, ", expected ",
                                                    received_, " (chunks must be in order without gaps)"));
+  }
+  if (data.size() > kMaxChunkBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PushGrad: chunk of ", data.size(), " bytes is over the protocol's ", kMaxChunkBytes, " bytes"));
   }
   if (data.size() % static_cast<size_t>(elem_bytes_) != 0) {
     return absl::InvalidArgumentError(

@@ -122,7 +122,8 @@ class Job;
 class PushSession {
  public:
   // Chunks come in order without gaps: `element_offset` must equal the elements received so
-  // far and `data` hold whole elements. INVALID_ARGUMENT otherwise (the stream is then dead).
+  // far and `data` hold whole elements, at most 4 MiB. INVALID_ARGUMENT otherwise (the stream
+  // is then dead).
   absl::Status AddChunk(int64_t element_offset, const std::string& data);
   // Stores the shard's push (or acknowledges a duplicate). INVALID_ARGUMENT when the stream
   // ended short; FAILED_PRECONDITION when the step was committed meanwhile.

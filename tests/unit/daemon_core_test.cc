@@ -170,6 +170,23 @@ TEST_F(StepProtocolTest, BadPushesAreRejectedWithNothingStored) {
   EXPECT_THAT((*session)->AddChunk(64, std::string(256, '\0')), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+// Found by bad_input_test: the daemon took chunks over shard.proto's 4 MiB.
+TEST(PushChunkTest, ChunkOverFourMebibytesIsRefusedWithNothingStored) {
+  JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 1);
+  spec.bucket_numel = 0;  // one bucket: a 5 MiB shard
+  spec.tensors = {{"layers.0.mlp.fc1.weight", {1280, 1024}}};
+  Cluster cluster(spec, 1);
+  const Bucket& b = cluster.layout().buckets[0];
+  constexpr int64_t kMaxChunkElements = (4 << 20) / 4;
+  ASSERT_GT(b.shard_numel, kMaxChunkElements);
+  std::vector<float> g(static_cast<size_t>(b.shard_numel), 1e-3f);
+  EXPECT_THAT(cluster.Push(0, 0, 0, 0, g, v1::PUSH_KIND_GRADIENT, 1, kMaxChunkElements + 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  absl::StatusOr<v1::PushGradResponse> ok = cluster.Push(0, 0, 0, 0, g, v1::PUSH_KIND_GRADIENT, 1, kMaxChunkElements);
+  ASSERT_THAT(ok.status(), IsOk());
+  EXPECT_FALSE(ok->duplicate());
+}
+
 TEST_F(StepProtocolTest, AnEvictedVersionIsFailedPreconditionNamingTheNewest) {
   // The daemon keeps the newest 4 versions (ShardDaemonOptions::retained_versions).
   for (int64_t step = 0; step < 5; ++step) {

@@ -106,6 +106,15 @@ TEST(JobSpecTest, BadSpecsNameTheField) {
   }
 }
 
+// Found by job_spec_fuzzer: a number beyond a double made the parser throw out_of_range past
+// the catch (std::terminate in mainstayctl, the client library or the coordinator).
+TEST(JobSpecTest, NumberTooLargeForADoubleIsInvalidArgumentNotACrash) {
+  EXPECT_THAT(ParseJobSpecJson(R"({"name": "j", "bucket_numel": 1e400, "tensors": [{"name": "a", "shape": [2]}]})"),
+              StatusIs(absl::StatusCode::kInvalidArgument, StartsWith("spec: not valid JSON")));
+  EXPECT_THAT(ParseJobSpecJson(R"({"name": "j", "optimizer": {"eps": -1e608}})"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("number overflow")));
+}
+
 TEST(JobSpecTest, ResolveRejectsBadShapesAndDuplicatesWithFieldPaths) {
   auto resolve = [](const std::string& tensors) {
     absl::StatusOr<JobSpec> spec = ParseJobSpecJson(R"({"name": "j", "tensors": )" + tensors + "}");
