@@ -135,18 +135,21 @@ absl::Status Job::LoadRestore(const Restore& restore, const std::vector<std::sha
   for (const auto& state : shards) {
     const Shard& shard = layout.buckets[static_cast<size_t>(state->bucket)].shards[static_cast<size_t>(state->shard)];
     const size_t n = static_cast<size_t>(state->numel);
-    RestoredShard r;
-    r.master.assign(n, 0.0f);
-    r.m.assign(n * mb, 0);
-    r.v.assign(adamw ? n * mb : 0, 0);
+    // Straight into the scratch buffers the restore's step publishes from (no copy; on a
+    // failure they are overwritten by the next step as always). Every element is read.
+    ShardState& s = *state;
+    s.scratch_master.resize(n);
+    s.scratch_m.resize(n * mb);
+    s.scratch_v.resize(adamw ? n * mb : 0);
     for (const TensorFragment& f : shard.fragments) {
       const size_t off = static_cast<size_t>(f.bucket_offset - shard.elements.begin);
       MAINSTAY_RETURN_IF_ERROR(reader.ReadRange(layout.tensors[static_cast<size_t>(f.tensor)].name, f.elements.begin,
-                                                f.elements.end, r.master.data() + off, r.m.data() + off * mb,
-                                                adamw ? r.v.data() + off * mb : nullptr));
+                                                f.elements.end, s.scratch_master.data() + off,
+                                                s.scratch_m.data() + off * mb,
+                                                adamw ? s.scratch_v.data() + off * mb : nullptr));
     }
-    inputs.restored[{state->bucket, state->shard}] = std::move(r);
   }
+  inputs.restored = true;
   // The scaling state: matched by tensor name (the new job may order or format tensors
   // differently; a tensor that was not delayed-scaled starts fresh, as in a new job).
   const v1::CheckpointScalingState& scaling = restore.manifest.scaling();
