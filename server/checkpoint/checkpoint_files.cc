@@ -164,32 +164,50 @@ absl::Status CheckpointReader::ReadRange(const std::string& tensor, int64_t begi
   const bool has_v = manifest_.has_second_moment();
   const int mb = moment_bytes_;
   int64_t covered = begin;  // every element before this one is filled
-  std::vector<uint8_t> bytes;
   for (const Located& at : it->second) {
     const v1::CheckpointSection& s = *at.section;
     if (s.end() <= covered || s.begin() >= end) continue;
     if (s.begin() > covered) break;  // a gap
     const int64_t n = s.end() - s.begin();
-    const size_t section_bytes = static_cast<size_t>(n * (4 + mb * (has_v ? 2 : 1)));
-    bytes.resize(section_bytes);
     const std::string path = JoinPath(dir_, at.file->path());
-    absl::Status read = fs_.ReadAt(path, s.offset(), bytes);
-    if (!read.ok()) return absl::DataLossError(absl::StrCat(path, ": ", read.message()));
-    if (Crc32c(bytes.data(), bytes.size()) != s.crc32c()) {
-      return absl::DataLossError(absl::StrCat(path, ": CRC-32C mismatch in the section of ", tensor, " [", s.begin(),
-                                              ", ", s.end(), ") (the file is corrupt)"));
-    }
     const int64_t from = std::max(covered, s.begin());
     const int64_t to = std::min(end, s.end());
     const size_t k = static_cast<size_t>(to - from);
-    const size_t src = static_cast<size_t>(from - s.begin());
     const size_t dst = static_cast<size_t>(from - begin);
-    std::memcpy(master + dst, bytes.data() + src * 4, k * 4);
-    const uint8_t* ms = bytes.data() + static_cast<size_t>(n) * 4;
-    std::memcpy(m + dst * static_cast<size_t>(mb), ms + src * static_cast<size_t>(mb), k * static_cast<size_t>(mb));
-    if (has_v && v != nullptr) {
-      const uint8_t* vs = ms + static_cast<size_t>(n * mb);
-      std::memcpy(v + dst * static_cast<size_t>(mb), vs + src * static_cast<size_t>(mb), k * static_cast<size_t>(mb));
+    // The section is read once, in file order, for its CRC: the wanted elements of each part
+    // (master, m, v) straight into the outputs, the others through a small chunk buffer.
+    const size_t src = static_cast<size_t>(from - s.begin());
+    struct Part {
+      size_t elem_bytes;
+      uint8_t* out;  // where element `from` goes; null: not wanted (SGD's absent v)
+    };
+    const Part parts[3] = {{4, reinterpret_cast<uint8_t*>(master + dst)},
+                           {static_cast<size_t>(mb), m + dst * static_cast<size_t>(mb)},
+                           {has_v ? static_cast<size_t>(mb) : 0, v == nullptr ? nullptr : v + dst * static_cast<size_t>(mb)}};
+    uint32_t crc = 0;
+    int64_t offset = s.offset();
+    auto read = [&](size_t bytes, uint8_t* out) -> absl::Status {
+      for (size_t done = 0; done < bytes;) {
+        const size_t step = out != nullptr ? bytes - done : std::min(bytes - done, kVerifyChunk);
+        if (out == nullptr) chunk_.resize(std::max(chunk_.size(), step));
+        uint8_t* into = out != nullptr ? out + done : chunk_.data();
+        absl::Status status = fs_.ReadAt(path, offset, std::span<uint8_t>(into, step));
+        if (!status.ok()) return absl::DataLossError(absl::StrCat(path, ": ", status.message()));
+        crc = Crc32cExtend(crc, into, step);
+        offset += static_cast<int64_t>(step);
+        done += step;
+      }
+      return absl::OkStatus();
+    };
+    for (const Part& p : parts) {
+      if (p.elem_bytes == 0) continue;
+      MAINSTAY_RETURN_IF_ERROR(read(src * p.elem_bytes, nullptr));
+      MAINSTAY_RETURN_IF_ERROR(read(k * p.elem_bytes, p.out));
+      MAINSTAY_RETURN_IF_ERROR(read((static_cast<size_t>(n) - src - k) * p.elem_bytes, nullptr));
+    }
+    if (crc != s.crc32c()) {
+      return absl::DataLossError(absl::StrCat(path, ": CRC-32C mismatch in the section of ", tensor, " [", s.begin(),
+                                              ", ", s.end(), ") (the file is corrupt)"));
     }
     covered = to;
     if (covered >= end) break;

@@ -70,7 +70,9 @@ class CheckpointReader {
   // Fills elements [begin, end) of `tensor`: master (end - begin floats) and the raw moments
   // (m and v: (end - begin) * moment_bytes() bytes each; v ignored without a second moment).
   // DATA_LOSS when a section is damaged or the checkpoint does not cover the whole range;
-  // NOT_FOUND when it has no such tensor.
+  // NOT_FOUND when it has no such tensor; the outputs' contents are then unspecified. The
+  // wanted bytes of each section are read straight into the outputs (no staging copy); the
+  // rest of a section partly inside the range is read only for its CRC.
   absl::Status ReadRange(const std::string& tensor, int64_t begin, int64_t end, float* master, uint8_t* m,
                          uint8_t* v);
 
@@ -84,6 +86,7 @@ class CheckpointReader {
   const v1::CheckpointManifest manifest_;
   int moment_bytes_ = 4;
   std::map<std::string, std::vector<Located>> by_tensor_;  // sorted by begin
+  std::vector<uint8_t> chunk_;  // the bytes of a section read only for its CRC, a chunk at a time
 };
 
 }  // namespace mainstay::checkpoint

@@ -219,10 +219,6 @@ class Job : public std::enable_shared_from_this<Job> {
     double loss_scale = 1.0;  // multiplied into these gradients by the trainers (1 = none)
     std::map<int32_t, std::vector<uint8_t>> by_rank;
   };
-  struct RestoredShard {
-    std::vector<float> master;
-    std::vector<uint8_t> m, v;
-  };
   // A restore in progress: what the step thread loads before republishing.
   struct Restore {
     std::string checkpoint_id;
@@ -231,8 +227,9 @@ class Job : public std::enable_shared_from_this<Job> {
   };
   struct StepInputs {
     std::map<Key, ShardInputs> shards;
-    std::map<Key, RestoredShard> restored;  // a restore: the loaded state (then step is -1)
-    int64_t publish_version = -1;           // a restore: the version to republish
+    // A restore (then step is -1): the loaded state is in the shards' scratch buffers.
+    bool restored = false;
+    int64_t publish_version = -1;  // a restore: the version to republish
     std::map<int32_t, std::pair<double, double>> finished;  // rank -> (lr, weight_decay)
     int64_t first_push_ms = 0;
   };
@@ -258,7 +255,8 @@ class Job : public std::enable_shared_from_this<Job> {
 
   void RunSteps();
   // The step thread's restore (job_checkpoint.cc): loads the owned shards from the checkpoint
-  // into `inputs.restored` and the scaling state into the step thread's copies.
+  // into their scratch buffers (setting `inputs.restored`) and the scaling state into the step
+  // thread's copies.
   absl::Status LoadRestore(const Restore& restore, const std::vector<std::shared_ptr<ShardState>>& shards,
                            StepInputs& inputs);
   // Called by the step thread with mu_ held when restore_ is set: loads, republishes and

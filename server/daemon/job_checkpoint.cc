@@ -2,7 +2,9 @@
 // of the owned shards in model space, and restoring a new job from a checkpoint written with
 // any layout.
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "common/layout_proto.h"
@@ -47,6 +49,22 @@ absl::Status Job::RewoundError(const char* call, int64_t step) const {
 }
 
 absl::StatusOr<JobSnapshot> Job::SnapshotAt(int64_t committed_step, absl::Time deadline) {
+  // The copies' memory is allocated and touched before the lock is taken, so that the copy
+  // under the lock (which holds back the step's commit and every pull) is a plain memcpy
+  // without page faults: on the machine of docs/benchmarks.md faulting in fresh pages costs
+  // as much as copying into them.
+  std::map<Key, std::array<size_t, 3>> sizes;  // master, m, v elements
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, state] : shards_) sizes[key] = {state->master.size(), state->m.size(), state->v.size()};
+  }
+  std::map<Key, JobSnapshot::ShardCopy> buffers;
+  for (const auto& [key, n] : sizes) {
+    JobSnapshot::ShardCopy& copy = buffers[key];
+    copy.master.resize(n[0]);
+    copy.m.resize(n[1]);
+    copy.v.resize(n[2]);
+  }
   absl::MutexLock lock(&mu_);
   auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return stopping_ || !restore_error_.ok() || (version_ >= 0 && !restoring_ && committed_step_ >= committed_step);
@@ -72,7 +90,13 @@ absl::StatusOr<JobSnapshot> Job::SnapshotAt(int64_t committed_step, absl::Time d
       return absl::FailedPreconditionError(absl::StrCat("WriteCheckpoint: shard (bucket ", key.first, ", shard ",
                                                         key.second, ") of job ", job_id_, " has no state yet"));
     }
-    snap.shards.push_back({key.first, key.second, state->master, state->m, state->v});
+    JobSnapshot::ShardCopy& copy = buffers[key];  // assign() reuses the memory when the size is unchanged
+    copy.bucket = key.first;
+    copy.shard = key.second;
+    copy.master.assign(state->master.begin(), state->master.end());
+    copy.m.assign(state->m.begin(), state->m.end());
+    copy.v.assign(state->v.begin(), state->v.end());
+    snap.shards.push_back(std::move(copy));
   }
   return snap;
 }
@@ -135,18 +159,21 @@ absl::Status Job::LoadRestore(const Restore& restore, const std::vector<std::sha
   for (const auto& state : shards) {
     const Shard& shard = layout.buckets[static_cast<size_t>(state->bucket)].shards[static_cast<size_t>(state->shard)];
     const size_t n = static_cast<size_t>(state->numel);
-    RestoredShard r;
-    r.master.assign(n, 0.0f);
-    r.m.assign(n * mb, 0);
-    r.v.assign(adamw ? n * mb : 0, 0);
+    // Straight into the scratch buffers the restore's step publishes from (no copy; on a
+    // failure they are overwritten by the next step as always). Every element is read.
+    ShardState& s = *state;
+    s.scratch_master.resize(n);
+    s.scratch_m.resize(n * mb);
+    s.scratch_v.resize(adamw ? n * mb : 0);
     for (const TensorFragment& f : shard.fragments) {
       const size_t off = static_cast<size_t>(f.bucket_offset - shard.elements.begin);
       MAINSTAY_RETURN_IF_ERROR(reader.ReadRange(layout.tensors[static_cast<size_t>(f.tensor)].name, f.elements.begin,
-                                                f.elements.end, r.master.data() + off, r.m.data() + off * mb,
-                                                adamw ? r.v.data() + off * mb : nullptr));
+                                                f.elements.end, s.scratch_master.data() + off,
+                                                s.scratch_m.data() + off * mb,
+                                                adamw ? s.scratch_v.data() + off * mb : nullptr));
     }
-    inputs.restored[{state->bucket, state->shard}] = std::move(r);
   }
+  inputs.restored = true;
   // The scaling state: matched by tensor name (the new job may order or format tensors
   // differently; a tensor that was not delayed-scaled starts fresh, as in a new job).
   const v1::CheckpointScalingState& scaling = restore.manifest.scaling();

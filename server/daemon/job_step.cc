@@ -132,7 +132,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   const kernels::Device& device = options_.device;
   const absl::Time deadline = absl::Now() + options_.peer_timeout;
   MAINSTAY_RETURN_IF_ERROR(EnsureGroup(members, epoch, step, deadline));
-  const bool restoring = !inputs.restored.empty();
+  const bool restoring = inputs.restored;
 
   double lr = 0.0, weight_decay = 0.0;
   if (!inputs.finished.empty()) std::tie(lr, weight_decay) = inputs.finished.begin()->second;
@@ -207,10 +207,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     const Shard& shard = bucket.shards[static_cast<size_t>(s.shard)];
     const size_t n = static_cast<size_t>(s.numel);
     if (restoring) {
-      const RestoredShard& r = inputs.restored.at({s.bucket, s.shard});
-      s.scratch_master = r.master;
-      s.scratch_m = r.m;
-      s.scratch_v = r.v;
+      // LoadRestore read the state into the scratch buffers.
     } else if (step < 0) {
       const std::vector<uint8_t>& initial = inputs.shards.at({s.bucket, s.shard}).by_rank.begin()->second;
       s.scratch_master.resize(n);
