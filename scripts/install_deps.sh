@@ -4,7 +4,8 @@
 # Needs root (or sudo). CUDA is not installed here: it is used when found in /usr/local/cuda.
 # python3-torch (CPU, 1.13) is for the tests that load the Python module next to PyTorch.
 # libcpp-httplib-dev serves mainstayd's /metrics; prometheus (and its promtool) is only for the
-# metrics tests, which skip those checks without it.
+# metrics tests, which skip those checks without it. clang (with libFuzzer) builds the fuzz
+# targets (scripts/fuzz.sh); iproute2's `ip netns` runs the network-partition test.
 set -euo pipefail
 
 PACKAGES=(
@@ -19,6 +20,7 @@ PACKAGES=(
   python3-torch
   python3-yaml
   libcpp-httplib-dev prometheus
+  clang iproute2
 )
 # The deploy/k8s checks render manifests with `kubectl kustomize`. Keep a kubectl that is
 # already there (the build machines' image has a newer one, from a package named kubectl, not
