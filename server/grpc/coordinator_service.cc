@@ -606,6 +606,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
       v1::ListDaemonsRequest all;
       all.set_include_down(true);
       raw->metrics->SetState(raw->core->ListDaemons(all), raw->core->ListJobs(v1::ListJobsRequest()));
+      // Reads the checkpoints' manifests: only with a checkpoint directory.
+      if (absl::StatusOr<v1::ListCheckpointsResponse> c = raw->core->ListCheckpoints({}); c.ok()) {
+        raw->metrics->SetCheckpoints(*c);
+      }
     });
   }
   impl->ticker = std::thread([raw] { raw->RunTicker(); });

@@ -45,6 +45,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorMetrics>> CoordinatorMetrics::Create(R
   MAINSTAY_ASSIGN_OR_RETURN(m->jobs_, r.AddGauge("mainstay_coordinator_jobs", "Jobs, by state.", {"state"}));
   MAINSTAY_ASSIGN_OR_RETURN(m->epochs_, r.AddGauge("mainstay_coordinator_placement_epoch",
                                                    "Current placement epoch of each job.", {"job_id"}));
+  MAINSTAY_ASSIGN_OR_RETURN(m->last_checkpoint_,
+                            r.AddGauge("mainstay_coordinator_last_checkpoint_timestamp_seconds",
+                                       "Creation time (Unix seconds) of each job's newest committed checkpoint.",
+                                       {"job_id"}));
   MAINSTAY_ASSIGN_OR_RETURN(
       m->rpcs_, r.AddCounter("mainstay_coordinator_rpcs_total",
                              "RPCs the coordinator finished, by full method name and status code.", {"method", "code"}));
@@ -91,6 +95,17 @@ void CoordinatorMetrics::SetState(const v1::ListDaemonsResponse& listed_daemons,
     epochs[j.job_id()] = j.placement_epoch();
   }
   SetState(daemons, jobs, epochs);
+}
+
+void CoordinatorMetrics::SetCheckpoints(const v1::ListCheckpointsResponse& checkpoints) {
+  std::map<std::string, int64_t> newest;  // job -> seconds
+  for (const v1::CheckpointInfo& c : checkpoints.checkpoints()) {
+    if (c.state() != v1::CHECKPOINT_STATE_COMMITTED || c.job_id().empty()) continue;
+    int64_t& t = newest[c.job_id()];
+    t = std::max(t, c.created_unix_ms() / 1000);
+  }
+  absl::MutexLock lock(&mu_);
+  Replace(last_checkpoint_, newest, checkpoint_jobs_, /*remove_absent=*/true);
 }
 
 }  // namespace mainstay::metrics

@@ -8,6 +8,10 @@
 //   mainstay_coordinator_placement_epoch{job_id}    gauge    each job's current placement epoch
 //   mainstay_coordinator_lease_expirations_total    counter  daemons marked DOWN for a missed lease
 //   mainstay_coordinator_rpcs_total{method,code}    counter  finished RPCs by full method and status
+//   mainstay_coordinator_last_checkpoint_timestamp_seconds{job_id}
+//                                                   gauge    creation time of the job's newest
+//                                                            committed checkpoint (age = time() - it);
+//                                                            no series for a job without one
 //
 // Ownership: the registry is not owned and must outlive this object. Thread safety: every
 // method is thread-safe.
@@ -23,6 +27,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "mainstay/v1/admin.pb.h"
 #include "mainstay/v1/coordinator.pb.h"
 #include "server/metrics/registry.h"
 
@@ -51,6 +56,9 @@ class CoordinatorMetrics {
   // The same from the coordinator's lists (every daemon, DOWN ones included, and every job);
   // every state of the DaemonState and JobState enums gets a series, 0 when none is in it.
   void SetState(const v1::ListDaemonsResponse& daemons, const v1::ListJobsResponse& jobs);
+  // The newest committed checkpoint of each job (from ListCheckpoints, newest first); a job
+  // without one loses its series.
+  void SetCheckpoints(const v1::ListCheckpointsResponse& checkpoints);
 
  private:
   explicit CoordinatorMetrics(Registry* registry) : registry_(registry) {}
@@ -59,11 +67,12 @@ class CoordinatorMetrics {
   Family<Gauge>* daemons_ = nullptr;
   Family<Gauge>* jobs_ = nullptr;
   Family<Gauge>* epochs_ = nullptr;
+  Family<Gauge>* last_checkpoint_ = nullptr;
   Family<Counter>* rpcs_ = nullptr;
   std::shared_ptr<Counter> lease_expirations_;
   absl::Mutex mu_;  // serializes SetState
   std::set<std::string> daemon_states_ ABSL_GUARDED_BY(mu_), job_states_ ABSL_GUARDED_BY(mu_),
-      epoch_jobs_ ABSL_GUARDED_BY(mu_);
+      epoch_jobs_ ABSL_GUARDED_BY(mu_), checkpoint_jobs_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace mainstay::metrics

@@ -39,6 +39,28 @@ TEST(CoordinatorMetricsTest, RendersCountersAndStateGauges) {
   EXPECT_THAT(text, HasSubstr("mainstay_coordinator_placement_epoch{job_id=\"job-2\"} 2\n"));
 }
 
+TEST(CoordinatorMetricsTest, LastCheckpointTimeIsTheNewestCommittedOnePerJob) {
+  Registry registry;
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(auto m, CoordinatorMetrics::Create(&registry));
+  v1::ListCheckpointsResponse list;
+  auto add = [&](const std::string& job, int64_t ms, v1::CheckpointState state) {
+    v1::CheckpointInfo* c = list.add_checkpoints();
+    c->set_job_id(job);
+    c->set_created_unix_ms(ms);
+    c->set_state(state);
+  };
+  add("job-1", 9'000'000, v1::CHECKPOINT_STATE_FAILED);  // newest, but not loadable
+  add("job-1", 7'000'000, v1::CHECKPOINT_STATE_COMMITTED);
+  add("job-1", 5'000'000, v1::CHECKPOINT_STATE_COMMITTED);
+  add("job-2", 6'000'000, v1::CHECKPOINT_STATE_WRITING);
+  m->SetCheckpoints(list);
+  std::string text = registry.Render();
+  EXPECT_THAT(text, HasSubstr("mainstay_coordinator_last_checkpoint_timestamp_seconds{job_id=\"job-1\"} 7000\n"));
+  EXPECT_THAT(text, Not(HasSubstr("job-2")));
+  m->SetCheckpoints(v1::ListCheckpointsResponse());  // deleted: the series goes
+  EXPECT_THAT(registry.Render(), Not(HasSubstr("job-1")));
+}
+
 TEST(CoordinatorMetricsTest, StateFromTheCoordinatorsListsRendersEveryStateOfTheEnums) {
   Registry registry;
   MAINSTAY_ASSERT_OK_AND_ASSIGN(auto m, CoordinatorMetrics::Create(&registry));
