@@ -126,7 +126,28 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
   l->second.expires_ms = s.Now() + l->second.ttl_ms;
   l->second.used_bytes = request.used_bytes();
   for (const v1::JobProgress& p : request.jobs()) {
-    if (s.state.jobs.count(p.job_id())) s.progress[p.job_id()][request.daemon_id()] = p;
+    // A daemon that still holds a job it is no longer placed on (it came back after its shards
+    // were restored elsewhere, or missed a DropShard) is told to drop it; its progress is stale
+    // and must not steer checkpoints or `jobs show`.
+    auto job = s.state.jobs.find(p.job_id());
+    bool placed = false;
+    if (job != s.state.jobs.end()) {
+      for (const v1::DaemonEndpoint& e : job->second.placement().daemons()) placed |= e.daemon_id() == request.daemon_id();
+    }
+    if (placed) {
+      s.progress[p.job_id()][request.daemon_id()] = p;
+      continue;
+    }
+    const int64_t epoch = job != s.state.jobs.end() ? job->second.placement().epoch() : p.placement_epoch() + 1;
+    if (s.options.assigner != nullptr && p.placement_epoch() < epoch) {
+      v1::DropShardRequest drop;
+      drop.set_job_id(p.job_id());
+      drop.set_placement_epoch(epoch);
+      s.options.assigner->Drop(d->second.endpoint().address(), drop);
+      Log(LogLevel::kInfo, "coordinator",
+          absl::StrCat("daemon ", request.daemon_id(), " still holds job ", p.job_id(), " at epoch ",
+                       p.placement_epoch(), " but is not in its placement (epoch ", epoch, "): dropping it there"));
+    }
   }
   v1::HeartbeatResponse response;
   response.set_lease_ttl_ms(l->second.ttl_ms);

@@ -608,6 +608,7 @@ v1::JobProgress Job::Progress() const {
   p.set_job_id(job_id_);
   p.set_committed_step(committed_step_);
   p.set_version(version_);
+  p.set_placement_epoch(epoch_);
   if (auto it = stats_.find(committed_step_); committed_step_ >= 0 && it != stats_.end()) {
     *p.mutable_last_step_stats() = it->second;
   }

@@ -274,6 +274,46 @@ TEST_F(CoordinatorCoreTest, DeleteDropsShardsOnEveryDaemon) {
   EXPECT_EQ(coordinator_->ListJobs({}).jobs_size(), 0);
 }
 
+TEST_F(CoordinatorCoreTest, ADaemonHoldingAJobItIsNotPlacedOnIsToldToDropItAndItsProgressIgnored) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto created = Create(SmallSpec("j", 2));
+  ASSERT_THAT(created, IsOk());
+  v1::DrainDaemonRequest drain;  // the job moves off a (epoch 2)
+  drain.set_daemon_id(a.daemon_id());
+  ASSERT_THAT(coordinator_->DrainDaemon(drain), IsOk());
+  const size_t before = assigner_.calls().size();
+  // a still reports the job at epoch 1, far ahead of the real progress.
+  v1::HeartbeatRequest hb;
+  hb.set_daemon_id(a.daemon_id());
+  hb.set_lease_id(a.lease_id());
+  v1::JobProgress* stale = hb.add_jobs();
+  stale->set_job_id(created->job_id());
+  stale->set_placement_epoch(1);
+  stale->set_committed_step(99);
+  ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  const auto calls = assigner_.calls();
+  ASSERT_EQ(calls.size(), before + 1);
+  EXPECT_FALSE(calls.back().assign);
+  EXPECT_EQ(calls.back().address, "n1:7000");
+  EXPECT_EQ(calls.back().drop_request.job_id(), created->job_id());
+  EXPECT_EQ(calls.back().drop_request.placement_epoch(), 2);
+  EXPECT_EQ(calls.back().drop_request.shards_size(), 0) << "every shard of the job";
+  v1::GetJobRequest get;
+  get.set_job_id(created->job_id());
+  auto job = coordinator_->GetJob(get);
+  ASSERT_THAT(job, IsOk());
+  EXPECT_NE(job->job().committed_step(), 99) << "a stale daemon's progress must not show";
+  // b, which the placement names, reports normally and is not told anything.
+  v1::HeartbeatRequest hb_b;
+  hb_b.set_daemon_id(b.daemon_id());
+  hb_b.set_lease_id(b.lease_id());
+  hb_b.add_jobs()->set_job_id(created->job_id());
+  hb_b.mutable_jobs(0)->set_placement_epoch(2);
+  ASSERT_THAT(coordinator_->Heartbeat(hb_b), IsOk());
+  EXPECT_EQ(assigner_.calls().size(), before + 1);
+}
+
 TEST_F(CoordinatorCoreTest, DrainMovesRanksAndBumpsTheEpoch) {
   auto a = Register("n1", kGiB);
   auto b = Register("n2", kGiB);
