@@ -10,17 +10,7 @@ namespace mainstay {
 namespace client_internal {
 
 absl::Status StatusFromCall(const grpc::Status& status, const TrailingMetadata& trailing) {
-  absl::Status result = FromGrpcStatus(status);
-  if (result.ok()) return result;
-  auto it = trailing.find(kErrorDetailMetadataKey);
-  if (it != trailing.end()) {
-    v1::ErrorDetail detail;
-    // A detail that does not parse is dropped: the code and message still say what happened.
-    if (detail.ParseFromArray(it->second.data(), static_cast<int>(it->second.size()))) {
-      result.SetPayload(kErrorDetailPayloadUrl, absl::Cord(std::string(it->second.data(), it->second.size())));
-    }
-  }
-  return result;
+  return FromGrpcCall(status, trailing);
 }
 
 absl::Status StatusFromCall(const grpc::Status& status, grpc::ClientContext* context) {

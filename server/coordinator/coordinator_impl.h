@@ -246,8 +246,9 @@ struct Coordinator::Impl {
   }
 
   // The job, for a caller presenting `job_token`: a token that is not this job's is
-  // PERMISSION_DENIED (a trainer of job A never reads job B). An empty token is accepted (the
-  // admin CLI; the admin token that will gate it is not implemented yet).
+  // PERMISSION_DENIED (a trainer of job A never reads job B). An empty token is accepted here:
+  // the gRPC layer lets such a call through only with the admin token when one is configured
+  // (server/grpc/coordinator_service.cc, CheckJobRead).
   absl::StatusOr<const v1::StoredJob*> JobForCaller(const std::string& id, const std::string& job_token) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, JobOrNotFound(id));

@@ -241,7 +241,7 @@ absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHe
   if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS) {
     if (h.step() != -1) return absl::InvalidArgumentError("PushGrad: initial parameters must have step -1");
     if (dtype != ElementType::kFloat32) return absl::InvalidArgumentError("PushGrad: initial parameters must be FP32");
-    if (restore_ != nullptr || !restored_from_.empty()) {
+    if (!restored_from_.empty()) {
       return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
           "PushGrad: job ", job_id_, " is restored from checkpoint ", restored_from_,
           "; it takes no initial parameters (pull the latest version instead)")));

@@ -117,16 +117,10 @@ absl::StatusOr<v1::WriteCheckpointResponse> GrpcShardAssigner::WriteCheckpoint(
   ::grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline));
   v1::WriteCheckpointResponse response;
-  absl::Status status = FromGrpcStatus(stub->WriteCheckpoint(&context, request, &response));
+  const ::grpc::Status status = stub->WriteCheckpoint(&context, request, &response);
   if (status.ok()) return response;
-  const auto& trailers = context.GetServerTrailingMetadata();
-  if (auto it = trailers.find(kErrorDetailMetadataKey); it != trailers.end()) {
-    v1::ErrorDetail detail;
-    if (detail.ParseFromArray(it->second.data(), static_cast<int>(it->second.size()))) {
-      status = AttachErrorDetail(std::move(status), detail);
-    }
-  }
-  return Annotate(status, absl::StrCat("WriteCheckpoint on daemon ", address));
+  return Annotate(FromGrpcCall(status, context.GetServerTrailingMetadata()),
+                  absl::StrCat("WriteCheckpoint on daemon ", address));
 }
 
 void GrpcShardAssigner::RunWorker(Peer* peer) {

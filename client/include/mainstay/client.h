@@ -266,8 +266,8 @@ class MAINSTAY_CLIENT_EXPORT Client {
                         std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
   // Admin RPCs on this client's job, over the coordinator's channel (Admin service). The
-  // coordinator checks the admin token when it has one (PERMISSION_DENIED); UNIMPLEMENTED from a
-  // coordinator without checkpoints. UNAVAILABLE is retried until the deadline like every call
+  // coordinator checks the admin token when it has one (PERMISSION_DENIED); FAILED_PRECONDITION
+  // from a coordinator started without --checkpoint-dir. UNAVAILABLE is retried until the deadline like every call
   // (a CreateCheckpoint whose answer was lost may then leave a second checkpoint behind).
   //
   // CreateCheckpoint: a checkpoint of the job at its current committed version; with `wait`,

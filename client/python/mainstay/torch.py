@@ -176,8 +176,8 @@ class MainstayOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         """A Mainstay checkpoint of the job (admin CreateCheckpoint, wait=True) plus the
         param_groups' hyperparameters. Call it on one rank between steps; it needs no
-        collective. Raises mainstay.Error (code UNIMPLEMENTED) on a coordinator without
-        checkpoints."""
+        collective. Raises mainstay.Error (code FAILED_PRECONDITION) on a coordinator started
+        without --checkpoint-dir."""
         info = self.client.create_checkpoint(wait=True, admin_token=self._admin_token)
         if info["state"] != "COMMITTED":
             raise RuntimeError("state_dict: checkpoint %s of job %s is %s, not COMMITTED: %s" % (

@@ -33,7 +33,7 @@ struct FakeClusterOptions {
   int unavailable_calls = 0;       // each daemon answers UNAVAILABLE to its first N data-plane calls
   int create_job_unavailable = 0;  // the coordinator answers UNAVAILABLE to the first N CreateJob
   // Admin service (checkpoints kept in memory): the admin token it requires ("" = none), or
-  // no Admin service at all (UNIMPLEMENTED, as a coordinator without checkpoints answers).
+  // no Admin service at all (its calls answer UNIMPLEMENTED: an old coordinator).
   std::string admin_token;
   bool serve_admin = true;
 };
