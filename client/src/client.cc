@@ -90,6 +90,9 @@ absl::Status CheckOptions(const ClientOptions& o) {
     return InvalidArgumentError("chunk_bytes", "must be in [1 KiB, 4 MiB], got ", o.chunk_bytes);
   }
   if (o.push_threads < 0 || o.pull_threads < 0) return InvalidArgumentError("push_threads", "must be >= 0");
+  if (!o.transport.empty() && o.transport != "auto" && !client_internal::ParseTransport(o.transport).ok()) {
+    return InvalidArgumentError("transport", "'", o.transport, "' is not one of auto, grpc, ucx, nccl");
+  }
   return absl::OkStatus();
 }
 
@@ -103,6 +106,9 @@ Client::Impl::~Impl() {
     absl::MutexLock lock(&mu);
     shutting_down = true;
     for (grpc::ClientContext* context : active_calls) context->TryCancel();
+  }
+  for (auto* t : {grpc_transport.get(), ucx_transport.get(), nccl_transport.get()}) {
+    if (t != nullptr) t->Shutdown();
   }
   push_pool.reset();  // runs what is queued: each task now ends at once with CANCELLED
   pull_pool.reset();
@@ -173,6 +179,7 @@ absl::StatusOr<Route> Client::Impl::RouteForShard(int32_t bucket, int32_t shard)
     }
     route.daemon_id = placement.daemons(owner).daemon_id();
     route.address = placement.daemons(owner).address();
+    route.endpoint = placement.daemons(owner);
   }
   route.stub = StubFor(route.address);
   return route;
@@ -185,6 +192,7 @@ absl::StatusOr<Route> Client::Impl::RouteForAddress(const std::string& address, 
     absl::MutexLock lock(&mu);
     bool present = false;
     for (const v1::DaemonEndpoint& d : placement.daemons()) present |= d.daemon_id() == daemon_id;
+    // (FinishStep and other control calls: gRPC, no data-plane endpoint needed.)
     if (!present) {
       return absl::AbortedError(absl::StrCat("daemon ", daemon_id, " is no longer in the job's placement (epoch ",
                                              placement.epoch(), "; it was lost or drained): pull the latest version "
@@ -342,6 +350,20 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
                                          return self->RefreshPlacement(deadline, 0);
                                        }));
 
+  // Connection costs (UCX endpoints and their wire-up, NCCL communicators) are paid here, at
+  // attach, not by the first push.
+  if (impl->options.transport.empty() || impl->options.transport == "auto") {
+    const char* env = std::getenv("MAINSTAY_TRANSPORT");
+    impl->transport_request = env != nullptr && *env != '\0' ? env : "auto";
+    if (impl->transport_request != "auto" && !client_internal::ParseTransport(impl->transport_request).ok()) {
+      return InvalidArgumentError("transport", "MAINSTAY_TRANSPORT='", impl->transport_request,
+                                  "' is not one of auto, grpc, ucx, nccl");
+    }
+  } else {
+    impl->transport_request = impl->options.transport;
+  }
+  MAINSTAY_RETURN_IF_ERROR(impl->StartTransports(deadline));
+
   const int d = static_cast<int>(impl->layout->data_parallel_size);
   impl->push_pool = std::make_unique<client_internal::ThreadPool>(
       options.push_threads > 0 ? options.push_threads : std::max(4, d));
@@ -357,6 +379,25 @@ int64_t Client::data_parallel_size() const { return impl_->layout->data_parallel
 const Layout& Client::layout() const { return *impl_->layout; }
 std::shared_ptr<const Layout> Client::shared_layout() const { return impl_->layout; }
 int64_t Client::version_at_connect() const { return impl_->version_at_connect; }
+
+std::vector<DataConnection> Client::connections() const {
+  v1::Placement p;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    p = impl_->placement;
+  }
+  std::vector<DataConnection> out;
+  for (const v1::DaemonEndpoint& d : p.daemons()) {
+    DataConnection c;
+    c.daemon_id = d.daemon_id();
+    c.address = d.address();
+    absl::StatusOr<client_internal::DataTransport*> t = impl_->TransportFor(d, &c.note);
+    c.transport = t.ok() ? client_internal::TransportName((*t)->kind()) : "none";
+    if (!t.ok()) c.note = std::string(t.status().message());
+    out.push_back(std::move(c));
+  }
+  return out;
+}
 
 JobPlacement Client::placement() const {
   v1::Placement p;

@@ -25,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "client/src/thread_pool.h"
+#include "client/src/transport.h"
 #include "common/grpc_tls.h"
 #include "common/layout.h"
 #include "mainstay/client.h"
@@ -36,14 +37,6 @@ namespace mainstay {
 using Deadline = std::chrono::system_clock::time_point;
 
 namespace client_internal {
-
-// Where one attempt goes: the daemon (and the placement epoch it was chosen under).
-struct Route {
-  int64_t epoch = 0;
-  std::string daemon_id;
-  std::string address;
-  std::shared_ptr<v1::Shard::Stub> stub;
-};
 
 using RouteFn = std::function<absl::StatusOr<Route>()>;
 // One attempt: returns the call's status (StatusFromCall) or a local error.
@@ -85,6 +78,16 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
 
   absl::Mutex refresh_mu;
 
+  // Data-plane transports (transport.h), made at Connect and constant afterwards. null: not
+  // started (not asked for, compiled out, or UCX failed to start under "auto": see *_note).
+  std::string transport_request;  // "auto", "grpc", "ucx" or "nccl"
+  std::unique_ptr<client_internal::DataTransport> grpc_transport;
+  std::unique_ptr<client_internal::DataTransport> ucx_transport;
+  std::unique_ptr<client_internal::DataTransport> nccl_transport;
+  std::string ucx_note;  // why there is no ucx transport under "auto"
+  // Daemons (by UCX worker address) whose UCX attach failed under "auto": reached by grpc.
+  absl::flat_hash_map<std::string, std::string> ucx_fallback ABSL_GUARDED_BY(mu);
+
   // Shutdown: set by ~Impl, which then cancels every call in flight (their operations end
   // with CANCELLED) and wakes every backoff wait.
   bool shutting_down ABSL_GUARDED_BY(mu) = false;
@@ -114,6 +117,11 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
                      const client_internal::AttemptFn& attempt);
 
   // ---- Data plane (data_plane.cc).
+  // Starts the transports `transport_request` needs and attaches to every daemon of the placement.
+  absl::Status StartTransports(Deadline deadline);
+  // The transport for `daemon` (why not the faster one in *note when given).
+  absl::StatusOr<client_internal::DataTransport*> TransportFor(const v1::DaemonEndpoint& daemon,
+                                                               std::string* note = nullptr);
   // Pushes one shard (blocking). On success *landed is the daemon that acknowledged it.
   absl::StatusOr<PushResult> PushShardSync(int32_t bucket, int32_t shard, int64_t step, v1::PushKind kind,
                                            ElementSpan data, int32_t num_contributors, const PushOptions& options,

@@ -73,12 +73,88 @@ struct PushCountdown {
 
 }  // namespace
 
+absl::Status Client::Impl::StartTransports(Deadline deadline) {
+  client_internal::TransportContext context;
+  context.job_id = job_id;
+  context.rank = options.rank;
+  context.chunk_bytes = options.chunk_bytes;
+  grpc_transport = client_internal::MakeGrpcTransport(context);
+  const std::string& want = transport_request;
+  if (want == "auto" || want == "ucx") {
+    absl::StatusOr<std::unique_ptr<client_internal::DataTransport>> ucx = client_internal::MakeUcxTransport(context);
+    if (ucx.ok()) {
+      ucx_transport = *std::move(ucx);
+    } else if (want == "ucx") {
+      return Annotate(ucx.status(), "transport ucx");
+    } else {
+      ucx_note = std::string(ucx.status().message());
+    }
+  }
+  if (want == "nccl") {
+    absl::StatusOr<std::unique_ptr<client_internal::DataTransport>> nccl = client_internal::MakeNcclTransport(context);
+    if (!nccl.ok()) return Annotate(nccl.status(), "transport nccl");
+    nccl_transport = *std::move(nccl);
+  }
+  v1::Placement p;
+  {
+    absl::MutexLock lock(&mu);
+    p = placement;
+  }
+  for (const v1::DaemonEndpoint& d : p.daemons()) {
+    MAINSTAY_ASSIGN_OR_RETURN(client_internal::DataTransport * t, TransportFor(d));
+    absl::Status attached = t->Attach(d, deadline);
+    if (!attached.ok() && want == "auto" && t->kind() == v1::TRANSPORT_UCX) {
+      // "auto" still works where UCX cannot reach a daemon (no transport in common): by gRPC.
+      absl::MutexLock lock(&mu);
+      ucx_fallback[d.ucx_worker_address()] = std::string(attached.message());
+      continue;
+    }
+    if (!attached.ok()) {
+      return Annotate(attached, absl::StrCat("attaching to daemon ", d.daemon_id(), " (", d.address(), ") over ",
+                                             client_internal::TransportName(t->kind())));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<client_internal::DataTransport*> Client::Impl::TransportFor(const v1::DaemonEndpoint& daemon,
+                                                                           std::string* note) {
+  std::vector<v1::Transport> available = {v1::TRANSPORT_GRPC};
+  if (ucx_transport != nullptr) available.push_back(v1::TRANSPORT_UCX);
+  if (nccl_transport != nullptr) available.push_back(v1::TRANSPORT_NCCL);
+  absl::StatusOr<v1::Transport> chosen = client_internal::ChooseTransport(transport_request, available, daemon);
+  if (!chosen.ok()) return chosen.status();
+  if (*chosen == v1::TRANSPORT_UCX && transport_request == "auto") {
+    absl::MutexLock lock(&mu);
+    auto it = ucx_fallback.find(daemon.ucx_worker_address());
+    if (it != ucx_fallback.end()) {
+      if (note != nullptr) *note = absl::StrCat("ucx attach failed: ", it->second);
+      return grpc_transport.get();
+    }
+  }
+  if (note != nullptr && *chosen == v1::TRANSPORT_GRPC && transport_request == "auto") {
+    if (ucx_transport == nullptr && !ucx_note.empty()) {
+      *note = absl::StrCat("no ucx here: ", ucx_note);
+    } else if (ucx_transport != nullptr) {
+      *note = "the daemon offers no ucx";
+    }
+  }
+  switch (*chosen) {
+    case v1::TRANSPORT_UCX:
+      return ucx_transport.get();
+    case v1::TRANSPORT_NCCL:
+      return nccl_transport.get();
+    default:
+      return grpc_transport.get();
+  }
+}
+
 absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t shard, int64_t step,
                                                        v1::PushKind kind, ElementSpan data, int32_t num_contributors,
                                                        const PushOptions& push_options, Deadline deadline,
                                                        Route* landed) {
   v1::PushGradRequest header_message;
-  v1::PushGradHeader* h = header_message.mutable_header();
+  v1::PushGradHeader* h = header_message.mutable_header();  // sent as is by every transport
   h->set_job_id(job_id);
   h->set_job_token(job_token);
   h->set_bucket(bucket);
@@ -91,33 +167,20 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
   h->set_num_contributors(num_contributors);
   h->set_loss_scale(push_options.loss_scale);
   if (options.push_crc32c) h->set_crc32c(::mainstay::Crc32c(data.data, data.bytes()));
-  const int64_t chunk_elements = std::max<int64_t>(1, options.chunk_bytes / data.element_bytes());
 
   PushResult result;
   const std::string what = absl::StrCat(kind == v1::PUSH_KIND_INITIAL_PARAMS ? "PushGrad(initial params)" : "PushGrad",
                                         " bucket ", bucket, " shard ", shard, " step ", step);
   MAINSTAY_RETURN_IF_ERROR(Retry(
       what, deadline, [&] { return RouteForShard(bucket, shard); },
-      [&](const Route& route, grpc::ClientContext* context) {
-        v1::PushGradResponse response;
-        std::unique_ptr<grpc::ClientWriter<v1::PushGradRequest>> writer = route.stub->PushGrad(context, &response);
-        header_message.mutable_header()->set_placement_epoch(route.epoch);
-        bool ok = writer->Write(header_message);
-        v1::PushGradRequest chunk_message;
-        v1::GradChunk* chunk = chunk_message.mutable_chunk();
-        for (int64_t offset = 0; ok && offset < data.numel; offset += chunk_elements) {
-          const ElementSpan part = data.Sub(offset, std::min(chunk_elements, data.numel - offset));
-          chunk->set_element_offset(offset);
-          chunk->set_data(part.data, part.bytes());
-          ok = writer->Write(chunk_message);
-        }
-        if (ok) writer->WritesDone();
-        absl::Status s = client_internal::StatusFromCall(writer->Finish(), context);
-        if (s.ok()) {
-          result = PushResult{response.duplicate(), response.received_elements(), response.contributions()};
-          *landed = route;
-        }
-        return s;
+      [&](const Route& route, grpc::ClientContext* context) -> absl::Status {
+        MAINSTAY_ASSIGN_OR_RETURN(client_internal::DataTransport * transport, TransportFor(route.endpoint));
+        h->set_placement_epoch(route.epoch);
+        absl::StatusOr<v1::PushGradResponse> response = transport->Push(route, *h, data, deadline, context);
+        if (!response.ok()) return response.status();
+        result = PushResult{response->duplicate(), response->received_elements(), response->contributions()};
+        *landed = route;
+        return absl::OkStatus();
       }));
   return result;
 }
@@ -231,6 +294,7 @@ absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t 
   request.set_job_token(job_token);
   request.set_bucket(bucket);
   request.set_shard(shard);
+  request.set_rank(options.rank);
   if (version == Client::kLatestVersion) {
     request.set_latest(true);
   } else {
@@ -241,24 +305,13 @@ absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t 
   const std::string what = absl::StrCat("PullParams bucket ", bucket, " shard ", shard, " version ", version);
   MAINSTAY_RETURN_IF_ERROR(Retry(
       what, deadline, [&] { return RouteForShard(bucket, shard); },
-      [&](const Route& route, grpc::ClientContext* context) {
+      [&](const Route& route, grpc::ClientContext* context) -> absl::Status {
+        MAINSTAY_ASSIGN_OR_RETURN(client_internal::DataTransport * transport, TransportFor(route.endpoint));
         request.set_placement_epoch(route.epoch);
         client_internal::ShardPullAssembler assembler(*layout, bucket, shard,
                                                       version == Client::kLatestVersion ? -1 : version, data_out,
                                                       options.verify_crc32c);
-        std::unique_ptr<grpc::ClientReader<v1::PullParamsResponse>> reader = route.stub->PullParams(context, request);
-        v1::PullParamsResponse message;
-        absl::Status local;
-        while (reader->Read(&message)) {
-          local = assembler.OnMessage(message);
-          if (!local.ok()) {
-            context->TryCancel();
-            break;
-          }
-        }
-        absl::Status s = client_internal::StatusFromCall(reader->Finish(), context);
-        if (!local.ok()) return local;  // a protocol violation outranks the CANCELLED it caused
-        if (!s.ok()) return s;
+        MAINSTAY_RETURN_IF_ERROR(transport->Pull(route, request, assembler, deadline, context));
         result = assembler.Finish();
         return result.status();
       }));

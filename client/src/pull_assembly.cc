@@ -152,6 +152,15 @@ absl::Status ShardPullAssembler::OnScales(const v1::ScaleChunk& chunk) {
   return absl::OkStatus();
 }
 
+absl::Status ShardPullAssembler::Placed() {
+  if (!have_header_) return Violation("data before the header");
+  if (result_.unchanged) return Violation("data after an unchanged header");
+  if (next_element_ != 0 || next_scale_ != 0) return Violation("data placed after chunks");
+  next_element_ = bucket_.shard_numel;
+  next_scale_ = result_.num_scales;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PulledShard> ShardPullAssembler::Finish() {
   if (!have_header_) return Violation("stream without a header");
   if (!result_.unchanged) {

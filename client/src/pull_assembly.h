@@ -47,6 +47,14 @@ class ShardPullAssembler {
   // After the stream ended OK: everything announced arrived.
   absl::StatusOr<PulledShard> Finish();
 
+  // For transports that place the payload themselves (ucx, nccl): after a header that is not
+  // `unchanged`, the data goes to data_destination() (the whole shard) and the scales to
+  // scale_destination(); Placed() then counts both as received, and Finish checks the CRC.
+  bool unchanged() const { return result_.unchanged; }
+  std::span<uint8_t> data_destination() const { return data_out_; }
+  std::span<uint8_t> scale_destination() { return result_.scales; }
+  absl::Status Placed();
+
  private:
   absl::Status OnHeader(const v1::PullParamsHeader& header);
   absl::Status OnData(const v1::ParamChunk& chunk);

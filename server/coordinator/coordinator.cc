@@ -28,7 +28,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Coordinat
   impl->state = State::FromProto(loaded);
   const int64_t now = impl->Now();
   for (const auto& [id, d] : impl->state.daemons) {
-    if (d.state() != v1::DAEMON_STATE_DOWN) impl->leases[id] = {"", options.default_lease_ttl_ms, now + options.default_lease_ttl_ms, 0};
+    if (d.state() != v1::DAEMON_STATE_DOWN) impl->leases[id] = {"", options.default_lease_ttl_ms, now + options.default_lease_ttl_ms, 0, {}};
   }
   Log(LogLevel::kInfo, "coordinator",
       absl::StrCat("state loaded: sequence ", impl->state.sequence, ", ", impl->state.daemons.size(), " daemon(s), ",
@@ -86,6 +86,7 @@ absl::StatusOr<v1::RegisterDaemonResponse> Coordinator::RegisterDaemon(const v1:
     has_grpc |= t == v1::TRANSPORT_GRPC;
   }
   if (!has_grpc) e->add_transports(v1::TRANSPORT_GRPC);
+  e->set_ucx_worker_address(request.ucx_worker_address());
   *info.mutable_resources() = request.resources();
   info.set_version(request.version());
   *info.mutable_labels() = request.labels();
@@ -100,7 +101,7 @@ absl::StatusOr<v1::RegisterDaemonResponse> Coordinator::RegisterDaemon(const v1:
   s.AddJobHealth(batch);
   MAINSTAY_RETURN_IF_ERROR(s.Commit(batch, counters));
   Impl::Lease& lease = s.leases[id];
-  lease = {RandomHex(16), ttl, now + ttl, 0};
+  lease = {RandomHex(16), ttl, now + ttl, 0, {}};
   Log(LogLevel::kInfo, "coordinator", absl::StrCat("daemon ", id, " registered at ", request.address(), " (node ",
                                                    e->node_name(), ", lease ", ttl, " ms)"));
   v1::RegisterDaemonResponse response;
@@ -125,6 +126,7 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
   }
   l->second.expires_ms = s.Now() + l->second.ttl_ms;
   l->second.used_bytes = request.used_bytes();
+  l->second.connections.assign(request.connections().begin(), request.connections().end());
   for (const v1::JobProgress& p : request.jobs()) {
     // A daemon that still holds a job it is no longer placed on (it came back after its shards
     // were restored elsewhere, or missed a DropShard) is told to drop it; its progress is stale

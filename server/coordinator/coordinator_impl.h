@@ -71,6 +71,7 @@ struct Coordinator::Impl {
     int64_t ttl_ms = 0;
     int64_t expires_ms = 0;
     int64_t used_bytes = 0;
+    std::vector<v1::DataConnection> connections;  // as of the latest heartbeat
   };
   std::map<std::string, Lease> leases ABSL_GUARDED_BY(mu);
   std::map<std::string, std::string> tokens ABSL_GUARDED_BY(mu);  // job id -> token, for idempotent retries
@@ -158,6 +159,7 @@ struct Coordinator::Impl {
     if (it != leases.end()) {
       out.set_lease_expires_unix_ms(it->second.expires_ms);
       out.set_used_bytes(it->second.used_bytes);
+      for (const v1::DataConnection& c : it->second.connections) *out.add_connections() = c;
     }
     int count = 0;
     for (const auto& [id, job] : state.jobs) {

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <span>
 #include <memory>
 #include <set>
 #include <string>
@@ -128,6 +129,14 @@ class PushSession {
   // Stores the shard's push (or acknowledges a duplicate). INVALID_ARGUMENT when the stream
   // ended short; FAILED_PRECONDITION when the step was committed meanwhile.
   absl::StatusOr<v1::PushGradResponse> Finish();
+
+  // For transports that place the payload themselves (ucx, nccl) instead of AddChunk calls: a
+  // duplicate push needs no payload; otherwise the whole payload (numel elements of the header's
+  // dtype) goes to destination(), and Placed() then counts it as received.
+  bool duplicate() const { return duplicate_; }
+  int element_bytes() const { return elem_bytes_; }
+  std::span<uint8_t> destination() { return duplicate_ ? std::span<uint8_t>() : std::span<uint8_t>(buffer_); }
+  void Placed() { received_ = numel_; }
 
  private:
   friend class Job;

@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/port_file.h"
@@ -38,6 +39,7 @@
 #include "server/grpc/coordinator_link.h"
 #include "server/grpc/coordinator_service.h"
 #include "server/grpc/shard_service.h"
+#include "server/ucx/ucx_data_server.h"
 #include "server/metrics/metrics_server.h"
 #include "server/metrics/registry.h"
 #include "server/peer/gloo_peer_group.h"
@@ -89,6 +91,10 @@ flags:
   --tls-internal-name NAME    with mutual TLS: the certificate name (CN or SAN) only the cluster's
                               servers carry; AssignShard, DropShard, FetchShardState and
                               WriteCheckpoint from other certificates (trainers') are refused
+  --transports LIST           data-plane transports to offer trainers besides gRPC, comma-separated:
+                              auto (default: every one this build has that starts here), grpc
+                              (gRPC only), ucx (UCX; exit 1 if it cannot start). Trainers pick
+                              per connection (docs/transports.md); `mainstayctl connections` shows it
   --health-listen HOST:PORT   a plaintext port serving only grpc.health.v1 (for probes that cannot
                               speak TLS, e.g. Kubernetes'); default none
   --admin-token-file FILE     the embedded coordinator's admin token (with --standalone)
@@ -113,7 +119,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       "--lease-ttl-ms", "--port-file",     "--coordinator-port-file", "--metrics-listen", "--metrics-port-file",
       "--drain-timeout-ms", "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-client-auth",
       "--tls-server-name", "--admin-token-file", "--health-listen", "--tls-internal-name",
-      "--checkpoint-dir"};
+      "--checkpoint-dir", "--transports"};
   Flags f;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -319,6 +325,33 @@ int Main(int argc, char** argv) {
       ShardServer::Start({listen, 64 << 20, &daemon, *tls, flags->Get("--tls-internal-name"), &drain,
                           flags->Get("--health-listen")});
   if (!server.ok()) return Fail(server.status(), server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
+  // The UCX data plane next to gRPC: its worker address goes into the registration.
+  std::unique_ptr<UcxDataServer> ucx_server;
+  {
+    bool want_ucx = false, need_ucx = false;
+    for (absl::string_view t : absl::StrSplit(flags->Get("--transports", "auto"), ',')) {
+      if (t == "auto") {
+        want_ucx = true;
+      } else if (t == "ucx") {
+        want_ucx = need_ucx = true;
+      } else if (t != "grpc") {
+        (*server)->Shutdown();
+        return Fail(absl::InvalidArgumentError(absl::StrCat("--transports: '", t, "' is not one of auto, grpc, ucx")), 2);
+      }
+    }
+    if (want_ucx) {
+      absl::StatusOr<std::unique_ptr<UcxDataServer>> started = UcxDataServer::Start({&daemon, &drain});
+      if (started.ok()) {
+        ucx_server = *std::move(started);
+        Log(LogLevel::kInfo, "daemon", absl::StrCat("UCX data plane: ", ucx_server->Describe()));
+      } else if (need_ucx) {
+        (*server)->Shutdown();
+        return Fail(started.status(), 1);
+      } else {
+        Log(LogLevel::kInfo, "daemon", absl::StrCat("no UCX data plane: ", started.status().message()));
+      }
+    }
+  }
   std::unique_ptr<metrics::MetricsServer> metrics_server;
   absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> started_metrics =
       registry == nullptr ? absl::StatusOr<std::unique_ptr<metrics::MetricsServer>>(nullptr)
@@ -349,6 +382,10 @@ int Main(int argc, char** argv) {
   reg.set_address(address);
   reg.set_node_name(flags->Get("--node-name", HostName()));
   reg.add_transports(v1::TRANSPORT_GRPC);
+  if (ucx_server != nullptr) {
+    reg.add_transports(v1::TRANSPORT_UCX);
+    reg.set_ucx_worker_address(ucx_server->worker_address());
+  }
   reg.mutable_resources()->set_host_memory_bytes(*memory);
   reg.mutable_resources()->set_memory_kind(v1::MEMORY_KIND_HOST);
   reg.mutable_resources()->set_cpu_threads(static_cast<int32_t>(*threads));
@@ -359,6 +396,7 @@ int Main(int argc, char** argv) {
     request->set_used_bytes(daemon.used_bytes());
     request->set_active_jobs(daemon.active_jobs());
     for (v1::JobProgress& p : daemon.Progress()) *request->add_jobs() = std::move(p);
+    for (v1::DataConnection& c : daemon.connections()->Snapshot()) *request->add_connections() = std::move(c);
   };
   absl::StatusOr<std::unique_ptr<CoordinatorLink>> started = CoordinatorLink::Start(link_options);
   if (!started.ok()) {
@@ -418,6 +456,7 @@ int Main(int argc, char** argv) {
   // running now, e.g. pulls of the last version, get a few seconds), 6. stop the jobs.
   link->Shutdown();
   (*server)->Shutdown();
+  if (ucx_server != nullptr) ucx_server->Shutdown();
   daemon.Shutdown();
   if (metrics_server != nullptr) metrics_server->Shutdown();
   if (lease_collector != 0) registry->RemoveCollector(lease_collector);

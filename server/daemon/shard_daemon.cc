@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/layout_proto.h"
 #include "common/logging.h"
 #include "common/status.h"
 
@@ -232,6 +233,31 @@ void ShardDaemon::JoinDroppedJobs() {
     reapers.swap(reapers_);
   }
   for (Reaper& r : reapers) r.thread.join();
+}
+
+v1::PullParamsHeader PullHeaderOf(const PullResult& result) {
+  const QuantizedShard& s = *result.shard;
+  v1::PullParamsHeader h;
+  h.set_version(s.version);
+  h.set_unchanged(result.unchanged);
+  h.set_format(FormatToProto(s.format));
+  h.mutable_elements()->set_begin(s.elements.begin);
+  h.mutable_elements()->set_end(s.elements.end);
+  h.set_total_data_bytes(static_cast<int64_t>(s.data.size()));
+  if (s.has_scales) h.set_scale_type(ElementTypeToProto(s.scale_type));
+  h.set_total_scales(s.num_scales);
+  h.set_total_scale_bytes(static_cast<int64_t>(s.scales.size()));
+  for (const FragmentMeta& f : s.fragments) {
+    v1::FragmentQuantization* q = h.add_fragments();
+    q->set_tensor(f.tensor);
+    q->mutable_elements()->set_begin(f.elements.begin);
+    q->mutable_elements()->set_end(f.elements.end);
+    q->set_format(FormatToProto(f.format));
+    q->set_scale(f.scale);
+    q->set_scale_inv(f.scale_inv);
+    q->set_amax(f.amax);
+  }
+  return h;
 }
 
 }  // namespace mainstay::daemon

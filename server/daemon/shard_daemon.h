@@ -29,6 +29,7 @@
 #include "common/clock.h"
 #include "kernels/kernels.h"
 #include "mainstay/v1/shard.pb.h"
+#include "server/daemon/connection_table.h"
 #include "server/daemon/job.h"
 #include "server/metrics/daemon_metrics.h"
 #include "server/metrics/registry.h"
@@ -45,6 +46,9 @@ struct ShardDaemonOptions {
   metrics::Registry* metrics = nullptr;     // not owned; null: no metrics
   checkpoint::CheckpointFs* fs = nullptr;   // not owned; null: the POSIX file system
 };
+
+// The header every transport sends before a pulled shard's data and scales.
+v1::PullParamsHeader PullHeaderOf(const PullResult& result);
 
 class ShardDaemon {
  public:
@@ -73,6 +77,8 @@ class ShardDaemon {
   int active_jobs() const;
   // The daemon's metrics (for the transport adapters' byte counts); null without a registry.
   metrics::DaemonMetrics* metrics() const { return metrics_.get(); }
+  // Trainers' data-plane connections, kept by the transport adapters; reported by heartbeat.
+  ConnectionTable* connections() { return &connections_; }
   // Stops every job's step thread and ends waits with UNAVAILABLE. Idempotent.
   void Shutdown();
   // Waits until the jobs dropped so far have stopped (tests).
@@ -82,6 +88,7 @@ class ShardDaemon {
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& job_id) const;
 
   const ShardDaemonOptions options_;
+  ConnectionTable connections_;
   std::unique_ptr<metrics::DaemonMetrics> metrics_;  // set in the constructor, then constant
   metrics::Registry::CollectorId collector_ = 0;
   mutable absl::Mutex mu_;

@@ -71,7 +71,11 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
     if (!ok) {  // the client half-closed: the stream is complete
       if (session_ == nullptr) return End(absl::InvalidArgumentError("PushGrad: the stream had no header"));
       absl::StatusOr<v1::PushGradResponse> result = session_->Finish();
-      if (result.ok()) *response_ = *std::move(result);
+      if (result.ok()) {
+        core_->connections()->Record(header_.job_id(), header_.rank(), v1::TRANSPORT_GRPC, context_->peer(),
+                                     bytes_, 0);
+        *response_ = *std::move(result);
+      }
       return End(result.status());
     }
     if (session_ == nullptr) {
@@ -84,12 +88,14 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
         }
       }
       session_ = *std::move(session);
+      header_ = request_.header();
     } else {
       if (!request_.has_chunk()) return End(absl::InvalidArgumentError("PushGrad: a second header in one stream"));
       if (absl::Status s = session_->AddChunk(request_.chunk().element_offset(), request_.chunk().data()); !s.ok()) {
         return End(s);
       }
       if (pushed_bytes_ != nullptr) pushed_bytes_->Increment(static_cast<double>(request_.chunk().data().size()));
+      bytes_ += static_cast<int64_t>(request_.chunk().data().size());
     }
     StartRead(&request_);
   }
@@ -111,6 +117,8 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
   v1::PushGradResponse* const response_;
   v1::PushGradRequest request_;
   std::unique_ptr<PushSession> session_;
+  v1::PushGradHeader header_;  // of session_
+  int64_t bytes_ = 0;          // payload received
   bool entered_ = false;
 };
 
@@ -206,26 +214,7 @@ absl::Status StreamParams(ShardDaemon* core, Calls* calls, metrics::Counter* pul
   if (!result.ok()) return result.status();
   const QuantizedShard& s = *result->shard;
   v1::PullParamsResponse message;
-  v1::PullParamsHeader& h = *message.mutable_header();
-  h.set_version(s.version);
-  h.set_unchanged(result->unchanged);
-  h.set_format(FormatToProto(s.format));
-  h.mutable_elements()->set_begin(s.elements.begin);
-  h.mutable_elements()->set_end(s.elements.end);
-  h.set_total_data_bytes(static_cast<int64_t>(s.data.size()));
-  if (s.has_scales) h.set_scale_type(ElementTypeToProto(s.scale_type));
-  h.set_total_scales(s.num_scales);
-  h.set_total_scale_bytes(static_cast<int64_t>(s.scales.size()));
-  for (const FragmentMeta& f : s.fragments) {
-    v1::FragmentQuantization* q = h.add_fragments();
-    q->set_tensor(f.tensor);
-    q->mutable_elements()->set_begin(f.elements.begin);
-    q->mutable_elements()->set_end(f.elements.end);
-    q->set_format(FormatToProto(f.format));
-    q->set_scale(f.scale);
-    q->set_scale_inv(f.scale_inv);
-    q->set_amax(f.amax);
-  }
+  *message.mutable_header() = PullHeaderOf(*result);
   if (!write(message)) return absl::CancelledError("PullParams: the client went away");
   if (result->unchanged) return absl::OkStatus();
   const int64_t chunk = ChunkBytes(request.max_chunk_bytes());
@@ -245,11 +234,15 @@ absl::Status StreamParams(ShardDaemon* core, Calls* calls, metrics::Counter* pul
         m.mutable_data()->set_data(p, static_cast<size_t>(n));
       }));
   const int64_t entry = s.num_scales > 0 ? static_cast<int64_t>(s.scales.size()) / s.num_scales : 1;
-  return WriteChunks<v1::PullParamsResponse>(counted, s.scales.data(), static_cast<int64_t>(s.scales.size()), chunk,
-                                             [&](v1::PullParamsResponse& m, int64_t off, const uint8_t* p, int64_t n) {
-                                               m.mutable_scales()->set_scale_offset(off / entry);
-                                               m.mutable_scales()->set_data(p, static_cast<size_t>(n));
-                                             });
+  MAINSTAY_RETURN_IF_ERROR(WriteChunks<v1::PullParamsResponse>(
+      counted, s.scales.data(), static_cast<int64_t>(s.scales.size()), chunk,
+      [&](v1::PullParamsResponse& m, int64_t off, const uint8_t* p, int64_t n) {
+        m.mutable_scales()->set_scale_offset(off / entry);
+        m.mutable_scales()->set_data(p, static_cast<size_t>(n));
+      }));
+  core->connections()->Record(request.job_id(), request.rank(), v1::TRANSPORT_GRPC, context->peer(), 0,
+                              static_cast<int64_t>(s.data.size() + s.scales.size()));
+  return absl::OkStatus();
 }
 
 // FetchShardState: a consistent copy of the committed state, then master, m and v in chunks.

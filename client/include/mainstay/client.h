@@ -67,7 +67,14 @@ struct ClientOptions {
   std::chrono::milliseconds timeout{60000};         // deadline of each operation, all attempts
   std::chrono::milliseconds initial_backoff{50};    // first wait after UNAVAILABLE
   std::chrono::milliseconds max_backoff{2000};      // the wait doubles up to this
-  int64_t chunk_bytes = 1 << 20;  // push chunk size and pull max_chunk_bytes; 1 KiB .. 4 MiB
+  // Data-plane transport to the daemons (docs/transports.md): "auto" picks, per daemon, the best
+  // both ends have (ucx, else grpc); "grpc", "ucx" or "nccl" insist on one (Connect fails with
+  // FAILED_PRECONDITION naming the daemon that does not offer it). Empty: the environment
+  // variable MAINSTAY_TRANSPORT, else "auto".
+  std::string transport;
+  // Payload chunk size, both directions (push chunks, pull max_chunk_bytes); 1 KiB .. 4 MiB.
+  // A shard moves as a pipeline of chunks, never as one message.
+  int64_t chunk_bytes = 4 << 20;
   bool push_crc32c = true;        // send the CRC-32C of each pushed payload
   bool verify_crc32c = true;      // check pulled data against the daemon's CRC-32C when sent
   int push_threads = 0;           // concurrent push streams; 0 = max(4, D)
@@ -100,6 +107,13 @@ struct DaemonAddress {
   std::string daemon_id;
   std::string address;    // gRPC "host:port" of its Shard service
   std::string node_name;
+};
+// How this client reaches one daemon of the placement (Client::connections).
+struct DataConnection {
+  std::string daemon_id;
+  std::string address;
+  std::string transport;  // "grpc", "ucx" or "nccl"
+  std::string note;       // why "auto" did not pick a faster transport; empty otherwise
 };
 struct ShardOwner {
   int32_t bucket = 0;
@@ -226,6 +240,8 @@ class MAINSTAY_CLIENT_EXPORT Client {
   std::shared_ptr<const Layout> shared_layout() const;
   int64_t version_at_connect() const;    // version the coordinator said trainers can pull
   JobPlacement placement() const;        // a copy of the cached placement
+  // The transport used with each daemon of the cached placement.
+  std::vector<DataConnection> connections() const;
   // Re-reads the placement from the coordinator now.
   absl::Status RefreshPlacement();
 

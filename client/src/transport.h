@@ -1,0 +1,87 @@
+// The trainer's data-plane transports (DESIGN.md section 7, docs/transports.md): how one push
+// or pull attempt reaches a daemon. The retry loop, routing and request building stay in
+// data_plane.cc; a transport moves one request's bytes and reports the daemon's answer.
+//
+//   grpc  PushGrad / PullParams streams of the Shard service (always available)
+//   ucx   UCP tagged messages straight between the trainer's and the daemon's buffers
+//   nccl  NCCL send/recv between device buffers (needs CUDA and NCCL at build time)
+//
+// A backend compiled out is built from its *_stub.cc: Make* answers UNIMPLEMENTED.
+//
+// Errors: the Shard service's codes (shard.proto) with the daemon's ErrorDetail attached; a peer
+// that fails mid-transfer is UNAVAILABLE and the retry loop re-routes. Thread safety: every
+// method may be called from any thread, concurrently.
+#ifndef MAINSTAY_CLIENT_SRC_TRANSPORT_H_
+#define MAINSTAY_CLIENT_SRC_TRANSPORT_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "client/src/pull_assembly.h"
+#include "mainstay/buffers.h"
+#include "mainstay/v1/common.pb.h"
+#include "mainstay/v1/shard.grpc.pb.h"
+
+namespace mainstay::client_internal {
+
+using Deadline = std::chrono::system_clock::time_point;
+
+// Where one attempt goes: the daemon (and the placement epoch it was chosen under).
+struct Route {
+  int64_t epoch = 0;
+  std::string daemon_id;
+  std::string address;
+  v1::DaemonEndpoint endpoint;            // as the placement lists it
+  std::shared_ptr<v1::Shard::Stub> stub;  // gRPC (the control calls, and the grpc transport)
+};
+
+// What a transport needs of its client.
+struct TransportContext {
+  std::string job_id;
+  int32_t rank = 0;
+  int64_t chunk_bytes = 1 << 20;
+};
+
+class DataTransport {
+ public:
+  virtual ~DataTransport() = default;
+  virtual v1::Transport kind() const = 0;
+  // Pays this daemon's connection costs now (Client::Connect calls it for every daemon of the
+  // placement, so the first push does not). Idempotent; the grpc transport has none.
+  virtual absl::Status Attach(const v1::DaemonEndpoint& daemon, Deadline deadline) = 0;
+  // One push attempt: `header` (placement epoch set), then `data` in chunks.
+  virtual absl::StatusOr<v1::PushGradResponse> Push(const Route& route, const v1::PushGradHeader& header,
+                                                    ElementSpan data, Deadline deadline,
+                                                    grpc::ClientContext* context) = 0;
+  // One pull attempt: the daemon's answer fed to `assembler` (a fresh one per attempt).
+  virtual absl::Status Pull(const Route& route, const v1::PullParamsRequest& request, ShardPullAssembler& assembler,
+                            Deadline deadline, grpc::ClientContext* context) = 0;
+  // Ends every operation in flight (CANCELLED) and refuses new ones. Idempotent.
+  virtual void Shutdown() = 0;
+};
+
+std::unique_ptr<DataTransport> MakeGrpcTransport(const TransportContext& context);
+// UNIMPLEMENTED when built without UCX; UNAVAILABLE when UCX cannot start here.
+absl::StatusOr<std::unique_ptr<DataTransport>> MakeUcxTransport(const TransportContext& context);
+// UNIMPLEMENTED when built without CUDA and NCCL.
+absl::StatusOr<std::unique_ptr<DataTransport>> MakeNcclTransport(const TransportContext& context);
+
+// The transport to use with a daemon offering `offered`: `requested` ("auto", "grpc", "ucx",
+// "nccl") when the daemon offers it (FAILED_PRECONDITION naming both sides otherwise), or for
+// "auto" the best both sides have: ucx, else grpc (nccl only when asked for: it needs device
+// buffers). `available` is what this client could start.
+absl::StatusOr<v1::Transport> ChooseTransport(absl::string_view requested, const std::vector<v1::Transport>& available,
+                                              const v1::DaemonEndpoint& daemon);
+// "grpc" for TRANSPORT_GRPC, ...
+std::string TransportName(v1::Transport t);
+absl::StatusOr<v1::Transport> ParseTransport(absl::string_view name);
+
+}  // namespace mainstay::client_internal
+
+#endif  // MAINSTAY_CLIENT_SRC_TRANSPORT_H_

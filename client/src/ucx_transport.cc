@@ -1,0 +1,287 @@
+// The ucx transport (docs/transports.md): one UCP worker per client, one endpoint per daemon
+// (opened at attach with a hello round trip), control messages as serialized UcxRequest /
+// UcxReply, payloads as tagged messages placed straight into the caller's buffers in chunks.
+//
+// An attempt that fails anywhere but in the daemon's answer (peer gone, deadline, a reply that
+// breaks the protocol) closes its connection: whatever the daemon still had in flight for it ends
+// there, and the next attempt opens a fresh one.
+#include <unistd.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/src/transport.h"
+#include "common/error_detail.h"
+#include "common/ucx_worker.h"
+#include "mainstay/v1/data_plane.pb.h"
+
+namespace mainstay::client_internal {
+namespace {
+
+using ucx::Kind;
+
+absl::Time ToAbsl(Deadline d) { return absl::FromChrono(d); }
+
+int64_t RemainingMs(Deadline d) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(d - std::chrono::system_clock::now());
+  return std::max<int64_t>(1, left.count());
+}
+
+std::string HostName() {
+  char name[256] = {0};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "unknown";
+  return name;
+}
+
+// The daemon's error in a reply, with its ErrorDetail.
+absl::Status StatusOfReply(const v1::UcxReply& reply) {
+  if (reply.code() == 0) return absl::OkStatus();
+  absl::Status status(static_cast<absl::StatusCode>(reply.code()), reply.message());
+  if (!reply.error_detail().empty()) {
+    v1::ErrorDetail detail;
+    if (detail.ParseFromString(reply.error_detail())) status = AttachErrorDetail(status, detail);
+  }
+  return status;
+}
+
+class UcxTransport final : public DataTransport {
+ public:
+  UcxTransport(const TransportContext& context, std::unique_ptr<ucx::Worker> worker)
+      : context_(context), worker_(std::move(worker)) {}
+
+  ~UcxTransport() override {
+    Shutdown();
+    absl::MutexLock lock(&mu_);
+    connections_.clear();  // endpoints close before the worker goes
+  }
+
+  v1::Transport kind() const override { return v1::TRANSPORT_UCX; }
+
+  absl::Status Attach(const v1::DaemonEndpoint& daemon, Deadline deadline) override {
+    return ConnectionTo(daemon, deadline).status();
+  }
+
+  absl::StatusOr<v1::PushGradResponse> Push(const Route& route, const v1::PushGradHeader& header, ElementSpan data,
+                                            Deadline deadline, grpc::ClientContext*) override {
+    std::shared_ptr<Connection> c;
+    {
+      absl::StatusOr<std::shared_ptr<Connection>> got = ConnectionTo(route.endpoint, deadline);
+      if (!got.ok()) return got.status();
+      c = *std::move(got);
+    }
+    const uint64_t seq = next_seq_.fetch_add(1);
+    v1::UcxRequest request;
+    *request.mutable_push() = header;
+    request.set_seq(seq);
+    request.set_timeout_ms(RemainingMs(deadline));
+    request.set_chunk_bytes(context_.chunk_bytes);
+    const std::string request_bytes = request.SerializeAsString();
+    std::string accept_bytes(ucx::kMaxControlBytes, '\0'), reply_bytes(ucx::kMaxControlBytes, '\0');
+    const auto abort = [&] { return Aborted(*c); };
+
+    // The outcome's receive is posted first, so it is never an unexpected message.
+    ucx::OpGroup outcome(worker_.get());
+    outcome.Recv(ucx::TrainerTag(Kind::kReply, seq), ucx::kExactMask, reply_bytes.data(), reply_bytes.size());
+    v1::UcxReply accept;
+    {
+      ucx::OpGroup group(worker_.get());
+      group.Recv(ucx::TrainerTag(Kind::kAccept, seq), ucx::kExactMask, accept_bytes.data(), accept_bytes.size());
+      group.Send(*c->ep, ucx::DaemonTag(Kind::kRequest, c->id, static_cast<uint32_t>(seq)), request_bytes.data(),
+                 request_bytes.size());
+      if (absl::Status s = group.Wait(ToAbsl(deadline), abort); !s.ok()) return Fail(c, s, "push request");
+      if (!accept.ParseFromArray(accept_bytes.data(), static_cast<int>(group.received_bytes(0)))) {
+        return Fail(c, absl::InternalError("unparseable acceptance"), "push request");
+      }
+    }
+    if (absl::Status s = StatusOfReply(accept); !s.ok()) return s;  // refused: nothing was sent, nothing stored
+    if (!accept.duplicate()) {
+      const int64_t chunk = ucx::PushChunkBytes(context_.chunk_bytes, data.element_bytes());
+      const auto* bytes = static_cast<const uint8_t*>(data.data);
+      const int64_t total = data.bytes();
+      for (int64_t off = 0; off < total; off += chunk) {
+        outcome.Send(*c->ep, ucx::DaemonTag(Kind::kPushData, c->id, static_cast<uint32_t>(seq)), bytes + off,
+                     static_cast<size_t>(std::min(chunk, total - off)));
+      }
+    }
+    if (absl::Status s = outcome.Wait(ToAbsl(deadline), abort); !s.ok()) return Fail(c, s, "push payload");
+    v1::UcxReply reply;
+    if (!reply.ParseFromArray(reply_bytes.data(), static_cast<int>(outcome.received_bytes(0)))) {
+      return Fail(c, absl::InternalError("unparseable push outcome"), "push payload");
+    }
+    if (absl::Status s = StatusOfReply(reply); !s.ok()) return s;
+    return reply.push();
+  }
+
+  absl::Status Pull(const Route& route, const v1::PullParamsRequest& pull, ShardPullAssembler& assembler,
+                    Deadline deadline, grpc::ClientContext*) override {
+    std::shared_ptr<Connection> c;
+    {
+      absl::StatusOr<std::shared_ptr<Connection>> got = ConnectionTo(route.endpoint, deadline);
+      if (!got.ok()) return got.status();
+      c = *std::move(got);
+    }
+    const uint64_t seq = next_seq_.fetch_add(1);
+    v1::UcxRequest request;
+    *request.mutable_pull() = pull;
+    request.set_seq(seq);
+    request.set_timeout_ms(RemainingMs(deadline));
+    request.set_chunk_bytes(context_.chunk_bytes);
+    const std::string request_bytes = request.SerializeAsString();
+    std::string reply_bytes(ucx::kMaxControlBytes, '\0');
+    const auto abort = [&] { return Aborted(*c); };
+    v1::UcxReply reply;
+    {
+      ucx::OpGroup group(worker_.get());
+      group.Recv(ucx::TrainerTag(Kind::kReply, seq), ucx::kExactMask, reply_bytes.data(), reply_bytes.size());
+      group.Send(*c->ep, ucx::DaemonTag(Kind::kRequest, c->id, static_cast<uint32_t>(seq)), request_bytes.data(),
+                 request_bytes.size());
+      if (absl::Status s = group.Wait(ToAbsl(deadline), abort); !s.ok()) return Fail(c, s, "pull request");
+      if (!reply.ParseFromArray(reply_bytes.data(), static_cast<int>(group.received_bytes(0)))) {
+        return Fail(c, absl::InternalError("unparseable pull header"), "pull request");
+      }
+    }
+    if (absl::Status s = StatusOfReply(reply); !s.ok()) return s;  // nothing follows an error
+    v1::PullParamsResponse header;
+    *header.mutable_header() = reply.pull();
+    if (absl::Status s = assembler.OnMessage(header); !s.ok()) return Fail(c, s, "pull header");
+    if (assembler.unchanged()) return absl::OkStatus();
+
+    const std::span<uint8_t> data = assembler.data_destination();
+    const std::span<uint8_t> scales = assembler.scale_destination();
+    const int64_t chunk = ucx::PullChunkBytes(context_.chunk_bytes);
+    ucx::OpGroup group(worker_.get());
+    std::vector<size_t> expected;
+    for (int64_t off = 0; off < static_cast<int64_t>(data.size()); off += chunk) {
+      const size_t n = static_cast<size_t>(std::min<int64_t>(chunk, static_cast<int64_t>(data.size()) - off));
+      group.Recv(ucx::TrainerTag(Kind::kPullData, seq), ucx::kExactMask, data.data() + off, n);
+      expected.push_back(n);
+    }
+    if (!scales.empty()) {
+      group.Recv(ucx::TrainerTag(Kind::kPullScales, seq), ucx::kExactMask, scales.data(), scales.size());
+      expected.push_back(scales.size());
+    }
+    if (absl::Status s = group.Wait(ToAbsl(deadline), abort); !s.ok()) return Fail(c, s, "pull payload");
+    for (size_t i = 0; i < expected.size(); ++i) {
+      if (group.received_bytes(i) != expected[i]) {
+        return Fail(c,
+                    absl::InternalError(absl::StrCat("chunk ", i, " of the pull has ", group.received_bytes(i),
+                                                     " bytes, expected ", expected[i])),
+                    "pull payload");
+      }
+    }
+    return assembler.Placed();
+  }
+
+  void Shutdown() override {
+    shutdown_.store(true);
+    absl::MutexLock lock(&mu_);
+    for (auto& [address, c] : connections_) c->ep->Close();
+  }
+
+ private:
+  struct Connection {
+    std::shared_ptr<ucx::Endpoint> ep;
+    uint32_t id = 0;
+    std::string ep_key;  // the daemon's worker address: connections_' key
+    std::string daemon;  // "id (address)", for messages
+  };
+
+  absl::Status Aborted(const Connection& c) const {
+    if (shutdown_.load()) return absl::CancelledError("the client is shutting down");
+    if (c.ep->failed()) return c.ep->failure();
+    return absl::OkStatus();
+  }
+
+  // Closes `c` (so nothing of this attempt stays in flight on either end) and annotates `s`.
+  absl::Status Fail(const std::shared_ptr<Connection>& c, const absl::Status& s, const char* what) {
+    c->ep->Close();
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = connections_.find(c->ep_key);
+      if (it != connections_.end() && it->second == c) connections_.erase(it);
+    }
+    absl::Status out = s;
+    if (shutdown_.load()) out = absl::CancelledError("the client is shutting down");
+    // A transfer cut short by the peer is UNAVAILABLE whatever UCX called it; retried.
+    if (out.code() == absl::StatusCode::kCancelled && !shutdown_.load()) out = absl::UnavailableError(s.message());
+    return absl::Status(out.code(), absl::StrCat("UCX ", what, " to daemon ", c->daemon, ": ", out.message()));
+  }
+
+  absl::StatusOr<std::shared_ptr<Connection>> ConnectionTo(const v1::DaemonEndpoint& daemon, Deadline deadline) {
+    if (shutdown_.load()) return absl::CancelledError("the client is shutting down");
+    const std::string& key = daemon.ucx_worker_address();
+    if (key.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat("daemon ", daemon.daemon_id(), " at ", daemon.address(),
+                                                        " advertises no UCX worker address"));
+    }
+    absl::MutexLock connect_lock(&connect_mu_);  // one hello at a time: no duplicate connections
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = connections_.find(key);
+      if (it != connections_.end() && !it->second->ep->failed()) return it->second;
+      if (it != connections_.end()) connections_.erase(it);
+    }
+    auto c = std::make_shared<Connection>();
+    c->daemon = absl::StrCat(daemon.daemon_id(), " (", daemon.address(), ")");
+    c->ep_key = key;
+    absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep = worker_->Connect(key, nullptr);
+    if (!ep.ok()) return absl::UnavailableError(absl::StrCat("UCX to daemon ", c->daemon, ": ", ep.status().message()));
+    c->ep = *std::move(ep);
+
+    const uint64_t nonce = next_seq_.fetch_add(1);
+    v1::UcxHello hello;
+    hello.set_worker_address(worker_->address());
+    hello.set_nonce(nonce);
+    hello.set_job_id(context_.job_id);
+    hello.set_rank(context_.rank);
+    hello.set_node_name(HostName());
+    const std::string hello_bytes = hello.SerializeAsString();
+    std::string reply_bytes(ucx::kMaxControlBytes, '\0');
+    v1::UcxHelloReply reply;
+    {
+      ucx::OpGroup group(worker_.get());
+      group.Recv(ucx::TrainerTag(Kind::kHelloReply, nonce), ucx::kExactMask, reply_bytes.data(), reply_bytes.size());
+      group.Send(*c->ep, ucx::TrainerTag(Kind::kHello, nonce), hello_bytes.data(), hello_bytes.size());
+      absl::Status s = group.Wait(ToAbsl(deadline), [&] { return Aborted(*c); });
+      if (s.ok() && !reply.ParseFromArray(reply_bytes.data(), static_cast<int>(group.received_bytes(0)))) {
+        s = absl::InternalError("unparseable hello reply");
+      }
+      if (!s.ok()) {
+        c->ep->Close();
+        return absl::UnavailableError(absl::StrCat("UCX hello to daemon ", c->daemon, ": ", s.message()));
+      }
+    }
+    c->id = reply.connection_id();
+    absl::MutexLock lock(&mu_);
+    connections_[key] = c;
+    return c;
+  }
+
+  const TransportContext context_;
+  const std::unique_ptr<ucx::Worker> worker_;
+  std::atomic<uint64_t> next_seq_{1};
+  std::atomic<bool> shutdown_{false};
+  absl::Mutex connect_mu_;
+  absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);  // by worker address
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DataTransport>> MakeUcxTransport(const TransportContext& context) {
+  if (context.chunk_bytes < ucx::kMinChunkBytes || context.chunk_bytes > ucx::kMaxChunkBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("chunk_bytes: ", context.chunk_bytes, " is not in [",
+                                                   ucx::kMinChunkBytes, ", ", ucx::kMaxChunkBytes, "]"));
+  }
+  ucx::Worker::Options options;
+  options.name = absl::StrCat("mainstay-trainer-", context.rank);
+  absl::StatusOr<std::unique_ptr<ucx::Worker>> worker = ucx::Worker::Create(std::move(options));
+  if (!worker.ok()) return absl::UnavailableError(absl::StrCat("UCX: ", worker.status().message()));
+  return std::unique_ptr<DataTransport>(new UcxTransport(context, *std::move(worker)));
+}
+
+}  // namespace mainstay::client_internal

@@ -1,0 +1,314 @@
+#include "common/ucx_worker.h"
+
+#include <poll.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace mainstay::ucx {
+namespace {
+
+thread_local const Worker* progress_thread_of = nullptr;
+
+// Busy progress this long before sleeping on the event fd: a transfer in flight keeps the
+// thread spinning, an idle worker costs nothing.
+constexpr auto kSpin = std::chrono::microseconds(200);
+constexpr int kPollMs = 20;
+constexpr absl::Duration kWaitSlice = absl::Milliseconds(5);
+
+}  // namespace
+
+absl::Status FromUcs(ucs_status_t status, const std::string& what) {
+  if (status == UCS_OK) return absl::OkStatus();
+  const std::string message = absl::StrCat(what, ": ", ucs_status_string(status));
+  switch (status) {
+    case UCS_ERR_CANCELED:
+      return absl::CancelledError(message);
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_IO_ERROR:
+    case UCS_ERR_TIMED_OUT:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_NO_RESOURCE:
+    case UCS_ERR_BUSY:
+      return absl::UnavailableError(message);
+    case UCS_ERR_NO_MEMORY:
+    case UCS_ERR_EXCEEDS_LIMIT:
+      return absl::ResourceExhaustedError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Endpoint.
+
+Endpoint::~Endpoint() { Close(); }
+
+absl::Status Endpoint::failure() const {
+  absl::MutexLock lock(&mu_);
+  if (!failure_.ok()) return failure_;
+  return failed_.load() ? absl::UnavailableError("the UCX endpoint was closed") : absl::OkStatus();
+}
+
+void Endpoint::OnError(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* self = static_cast<Endpoint*>(arg);
+  absl::Status failure = FromUcs(status, "UCX peer failed");
+  if (failure.code() != absl::StatusCode::kUnavailable) failure = absl::UnavailableError(failure.message());
+  {
+    absl::MutexLock lock(&self->mu_);
+    if (self->failure_.ok()) self->failure_ = failure;
+  }
+  self->failed_.store(true);
+  if (self->on_error_) self->on_error_(failure);
+}
+
+void Endpoint::Close() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_ || ep_ == nullptr) return;
+    closed_ = true;
+    if (failure_.ok()) failure_ = absl::UnavailableError("the UCX endpoint was closed");
+  }
+  failed_.store(true);
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t request = ucp_ep_close_nbx(ep_, &param);
+  worker_->Signal();
+  if (UCS_PTR_IS_PTR(request)) {
+    const bool on_progress_thread = progress_thread_of == worker_;
+    while (ucp_request_check_status(request) == UCS_INPROGRESS) {
+      if (on_progress_thread) {
+        ucp_worker_progress(worker_->worker());
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    }
+    ucp_request_free(request);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Worker.
+
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(Options options) {
+  std::unique_ptr<Worker> w(new Worker());
+  w->options_ = std::move(options);
+  ucp_config_t* config = nullptr;
+  if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
+    return FromUcs(s, "reading the UCX configuration (UCX_* environment variables)");
+  }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  params.name = w->options_.name.c_str();
+  params.mt_workers_shared = 1;
+  const ucs_status_t init = ucp_init(&params, config, &w->context_);
+  ucp_config_release(config);
+  if (init != UCS_OK) return FromUcs(init, "ucp_init (no usable UCX transport? check UCX_TLS)");
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_MULTI;
+  if (ucs_status_t s = ucp_worker_create(w->context_, &wp, &w->worker_); s != UCS_OK) {
+    return FromUcs(s, "ucp_worker_create");
+  }
+  ucp_worker_attr_t attr{};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE;
+  if (ucp_worker_query(w->worker_, &attr) == UCS_OK && attr.thread_mode != UCS_THREAD_MODE_MULTI) {
+    return absl::FailedPreconditionError("this UCX library was built without multi-thread support (--enable-mt)");
+  }
+  ucp_address_t* address = nullptr;
+  size_t length = 0;
+  if (ucs_status_t s = ucp_worker_get_address(w->worker_, &address, &length); s != UCS_OK) {
+    return FromUcs(s, "ucp_worker_get_address");
+  }
+  w->address_.assign(reinterpret_cast<const char*>(address), length);
+  ucp_worker_release_address(w->worker_, address);
+  if (ucs_status_t s = ucp_worker_get_efd(w->worker_, &w->event_fd_); s != UCS_OK) {
+    return FromUcs(s, "ucp_worker_get_efd");
+  }
+  Worker* raw = w.get();
+  w->thread_ = std::thread([raw] { raw->Loop(); });
+  return w;
+}
+
+Worker::~Worker() {
+  stop_.store(true);
+  if (thread_.joinable()) {
+    Signal();
+    thread_.join();
+  }
+  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  if (context_ != nullptr) ucp_cleanup(context_);
+}
+
+std::string Worker::Describe() const {
+  const char* tls = std::getenv("UCX_TLS");
+  return absl::StrCat("UCX ", ucp_get_version_string(), ", UCX_TLS=", tls == nullptr ? "all" : tls);
+}
+
+void Worker::Signal() {
+  if (worker_ != nullptr) ucp_worker_signal(worker_);
+}
+
+void Worker::Loop() {
+  progress_thread_of = this;
+  auto idle_since = std::chrono::steady_clock::now();
+  while (!stop_.load(std::memory_order_relaxed)) {
+    const unsigned progressed = ucp_worker_progress(worker_);
+    if (options_.after_progress) options_.after_progress();
+    const auto now = std::chrono::steady_clock::now();
+    if (progressed != 0) {
+      idle_since = now;
+      continue;
+    }
+    if (now - idle_since < kSpin) continue;
+    const ucs_status_t armed = ucp_worker_arm(worker_);
+    if (armed == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress them
+    pollfd fd{event_fd_, POLLIN, 0};
+    poll(&fd, 1, kPollMs);
+    idle_since = std::chrono::steady_clock::now();
+  }
+  progress_thread_of = nullptr;
+}
+
+absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(const std::string& remote_address,
+                                                          std::function<void(const absl::Status&)> on_error) {
+  if (remote_address.empty()) return absl::InvalidArgumentError("the peer advertised no UCX worker address");
+  auto endpoint = std::shared_ptr<Endpoint>(new Endpoint());
+  endpoint->worker_ = this;
+  endpoint->on_error_ = std::move(on_error);
+  ucp_ep_params_t params{};
+  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  params.address = reinterpret_cast<const ucp_address_t*>(remote_address.data());
+  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  params.err_handler.cb = &Endpoint::OnError;
+  params.err_handler.arg = endpoint.get();
+  if (ucs_status_t s = ucp_ep_create(worker_, &params, &endpoint->ep_); s != UCS_OK) {
+    endpoint->ep_ = nullptr;
+    return FromUcs(s, "connecting to the peer's UCX worker (no transport in common? check UCX_TLS on both ends)");
+  }
+  Signal();
+  return endpoint;
+}
+
+// ---------------------------------------------------------------------------------------------
+// OpGroup.
+
+OpGroup::~OpGroup() {
+  CancelAndDrain();
+  for (Slot& s : slots_) {
+    if (s.request != nullptr) ucp_request_free(s.request);
+  }
+}
+
+void OpGroup::OnSend(void*, ucs_status_t status, void* user_data) {
+  auto* slot = static_cast<Slot*>(user_data);
+  slot->group->Complete(slot, status, 0);
+}
+
+void OpGroup::OnRecv(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data) {
+  auto* slot = static_cast<Slot*>(user_data);
+  slot->group->Complete(slot, status, info != nullptr ? info->length : 0);
+}
+
+void OpGroup::Complete(Slot* slot, ucs_status_t status, size_t length) {
+  absl::MutexLock lock(&mu_);
+  slot->done = true;
+  slot->length = length;
+  --pending_;
+  if (status != UCS_OK && error_.ok()) {
+    error_ = FromUcs(status, slot->is_recv ? "UCX receive" : "UCX send");
+  }
+}
+
+void OpGroup::Track(Slot* slot, ucs_status_ptr_t result, const char* what) {
+  if (UCS_PTR_IS_PTR(result)) {
+    slot->request = result;  // the callback may already have run: it does not read this
+  } else {
+    absl::MutexLock lock(&mu_);
+    --pending_;  // completed at once (or failed to post): no callback comes
+    slot->done = true;
+    if (UCS_PTR_IS_ERR(result) && error_.ok()) error_ = FromUcs(UCS_PTR_STATUS(result), what);
+  }
+  worker_->Signal();
+}
+
+void OpGroup::Send(const Endpoint& ep, uint64_t tag, const void* data, size_t size) {
+  Slot* slot = &slots_.emplace_back();
+  slot->group = this;
+  {
+    absl::MutexLock lock(&mu_);
+    ++pending_;
+  }
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = &OpGroup::OnSend;
+  param.user_data = slot;
+  Track(slot, ucp_tag_send_nbx(ep.ep(), data, size, tag, &param), "UCX send");
+}
+
+void OpGroup::Recv(uint64_t tag, uint64_t mask, void* data, size_t size) {
+  Slot* slot = &slots_.emplace_back();
+  slot->group = this;
+  slot->is_recv = true;
+  recvs_.push_back(slot);
+  {
+    absl::MutexLock lock(&mu_);
+    ++pending_;
+  }
+  ucp_tag_recv_info_t info{};
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_RECV_INFO;
+  param.cb.recv = &OpGroup::OnRecv;
+  param.user_data = slot;
+  param.recv_info.tag_info = &info;
+  ucs_status_ptr_t result = ucp_tag_recv_nbx(worker_->worker(), data, size, tag, mask, &param);
+  if (result == nullptr) slot->length = info.length;
+  Track(slot, result, "UCX receive");
+}
+
+absl::Status OpGroup::Wait(absl::Time deadline, const std::function<absl::Status()>& abort) {
+  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_ == 0 || !error_.ok(); };
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithDeadline(absl::Condition(&done), std::min(deadline, absl::Now() + kWaitSlice));
+      if (!error_.ok()) return error_;
+      if (pending_ == 0) return absl::OkStatus();
+    }
+    if (abort) {
+      if (absl::Status s = abort(); !s.ok()) return s;
+    }
+    if (absl::Now() >= deadline) return absl::DeadlineExceededError("the UCX transfer did not finish in time");
+  }
+}
+
+size_t OpGroup::received_bytes(size_t index) const { return recvs_.at(index)->length; }
+
+void OpGroup::CancelAndDrain() {
+  std::vector<void*> to_cancel;
+  {
+    absl::MutexLock lock(&mu_);
+    if (pending_ == 0) return;
+    for (Slot* s : recvs_) {
+      if (!s->done && s->request != nullptr) to_cancel.push_back(s->request);
+    }
+  }
+  for (void* request : to_cancel) ucp_request_cancel(worker_->worker(), request);
+  worker_->Signal();
+  absl::MutexLock lock(&mu_);
+  auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_ == 0; };
+  mu_.Await(absl::Condition(&drained));
+}
+
+}  // namespace mainstay::ucx

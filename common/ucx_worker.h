@@ -1,0 +1,184 @@
+// A UCP context and worker with a progress thread, shared by the trainer's UCX transport
+// (client/src/ucx_transport.cc) and the daemon's UCX data server (server/ucx/). Built only
+// with UCX (MAINSTAY_HAVE_UCX); nothing outside those two files includes it.
+//
+// Model: every UCP call may come from any thread (the worker is created multi-threaded); one
+// progress thread drives completions, spinning briefly and then sleeping on the worker's event
+// fd. A posted operation belongs to an OpGroup, which its owner waits on; callbacks only count.
+//
+// Tags (64 bits): the top byte is the message kind. Messages to a daemon carry the daemon-given
+// connection id (24 bits) and the trainer's request sequence (32 bits); messages to a trainer
+// carry the request sequence (56 bits), which is unique within the trainer's worker.
+//
+// Ownership: Worker owns the context, the worker and the progress thread; Endpoint owns a UCP
+// endpoint (closed, forcibly, by Close or the destructor). An OpGroup must be destroyed (or
+// Wait must have returned after all completions) before the buffers its operations use.
+// Thread safety: Worker and Endpoint methods are thread-safe; an OpGroup belongs to one thread.
+#ifndef MAINSTAY_COMMON_UCX_WORKER_H_
+#define MAINSTAY_COMMON_UCX_WORKER_H_
+
+#include <ucp/api/ucp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace mainstay::ucx {
+
+enum class Kind : uint8_t {
+  kHello = 1,       // trainer -> daemon: UcxHello
+  kHelloReply = 2,  // daemon -> trainer: UcxHelloReply
+  kRequest = 3,     // trainer -> daemon: UcxRequest
+  kAccept = 4,      // daemon -> trainer: UcxReply accepting (or refusing) a push
+  kReply = 5,       // daemon -> trainer: UcxReply with a push's outcome or a pull's header
+  kPushData = 6,    // trainer -> daemon: gradient payload chunks
+  kPullData = 7,    // daemon -> trainer: parameter data chunks
+  kPullScales = 8,  // daemon -> trainer: block scales, one message
+};
+
+inline constexpr uint64_t kKindMask = uint64_t{0xff} << 56;
+inline constexpr uint64_t kExactMask = ~uint64_t{0};
+inline constexpr size_t kMaxControlBytes = 64 << 10;  // control messages (hello, request, reply)
+
+// Payload chunking, the same on both ends: a request carries the trainer's chunk size.
+inline constexpr int64_t kMinChunkBytes = int64_t{1} << 10;
+inline constexpr int64_t kMaxChunkBytes = int64_t{64} << 20;
+// Push chunks hold whole gradient elements.
+inline int64_t PushChunkBytes(int64_t chunk_bytes, int element_bytes) {
+  return std::max<int64_t>(1, chunk_bytes / element_bytes) * element_bytes;
+}
+// Pull chunks are multiples of 8 bytes: whole elements of every format.
+inline int64_t PullChunkBytes(int64_t chunk_bytes) { return std::max<int64_t>(8, chunk_bytes - chunk_bytes % 8); }
+
+inline uint64_t DaemonTag(Kind kind, uint32_t connection, uint32_t seq) {
+  return (uint64_t{static_cast<uint8_t>(kind)} << 56) | (uint64_t{connection & 0xffffffu} << 32) | seq;
+}
+inline uint64_t TrainerTag(Kind kind, uint64_t seq) {
+  return (uint64_t{static_cast<uint8_t>(kind)} << 56) | (seq & ((uint64_t{1} << 56) - 1));
+}
+inline uint64_t KindTag(Kind kind) { return uint64_t{static_cast<uint8_t>(kind)} << 56; }
+inline uint32_t ConnectionOfTag(uint64_t tag) { return static_cast<uint32_t>(tag >> 32) & 0xffffffu; }
+inline uint32_t SeqOfTag(uint64_t tag) { return static_cast<uint32_t>(tag); }
+
+// A UCS status as absl::Status: peer failures are UNAVAILABLE, cancellation CANCELLED,
+// truncation INTERNAL. `what` prefixes the message.
+absl::Status FromUcs(ucs_status_t status, const std::string& what);
+
+class Worker;
+
+// One UCP endpoint to a remote worker. `failed()` turns true (once) when UCX reports the peer
+// gone, or after Close.
+class Endpoint {
+ public:
+  ~Endpoint();
+  ucp_ep_h ep() const { return ep_; }
+  bool failed() const { return failed_.load(); }
+  absl::Status failure() const;
+  // Force-closes the endpoint: every operation on it completes (with an error). Idempotent.
+  void Close();
+
+ private:
+  friend class Worker;
+  static void OnError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  Worker* worker_ = nullptr;
+  ucp_ep_h ep_ = nullptr;
+  std::atomic<bool> failed_{false};
+  mutable absl::Mutex mu_;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const absl::Status&)> on_error_;
+};
+
+class Worker {
+ public:
+  struct Options {
+    std::string name = "mainstay";  // UCX's name for the context (its logs)
+    // Called on the progress thread after each round of progress (the daemon dispatches its
+    // incoming messages there). Must not block.
+    std::function<void()> after_progress;
+  };
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(Options options);
+  ~Worker();
+
+  // The worker's address, to be given to peers (opaque bytes).
+  const std::string& address() const { return address_; }
+  ucp_worker_h worker() const { return worker_; }
+  // "tcp", "posix", ...: the transports UCX may use here (UCX_TLS), for logs.
+  std::string Describe() const;
+
+  // An endpoint to the worker at `remote_address`, with peer-failure detection; `on_error`
+  // (may be empty) runs once on the progress thread when the peer fails.
+  absl::StatusOr<std::shared_ptr<Endpoint>> Connect(const std::string& remote_address,
+                                                    std::function<void(const absl::Status&)> on_error);
+  // Wakes the progress thread (after posting work from another thread).
+  void Signal();
+
+ private:
+  Worker() = default;
+  void Loop();
+
+  Options options_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int event_fd_ = -1;
+  std::string address_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// Operations posted together and waited for together.
+class OpGroup {
+ public:
+  explicit OpGroup(Worker* worker) : worker_(worker) {}
+  // Waits for every operation (after cancelling what is left): buffers are free afterwards.
+  ~OpGroup();
+
+  // Post one operation. A failure to post is remembered and returned by Wait.
+  void Send(const Endpoint& ep, uint64_t tag, const void* data, size_t size);
+  void Recv(uint64_t tag, uint64_t mask, void* data, size_t size);
+
+  // Waits until every operation completed: OK, or the first error. Gives up at `deadline`
+  // (DEADLINE_EXCEEDED) or when `abort` returns an error (checked every few milliseconds);
+  // then outstanding receives are cancelled, and the caller must close the endpoints its sends
+  // use before the group is destroyed.
+  absl::Status Wait(absl::Time deadline, const std::function<absl::Status()>& abort);
+  // Size of the message that completed the receive posted `index`-th among receives.
+  size_t received_bytes(size_t index) const;
+  // Cancels outstanding receives and waits for every operation to complete.
+  void CancelAndDrain();
+
+ private:
+  struct Slot {
+    OpGroup* group = nullptr;
+    void* request = nullptr;  // UCP request, freed by the destructor
+    bool is_recv = false;
+    bool done = false;
+    size_t length = 0;
+  };
+  static void OnSend(void* request, ucs_status_t status, void* user_data);
+  static void OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data);
+  void Complete(Slot* slot, ucs_status_t status, size_t length);
+  void Track(Slot* slot, ucs_status_ptr_t result, const char* what);
+
+  Worker* const worker_;
+  std::deque<Slot> slots_;  // stable addresses: the callbacks' user data
+  std::vector<Slot*> recvs_;
+  absl::Mutex mu_;
+  int pending_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace mainstay::ucx
+
+#endif  // MAINSTAY_COMMON_UCX_WORKER_H_
