@@ -125,6 +125,8 @@ const std::vector<Command>& Commands() {
        "DAEMON_ID [--undo] [--yes]" + std::string(kRemoteHelp), true, RunDaemonsCordon},
       {"daemons drain", "cordon a daemon and move all of its shards to others",
        "DAEMON_ID [--yes] [--json]" + std::string(kRemoteHelp), true, RunDaemonsDrain},
+      {"connections", "trainers' data-plane connections and the transport each uses (grpc, ucx, nccl)",
+       "[--job ID] [--json]\n  --job ID  only this job's" + std::string(kRemoteHelp), false, RunConnections},
       {"jobs list", "list jobs", "[--json]" + std::string(kRemoteHelp), false, RunJobsList},
       {"jobs show", "one job in detail", "JOB_ID [--json]" + std::string(kRemoteHelp), false, RunJobsShow},
       {"jobs create", "create a job from a spec; prints its id and token",

@@ -73,6 +73,7 @@ int ExitCode(const absl::Status& status);
 absl::Status RunLayout(const Args& args, Output& output);  // layout_command.cc
 // remote_commands.cc
 absl::Status RunDaemonsList(const Args& args, Output& output);
+absl::Status RunConnections(const Args& args, Output& output);
 absl::Status RunDaemonsShow(const Args& args, Output& output);
 absl::Status RunDaemonsCordon(const Args& args, Output& output);
 absl::Status RunDaemonsDrain(const Args& args, Output& output);

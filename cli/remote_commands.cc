@@ -100,6 +100,35 @@ absl::Status RunDaemonsList(const Args& args, Output& output) {
   return absl::OkStatus();
 }
 
+// Every daemon's view of its trainers' connections, as of its last heartbeat.
+absl::Status RunConnections(const Args& args, Output& output) {
+  MAINSTAY_RETURN_IF_ERROR(Known(args, {"job"}));
+  MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
+  v1::ListDaemonsRequest request;
+  v1::ListDaemonsResponse response;
+  MAINSTAY_RETURN_IF_ERROR(conn.Check(conn.coordinator().ListDaemons(conn.Context().get(), request, &response)));
+  const std::string job = args.Get("job");
+  v1::ListDaemonsResponse filtered;  // daemons with only the matching connections (for --json)
+  Table t({"DAEMON", "JOB", "RANK", "TRANSPORT", "PEER", "PUSHED", "PULLED", "LAST ACTIVE"});
+  for (const v1::DaemonInfo& d : response.daemons()) {
+    v1::DaemonInfo* kept = filtered.add_daemons();
+    *kept->mutable_endpoint() = d.endpoint();
+    for (const v1::DataConnection& c : d.connections()) {
+      if (!job.empty() && c.job_id() != job) continue;
+      *kept->add_connections() = c;
+      t.AddRow({d.endpoint().daemon_id(), c.job_id(), absl::StrCat(c.rank()),
+                EnumShort(v1::Transport_Name(c.transport()), "TRANSPORT_"), c.peer(), Bytes(c.pushed_bytes()),
+                Bytes(c.pulled_bytes()), Time(c.last_active_unix_ms())});
+    }
+  }
+  if (args.Has("json")) {
+    PrintJson(filtered, output);
+    return absl::OkStatus();
+  }
+  t.Print(output.out);
+  return absl::OkStatus();
+}
+
 absl::Status RunDaemonsShow(const Args& args, Output& output) {
   MAINSTAY_RETURN_IF_ERROR(Known(args, {}));
   MAINSTAY_ASSIGN_OR_RETURN(std::string id, OnePositional(args, "daemon id"));

@@ -1,6 +1,11 @@
 #include "common/ucx_worker.h"
 
 #include <poll.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <fstream>
 
 #include <algorithm>
 #include <chrono>
@@ -8,11 +13,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "ucs/config/global_opts.h"
 
 namespace mainstay::ucx {
 namespace {
 
 thread_local const Worker* progress_thread_of = nullptr;
+absl::Mutex log_level_mu(absl::kConstInit);
 
 // Busy progress this long before sleeping on the event fd: a transfer in flight keeps the
 // thread spinning, an idle worker costs nothing.
@@ -49,7 +56,37 @@ absl::Status FromUcs(ucs_status_t status, const std::string& what) {
 // ---------------------------------------------------------------------------------------------
 // Endpoint.
 
+const ProcessIdentity& ProcessIdentity::Self() {
+  static const ProcessIdentity* self = [] {
+    auto* id = new ProcessIdentity();
+    std::ifstream boot("/proc/sys/kernel/random/boot_id");
+    std::getline(boot, id->boot_id);
+    char link[256] = {0};
+    const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
+    if (n > 0) id->pid_namespace.assign(link, static_cast<size_t>(n));
+    id->pid = static_cast<int64_t>(getpid());
+    return id;
+  }();
+  return *self;
+}
+
 Endpoint::~Endpoint() { Close(); }
+
+bool Endpoint::failed() const {
+  if (failed_.load()) return true;
+  const int64_t pid = watch_pid_.load();
+  if (pid <= 0) return false;
+  const int64_t now = absl::GetCurrentTimeNanos();
+  int64_t last = last_check_ns_.load();
+  if (now - last < 50'000'000 || !last_check_ns_.compare_exchange_strong(last, now)) return false;
+  if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) return false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (failure_.ok()) failure_ = absl::UnavailableError(absl::StrCat("the peer process (pid ", pid, ") exited"));
+  }
+  failed_.store(true);
+  return true;
+}
 
 absl::Status Endpoint::failure() const {
   absl::MutexLock lock(&mu_);
@@ -193,7 +230,25 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(const std::string& rem
   params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   params.err_handler.cb = &Endpoint::OnError;
   params.err_handler.arg = endpoint.get();
-  if (ucs_status_t s = ucp_ep_create(worker_, &params, &endpoint->ep_); s != UCS_OK) {
+  ucs_status_t created;
+  {
+    // UCX logs an ERROR when peer-failure detection is not available over the transports in
+    // common; that is an expected outcome here (handled below), not an error to show users.
+    absl::MutexLock lock(&log_level_mu);
+    const ucs_log_level_t level = ucs_global_opts.log_component.log_level;
+    if (level <= UCS_LOG_LEVEL_WARN) ucs_global_opts.log_component.log_level = UCS_LOG_LEVEL_FATAL;
+    created = ucp_ep_create(worker_, &params, &endpoint->ep_);
+    ucs_global_opts.log_component.log_level = level;
+  }
+  if (created == UCS_ERR_UNREACHABLE) {
+    // Only transports without peer-failure detection in common (shared memory, UCX 1.13):
+    // connect without it; the caller watches the peer process instead.
+    params.field_mask &= ~(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER);
+    params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    endpoint->peer_errors_ = false;
+    created = ucp_ep_create(worker_, &params, &endpoint->ep_);
+  }
+  if (ucs_status_t s = created; s != UCS_OK) {
     endpoint->ep_ = nullptr;
     return FromUcs(s, "connecting to the peer's UCX worker (no transport in common? check UCX_TLS on both ends)");
   }
@@ -266,14 +321,13 @@ void OpGroup::Recv(uint64_t tag, uint64_t mask, void* data, size_t size) {
     absl::MutexLock lock(&mu_);
     ++pending_;
   }
-  ucp_tag_recv_info_t info{};
+  // Always through the callback (UCX 1.13 leaves recv_info unset for some immediate
+  // completions, so the length and tag would be lost).
   ucp_request_param_t param{};
-  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_RECV_INFO;
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   param.cb.recv = &OpGroup::OnRecv;
   param.user_data = slot;
-  param.recv_info.tag_info = &info;
   ucs_status_ptr_t result = ucp_tag_recv_nbx(worker_->worker(), data, size, tag, mask, &param);
-  if (result == nullptr) slot->length = info.length;
   Track(slot, result, "UCX receive");
 }
 

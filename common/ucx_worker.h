@@ -77,26 +77,62 @@ absl::Status FromUcs(ucs_status_t status, const std::string& what);
 
 class Worker;
 
+// This process as its peers identify it: (boot id, pid namespace, pid). Two processes whose
+// boot id and pid namespace match can watch each other's pid.
+struct ProcessIdentity {
+  std::string boot_id;
+  std::string pid_namespace;
+  int64_t pid = 0;
+  static const ProcessIdentity& Self();
+  bool SameProcessSpace(const ProcessIdentity& other) const {
+    return !boot_id.empty() && boot_id == other.boot_id && !pid_namespace.empty() &&
+           pid_namespace == other.pid_namespace && other.pid > 0;
+  }
+};
+
 // One UCP endpoint to a remote worker. `failed()` turns true (once) when UCX reports the peer
 // gone, or after Close.
 class Endpoint {
  public:
   ~Endpoint();
   ucp_ep_h ep() const { return ep_; }
-  bool failed() const { return failed_.load(); }
+  // Whether UCX reports the peer's failure on this endpoint. UCX 1.13 cannot over shared
+  // memory, so an endpoint whose only common transports are shm ones is made without it
+  // (Worker::Connect); then WatchProcess, where the peer's pid is visible, stands in.
+  bool detects_peer_failure() const { return peer_errors_; }
+  // Counts the endpoint failed once process `pid` is gone (checked at most every 50 ms, by
+  // failed()). For a peer on this host in this pid namespace (SameProcessSpace).
+  void WatchProcess(int64_t pid) { watch_pid_.store(pid); }
+  bool failed() const;
   absl::Status failure() const;
   // Force-closes the endpoint: every operation on it completes (with an error). Idempotent.
   void Close();
 
  private:
   friend class Worker;
+
+// This process as its peers identify it: (boot id, pid namespace, pid). Two processes whose
+// boot id and pid namespace match can watch each other's pid.
+struct ProcessIdentity {
+  std::string boot_id;
+  std::string pid_namespace;
+  int64_t pid = 0;
+  static const ProcessIdentity& Self();
+  bool SameProcessSpace(const ProcessIdentity& other) const {
+    return !boot_id.empty() && boot_id == other.boot_id && !pid_namespace.empty() &&
+           pid_namespace == other.pid_namespace && other.pid > 0;
+  }
+};
   static void OnError(void* arg, ucp_ep_h ep, ucs_status_t status);
   Worker* worker_ = nullptr;
   ucp_ep_h ep_ = nullptr;
-  std::atomic<bool> failed_{false};
+  bool peer_errors_ = true;
+  std::atomic<int64_t> watch_pid_{0};
+  mutable std::atomic<int64_t> last_check_ns_{0};
+  mutable std::atomic<bool> failed_{false};
   mutable absl::Mutex mu_;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status failure_ ABSL_GUARDED_BY(mu_);
+  mutable absl::Status failure_ ABSL_GUARDED_BY(mu_);
   std::function<void(const absl::Status&)> on_error_;
 };
 

@@ -56,8 +56,10 @@ class PyClient {
   PyClient(const std::string& coordinator, const py::object& spec_json, const py::object& job_id,
            const py::object& job_token, int32_t rank, double timeout_s, const std::string& admin_token,
            int64_t chunk_bytes, double initial_backoff_s, double max_backoff_s, const std::string& tls_ca_file,
-           const std::string& tls_cert_file, const std::string& tls_key_file, const std::string& tls_server_name) {
+           const std::string& tls_cert_file, const std::string& tls_key_file, const std::string& tls_server_name,
+           const std::string& transport) {
     ClientOptions o;
+    o.transport = transport;
     o.coordinator = coordinator;
     if (!spec_json.is_none()) o.job_spec_json = spec_json.cast<std::string>();
     if (!job_id.is_none()) o.job_id = job_id.cast<std::string>();
@@ -206,12 +208,12 @@ PYBIND11_MODULE(_mainstay, m) {
                        "steps and pulls. Methods are thread-safe; blocking calls release the GIL.")
       .def(py::init<const std::string&, const py::object&, const py::object&, const py::object&, int32_t, double,
                     const std::string&, int64_t, double, double, const std::string&, const std::string&,
-                    const std::string&, const std::string&>(),
+                    const std::string&, const std::string&, const std::string&>(),
            py::arg("coordinator"), py::arg("spec_json") = py::none(), py::arg("job_id") = py::none(),
            py::arg("job_token") = py::none(), py::arg("rank") = 0, py::arg("timeout_s") = 60.0,
-           py::arg("admin_token") = "", py::arg("chunk_bytes") = 1 << 20, py::arg("initial_backoff_s") = 0.05,
+           py::arg("admin_token") = "", py::arg("chunk_bytes") = 4 << 20, py::arg("initial_backoff_s") = 0.05,
            py::arg("max_backoff_s") = 2.0, py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "",
-           py::arg("tls_key_file") = "", py::arg("tls_server_name") = "")
+           py::arg("tls_key_file") = "", py::arg("tls_server_name") = "", py::arg("transport") = "")
       .def_readonly_static("LATEST", &Client::kLatestVersion)
       .def_property_readonly("job_id", [](PyClient& c) { return c.client().job_id(); })
       .def_property_readonly("job_token", [](PyClient& c) { return c.client().job_token(); })
@@ -220,6 +222,18 @@ PYBIND11_MODULE(_mainstay, m) {
       .def_property_readonly("version", [](PyClient& c) { return c.client().version_at_connect(); })
       .def_property_readonly("layout", &PyClient::layout)
       .def_property_readonly("placement", &PyClient::Placement)
+      .def("connections", [](PyClient& c) {
+        py::list out;
+        for (const DataConnection& d : c.client().connections()) {
+          py::dict e;
+          e["daemon_id"] = d.daemon_id;
+          e["address"] = d.address;
+          e["transport"] = d.transport;
+          e["note"] = d.note;
+          out.append(e);
+        }
+        return out;
+      }, "The transport used with each daemon of the placement: [{daemon_id, address, transport, note}].")
       .def("refresh_placement", [](PyClient& c) {
         absl::Status s;
         {

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -35,6 +36,20 @@ std::string HostName() {
   char name[256] = {0};
   if (gethostname(name, sizeof(name) - 1) != 0) return "unknown";
   return name;
+}
+
+void SetProcess(v1::UcxProcess* p) {
+  const ucx::ProcessIdentity& self = ucx::ProcessIdentity::Self();
+  p->set_boot_id(self.boot_id);
+  p->set_pid_namespace(self.pid_namespace);
+  p->set_pid(self.pid);
+}
+
+// Where UCX cannot report the daemon's failure (shared memory), watch its process if we can.
+void WatchPeer(ucx::Endpoint& ep, const v1::UcxProcess& p) {
+  if (ep.detects_peer_failure()) return;
+  const ucx::ProcessIdentity peer{p.boot_id(), p.pid_namespace(), p.pid()};
+  if (ucx::ProcessIdentity::Self().SameProcessSpace(peer)) ep.WatchProcess(peer.pid);
 }
 
 // The daemon's error in a reply, with its ErrorDetail.
@@ -177,9 +192,28 @@ class UcxTransport final : public DataTransport {
   }
 
   void Shutdown() override {
-    shutdown_.store(true);
-    absl::MutexLock lock(&mu_);
-    for (auto& [address, c] : connections_) c->ep->Close();
+    if (shutdown_.exchange(true)) return;
+    std::map<std::string, std::shared_ptr<Connection>> connections;
+    {
+      absl::MutexLock lock(&mu_);
+      connections = connections_;
+    }
+    // Tell each daemon first (briefly), so it forgets the connection now rather than at UCX's
+    // keepalive timeout; then close, which ends whatever is still in flight.
+    std::deque<std::string> goodbyes;  // stable addresses while the sends run
+    ucx::OpGroup group(worker_.get());
+    for (auto& [address, c] : connections) {
+      if (c->ep->failed()) continue;
+      v1::UcxRequest bye;
+      bye.set_close(true);
+      const uint64_t seq = next_seq_.fetch_add(1);
+      bye.set_seq(seq);
+      goodbyes.push_back(bye.SerializeAsString());
+      group.Send(*c->ep, ucx::DaemonTag(Kind::kRequest, c->id, static_cast<uint32_t>(seq)), goodbyes.back().data(),
+                 goodbyes.back().size());
+    }
+    group.Wait(absl::Now() + absl::Milliseconds(200), nullptr).IgnoreError();
+    for (auto& [address, c] : connections) c->ep->Close();
   }
 
  private:
@@ -239,6 +273,7 @@ class UcxTransport final : public DataTransport {
     hello.set_job_id(context_.job_id);
     hello.set_rank(context_.rank);
     hello.set_node_name(HostName());
+    SetProcess(hello.mutable_process());
     const std::string hello_bytes = hello.SerializeAsString();
     std::string reply_bytes(ucx::kMaxControlBytes, '\0');
     v1::UcxHelloReply reply;
@@ -256,6 +291,7 @@ class UcxTransport final : public DataTransport {
       }
     }
     c->id = reply.connection_id();
+    WatchPeer(*c->ep, reply.process());
     absl::MutexLock lock(&mu_);
     connections_[key] = c;
     return c;

@@ -39,7 +39,8 @@ struct Inbox {
   explicit Inbox(Kind k) : kind(k), buffer(ucx::kMaxControlBytes) {}
   const Kind kind;
   std::vector<char> buffer;
-  void* request = nullptr;  // posted and not yet freed
+  void* request = nullptr;  // posted and not yet freed (progress thread only)
+  bool cancelled = false;   // by Poll, once stopping (progress thread only)
   std::atomic<bool> done{false};
   ucs_status_t status = UCS_OK;
   ucp_tag_t tag = 0;
@@ -90,11 +91,7 @@ class Server final : public UcxDataServer {
       stopping_ = true;
     }
     if (worker_ == nullptr) return;
-    for (Inbox* inbox : {&hello_, &request_}) {
-      void* request = posted_[inbox == &hello_ ? 0 : 1].load();
-      if (request != nullptr) ucp_request_cancel(worker_->worker(), request);
-    }
-    worker_->Signal();
+    worker_->Signal();  // Poll cancels the inboxes' receives
     std::map<uint32_t, std::shared_ptr<Connection>> conns;
     {
       absl::MutexLock lock(&mu_);
@@ -112,16 +109,24 @@ class Server final : public UcxDataServer {
 
   void Poll() {
     if (!ready_.load()) return;  // the progress thread starts before Init has stored worker_
+    bool stopping;
+    {
+      absl::MutexLock lock(&mu_);
+      stopping = stopping_;
+    }
     for (Inbox* inbox : {&hello_, &request_}) {
+      if (stopping && inbox->request != nullptr && !inbox->cancelled) {
+        ucp_request_cancel(worker_->worker(), inbox->request);
+        inbox->cancelled = true;
+      }
       for (int round = 0; round < 16; ++round) {  // drain what queued up, within reason
         if (inbox->request != nullptr) {
           if (!inbox->done.load(std::memory_order_acquire)) break;
           ucp_request_free(inbox->request);
           inbox->request = nullptr;
-          posted_[inbox == &hello_ ? 0 : 1].store(nullptr);
           Deliver(*inbox);
         }
-        if (!Post(*inbox)) break;
+        if (inbox->request == nullptr && !Post(*inbox)) break;
       }
     }
     if (any_failed_.exchange(false)) {
@@ -146,7 +151,7 @@ class Server final : public UcxDataServer {
     inbox->done.store(true, std::memory_order_release);
   }
 
-  // Posts the inbox's receive; true when it completed at once (a message was waiting).
+  // Posts the inbox's receive (it completes through OnInbox; false: not posted).
   bool Post(Inbox& inbox) {
     bool stopping;
     {
@@ -159,28 +164,21 @@ class Server final : public UcxDataServer {
     }
     if (stopping) return false;
     inbox.done.store(false);
-    ucp_tag_recv_info_t info{};
+    // Always through the callback (UCX 1.13 leaves recv_info unset for some immediate
+    // completions: the sender's tag would be lost).
     ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_RECV_INFO;
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     param.cb.recv = &Server::OnInbox;
     param.user_data = &inbox;
-    param.recv_info.tag_info = &info;
     ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_->worker(), inbox.buffer.data(), inbox.buffer.size(),
                                           ucx::KindTag(inbox.kind), ucx::kKindMask, &param);
-    if (UCS_PTR_IS_ERR(r)) {
-      Log(LogLevel::kError, kComponent, absl::StrCat("cannot post a receive: ", ucs_status_string(UCS_PTR_STATUS(r))));
+    if (UCS_PTR_IS_ERR(r) || r == nullptr) {
+      Log(LogLevel::kError, kComponent,
+          absl::StrCat("cannot post a receive: ", ucs_status_string(r == nullptr ? UCS_ERR_IO_ERROR : UCS_PTR_STATUS(r))));
       return false;
     }
-    if (r == nullptr) {  // a message was already there
-      inbox.status = UCS_OK;
-      inbox.tag = info.sender_tag;
-      inbox.length = info.length;
-      Deliver(inbox);
-      return true;
-    }
     inbox.request = r;
-    posted_[inbox.kind == Kind::kHello ? 0 : 1].store(r);
-    return false;
+    return true;
   }
 
   void Deliver(Inbox& inbox) {
@@ -269,6 +267,23 @@ class Server final : public UcxDataServer {
     options_.daemon->connections()->Record(c->job_id, c->rank, v1::TRANSPORT_UCX, c->node, 0, 0, /*open=*/true);
     v1::UcxHelloReply reply;
     reply.set_connection_id(c->id);
+    const ucx::ProcessIdentity& self = ucx::ProcessIdentity::Self();
+    reply.mutable_process()->set_boot_id(self.boot_id);
+    reply.mutable_process()->set_pid_namespace(self.pid_namespace);
+    reply.mutable_process()->set_pid(self.pid);
+    if (!c->ep->detects_peer_failure()) {
+      // UCX cannot report this trainer's failure (shared memory): watch its process, or else
+      // rely on each request's timeout.
+      const ucx::ProcessIdentity peer{hello.process().boot_id(), hello.process().pid_namespace(), hello.process().pid()};
+      if (self.SameProcessSpace(peer)) {
+        c->ep->WatchProcess(peer.pid);
+      } else {
+        Log(LogLevel::kWarning, kComponent,
+            absl::StrCat("connection from job ", c->job_id, " rank ", c->rank,
+                         ": UCX cannot detect this peer's failure over the transports in common and its process is not "
+                         "visible here; a dead trainer is noticed at its request's timeout"));
+      }
+    }
     const std::string bytes = reply.SerializeAsString();
     ucx::OpGroup group(worker_.get());
     group.Send(*c->ep, ucx::TrainerTag(Kind::kHelloReply, hello.nonce()), bytes.data(), bytes.size());
@@ -295,6 +310,10 @@ class Server final : public UcxDataServer {
     v1::UcxRequest request;
     if (!request.ParseFromString(message) || static_cast<uint32_t>(request.seq()) != ucx::SeqOfTag(tag)) {
       Drop(c, "a malformed request (protocol violation)");
+      return;
+    }
+    if (request.close()) {
+      Drop(c, "the trainer closed it");
       return;
     }
     const int64_t timeout_ms = request.timeout_ms() > 0 ? std::min(request.timeout_ms(), kMaxTimeoutMs) : kDefaultTimeoutMs;
@@ -429,7 +448,6 @@ class Server final : public UcxDataServer {
   std::shared_ptr<metrics::Counter> pushed_bytes_, pulled_bytes_;  // null: no metrics
   Inbox hello_{Kind::kHello};
   Inbox request_{Kind::kRequest};
-  std::atomic<void*> posted_[2] = {nullptr, nullptr};  // the inboxes' requests, for Shutdown's cancel
   std::atomic<bool> any_failed_{false};
   std::atomic<bool> ready_{false};
 
