@@ -11,6 +11,7 @@
 //
 //   step_bench --coordinator-bin PATH --daemon-bin PATH [--params 256e6] [--dp 2] [--steps 3]
 //              [--recipe bf16_with_fp8_current_scaling_mixed] [--daemon-threads 1]
+//              [--transport auto|grpc|ucx]   (UCX_TLS in the environment reaches the daemons too)
 #include <algorithm>
 #include <cmath>
 #include <chrono>
@@ -47,6 +48,7 @@ struct Flags {
   int daemon_threads = 1;
   int baseline_threads = 1;
   std::string recipe = "bf16_with_fp8_current_scaling_mixed";
+  std::string transport = "auto";
 };
 
 [[noreturn]] void Die(const std::string& message) {
@@ -66,6 +68,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (name == "--daemon-threads") f.daemon_threads = std::atoi(value.c_str());
     else if (name == "--baseline-threads") f.baseline_threads = std::atoi(value.c_str());
     else if (name == "--recipe") f.recipe = value;
+    else if (name == "--transport") f.transport = value;
     else Die("unknown flag " + name);
   }
   if (f.coordinator_bin.empty() || f.daemon_bin.empty()) Die("--coordinator-bin and --daemon-bin are required");
@@ -202,6 +205,7 @@ int Main(int argc, char** argv) {
     ClientOptions o;
     o.coordinator = address;
     o.rank = r;
+    o.transport = f.transport;
     o.timeout = std::chrono::minutes(10);
     if (r == 0) {
       o.job_spec_json = JobSpecToJson(placed);
@@ -212,6 +216,10 @@ int Main(int argc, char** argv) {
     absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
     if (!c.ok()) Die(c.status().ToString());
     clients.push_back(*std::move(c));
+  }
+  for (const DataConnection& c : clients[0]->connections()) {
+    std::printf("rank 0 -> %s: %s%s\n", c.daemon_id.c_str(), c.transport.c_str(),
+                c.note.empty() ? "" : (" (" + c.note + ")").c_str());
   }
   const Layout& layout = clients[0]->layout();
   std::printf("setup: initial parameters (version 0)...\n");

@@ -203,7 +203,7 @@ void Worker::Loop() {
     const unsigned progressed = ucp_worker_progress(worker_);
     if (options_.after_progress) options_.after_progress();
     const auto now = std::chrono::steady_clock::now();
-    if (progressed != 0) {
+    if (progressed != 0 || active_.load(std::memory_order_relaxed) > 0) {
       idle_since = now;
       continue;
     }
@@ -277,6 +277,7 @@ void OpGroup::OnRecv(void*, ucs_status_t status, const ucp_tag_recv_info_t* info
 }
 
 void OpGroup::Complete(Slot* slot, ucs_status_t status, size_t length) {
+  worker_->AddActive(-1);
   absl::MutexLock lock(&mu_);
   slot->done = true;
   slot->length = length;
@@ -290,6 +291,7 @@ void OpGroup::Track(Slot* slot, ucs_status_ptr_t result, const char* what) {
   if (UCS_PTR_IS_PTR(result)) {
     slot->request = result;  // the callback may already have run: it does not read this
   } else {
+    worker_->AddActive(-1);
     absl::MutexLock lock(&mu_);
     --pending_;  // completed at once (or failed to post): no callback comes
     slot->done = true;
@@ -305,6 +307,7 @@ void OpGroup::Send(const Endpoint& ep, uint64_t tag, const void* data, size_t si
     absl::MutexLock lock(&mu_);
     ++pending_;
   }
+  worker_->AddActive(1);
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = &OpGroup::OnSend;
@@ -321,6 +324,7 @@ void OpGroup::Recv(uint64_t tag, uint64_t mask, void* data, size_t size) {
     absl::MutexLock lock(&mu_);
     ++pending_;
   }
+  worker_->AddActive(1);
   // Always through the callback (UCX 1.13 leaves recv_info unset for some immediate
   // completions, so the length and tag would be lost).
   ucp_request_param_t param{};

@@ -159,6 +159,10 @@ class Worker {
                                                     std::function<void(const absl::Status&)> on_error);
   // Wakes the progress thread (after posting work from another thread).
   void Signal();
+  // Operations posted and not complete (OpGroup keeps the count): while any is, the progress
+  // thread keeps spinning instead of sleeping on the event fd (which does not fire for, e.g.,
+  // a TCP socket becoming writable again mid-transfer).
+  void AddActive(int delta) { active_.fetch_add(delta, std::memory_order_relaxed); }
 
  private:
   Worker() = default;
@@ -170,6 +174,7 @@ class Worker {
   int event_fd_ = -1;
   std::string address_;
   std::atomic<bool> stop_{false};
+  std::atomic<int> active_{0};
   std::thread thread_;
 };
 

@@ -310,7 +310,18 @@ absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHe
   session->numel_ = numel;
   session->elem_bytes_ = ElementBytes(dtype);
   session->duplicate_ = duplicate;
-  if (!duplicate) session->buffer_.resize(static_cast<size_t>(expected_bytes));
+  if (!duplicate) {
+    // A buffer of an earlier step, if one fits: no allocation, no zero-fill, no page faults
+    // (every byte is overwritten: a push is stored only once all of it arrived).
+    for (auto it = spare_buffers_.begin(); it != spare_buffers_.end(); ++it) {
+      if (static_cast<int64_t>(it->size()) == expected_bytes) {
+        session->buffer_ = std::move(*it);
+        spare_buffers_.erase(it);
+        break;
+      }
+    }
+    session->buffer_.resize(static_cast<size_t>(expected_bytes));
+  }
   return session;
 }
 

@@ -300,6 +300,8 @@ class Job : public std::enable_shared_from_this<Job> {
   int64_t committed_step_ ABSL_GUARDED_BY(mu_) = -1;  // last decided step (committed or skipped)
   int64_t version_ ABSL_GUARDED_BY(mu_) = -1;         // newest published version
   std::map<int64_t, StepInputs> pending_ ABSL_GUARDED_BY(mu_);
+  // Input buffers of the last committed step, reused by pushes of the same size (BeginPush).
+  std::vector<std::vector<uint8_t>> spare_buffers_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, v1::StepStats> stats_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, absl::Status> failures_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Restore> restore_ ABSL_GUARDED_BY(mu_);  // taken by the step thread

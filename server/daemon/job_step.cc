@@ -401,6 +401,11 @@ void Job::RunSteps() {
     if (step >= 0) committed_step_ = step;
     next_step_ = step + 1;
     rewound_ = false;
+    // The step's input buffers serve the next step's pushes (as many as this step used).
+    spare_buffers_.clear();
+    for (auto& [key, in] : inputs.shards) {
+      for (auto& [rank, data] : in.by_rank) spare_buffers_.push_back(std::move(data));
+    }
     committed_scaling_ = ScalingProto();
     failed_attempts_ = 0;
     failures_.erase(step);
