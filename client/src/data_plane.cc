@@ -76,8 +76,21 @@ struct PushCountdown {
 absl::Status Client::Impl::StartTransports(Deadline deadline) {
   client_internal::TransportContext context;
   context.job_id = job_id;
+  context.job_token = job_token;
   context.rank = options.rank;
   context.chunk_bytes = options.chunk_bytes;
+  context.kv_put = [this](const std::string& key, const std::string& value, std::chrono::milliseconds ttl,
+                          Deadline kv_deadline) {
+    v1::KvPutRequest request;
+    request.set_key(key);
+    request.set_value(value);
+    request.set_ttl_ms(ttl.count());
+    v1::KvPutResponse response;
+    grpc::ClientContext call;
+    call.set_deadline(kv_deadline);
+    return client_internal::StatusFromCall(coordinator->KvPut(&call, request, &response), &call);
+  };
+  context.stub_for = [this](const std::string& address) { return StubFor(address); };
   grpc_transport = client_internal::MakeGrpcTransport(context);
   const std::string& want = transport_request;
   if (want == "auto" || want == "ucx") {
@@ -166,7 +179,7 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
   h->set_total_bytes(data.bytes());
   h->set_num_contributors(num_contributors);
   h->set_loss_scale(push_options.loss_scale);
-  if (options.push_crc32c) h->set_crc32c(::mainstay::Crc32c(data.data, data.bytes()));
+  bool crc_done = false;  // computed once, by the first attempt whose transport reads host memory
 
   PushResult result;
   const std::string what = absl::StrCat(kind == v1::PUSH_KIND_INITIAL_PARAMS ? "PushGrad(initial params)" : "PushGrad",
@@ -176,6 +189,10 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
       [&](const Route& route, grpc::ClientContext* context) -> absl::Status {
         MAINSTAY_ASSIGN_OR_RETURN(client_internal::DataTransport * transport, TransportFor(route.endpoint));
         h->set_placement_epoch(route.epoch);
+        if (options.push_crc32c && !crc_done && transport->HostReadable(data.data)) {
+          h->set_crc32c(::mainstay::Crc32c(data.data, data.bytes()));  // device memory: 0, "not sent"
+          crc_done = true;
+        }
         absl::StatusOr<v1::PushGradResponse> response = transport->Push(route, *h, data, deadline, context);
         if (!response.ok()) return response.status();
         result = PushResult{response->duplicate(), response->received_elements(), response->contributions()};

@@ -4,7 +4,8 @@
 //
 //   grpc  PushGrad / PullParams streams of the Shard service (always available)
 //   ucx   UCP tagged messages straight between the trainer's and the daemon's buffers
-//   nccl  NCCL send/recv between device buffers (needs CUDA and NCCL at build time)
+//   nccl  NCCL send/recv between device buffers (needs CUDA and NCCL at build time); control
+//         messages over the Shard service (OpenNcclChannel, NcclPush, NcclPull)
 //
 // A backend compiled out is built from its *_stub.cc: Make* answers UNIMPLEMENTED.
 //
@@ -17,6 +18,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -44,14 +46,25 @@ struct Route {
 // What a transport needs of its client.
 struct TransportContext {
   std::string job_id;
+  std::string job_token;
   int32_t rank = 0;
   int64_t chunk_bytes = 1 << 20;
+  // Puts `value` under `key` in the coordinator's KV with a time to live (the nccl transport's
+  // rendezvous). Unset for transports that do not need it.
+  std::function<absl::Status(const std::string& key, const std::string& value, std::chrono::milliseconds ttl,
+                             Deadline deadline)>
+      kv_put;
+  // The Shard service stub of a daemon's address (shared with the client's other calls).
+  std::function<std::shared_ptr<v1::Shard::Stub>(const std::string& address)> stub_for;
 };
 
 class DataTransport {
  public:
   virtual ~DataTransport() = default;
   virtual v1::Transport kind() const = 0;
+  // Whether the client may read a push's payload at `data` on the CPU (its CRC-32C): false for
+  // device memory, which only the nccl transport takes.
+  virtual bool HostReadable(const void* data) const { return true; }
   // Pays this daemon's connection costs now (Client::Connect calls it for every daemon of the
   // placement, so the first push does not). Idempotent; the grpc transport has none.
   virtual absl::Status Attach(const v1::DaemonEndpoint& daemon, Deadline deadline) = 0;
@@ -69,7 +82,8 @@ class DataTransport {
 std::unique_ptr<DataTransport> MakeGrpcTransport(const TransportContext& context);
 // UNIMPLEMENTED when built without UCX; UNAVAILABLE when UCX cannot start here.
 absl::StatusOr<std::unique_ptr<DataTransport>> MakeUcxTransport(const TransportContext& context);
-// UNIMPLEMENTED when built without CUDA and NCCL.
+// UNIMPLEMENTED when built without CUDA and NCCL; UNAVAILABLE without a CUDA device. Uses the
+// CUDA device current on the calling thread (Client::Connect's).
 absl::StatusOr<std::unique_ptr<DataTransport>> MakeNcclTransport(const TransportContext& context);
 
 // The transport to use with a daemon offering `offered`: `requested` ("auto", "grpc", "ucx",

@@ -164,6 +164,9 @@ class Job : public std::enable_shared_from_this<Job> {
   ~Job();
 
   const std::string& job_id() const { return job_id_; }
+  // A trainer's job token against the one the coordinator assigned (its SHA-256):
+  // UNAUTHENTICATED when missing, PERMISSION_DENIED when wrong.
+  absl::Status CheckToken(const std::string& token) const;
 
   // Later AssignShard / DropShard calls. FAILED_PRECONDITION for an epoch older than known.
   absl::Status Assign(const v1::AssignShardRequest& request);
@@ -250,7 +253,6 @@ class Job : public std::enable_shared_from_this<Job> {
 
   Job(std::string job_id, ResolvedJob resolved, std::string token_sha256, JobOptions options);
 
-  absl::Status CheckToken(const std::string& token) const;
   // Routing checks shared by every data-plane call: epoch, bucket, shard ownership.
   absl::Status CheckRoute(int64_t epoch, int32_t bucket, int32_t shard) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status ApplyPlacement(const v1::AssignShardRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

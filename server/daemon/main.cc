@@ -39,6 +39,7 @@
 #include "server/grpc/coordinator_link.h"
 #include "server/grpc/coordinator_service.h"
 #include "server/grpc/shard_service.h"
+#include "server/nccl/nccl_channel_server.h"
 #include "server/ucx/ucx_data_server.h"
 #include "server/metrics/metrics_server.h"
 #include "server/metrics/registry.h"
@@ -93,8 +94,10 @@ flags:
                               WriteCheckpoint from other certificates (trainers') are refused
   --transports LIST           data-plane transports to offer trainers besides gRPC, comma-separated:
                               auto (default: every one this build has that starts here), grpc
-                              (gRPC only), ucx (UCX; exit 1 if it cannot start). Trainers pick
-                              per connection (docs/transports.md); `mainstayctl connections` shows it
+                              (gRPC only), ucx (UCX; exit 1 if it cannot start), nccl (NCCL between
+                              device buffers, on CUDA device 0 of CUDA_VISIBLE_DEVICES; exit 1 if
+                              it cannot start). Trainers pick per connection (docs/transports.md);
+                              `mainstayctl connections` shows it
   --health-listen HOST:PORT   a plaintext port serving only grpc.health.v1 (for probes that cannot
                               speak TLS, e.g. Kubernetes'); default none
   --admin-token-file FILE     the embedded coordinator's admin token (with --standalone)
@@ -301,9 +304,11 @@ int Main(int argc, char** argv) {
   struct LinkKv : peer::KvClient {
     CoordinatorLink** link;
     absl::Status Put(const std::string& k, const std::string& v, absl::Duration ttl) override {
+      if (*link == nullptr) return absl::UnavailableError("not registered with the coordinator yet");
       return (*link)->Put(k, v, ttl);
     }
     absl::StatusOr<std::string> Get(const std::string& k, absl::Time deadline) override {
+      if (*link == nullptr) return absl::UnavailableError("not registered with the coordinator yet");
       return (*link)->Get(k, deadline);
     }
   };
@@ -321,24 +326,40 @@ int Main(int argc, char** argv) {
   ShardDaemon daemon(daemon_options);
   StepDrain drain;
 
-  absl::StatusOr<std::unique_ptr<ShardServer>> server =
-      ShardServer::Start({listen, 64 << 20, &daemon, *tls, flags->Get("--tls-internal-name"), &drain,
-                          flags->Get("--health-listen")});
+  bool want_ucx = false, need_ucx = false, want_nccl = false, need_nccl = false;
+  for (absl::string_view t : absl::StrSplit(flags->Get("--transports", "auto"), ',')) {
+    if (t == "auto") {
+      want_ucx = want_nccl = true;
+    } else if (t == "ucx") {
+      want_ucx = need_ucx = true;
+    } else if (t == "nccl") {
+      want_nccl = need_nccl = true;
+    } else if (t != "grpc") {
+      return Fail(
+          absl::InvalidArgumentError(absl::StrCat("--transports: '", t, "' is not one of auto, grpc, ucx, nccl")), 2);
+    }
+  }
+  // The nccl transport's daemon end: its calls arrive on the Shard service, so it starts first.
+  std::unique_ptr<NcclChannelServer> nccl_server;
+  if (want_nccl) {
+    absl::StatusOr<std::unique_ptr<NcclChannelServer>> started = NcclChannelServer::Start({&daemon, &drain, &kv});
+    if (started.ok()) {
+      nccl_server = *std::move(started);
+      Log(LogLevel::kInfo, "daemon", absl::StrCat("NCCL data plane: ", nccl_server->Describe()));
+    } else if (need_nccl) {
+      return Fail(started.status(), 1);
+    } else {
+      Log(LogLevel::kInfo, "daemon", absl::StrCat("no NCCL data plane: ", started.status().message()));
+    }
+  }
+  ShardServer::Options server_options{listen, 64 << 20, &daemon, *tls, flags->Get("--tls-internal-name"), &drain,
+                                      flags->Get("--health-listen")};
+  server_options.nccl = nccl_server.get();
+  absl::StatusOr<std::unique_ptr<ShardServer>> server = ShardServer::Start(server_options);
   if (!server.ok()) return Fail(server.status(), server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
   // The UCX data plane next to gRPC: its worker address goes into the registration.
   std::unique_ptr<UcxDataServer> ucx_server;
   {
-    bool want_ucx = false, need_ucx = false;
-    for (absl::string_view t : absl::StrSplit(flags->Get("--transports", "auto"), ',')) {
-      if (t == "auto") {
-        want_ucx = true;
-      } else if (t == "ucx") {
-        want_ucx = need_ucx = true;
-      } else if (t != "grpc") {
-        (*server)->Shutdown();
-        return Fail(absl::InvalidArgumentError(absl::StrCat("--transports: '", t, "' is not one of auto, grpc, ucx")), 2);
-      }
-    }
     if (want_ucx) {
       absl::StatusOr<std::unique_ptr<UcxDataServer>> started = UcxDataServer::Start({&daemon, &drain});
       if (started.ok()) {
@@ -386,6 +407,7 @@ int Main(int argc, char** argv) {
     reg.add_transports(v1::TRANSPORT_UCX);
     reg.set_ucx_worker_address(ucx_server->worker_address());
   }
+  if (nccl_server != nullptr) reg.add_transports(v1::TRANSPORT_NCCL);
   reg.mutable_resources()->set_host_memory_bytes(*memory);
   reg.mutable_resources()->set_memory_kind(v1::MEMORY_KIND_HOST);
   reg.mutable_resources()->set_cpu_threads(static_cast<int32_t>(*threads));
@@ -457,6 +479,7 @@ int Main(int argc, char** argv) {
   link->Shutdown();
   (*server)->Shutdown();
   if (ucx_server != nullptr) ucx_server->Shutdown();
+  if (nccl_server != nullptr) nccl_server->Shutdown();
   daemon.Shutdown();
   if (metrics_server != nullptr) metrics_server->Shutdown();
   if (lease_collector != 0) registry->RemoveCollector(lease_collector);

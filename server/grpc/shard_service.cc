@@ -281,10 +281,16 @@ absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& re
   return absl::OkStatus();
 }
 
+::grpc::Status NoNccl() {
+  return ::grpc::Status(::grpc::StatusCode::UNIMPLEMENTED,
+                        "this daemon does not serve the nccl transport (mainstayd --transports nccl)");
+}
+
 class ShardService final : public v1::Shard::CallbackService {
  public:
-  ShardService(ShardDaemon* core, Calls* calls, StepDrain* drain, std::string internal_peer_name)
-      : core_(core), calls_(calls), drain_(drain), internal_(std::move(internal_peer_name)) {
+  ShardService(ShardDaemon* core, Calls* calls, StepDrain* drain, std::string internal_peer_name,
+               NcclChannelServer* nccl)
+      : core_(core), calls_(calls), drain_(drain), internal_(std::move(internal_peer_name)), nccl_(nccl) {
     if (metrics::DaemonMetrics* m = core->metrics(); m != nullptr) {
       pushed_bytes_ = m->PushedBytes(kTransport);
       pulled_bytes_ = m->PulledBytes(kTransport);
@@ -382,11 +388,74 @@ class ShardService final : public v1::Shard::CallbackService {
     return reactor;
   }
 
+  // ---- The nccl transport (server/nccl): control messages here, payloads by NCCL.
+  ::grpc::ServerUnaryReactor* OpenNcclChannel(::grpc::CallbackServerContext* context,
+                                              const v1::OpenNcclChannelRequest* request,
+                                              v1::OpenNcclChannelResponse* response) override {
+    ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (nccl_ == nullptr) {
+      reactor->Finish(NoNccl());
+      return reactor;
+    }
+    if (!calls_->Enter()) {
+      reactor->Finish(ShuttingDown());
+      return reactor;
+    }
+    // Joining the communicator waits for the trainer: off the gRPC threads.
+    const bool spawned = calls_->Spawn([this, context, request, response, reactor] {
+      absl::StatusOr<v1::OpenNcclChannelResponse> opened =
+          nccl_->Open(*request, CallDeadline(context), CancelledFn(context));
+      if (opened.ok()) *response = *std::move(opened);
+      reactor->Finish(ToGrpcWithDetail(context, opened.status()));
+      calls_->Exit();
+    });
+    if (!spawned) {
+      reactor->Finish(ShuttingDown());
+      calls_->Exit();
+    }
+    return reactor;
+  }
+  ::grpc::ServerWriteReactor<v1::NcclReply>* NcclPush(::grpc::CallbackServerContext* context,
+                                                      const v1::NcclPushRequest* request) override {
+    if (nccl_ == nullptr) return new grpc_server::FinishedWriter<v1::NcclReply>(NoNccl());
+    const v1::NcclPushRequest copy = *request;
+    return new BlockingWriter<v1::NcclReply>(
+        calls_, context, [nccl = nccl_, context, copy, cancelled = CancelledFn(context)](const auto& write) {
+          return nccl->Push(copy, CallDeadline(context), write, cancelled);
+        });
+  }
+  ::grpc::ServerWriteReactor<v1::NcclReply>* NcclPull(::grpc::CallbackServerContext* context,
+                                                      const v1::NcclPullRequest* request) override {
+    if (nccl_ == nullptr) return new grpc_server::FinishedWriter<v1::NcclReply>(NoNccl());
+    const v1::NcclPullRequest copy = *request;
+    return new BlockingWriter<v1::NcclReply>(
+        calls_, context, [nccl = nccl_, context, copy, cancelled = CancelledFn(context)](const auto& write) {
+          return nccl->Pull(copy, CallDeadline(context), write, cancelled);
+        });
+  }
+  ::grpc::ServerUnaryReactor* CloseNcclChannel(::grpc::CallbackServerContext* context,
+                                               const v1::CloseNcclChannelRequest* request,
+                                               v1::CloseNcclChannelResponse* response) override {
+    if (nccl_ == nullptr) {
+      ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+      reactor->Finish(NoNccl());
+      return reactor;
+    }
+    return grpc_server::Serve(calls_, context, response, ShuttingDown(),
+                              [&]() -> absl::Status { return nccl_->Close(*request); });
+  }
+
  private:
+  // The nccl calls' view of a call that is over: cancelled by the trainer, or the server drains.
+  NcclChannelServer::Cancelled CancelledFn(::grpc::CallbackServerContext* context) const {
+    return [context, calls = calls_] { return context->IsCancelled() || calls->draining(); };
+  }
+
   ShardDaemon* const core_;
   Calls* const calls_;
   StepDrain* const drain_;
   const std::string internal_;  // empty: no internal-peer check
+  NcclChannelServer* const nccl_;  // null: no nccl transport
   std::shared_ptr<metrics::Counter> pushed_bytes_, pulled_bytes_;  // null: no metrics
 };
 
@@ -448,7 +517,8 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options)
     return absl::InvalidArgumentError(
         "--tls-internal-name needs mutual TLS (--tls-client-auth require): the name is read from client certificates");
   }
-  impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls, options.drain, options.internal_peer_name);
+  impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls, options.drain, options.internal_peer_name,
+                                                 options.nccl);
   ::grpc::EnableDefaultHealthCheckService(true);
   ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   ::grpc::ServerBuilder builder;

@@ -12,6 +12,8 @@
 // PullParams and FinishStep wait for a step, so they run on helper threads (server/grpc/calls.h),
 // in slices that notice a cancelled call or a shutdown; PullParams then streams the immutable
 // snapshot in chunks of at most max_chunk_bytes (default 1 MiB, capped at 4 MiB).
+// OpenNcclChannel, NcclPush, NcclPull and CloseNcclChannel go to options.nccl (the daemon's end
+// of the nccl transport) on helper threads; UNIMPLEMENTED without one.
 // FetchShardState streams a consistent copy of a shard's committed state (master, moments);
 // WriteCheckpoint waits for the asked step and writes files on a spawned thread.
 //
@@ -27,6 +29,7 @@
 #include "common/tls.h"
 #include "server/daemon/shard_daemon.h"
 #include "server/daemon/step_drain.h"
+#include "server/nccl/nccl_channel_server.h"
 
 namespace mainstay::daemon {
 
@@ -46,6 +49,9 @@ class ShardServer {
     // "host:port" of a plaintext port serving only grpc.health.v1 with the same statuses
     // (server/grpc/health_port.h), for probes that cannot speak TLS; empty: none.
     std::string health_listen_address;
+    // The nccl transport's calls go here; not owned, must outlive the server. Null: they answer
+    // UNIMPLEMENTED (mainstayd started without --transports nccl).
+    NcclChannelServer* nccl = nullptr;
   };
 
   // INVALID_ARGUMENT for bad options (unreadable or mismatched TLS files included);

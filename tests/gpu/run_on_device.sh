@@ -22,8 +22,14 @@ cmake --build "$build" -j"$(nproc)" > "$logs/build.log" 2>&1 || { grep -E "error
 echo "build done in $(( $(date +%s) - start ))s"
 
 echo "== gpu tests"
-ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 2>&1 | tee "$logs/ctest-gpu.log"
+ctest --test-dir "$build" -L gpu -E nccl_transport_gpu_test --output-on-failure --timeout 300 2>&1 |
+  tee "$logs/ctest-gpu.log"
 test_rc=${PIPESTATUS[0]}
+# The nccl transport end to end, verbose: a skip (NCCL refusing a trainer and a daemon on one GPU)
+# shows NCCL's reason; its daemon and trainer logs are printed on failure.
+echo "== nccl transport (coordinator + mainstayd --transports nccl + trainer processes)"
+ctest --test-dir "$build" -R nccl_transport_gpu_test -V --timeout 900 2>&1 | tee "$logs/ctest-nccl.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || test_rc=1
 
 echo "== gpu benchmarks"
 bench_rc=0
@@ -37,5 +43,6 @@ done
 echo
 echo "== summary ($(( $(date +%s) - start ))s)"
 grep -E "tests passed|tests failed|Skipped|Failed" "$logs/ctest-gpu.log" | tail -5
+grep -E "tests passed|tests failed|\(Skipped\)|SKIPPED \]|NCCL refused" "$logs/ctest-nccl.log" | tail -5
 echo "benchmarks run: ${#benches[@]} (rc $bench_rc)"
 [ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -70,7 +70,9 @@ struct ClientOptions {
   // Data-plane transport to the daemons (docs/transports.md): "auto" picks, per daemon, the best
   // both ends have (ucx, else grpc); "grpc", "ucx" or "nccl" insist on one (Connect fails with
   // FAILED_PRECONDITION naming the daemon that does not offer it). Empty: the environment
-  // variable MAINSTAY_TRANSPORT, else "auto".
+  // variable MAINSTAY_TRANSPORT, else "auto". "nccl" uses the CUDA device current on the thread
+  // calling Connect: pushes take buffers in its memory (host memory is staged), and NCCL refuses
+  // a daemon on the same GPU (docs/transports.md, NCCL).
   std::string transport;
   // Payload chunk size, both directions (push chunks, pull max_chunk_bytes); 1 KiB .. 4 MiB.
   // A shard moves as a pipeline of chunks, never as one message.

@@ -1,0 +1,184 @@
+// A trainer process for nccl_transport_gpu_test: creates a job on the coordinator, pushes the
+// initial parameters and a few steps of gradients through the public client library
+// (libmainstay_client.so) over one transport, pulls every bucket of the last version and writes
+// what it pulled (versions, packed data, block scales, per-tensor scales) to --out, so that two
+// runs over different transports can be compared byte for byte.
+//
+//   nccl_trainer --coordinator HOST:PORT --transport nccl|grpc --out FILE [--chunk-bytes N]
+//
+// With --transport nccl, gradients are pushed from device buffers (cudaMalloc) on CUDA device 0,
+// except at step 1, which pushes from host memory (the staged path). The inputs are the same
+// for every transport.
+//
+// Exit codes: 0 done; 77 NCCL refused the channel because this process and the daemon share a
+// CUDA device (the reason is printed: the test reports a skip); 2 bad flags; 1 anything else.
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "mainstay/buffers.h"
+#include "mainstay/client.h"
+
+namespace {
+
+constexpr int kSteps = 3;
+constexpr int kExitSkip = 77;
+
+// bf16 weights with MXFP8 block scales, so that pulls carry data and scale payloads; shapes of
+// whole 32-element blocks, several buckets, many chunks per shard.
+// (Job names are unique: the transport is appended to "nccl-gpu-test-".)
+constexpr char kSpecAfterName[] = R"(,
+  "recipe": "bf16_with_mxfp8_mixed",
+  "optimizer": {"type": "adamw", "beta1": 0.9, "beta2": 0.95, "eps": 1e-08, "weight_decay": 0.0,
+                "max_grad_norm": 0.0},
+  "data_parallel_size": 1,
+  "bucket_numel": 65536,
+  "tensors": [
+    {"name": "layers.0.attn.qkv.weight", "shape": [192, 128]},
+    {"name": "layers.0.attn.proj.weight", "shape": [128, 128]},
+    {"name": "layers.0.norm.weight", "shape": [128]},
+    {"name": "layers.0.mlp.fc1.weight", "shape": [256, 128]},
+    {"name": "layers.0.mlp.fc2.weight", "shape": [128, 256]},
+    {"name": "layers.1.mlp.fc1.weight", "shape": [512, 128]}
+  ]
+})";
+
+int Fail(const std::string& what, const absl::Status& status) {
+  std::fprintf(stderr, "nccl_trainer: %s: %s\n", what.c_str(), status.ToString().c_str());
+  return 1;
+}
+
+float InitialValue(int32_t bucket, int64_t i) {
+  return 0.02f * static_cast<float>(((i * 7919 + bucket * 104729) % 2001) - 1000) / 1000.0f;
+}
+float GradValue(int64_t step, int32_t bucket, int64_t i) {
+  return 0.001f * static_cast<float>(((i * 48271 + step * 16807 + bucket * 65537) % 4001) - 2000) / 2000.0f;
+}
+
+template <typename T>
+void Put(std::string& out, const T& v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(v));
+}
+void PutBytes(std::string& out, std::span<const uint8_t> bytes) {
+  Put(out, static_cast<uint64_t>(bytes.size()));
+  out.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
+int Run(const std::map<std::string, std::string>& flags) {
+  const std::string transport = flags.at("--transport");
+  const bool nccl = transport == "nccl";
+  if (nccl && cudaSetDevice(0) != cudaSuccess) {
+    return Fail("cudaSetDevice(0)", absl::UnavailableError(cudaGetErrorString(cudaGetLastError())));
+  }
+  mainstay::ClientOptions options;
+  options.coordinator = flags.at("--coordinator");
+  options.job_spec_json = absl::StrCat(R"({"name": "nccl-gpu-test-)", transport, "\"", kSpecAfterName);
+  options.transport = transport;
+  options.timeout = std::chrono::milliseconds(120000);
+  if (auto it = flags.find("--chunk-bytes"); it != flags.end()) options.chunk_bytes = std::atoll(it->second.c_str());
+  absl::StatusOr<std::unique_ptr<mainstay::Client>> connected = mainstay::Client::Connect(options);
+  if (!connected.ok()) {
+    const std::string message(connected.status().message());
+    if (nccl && connected.status().code() == absl::StatusCode::kFailedPrecondition &&
+        (absl::StrContains(message, "Duplicate GPU detected") || absl::StrContains(message, "same GPU"))) {
+      std::printf("SKIP: NCCL refuses a trainer and a daemon on the same CUDA device: %s\n", message.c_str());
+      return kExitSkip;
+    }
+    return Fail("Connect", connected.status());
+  }
+  mainstay::Client& client = **connected;
+  for (const mainstay::DataConnection& c : client.connections()) {
+    std::printf("daemon %s at %s: transport %s\n", c.daemon_id.c_str(), c.address.c_str(), c.transport.c_str());
+    if (c.transport != transport) return Fail("connections", absl::InternalError("not the transport asked for"));
+  }
+  const mainstay::Layout& layout = client.layout();
+
+  std::vector<mainstay::PushHandle> pushes;
+  std::vector<std::vector<float>> initial;
+  for (const mainstay::Bucket& b : layout.buckets) {
+    std::vector<float>& v = initial.emplace_back(static_cast<size_t>(b.numel));
+    for (int64_t i = 0; i < b.numel; ++i) v[static_cast<size_t>(i)] = InitialValue(b.index, i);
+    pushes.push_back(client.PushInitialParams(b.index, v, /*all_shards=*/true));
+  }
+  for (mainstay::PushHandle& p : pushes) {
+    if (!p.Wait().ok()) return Fail("PushInitialParams", p.Wait().status());
+  }
+
+  std::vector<float*> device(layout.buckets.size(), nullptr);
+  for (int64_t step = 0; step < kSteps; ++step) {
+    pushes.clear();
+    std::vector<std::vector<float>> grads;
+    for (const mainstay::Bucket& b : layout.buckets) {
+      std::vector<float>& g = grads.emplace_back(static_cast<size_t>(b.shard_numel));
+      for (int64_t i = 0; i < b.shard_numel; ++i) g[static_cast<size_t>(i)] = GradValue(step, b.index, i);
+      const float* source = g.data();
+      if (nccl && step != 1) {
+        float*& d = device[static_cast<size_t>(b.index)];
+        if (d == nullptr && cudaMalloc(reinterpret_cast<void**>(&d), g.size() * sizeof(float)) != cudaSuccess) {
+          return Fail("cudaMalloc", absl::ResourceExhaustedError(cudaGetErrorString(cudaGetLastError())));
+        }
+        if (cudaMemcpy(d, g.data(), g.size() * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) {
+          return Fail("cudaMemcpy", absl::InternalError(cudaGetErrorString(cudaGetLastError())));
+        }
+        source = d;
+      }
+      pushes.push_back(client.PushGrad(b.index, step, {source, mainstay::ElementType::kFloat32, b.shard_numel}));
+    }
+    for (mainstay::PushHandle& p : pushes) {
+      if (!p.Wait().ok()) return Fail(absl::StrCat("PushGrad step ", step), p.Wait().status());
+    }
+    absl::StatusOr<mainstay::StepStats> stats = client.FinishStep(step, 1e-3, 0.01);
+    if (!stats.ok()) return Fail(absl::StrCat("FinishStep ", step), stats.status());
+    std::printf("step %lld: version %lld, grad norm %.9g\n", static_cast<long long>(step),
+                static_cast<long long>(stats->version), stats->grad_norm);
+  }
+  for (float* d : device) cudaFree(d);
+
+  std::string out = "mainstay-nccl-gpu-test-v1";
+  for (const mainstay::Bucket& b : layout.buckets) {
+    absl::StatusOr<mainstay::PulledBucket> pulled = client.PullBucket(b.index, kSteps).Wait();
+    if (!pulled.ok()) return Fail(absl::StrCat("PullBucket ", b.index), pulled.status());
+    Put(out, pulled->bucket());
+    Put(out, pulled->version());
+    Put(out, pulled->unchanged());
+    PutBytes(out, pulled->data());
+    for (const mainstay::PulledShard& s : pulled->shards()) {
+      Put(out, s.version);
+      PutBytes(out, s.scales);
+      for (const mainstay::FragmentQuantInfo& f : s.fragments) {
+        Put(out, f.tensor);
+        Put(out, f.scale);
+        Put(out, f.scale_inv);
+        Put(out, f.amax);
+      }
+    }
+  }
+  std::ofstream file(flags.at("--out"), std::ios::binary | std::ios::trunc);
+  file.write(out.data(), static_cast<std::streamsize>(out.size()));
+  if (!file.good()) return Fail("writing " + flags.at("--out"), absl::InternalError("write failed"));
+  std::printf("pulled %zu bytes of %zu buckets at version %d over %s\n", out.size(), layout.buckets.size(), kSteps,
+              transport.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::map<std::string, std::string> flags;
+  for (int i = 1; i + 1 < argc; i += 2) flags[argv[i]] = argv[i + 1];
+  if (argc % 2 == 0 || !flags.count("--coordinator") || !flags.count("--transport") || !flags.count("--out")) {
+    std::fprintf(stderr, "usage: nccl_trainer --coordinator HOST:PORT --transport nccl|grpc --out FILE "
+                         "[--chunk-bytes N]\n");
+    return 2;
+  }
+  return Run(flags);
+}
