@@ -110,19 +110,6 @@ class Endpoint {
 
  private:
   friend class Worker;
-
-// This process as its peers identify it: (boot id, pid namespace, pid). Two processes whose
-// boot id and pid namespace match can watch each other's pid.
-struct ProcessIdentity {
-  std::string boot_id;
-  std::string pid_namespace;
-  int64_t pid = 0;
-  static const ProcessIdentity& Self();
-  bool SameProcessSpace(const ProcessIdentity& other) const {
-    return !boot_id.empty() && boot_id == other.boot_id && !pid_namespace.empty() &&
-           pid_namespace == other.pid_namespace && other.pid > 0;
-  }
-};
   static void OnError(void* arg, ucp_ep_h ep, ucs_status_t status);
   Worker* worker_ = nullptr;
   ucp_ep_h ep_ = nullptr;

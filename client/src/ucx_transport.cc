@@ -82,19 +82,13 @@ class UcxTransport final : public DataTransport {
 
   absl::StatusOr<v1::PushGradResponse> Push(const Route& route, const v1::PushGradHeader& header, ElementSpan data,
                                             Deadline deadline, grpc::ClientContext*) override {
-    std::shared_ptr<Connection> c;
-    {
-      absl::StatusOr<std::shared_ptr<Connection>> got = ConnectionTo(route.endpoint, deadline);
-      if (!got.ok()) return got.status();
-      c = *std::move(got);
-    }
+    absl::StatusOr<std::shared_ptr<Connection>> connected = ConnectionTo(route.endpoint, deadline);
+    if (!connected.ok()) return connected.status();
+    const std::shared_ptr<Connection> c = *std::move(connected);
     const uint64_t seq = next_seq_.fetch_add(1);
     v1::UcxRequest request;
     *request.mutable_push() = header;
-    request.set_seq(seq);
-    request.set_timeout_ms(RemainingMs(deadline));
-    request.set_chunk_bytes(context_.chunk_bytes);
-    const std::string request_bytes = request.SerializeAsString();
+    const std::string request_bytes = Serialize(request, seq, deadline);
     std::string accept_bytes(ucx::kMaxControlBytes, '\0'), reply_bytes(ucx::kMaxControlBytes, '\0');
     const auto abort = [&] { return Aborted(*c); };
 
@@ -133,19 +127,13 @@ class UcxTransport final : public DataTransport {
 
   absl::Status Pull(const Route& route, const v1::PullParamsRequest& pull, ShardPullAssembler& assembler,
                     Deadline deadline, grpc::ClientContext*) override {
-    std::shared_ptr<Connection> c;
-    {
-      absl::StatusOr<std::shared_ptr<Connection>> got = ConnectionTo(route.endpoint, deadline);
-      if (!got.ok()) return got.status();
-      c = *std::move(got);
-    }
+    absl::StatusOr<std::shared_ptr<Connection>> connected = ConnectionTo(route.endpoint, deadline);
+    if (!connected.ok()) return connected.status();
+    const std::shared_ptr<Connection> c = *std::move(connected);
     const uint64_t seq = next_seq_.fetch_add(1);
     v1::UcxRequest request;
     *request.mutable_pull() = pull;
-    request.set_seq(seq);
-    request.set_timeout_ms(RemainingMs(deadline));
-    request.set_chunk_bytes(context_.chunk_bytes);
-    const std::string request_bytes = request.SerializeAsString();
+    const std::string request_bytes = Serialize(request, seq, deadline);
     std::string reply_bytes(ucx::kMaxControlBytes, '\0');
     const auto abort = [&] { return Aborted(*c); };
     v1::UcxReply reply;
@@ -223,6 +211,14 @@ class UcxTransport final : public DataTransport {
     std::string ep_key;  // the daemon's worker address: connections_' key
     std::string daemon;  // "id (address)", for messages
   };
+
+  // `request` with the fields every request carries, as bytes.
+  std::string Serialize(v1::UcxRequest& request, uint64_t seq, Deadline deadline) const {
+    request.set_seq(seq);
+    request.set_timeout_ms(RemainingMs(deadline));
+    request.set_chunk_bytes(context_.chunk_bytes);
+    return request.SerializeAsString();
+  }
 
   absl::Status Aborted(const Connection& c) const {
     if (shutdown_.load()) return absl::CancelledError("the client is shutting down");
