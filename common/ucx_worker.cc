@@ -192,6 +192,14 @@ std::string Worker::Describe() const {
   return absl::StrCat("UCX ", ucp_get_version_string(), ", UCX_TLS=", tls == nullptr ? "all" : tls);
 }
 
+void Worker::RunOnProgressThread(std::function<void()> task) {
+  {
+    absl::MutexLock lock(&tasks_mu_);
+    tasks_.push_back(std::move(task));
+  }
+  Signal();
+}
+
 void Worker::Signal() {
   if (worker_ != nullptr) ucp_worker_signal(worker_);
 }
@@ -202,6 +210,13 @@ void Worker::Loop() {
   while (!stop_.load(std::memory_order_relaxed)) {
     const unsigned progressed = ucp_worker_progress(worker_);
     if (options_.after_progress) options_.after_progress();
+    std::vector<std::function<void()>> tasks;
+    {
+      absl::MutexLock lock(&tasks_mu_);
+      tasks.swap(tasks_);
+    }
+    for (auto& task : tasks) task();
+    if (!tasks.empty()) continue;
     const auto now = std::chrono::steady_clock::now();
     if (progressed != 0 || active_.load(std::memory_order_relaxed) > 0) {
       idle_since = now;
@@ -354,16 +369,22 @@ absl::Status OpGroup::Wait(absl::Time deadline, const std::function<absl::Status
 size_t OpGroup::received_bytes(size_t index) const { return recvs_.at(index)->length; }
 
 void OpGroup::CancelAndDrain() {
-  std::vector<void*> to_cancel;
   {
     absl::MutexLock lock(&mu_);
     if (pending_ == 0) return;
-    for (Slot* s : recvs_) {
-      if (!s->done && s->request != nullptr) to_cancel.push_back(s->request);
-    }
   }
-  for (void* request : to_cancel) ucp_request_cancel(worker_->worker(), request);
-  worker_->Signal();
+  // On the progress thread, the only one that completes receives: a receive still not done
+  // there cannot complete between the check and the cancel.
+  worker_->RunOnProgressThread([this] {
+    for (Slot* s : recvs_) {
+      bool done;
+      {
+        absl::MutexLock lock(&mu_);
+        done = s->done;
+      }
+      if (!done && s->request != nullptr) ucp_request_cancel(worker_->worker(), s->request);
+    }
+  });
   absl::MutexLock lock(&mu_);
   auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_ == 0; };
   mu_.Await(absl::Condition(&drained));

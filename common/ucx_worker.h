@@ -27,6 +27,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -150,6 +151,9 @@ class Worker {
   // thread keeps spinning instead of sleeping on the event fd (which does not fire for, e.g.,
   // a TCP socket becoming writable again mid-transfer).
   void AddActive(int delta) { active_.fetch_add(delta, std::memory_order_relaxed); }
+  // Runs `task` on the progress thread after its next round of progress (where no completion
+  // can race it: UCX asserts when a completed request is cancelled).
+  void RunOnProgressThread(std::function<void()> task);
 
  private:
   Worker() = default;
@@ -162,6 +166,8 @@ class Worker {
   std::string address_;
   std::atomic<bool> stop_{false};
   std::atomic<int> active_{0};
+  absl::Mutex tasks_mu_;
+  std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(tasks_mu_);
   std::thread thread_;
 };
 
