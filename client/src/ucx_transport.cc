@@ -89,25 +89,16 @@ class UcxTransport final : public DataTransport {
     v1::UcxRequest request;
     *request.mutable_push() = header;
     const std::string request_bytes = Serialize(request, seq, deadline);
-    std::string accept_bytes(ucx::kMaxControlBytes, '\0'), reply_bytes(ucx::kMaxControlBytes, '\0');
+    std::string reply_bytes(ucx::kMaxControlBytes, '\0');
     const auto abort = [&] { return Aborted(*c); };
 
     // The outcome's receive is posted first, so it is never an unexpected message.
     ucx::OpGroup outcome(worker_.get());
     outcome.Recv(ucx::TrainerTag(Kind::kReply, seq), ucx::kExactMask, reply_bytes.data(), reply_bytes.size());
-    v1::UcxReply accept;
-    {
-      ucx::OpGroup group(worker_.get());
-      group.Recv(ucx::TrainerTag(Kind::kAccept, seq), ucx::kExactMask, accept_bytes.data(), accept_bytes.size());
-      group.Send(*c->ep, ucx::DaemonTag(Kind::kRequest, c->id, static_cast<uint32_t>(seq)), request_bytes.data(),
-                 request_bytes.size());
-      if (absl::Status s = group.Wait(ToAbsl(deadline), abort); !s.ok()) return Fail(c, s, "push request");
-      if (!accept.ParseFromArray(accept_bytes.data(), static_cast<int>(group.received_bytes(0)))) {
-        return Fail(c, absl::InternalError("unparseable acceptance"), "push request");
-      }
-    }
-    if (absl::Status s = StatusOfReply(accept); !s.ok()) return s;  // refused: nothing was sent, nothing stored
-    if (!accept.duplicate()) {
+    absl::StatusOr<v1::UcxReply> accept = Call(c, seq, request_bytes, Kind::kAccept, deadline, "push request");
+    if (!accept.ok()) return accept.status();
+    if (absl::Status s = StatusOfReply(*accept); !s.ok()) return s;  // refused: nothing was sent, nothing stored
+    if (!accept->duplicate()) {
       const int64_t chunk = ucx::PushChunkBytes(context_.chunk_bytes, data.element_bytes());
       const auto* bytes = static_cast<const uint8_t*>(data.data);
       const int64_t total = data.bytes();
@@ -134,22 +125,12 @@ class UcxTransport final : public DataTransport {
     v1::UcxRequest request;
     *request.mutable_pull() = pull;
     const std::string request_bytes = Serialize(request, seq, deadline);
-    std::string reply_bytes(ucx::kMaxControlBytes, '\0');
     const auto abort = [&] { return Aborted(*c); };
-    v1::UcxReply reply;
-    {
-      ucx::OpGroup group(worker_.get());
-      group.Recv(ucx::TrainerTag(Kind::kReply, seq), ucx::kExactMask, reply_bytes.data(), reply_bytes.size());
-      group.Send(*c->ep, ucx::DaemonTag(Kind::kRequest, c->id, static_cast<uint32_t>(seq)), request_bytes.data(),
-                 request_bytes.size());
-      if (absl::Status s = group.Wait(ToAbsl(deadline), abort); !s.ok()) return Fail(c, s, "pull request");
-      if (!reply.ParseFromArray(reply_bytes.data(), static_cast<int>(group.received_bytes(0)))) {
-        return Fail(c, absl::InternalError("unparseable pull header"), "pull request");
-      }
-    }
-    if (absl::Status s = StatusOfReply(reply); !s.ok()) return s;  // nothing follows an error
+    absl::StatusOr<v1::UcxReply> reply = Call(c, seq, request_bytes, Kind::kReply, deadline, "pull request");
+    if (!reply.ok()) return reply.status();
+    if (absl::Status s = StatusOfReply(*reply); !s.ok()) return s;  // nothing follows an error
     v1::PullParamsResponse header;
-    *header.mutable_header() = reply.pull();
+    *header.mutable_header() = reply->pull();
     if (absl::Status s = assembler.OnMessage(header); !s.ok()) return Fail(c, s, "pull header");
     if (assembler.unchanged()) return absl::OkStatus();
 
@@ -211,6 +192,23 @@ class UcxTransport final : public DataTransport {
     std::string ep_key;  // the daemon's worker address: connections_' key
     std::string daemon;  // "id (address)", for messages
   };
+
+  // Sends a serialized request on `c` and waits for its first answer, of kind `answer`. A
+  // failure (not the daemon's error answer) closes the connection.
+  absl::StatusOr<v1::UcxReply> Call(const std::shared_ptr<Connection>& c, uint64_t seq, const std::string& request,
+                                    Kind answer, Deadline deadline, const char* what) {
+    std::string bytes(ucx::kMaxControlBytes, '\0');
+    ucx::OpGroup group(worker_.get());
+    group.Recv(ucx::TrainerTag(answer, seq), ucx::kExactMask, bytes.data(), bytes.size());
+    group.Send(*c->ep, ucx::DaemonTag(Kind::kRequest, c->id, static_cast<uint32_t>(seq)), request.data(),
+               request.size());
+    if (absl::Status s = group.Wait(ToAbsl(deadline), [&] { return Aborted(*c); }); !s.ok()) return Fail(c, s, what);
+    v1::UcxReply reply;
+    if (!reply.ParseFromArray(bytes.data(), static_cast<int>(group.received_bytes(0)))) {
+      return Fail(c, absl::InternalError("an unparseable answer"), what);
+    }
+    return reply;
+  }
 
   // `request` with the fields every request carries, as bytes.
   std::string Serialize(v1::UcxRequest& request, uint64_t seq, Deadline deadline) const {
