@@ -81,7 +81,7 @@ bool Endpoint::failed() const {
   if (now - last < 50'000'000 || !last_check_ns_.compare_exchange_strong(last, now)) return false;
   if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) return false;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&failure_mu_);
     if (failure_.ok()) failure_ = absl::UnavailableError(absl::StrCat("the peer process (pid ", pid, ") exited"));
   }
   failed_.store(true);
@@ -89,7 +89,7 @@ bool Endpoint::failed() const {
 }
 
 absl::Status Endpoint::failure() const {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&failure_mu_);
   if (!failure_.ok()) return failure_;
   return failed_.load() ? absl::UnavailableError("the UCX endpoint was closed") : absl::OkStatus();
 }
@@ -99,7 +99,7 @@ void Endpoint::OnError(void* arg, ucp_ep_h, ucs_status_t status) {
   absl::Status failure = FromUcs(status, "UCX peer failed");
   if (failure.code() != absl::StatusCode::kUnavailable) failure = absl::UnavailableError(failure.message());
   {
-    absl::MutexLock lock(&self->mu_);
+    absl::MutexLock lock(&self->failure_mu_);
     if (self->failure_.ok()) self->failure_ = failure;
   }
   self->failed_.store(true);
@@ -108,9 +108,12 @@ void Endpoint::OnError(void* arg, ucp_ep_h, ucs_status_t status) {
 
 void Endpoint::Close() {
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&close_mu_);  // waits for a send being posted on the endpoint
     if (closed_ || ep_ == nullptr) return;
     closed_ = true;
+  }
+  {
+    absl::MutexLock lock(&failure_mu_);
     if (failure_.ok()) failure_ = absl::UnavailableError("the UCX endpoint was closed");
   }
   failed_.store(true);
@@ -142,6 +145,9 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(Options options) {
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
     return FromUcs(s, "reading the UCX configuration (UCX_* environment variables)");
   }
+  // A peer cut off without a reset (a partition) must fail its transfers in seconds, as gRPC's
+  // 5 s keepalive pings do, not after UCX's default interval; UCX_KEEPALIVE_INTERVAL overrides.
+  if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "2s");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
@@ -327,7 +333,14 @@ void OpGroup::Send(const Endpoint& ep, uint64_t tag, const void* data, size_t si
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = &OpGroup::OnSend;
   param.user_data = slot;
-  Track(slot, ucp_tag_send_nbx(ep.ep(), data, size, tag, &param), "UCX send");
+  // Another thread may Close the endpoint at any time (a failed attempt on the same
+  // connection): the send is posted under the endpoint's lock, or not at all once it is closed.
+  absl::ReaderMutexLock lock(&ep.close_mu_);
+  if (ep.closed_ || ep.ep_ == nullptr) {
+    Track(slot, UCS_STATUS_PTR(UCS_ERR_CONNECTION_RESET), "UCX send on a closed endpoint");
+    return;
+  }
+  Track(slot, ucp_tag_send_nbx(ep.ep_, data, size, tag, &param), "UCX send");
 }
 
 void OpGroup::Recv(uint64_t tag, uint64_t mask, void* data, size_t size) {

@@ -111,6 +111,7 @@ class Endpoint {
 
  private:
   friend class Worker;
+  friend class OpGroup;  // sends hold close_mu_ shared, so Close never frees the UCP endpoint under one
   static void OnError(void* arg, ucp_ep_h ep, ucs_status_t status);
   Worker* worker_ = nullptr;
   ucp_ep_h ep_ = nullptr;
@@ -118,9 +119,13 @@ class Endpoint {
   std::atomic<int64_t> watch_pid_{0};
   mutable std::atomic<int64_t> last_check_ns_{0};
   mutable std::atomic<bool> failed_{false};
-  mutable absl::Mutex mu_;
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  mutable absl::Status failure_ ABSL_GUARDED_BY(mu_);
+  // Two locks: close_mu_ is held shared by senders while they post, and exclusively by Close
+  // to mark the endpoint closed; failure_mu_ guards the failure, which UCX's error callback sets
+  // on the progress thread (it must not wait for a sender, who may wait for that thread).
+  mutable absl::Mutex close_mu_;
+  bool closed_ ABSL_GUARDED_BY(close_mu_) = false;
+  mutable absl::Mutex failure_mu_;
+  mutable absl::Status failure_ ABSL_GUARDED_BY(failure_mu_);
   std::function<void(const absl::Status&)> on_error_;
 };
 

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/src/transport.h"
 #include "common/error_detail.h"
+#include "common/status.h"
 #include "common/ucx_worker.h"
 #include "mainstay/v1/data_plane.pb.h"
 
@@ -63,6 +64,15 @@ absl::Status StatusOfReply(const v1::UcxReply& reply) {
   return status;
 }
 
+// A UCX transfer waits on a daemon that may be cut off without a reset (a partition), which UCX
+// notices only by its keepalive. While an attempt waits, a cheap gRPC call to the daemon every
+// few seconds (GetStepStats, answered without touching the job's step) tells a slow transfer
+// from an unreachable daemon: no answer in kProbeTimeout, or no connection, is UNAVAILABLE, and
+// the retry loop re-reads the placement as it does for gRPC transfers.
+constexpr absl::Duration kProbeEvery = absl::Seconds(5);
+constexpr absl::Duration kProbeTimeout = absl::Seconds(5);
+constexpr absl::Duration kHelloTimeout = absl::Seconds(10);
+
 class UcxTransport final : public DataTransport {
  public:
   UcxTransport(const TransportContext& context, std::unique_ptr<ucx::Worker> worker)
@@ -90,12 +100,12 @@ class UcxTransport final : public DataTransport {
     *request.mutable_push() = header;
     const std::string request_bytes = Serialize(request, seq, deadline);
     std::string reply_bytes(ucx::kMaxControlBytes, '\0');
-    const auto abort = [&] { return Aborted(*c); };
+    Watch abort(this, route, *c);
 
     // The outcome's receive is posted first, so it is never an unexpected message.
     ucx::OpGroup outcome(worker_.get());
     outcome.Recv(ucx::TrainerTag(Kind::kReply, seq), ucx::kExactMask, reply_bytes.data(), reply_bytes.size());
-    absl::StatusOr<v1::UcxReply> accept = Call(c, seq, request_bytes, Kind::kAccept, deadline, "push request");
+    absl::StatusOr<v1::UcxReply> accept = Call(c, seq, request_bytes, Kind::kAccept, deadline, abort, "push request");
     if (!accept.ok()) return accept.status();
     if (absl::Status s = StatusOfReply(*accept); !s.ok()) return s;  // refused: nothing was sent, nothing stored
     if (!accept->duplicate()) {
@@ -107,7 +117,9 @@ class UcxTransport final : public DataTransport {
                      static_cast<size_t>(std::min(chunk, total - off)));
       }
     }
-    if (absl::Status s = outcome.Wait(ToAbsl(deadline), abort); !s.ok()) return Fail(c, s, "push payload");
+    if (absl::Status s = outcome.Wait(ToAbsl(deadline), [&] { return abort(); }); !s.ok()) {
+      return Fail(c, s, "push payload");
+    }
     v1::UcxReply reply;
     if (!reply.ParseFromArray(reply_bytes.data(), static_cast<int>(outcome.received_bytes(0)))) {
       return Fail(c, absl::InternalError("unparseable push outcome"), "push payload");
@@ -125,8 +137,8 @@ class UcxTransport final : public DataTransport {
     v1::UcxRequest request;
     *request.mutable_pull() = pull;
     const std::string request_bytes = Serialize(request, seq, deadline);
-    const auto abort = [&] { return Aborted(*c); };
-    absl::StatusOr<v1::UcxReply> reply = Call(c, seq, request_bytes, Kind::kReply, deadline, "pull request");
+    Watch abort(this, route, *c);
+    absl::StatusOr<v1::UcxReply> reply = Call(c, seq, request_bytes, Kind::kReply, deadline, abort, "pull request");
     if (!reply.ok()) return reply.status();
     if (absl::Status s = StatusOfReply(*reply); !s.ok()) return s;  // nothing follows an error
     v1::PullParamsResponse header;
@@ -148,7 +160,7 @@ class UcxTransport final : public DataTransport {
       group.Recv(ucx::TrainerTag(Kind::kPullScales, seq), ucx::kExactMask, scales.data(), scales.size());
       expected.push_back(scales.size());
     }
-    if (absl::Status s = group.Wait(ToAbsl(deadline), abort); !s.ok()) return Fail(c, s, "pull payload");
+    if (absl::Status s = group.Wait(ToAbsl(deadline), [&] { return abort(); }); !s.ok()) return Fail(c, s, "pull payload");
     for (size_t i = 0; i < expected.size(); ++i) {
       if (group.received_bytes(i) != expected[i]) {
         return Fail(c,
@@ -193,16 +205,49 @@ class UcxTransport final : public DataTransport {
     std::string daemon;  // "id (address)", for messages
   };
 
+  // The abort check of one attempt's waits: Aborted, plus the reachability probe.
+  class Watch {
+   public:
+    Watch(const UcxTransport* t, const Route& route, const Connection& c)
+        : t_(t), route_(route), c_(c), next_probe_(absl::Now() + kProbeEvery) {}
+    absl::Status operator()() {
+      MAINSTAY_RETURN_IF_ERROR(t_->Aborted(c_));
+      if (route_.stub == nullptr || absl::Now() < next_probe_) return absl::OkStatus();
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + kProbeTimeout));
+      v1::GetStepStatsRequest request;
+      request.set_job_id(t_->context_.job_id);
+      request.set_job_token(t_->context_.job_token);
+      request.set_latest(true);
+      v1::GetStepStatsResponse response;
+      const grpc::Status s = route_.stub->GetStepStats(&context, request, &response);
+      next_probe_ = absl::Now() + kProbeEvery;
+      // No answer in time, or no connection (the daemon holds this job: it has no reason to
+      // answer UNAVAILABLE itself but a stop): the transfer cannot finish either.
+      if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED || s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+        return absl::UnavailableError(absl::StrCat("the daemon does not answer gRPC (", s.error_message(),
+                                                   "): unreachable, or stopping"));
+      }
+      return absl::OkStatus();  // any other answer, even an error, means it is reachable
+    }
+
+   private:
+    const UcxTransport* const t_;
+    const Route& route_;
+    const Connection& c_;
+    absl::Time next_probe_;
+  };
+
   // Sends a serialized request on `c` and waits for its first answer, of kind `answer`. A
   // failure (not the daemon's error answer) closes the connection.
   absl::StatusOr<v1::UcxReply> Call(const std::shared_ptr<Connection>& c, uint64_t seq, const std::string& request,
-                                    Kind answer, Deadline deadline, const char* what) {
+                                    Kind answer, Deadline deadline, Watch& abort, const char* what) {
     std::string bytes(ucx::kMaxControlBytes, '\0');
     ucx::OpGroup group(worker_.get());
     group.Recv(ucx::TrainerTag(answer, seq), ucx::kExactMask, bytes.data(), bytes.size());
     group.Send(*c->ep, ucx::DaemonTag(Kind::kRequest, c->id, static_cast<uint32_t>(seq)), request.data(),
                request.size());
-    if (absl::Status s = group.Wait(ToAbsl(deadline), [&] { return Aborted(*c); }); !s.ok()) return Fail(c, s, what);
+    if (absl::Status s = group.Wait(ToAbsl(deadline), [&] { return abort(); }); !s.ok()) return Fail(c, s, what);
     v1::UcxReply reply;
     if (!reply.ParseFromArray(bytes.data(), static_cast<int>(group.received_bytes(0)))) {
       return Fail(c, absl::InternalError("an unparseable answer"), what);
@@ -223,6 +268,7 @@ class UcxTransport final : public DataTransport {
     if (c.ep->failed()) return c.ep->failure();
     return absl::OkStatus();
   }
+
 
   // Closes `c` (so nothing of this attempt stays in flight on either end) and annotates `s`.
   absl::Status Fail(const std::shared_ptr<Connection>& c, const absl::Status& s, const char* what) {
@@ -275,7 +321,9 @@ class UcxTransport final : public DataTransport {
       ucx::OpGroup group(worker_.get());
       group.Recv(ucx::TrainerTag(Kind::kHelloReply, nonce), ucx::kExactMask, reply_bytes.data(), reply_bytes.size());
       group.Send(*c->ep, ucx::TrainerTag(Kind::kHello, nonce), hello_bytes.data(), hello_bytes.size());
-      absl::Status s = group.Wait(ToAbsl(deadline), [&] { return Aborted(*c); });
+      // Bounded on its own: a daemon that cannot be reached must leave the caller's deadline to
+      // the retry loop, which re-reads the placement.
+      absl::Status s = group.Wait(std::min(ToAbsl(deadline), absl::Now() + kHelloTimeout), [&] { return Aborted(*c); });
       if (s.ok() && !reply.ParseFromArray(reply_bytes.data(), static_cast<int>(group.received_bytes(0)))) {
         s = absl::InternalError("unparseable hello reply");
       }
