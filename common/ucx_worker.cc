@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "ucs/config/global_opts.h"
 
 namespace mainstay::ucx {
@@ -84,6 +85,7 @@ bool Endpoint::failed() const {
     absl::MutexLock lock(&failure_mu_);
     if (failure_.ok()) failure_ = absl::UnavailableError(absl::StrCat("the peer process (pid ", pid, ") exited"));
   }
+  peer_exited_.store(true);
   failed_.store(true);
   return true;
 }
@@ -138,9 +140,11 @@ void Endpoint::Close() {
 // ---------------------------------------------------------------------------------------------
 // Worker.
 
-absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(Options options) {
-  std::unique_ptr<Worker> w(new Worker());
-  w->options_ = std::move(options);
+namespace {
+
+using ContextPtr = std::shared_ptr<std::remove_pointer_t<ucp_context_h>>;
+
+absl::StatusOr<ContextPtr> NewContext(const std::string& name) {
   ucp_config_t* config = nullptr;
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
     return FromUcs(s, "reading the UCX configuration (UCX_* environment variables)");
@@ -151,16 +155,32 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(Options options) {
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
-  params.name = w->options_.name.c_str();
+  params.name = name.c_str();
   params.mt_workers_shared = 1;
-  const ucs_status_t init = ucp_init(&params, config, &w->context_);
+  ucp_context_h context = nullptr;
+  const ucs_status_t init = ucp_init(&params, config, &context);
   ucp_config_release(config);
   if (init != UCS_OK) return FromUcs(init, "ucp_init (no usable UCX transport? check UCX_TLS)");
+  return ContextPtr(context, [](ucp_context_h c) { ucp_cleanup(c); });
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(Options options) {
+  std::unique_ptr<Worker> w(new Worker());
+  w->options_ = std::move(options);
+  if (w->options_.share_context_of != nullptr) {
+    w->context_ = w->options_.share_context_of->context_;
+  } else {
+    absl::StatusOr<ContextPtr> context = NewContext(w->options_.name);
+    if (!context.ok()) return context.status();
+    w->context_ = *std::move(context);
+  }
 
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_MULTI;
-  if (ucs_status_t s = ucp_worker_create(w->context_, &wp, &w->worker_); s != UCS_OK) {
+  if (ucs_status_t s = ucp_worker_create(w->context_.get(), &wp, &w->worker_); s != UCS_OK) {
     return FromUcs(s, "ucp_worker_create");
   }
   ucp_worker_attr_t attr{};
@@ -190,7 +210,6 @@ Worker::~Worker() {
     thread_.join();
   }
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
-  if (context_ != nullptr) ucp_cleanup(context_);
 }
 
 std::string Worker::Describe() const {
@@ -224,8 +243,17 @@ void Worker::Loop() {
     for (auto& task : tasks) task();
     if (!tasks.empty()) continue;
     const auto now = std::chrono::steady_clock::now();
-    if (progressed != 0 || active_.load(std::memory_order_relaxed) > 0) {
+    if (progressed != 0) {
       idle_since = now;
+      continue;
+    }
+    if (active_.load(std::memory_order_relaxed) > 0) {
+      // Operations in flight: keep progressing (the event fd does not fire for everything, e.g.
+      // a TCP socket becoming writable again mid-transfer), but yield the core each round. A
+      // plain spin held a core against the threads doing the work (the handler's CRC, the
+      // peer's progress thread on the same host): on the 2-core CI machine a push's acceptance
+      // round trip took 7-12 ms that way, and 0.5-4 ms with the yield (bench/transport_bench).
+      std::this_thread::yield();
       continue;
     }
     if (now - idle_since < kSpin) continue;
@@ -364,13 +392,23 @@ void OpGroup::Recv(uint64_t tag, uint64_t mask, void* data, size_t size) {
 }
 
 absl::Status OpGroup::Wait(absl::Time deadline, const std::function<absl::Status()>& abort) {
-  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_ == 0 || !error_.ok(); };
+  return WaitFor([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_ == 0; }, deadline, abort);
+}
+
+absl::Status OpGroup::WaitRecv(size_t index, absl::Time deadline, const std::function<absl::Status()>& abort) {
+  const Slot* slot = recvs_.at(index);
+  return WaitFor([this, slot]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return slot->done; }, deadline, abort);
+}
+
+absl::Status OpGroup::WaitFor(const std::function<bool()>& finished, absl::Time deadline,
+                              const std::function<absl::Status()>& abort) {
+  auto done = [this, &finished]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finished() || !error_.ok(); };
   while (true) {
     {
       absl::MutexLock lock(&mu_);
       mu_.AwaitWithDeadline(absl::Condition(&done), std::min(deadline, absl::Now() + kWaitSlice));
       if (!error_.ok()) return error_;
-      if (pending_ == 0) return absl::OkStatus();
+      if (finished()) return absl::OkStatus();
     }
     if (abort) {
       if (absl::Status s = abort(); !s.ok()) return s;
@@ -388,7 +426,10 @@ void OpGroup::CancelAndDrain() {
   }
   // On the progress thread, the only one that completes receives: a receive still not done
   // there cannot complete between the check and the cancel.
-  worker_->RunOnProgressThread([this] {
+  // The task reads this group: it must have run before the group can go, even when every
+  // operation completes on its own meanwhile.
+  auto ran = std::make_shared<absl::Notification>();
+  worker_->RunOnProgressThread([this, ran] {
     for (Slot* s : recvs_) {
       bool done;
       {
@@ -397,7 +438,9 @@ void OpGroup::CancelAndDrain() {
       }
       if (!done && s->request != nullptr) ucp_request_cancel(worker_->worker(), s->request);
     }
+    ran->Notify();
   });
+  ran->WaitForNotification();
   absl::MutexLock lock(&mu_);
   auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_ == 0; };
   mu_.Await(absl::Condition(&drained));

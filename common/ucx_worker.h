@@ -27,6 +27,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -46,6 +47,7 @@ enum class Kind : uint8_t {
   kPushData = 6,    // trainer -> daemon: gradient payload chunks
   kPullData = 7,    // daemon -> trainer: parameter data chunks
   kPullScales = 8,  // daemon -> trainer: block scales, one message
+  kPushTrailer = 9, // trainer -> daemon: UcxPushTrailer after a push's payload
 };
 
 inline constexpr uint64_t kKindMask = uint64_t{0xff} << 56;
@@ -101,6 +103,8 @@ class Endpoint {
   // memory, so an endpoint whose only common transports are shm ones is made without it
   // (Worker::Connect); then WatchProcess, where the peer's pid is visible, stands in.
   bool detects_peer_failure() const { return peer_errors_; }
+  // The watched process (WatchProcess) was found gone.
+  bool peer_exited() const { return peer_exited_.load(); }
   // Counts the endpoint failed once process `pid` is gone (checked at most every 50 ms, by
   // failed()). For a peer on this host in this pid namespace (SameProcessSpace).
   void WatchProcess(int64_t pid) { watch_pid_.store(pid); }
@@ -119,6 +123,7 @@ class Endpoint {
   std::atomic<int64_t> watch_pid_{0};
   mutable std::atomic<int64_t> last_check_ns_{0};
   mutable std::atomic<bool> failed_{false};
+  mutable std::atomic<bool> peer_exited_{false};
   // Two locks: close_mu_ is held shared by senders while they post, and exclusively by Close
   // to mark the endpoint closed; failure_mu_ guards the failure, which UCX's error callback sets
   // on the progress thread (it must not wait for a sender, who may wait for that thread).
@@ -136,6 +141,11 @@ class Worker {
     // Called on the progress thread after each round of progress (the daemon dispatches its
     // incoming messages there). Must not block.
     std::function<void()> after_progress;
+    // Another worker whose UCP context this one shares (kept alive by it); null: a context of
+    // its own. A process that makes many workers (the daemon: one per connection) shares one:
+    // UCX sets up its transports once per context, and tearing a context down disturbed the
+    // shared-memory segments of the others (seen with UCX 1.13's sysv transport).
+    const Worker* share_context_of = nullptr;
   };
   static absl::StatusOr<std::unique_ptr<Worker>> Create(Options options);
   ~Worker();
@@ -165,7 +175,7 @@ class Worker {
   void Loop();
 
   Options options_;
-  ucp_context_h context_ = nullptr;
+  std::shared_ptr<std::remove_pointer_t<ucp_context_h>> context_;  // ucp_cleanup when the last user goes
   ucp_worker_h worker_ = nullptr;
   int event_fd_ = -1;
   std::string address_;
@@ -192,6 +202,10 @@ class OpGroup {
   // then outstanding receives are cancelled, and the caller must close the endpoints its sends
   // use before the group is destroyed.
   absl::Status Wait(absl::Time deadline, const std::function<absl::Status()>& abort);
+  // Waits, as Wait does, until only the receive posted `index`-th among receives completed (its
+  // buffer then holds the message while later operations are still in flight). An error of any
+  // operation of the group ends the wait.
+  absl::Status WaitRecv(size_t index, absl::Time deadline, const std::function<absl::Status()>& abort);
   // Size of the message that completed the receive posted `index`-th among receives.
   size_t received_bytes(size_t index) const;
   // Cancels outstanding receives and waits for every operation to complete.
@@ -209,6 +223,9 @@ class OpGroup {
   static void OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data);
   void Complete(Slot* slot, ucs_status_t status, size_t length);
   void Track(Slot* slot, ucs_status_ptr_t result, const char* what);
+  // `finished` is called under mu_.
+  absl::Status WaitFor(const std::function<bool()>& finished, absl::Time deadline,
+                       const std::function<absl::Status()>& abort);
 
   Worker* const worker_;
   std::deque<Slot> slots_;  // stable addresses: the callbacks' user data

@@ -57,9 +57,10 @@ class PyClient {
            const py::object& job_token, int32_t rank, double timeout_s, const std::string& admin_token,
            int64_t chunk_bytes, double initial_backoff_s, double max_backoff_s, const std::string& tls_ca_file,
            const std::string& tls_cert_file, const std::string& tls_key_file, const std::string& tls_server_name,
-           const std::string& transport) {
+           const std::string& transport, int64_t pull_buffer_cache_bytes) {
     ClientOptions o;
     o.transport = transport;
+    o.pull_buffer_cache_bytes = pull_buffer_cache_bytes;
     o.coordinator = coordinator;
     if (!spec_json.is_none()) o.job_spec_json = spec_json.cast<std::string>();
     if (!job_id.is_none()) o.job_id = job_id.cast<std::string>();
@@ -208,12 +209,13 @@ PYBIND11_MODULE(_mainstay, m) {
                        "steps and pulls. Methods are thread-safe; blocking calls release the GIL.")
       .def(py::init<const std::string&, const py::object&, const py::object&, const py::object&, int32_t, double,
                     const std::string&, int64_t, double, double, const std::string&, const std::string&,
-                    const std::string&, const std::string&, const std::string&>(),
+                    const std::string&, const std::string&, const std::string&, int64_t>(),
            py::arg("coordinator"), py::arg("spec_json") = py::none(), py::arg("job_id") = py::none(),
            py::arg("job_token") = py::none(), py::arg("rank") = 0, py::arg("timeout_s") = 60.0,
            py::arg("admin_token") = "", py::arg("chunk_bytes") = 4 << 20, py::arg("initial_backoff_s") = 0.05,
            py::arg("max_backoff_s") = 2.0, py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "",
-           py::arg("tls_key_file") = "", py::arg("tls_server_name") = "", py::arg("transport") = "")
+           py::arg("tls_key_file") = "", py::arg("tls_server_name") = "", py::arg("transport") = "",
+           py::arg("pull_buffer_cache_bytes") = -1)
       .def_readonly_static("LATEST", &Client::kLatestVersion)
       .def_property_readonly("job_id", [](PyClient& c) { return c.client().job_id(); })
       .def_property_readonly("job_token", [](PyClient& c) { return c.client().job_token(); })

@@ -90,6 +90,9 @@ absl::Status CheckOptions(const ClientOptions& o) {
     return InvalidArgumentError("chunk_bytes", "must be in [1 KiB, 4 MiB], got ", o.chunk_bytes);
   }
   if (o.push_threads < 0 || o.pull_threads < 0) return InvalidArgumentError("push_threads", "must be >= 0");
+  if (o.pull_buffer_cache_bytes < -1) {
+    return InvalidArgumentError("pull_buffer_cache_bytes", "must be >= 0, or -1 for the job's parameter bytes");
+  }
   if (!o.transport.empty() && o.transport != "auto" && !client_internal::ParseTransport(o.transport).ok()) {
     return InvalidArgumentError("transport", "'", o.transport, "' is not one of auto, grpc, ucx, nccl");
   }
@@ -367,6 +370,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   const int d = static_cast<int>(impl->layout->data_parallel_size);
   impl->push_pool = std::make_unique<client_internal::ThreadPool>(
       options.push_threads > 0 ? options.push_threads : std::max(4, d));
+  int64_t cache_bytes = options.pull_buffer_cache_bytes;
+  if (cache_bytes < 0) {
+    cache_bytes = 0;
+    for (const Bucket& b : impl->layout->buckets) cache_bytes += DataBytes(b.format, b.numel);
+  }
+  impl->pull_buffers = client_internal::BufferPool::Create(cache_bytes);
   impl->pull_pool = std::make_unique<client_internal::ThreadPool>(
       options.pull_threads > 0 ? options.pull_threads : std::max(4, d));
   return std::unique_ptr<Client>(new Client(std::move(impl)));

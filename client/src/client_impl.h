@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "client/src/buffer_pool.h"
 #include "client/src/thread_pool.h"
 #include "client/src/transport.h"
 #include "common/grpc_tls.h"
@@ -92,6 +93,9 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   // with CANCELLED) and wakes every backoff wait.
   bool shutting_down ABSL_GUARDED_BY(mu) = false;
   absl::flat_hash_set<grpc::ClientContext*> active_calls ABSL_GUARDED_BY(mu);
+
+  // Buffers of released PulledBuckets, reused by later pulls (ClientOptions.pull_buffer_cache_bytes).
+  std::shared_ptr<client_internal::BufferPool> pull_buffers;
 
   // Declared last: destroyed first, so their queued tasks finish while the rest is alive.
   std::unique_ptr<client_internal::ThreadPool> push_pool;

@@ -2,6 +2,7 @@
 // streams (one shard, or every shard of a bucket into one packed buffer).
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -79,6 +80,7 @@ absl::Status Client::Impl::StartTransports(Deadline deadline) {
   context.job_token = job_token;
   context.rank = options.rank;
   context.chunk_bytes = options.chunk_bytes;
+  context.push_crc32c = options.push_crc32c;
   context.kv_put = [this](const std::string& key, const std::string& value, std::chrono::milliseconds ttl,
                           Deadline kv_deadline) {
     v1::KvPutRequest request;
@@ -179,7 +181,7 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
   h->set_total_bytes(data.bytes());
   h->set_num_contributors(num_contributors);
   h->set_loss_scale(push_options.loss_scale);
-  bool crc_done = false;  // computed once, by the first attempt whose transport reads host memory
+  std::optional<uint32_t> crc;  // computed once, by the first attempt that puts it in the header
 
   PushResult result;
   const std::string what = absl::StrCat(kind == v1::PUSH_KIND_INITIAL_PARAMS ? "PushGrad(initial params)" : "PushGrad",
@@ -189,9 +191,12 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
       [&](const Route& route, grpc::ClientContext* context) -> absl::Status {
         MAINSTAY_ASSIGN_OR_RETURN(client_internal::DataTransport * transport, TransportFor(route.endpoint));
         h->set_placement_epoch(route.epoch);
-        if (options.push_crc32c && !crc_done && transport->HostReadable(data.data)) {
-          h->set_crc32c(::mainstay::Crc32c(data.data, data.bytes()));  // device memory: 0, "not sent"
-          crc_done = true;
+        // In the header for transports that send it first (device memory: 0, "not sent"); the
+        // others compute it as the chunks go.
+        h->clear_crc32c();
+        if (options.push_crc32c && transport->HostReadable(data.data) && !transport->ComputesPushCrc32c()) {
+          if (!crc) crc = ::mainstay::Crc32c(data.data, data.bytes());
+          h->set_crc32c(*crc);
         }
         absl::StatusOr<v1::PushGradResponse> response = transport->Push(route, *h, data, deadline, context);
         if (!response.ok()) return response.status();
@@ -340,7 +345,7 @@ PullHandle Client::Impl::SchedulePull(int32_t bucket, int32_t shard_begin, int32
   struct PullState {
     absl::Mutex mu;
     int remaining ABSL_GUARDED_BY(mu) = 0;
-    std::vector<uint8_t> data;
+    client_internal::PooledBytes data;
     std::vector<absl::StatusOr<PulledShard>> shards;
     std::promise<absl::StatusOr<PulledBucket>> promise;
   };
@@ -348,7 +353,7 @@ PullHandle Client::Impl::SchedulePull(int32_t bucket, int32_t shard_begin, int32
   const Bucket& b = layout->buckets[bucket];
   auto state = std::make_shared<PullState>();
   const int64_t base = DataBytes(b.format, shard_begin * b.shard_numel);
-  state->data.resize(DataBytes(b.format, shard_end * b.shard_numel) - base);
+  state->data = pull_buffers->Acquire(DataBytes(b.format, shard_end * b.shard_numel) - base);
   state->shards.resize(shard_end - shard_begin);
   {
     absl::MutexLock lock(&state->mu);
@@ -359,7 +364,7 @@ PullHandle Client::Impl::SchedulePull(int32_t bucket, int32_t shard_begin, int32
     pull_pool->Schedule([this, state, bucket, shard, shard_begin, shard_end, version, deadline, base] {
       const Bucket& bk = layout->buckets[bucket];
       const IndexRange bytes = ShardByteRange(bk, shard);
-      std::span<uint8_t> out = std::span<uint8_t>(state->data).subspan(bytes.begin - base, bytes.size());
+      std::span<uint8_t> out = state->data.span().subspan(bytes.begin - base, bytes.size());
       absl::StatusOr<PulledShard> r = PullShardSync(bucket, shard, version, out, deadline);
       {
         absl::MutexLock lock(&state->mu);

@@ -131,6 +131,7 @@ absl::Status ShardPullAssembler::OnData(const v1::ParamChunk& chunk) {
   }
   std::memcpy(data_out_.data() + DataBytes(bucket_.format, next_element_), chunk.data().data(), bytes);
   next_element_ += elements;
+  DataLanded(bytes);  // while the chunk is in cache
   return absl::OkStatus();
 }
 
@@ -152,6 +153,13 @@ absl::Status ShardPullAssembler::OnScales(const v1::ScaleChunk& chunk) {
   return absl::OkStatus();
 }
 
+void ShardPullAssembler::DataLanded(int64_t bytes) {
+  const int64_t n = std::min<int64_t>(bytes, static_cast<int64_t>(data_out_.size()) - crc_through_);
+  if (!have_header_ || n <= 0 || !verify_crc32c_ || expected_crc_ == 0) return;
+  crc_ = Crc32cExtend(crc_, data_out_.data() + crc_through_, static_cast<size_t>(n));
+  crc_through_ += n;
+}
+
 absl::Status ShardPullAssembler::Placed() {
   if (!have_header_) return Violation("data before the header");
   if (result_.unchanged) return Violation("data after an unchanged header");
@@ -171,7 +179,8 @@ absl::StatusOr<PulledShard> ShardPullAssembler::Finish() {
       return Violation("stream ended after ", next_scale_, " of ", result_.num_scales, " scales");
     }
     if (verify_crc32c_ && expected_crc_ != 0) {
-      const uint32_t crc = Crc32c(data_out_.data(), data_out_.size());
+      DataLanded(static_cast<int64_t>(data_out_.size()) - crc_through_);  // what no transport reported
+      const uint32_t crc = crc_;
       if (crc != expected_crc_) {
         return absl::DataLossError(absl::StrCat("PullParams data of bucket ", bucket_.index, " shard ", shard_.rank,
                                                 " has CRC-32C ", crc, ", the daemon sent ", expected_crc_));
@@ -182,7 +191,7 @@ absl::StatusOr<PulledShard> ShardPullAssembler::Finish() {
 }
 
 absl::StatusOr<PulledBucket> MakePulledBucket(std::shared_ptr<const Layout> layout, int32_t bucket,
-                                              int32_t shard_begin, std::vector<uint8_t> data,
+                                              int32_t shard_begin, PooledBytes data,
                                               std::vector<PulledShard> shards) {
   if (layout == nullptr || bucket < 0 || bucket >= static_cast<int32_t>(layout->buckets.size())) {
     return absl::InvalidArgumentError("MakePulledBucket: bad bucket");

@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/src/buffer_pool.h"
 #include "common/layout.h"
 #include "mainstay/pulled.h"
 #include "mainstay/v1/shard.pb.h"
@@ -30,7 +31,7 @@ struct __attribute__((visibility("hidden"))) PulledBucket::Impl {
   int32_t shard_end = 0;
   int64_t version = 0;
   bool unchanged = false;
-  std::vector<uint8_t> data;        // packed data of shards [shard_begin, shard_end); empty when unchanged
+  client_internal::PooledBytes data;  // packed data of shards [shard_begin, shard_end); empty when unchanged
   std::vector<PulledShard> shards;  // shard_end - shard_begin entries, in order
 };
 
@@ -50,9 +51,12 @@ class ShardPullAssembler {
   // For transports that place the payload themselves (ucx, nccl): after a header that is not
   // `unchanged`, the data goes to data_destination() (the whole shard) and the scales to
   // scale_destination(); Placed() then counts both as received, and Finish checks the CRC.
+  // DataLanded(bytes), optional, says the next `bytes` of data_destination() arrived (in order),
+  // so the CRC covers them now, while later chunks are still in flight.
   bool unchanged() const { return result_.unchanged; }
   std::span<uint8_t> data_destination() const { return data_out_; }
   std::span<uint8_t> scale_destination() { return result_.scales; }
+  void DataLanded(int64_t bytes);
   absl::Status Placed();
 
  private:
@@ -70,6 +74,8 @@ class ShardPullAssembler {
 
   bool have_header_ = false;
   uint32_t expected_crc_ = 0;
+  uint32_t crc_ = 0;            // CRC-32C of data_out_[0, crc_through_)
+  int64_t crc_through_ = 0;
   int64_t next_element_ = 0;   // elements of data received
   int64_t next_scale_ = 0;     // scale entries received
   PulledShard result_;
@@ -79,7 +85,7 @@ class ShardPullAssembler {
 // (DataBytes of their elements). The shards must agree on version and `unchanged`; ABORTED
 // otherwise (a latest pull raced a commit, or daemons disagree on the step's outcome): pull again.
 absl::StatusOr<PulledBucket> MakePulledBucket(std::shared_ptr<const Layout> layout, int32_t bucket,
-                                              int32_t shard_begin, std::vector<uint8_t> data,
+                                              int32_t shard_begin, PooledBytes data,
                                               std::vector<PulledShard> shards);
 
 }  // namespace client_internal

@@ -63,7 +63,7 @@ IndexRange PulledBucket::elements() const {
   return {impl_->shard_begin * n, impl_->shard_end * n};
 }
 std::span<const uint8_t> PulledBucket::data() const {
-  return impl_ ? std::span<const uint8_t>(impl_->data) : std::span<const uint8_t>();
+  return impl_ ? std::span<const uint8_t>(impl_->data.span()) : std::span<const uint8_t>();
 }
 const std::vector<PulledShard>& PulledBucket::shards() const {
   static const std::vector<PulledShard>* empty = new std::vector<PulledShard>();
@@ -121,7 +121,7 @@ absl::StatusOr<TensorView> PulledBucket::Tensor(int32_t tensor) const {
       fv.shard = s.shard;
       fv.elements = f.elements;
       const int64_t byte_begin = DataBytes(format, f.bucket_offset - covered_begin);
-      fv.data = std::span<const uint8_t>(impl_->data).subspan(byte_begin, DataBytes(format, f.elements.size()));
+      fv.data = std::span<const uint8_t>(impl_->data.span()).subspan(byte_begin, DataBytes(format, f.elements.size()));
       fv.scales = std::span<const uint8_t>(s.scales).subspan(f.scale_offset * entry, f.scale_blocks.size() * entry);
       fv.scale_blocks = f.scale_blocks;
       fv.scale = f.scale;
@@ -138,7 +138,7 @@ absl::StatusOr<TensorView> PulledBucket::Tensor(int32_t tensor) const {
   view.elements = {first.elements.begin, view.fragments.back().elements.end};
   view.complete = view.elements.begin == 0 && view.elements.end == t.numel;
   const int64_t data_begin = DataBytes(format, t.bucket_offset + first.elements.begin - covered_begin);
-  view.data = std::span<const uint8_t>(impl_->data).subspan(data_begin, DataBytes(format, view.elements.size()));
+  view.data = std::span<const uint8_t>(impl_->data.span()).subspan(data_begin, DataBytes(format, view.elements.size()));
   view.scale = first.scale;
   view.scale_inv = first.scale_inv;
   view.amax = first.amax;
@@ -198,7 +198,7 @@ absl::Status PulledBucket::DequantizeCovered(std::span<float> out) const {
       const int entry = ScaleEntryBytes(t.format);
       const int64_t offset = f.bucket_offset - covered.begin;
       kernels::QuantizedInputs in;
-      in.data = std::span<const uint8_t>(impl_->data).subspan(DataBytes(t.format, offset),
+      in.data = std::span<const uint8_t>(impl_->data.span()).subspan(DataBytes(t.format, offset),
                                                               DataBytes(t.format, f.elements.size()));
       in.block_scales =
           std::span<const uint8_t>(s.scales).subspan(f.scale_offset * entry, f.scale_blocks.size() * entry);

@@ -49,6 +49,7 @@ struct TransportContext {
   std::string job_token;
   int32_t rank = 0;
   int64_t chunk_bytes = 1 << 20;
+  bool push_crc32c = true;  // ClientOptions.push_crc32c, for transports that compute it themselves
   // Puts `value` under `key` in the coordinator's KV with a time to live (the nccl transport's
   // rendezvous). Unset for transports that do not need it.
   std::function<absl::Status(const std::string& key, const std::string& value, std::chrono::milliseconds ttl,
@@ -65,6 +66,10 @@ class DataTransport {
   // Whether the client may read a push's payload at `data` on the CPU (its CRC-32C): false for
   // device memory, which only the nccl transport takes.
   virtual bool HostReadable(const void* data) const { return true; }
+  // Whether the transport computes a push's CRC-32C itself, chunk by chunk while earlier chunks
+  // are in flight, and sends it after the payload (TransportContext.push_crc32c). Otherwise the
+  // client computes it before the push and the header carries it.
+  virtual bool ComputesPushCrc32c() const { return false; }
   // Pays this daemon's connection costs now (Client::Connect calls it for every daemon of the
   // placement, so the first push does not). Idempotent; the grpc transport has none.
   virtual absl::Status Attach(const v1::DaemonEndpoint& daemon, Deadline deadline) = 0;

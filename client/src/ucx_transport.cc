@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/src/transport.h"
+#include "common/crc32c.h"
 #include "common/error_detail.h"
 #include "common/status.h"
 #include "common/ucx_worker.h"
@@ -75,16 +76,17 @@ constexpr absl::Duration kHelloTimeout = absl::Seconds(10);
 
 class UcxTransport final : public DataTransport {
  public:
-  UcxTransport(const TransportContext& context, std::unique_ptr<ucx::Worker> worker)
+  UcxTransport(const TransportContext& context, std::shared_ptr<ucx::Worker> worker)
       : context_(context), worker_(std::move(worker)) {}
 
   ~UcxTransport() override {
     Shutdown();
     absl::MutexLock lock(&mu_);
-    connections_.clear();  // endpoints close before the worker goes
+    connections_.clear();  // each connection closes its endpoint before its worker may go
   }
 
   v1::Transport kind() const override { return v1::TRANSPORT_UCX; }
+  bool ComputesPushCrc32c() const override { return true; }
 
   absl::Status Attach(const v1::DaemonEndpoint& daemon, Deadline deadline) override {
     return ConnectionTo(daemon, deadline).status();
@@ -98,23 +100,35 @@ class UcxTransport final : public DataTransport {
     const uint64_t seq = next_seq_.fetch_add(1);
     v1::UcxRequest request;
     *request.mutable_push() = header;
+    request.set_crc32c_follows(context_.push_crc32c);
     const std::string request_bytes = Serialize(request, seq, deadline);
     std::string reply_bytes(ucx::kMaxControlBytes, '\0');
     Watch abort(this, route, *c);
 
     // The outcome's receive is posted first, so it is never an unexpected message.
-    ucx::OpGroup outcome(worker_.get());
+    ucx::OpGroup outcome(c->worker.get());
     outcome.Recv(ucx::TrainerTag(Kind::kReply, seq), ucx::kExactMask, reply_bytes.data(), reply_bytes.size());
     absl::StatusOr<v1::UcxReply> accept = Call(c, seq, request_bytes, Kind::kAccept, deadline, abort, "push request");
     if (!accept.ok()) return accept.status();
     if (absl::Status s = StatusOfReply(*accept); !s.ok()) return s;  // refused: nothing was sent, nothing stored
+    std::string trailer_bytes;  // alive until `outcome` completed
     if (!accept->duplicate()) {
       const int64_t chunk = ucx::PushChunkBytes(context_.chunk_bytes, data.element_bytes());
       const auto* bytes = static_cast<const uint8_t*>(data.data);
       const int64_t total = data.bytes();
+      uint32_t crc = 0;
       for (int64_t off = 0; off < total; off += chunk) {
-        outcome.Send(*c->ep, ucx::DaemonTag(Kind::kPushData, c->id, static_cast<uint32_t>(seq)), bytes + off,
-                     static_cast<size_t>(std::min(chunk, total - off)));
+        const size_t n = static_cast<size_t>(std::min(chunk, total - off));
+        outcome.Send(*c->ep, ucx::DaemonTag(Kind::kPushData, c->id, static_cast<uint32_t>(seq)), bytes + off, n);
+        // While this chunk is in flight (both only read the caller's buffer).
+        if (context_.push_crc32c) crc = Crc32cExtend(crc, bytes + off, n);
+      }
+      if (context_.push_crc32c) {
+        v1::UcxPushTrailer trailer;
+        trailer.set_crc32c(crc);
+        trailer_bytes = trailer.SerializeAsString();
+        outcome.Send(*c->ep, ucx::DaemonTag(Kind::kPushTrailer, c->id, static_cast<uint32_t>(seq)),
+                     trailer_bytes.data(), trailer_bytes.size());
       }
     }
     if (absl::Status s = outcome.Wait(ToAbsl(deadline), [&] { return abort(); }); !s.ok()) {
@@ -149,7 +163,7 @@ class UcxTransport final : public DataTransport {
     const std::span<uint8_t> data = assembler.data_destination();
     const std::span<uint8_t> scales = assembler.scale_destination();
     const int64_t chunk = ucx::PullChunkBytes(context_.chunk_bytes);
-    ucx::OpGroup group(worker_.get());
+    ucx::OpGroup group(c->worker.get());
     std::vector<size_t> expected;
     for (int64_t off = 0; off < static_cast<int64_t>(data.size()); off += chunk) {
       const size_t n = static_cast<size_t>(std::min<int64_t>(chunk, static_cast<int64_t>(data.size()) - off));
@@ -160,14 +174,20 @@ class UcxTransport final : public DataTransport {
       group.Recv(ucx::TrainerTag(Kind::kPullScales, seq), ucx::kExactMask, scales.data(), scales.size());
       expected.push_back(scales.size());
     }
-    if (absl::Status s = group.Wait(ToAbsl(deadline), [&] { return abort(); }); !s.ok()) return Fail(c, s, "pull payload");
+    // Chunk by chunk, in order: each is checked (and its bytes folded into the CRC) while later
+    // ones are still in flight.
+    const size_t data_chunks = expected.size() - (scales.empty() ? 0 : 1);
     for (size_t i = 0; i < expected.size(); ++i) {
+      if (absl::Status s = group.WaitRecv(i, ToAbsl(deadline), [&] { return abort(); }); !s.ok()) {
+        return Fail(c, s, "pull payload");
+      }
       if (group.received_bytes(i) != expected[i]) {
         return Fail(c,
                     absl::InternalError(absl::StrCat("chunk ", i, " of the pull has ", group.received_bytes(i),
                                                      " bytes, expected ", expected[i])),
                     "pull payload");
       }
+      if (i < data_chunks) assembler.DataLanded(static_cast<int64_t>(expected[i]));
     }
     return assembler.Placed();
   }
@@ -182,7 +202,7 @@ class UcxTransport final : public DataTransport {
     // Tell each daemon first (briefly), so it forgets the connection now rather than at UCX's
     // keepalive timeout; then close, which ends whatever is still in flight.
     std::deque<std::string> goodbyes;  // stable addresses while the sends run
-    ucx::OpGroup group(worker_.get());
+    std::deque<ucx::OpGroup> groups;  // one per connection (each has its worker)
     for (auto& [address, c] : connections) {
       if (c->ep->failed()) continue;
       v1::UcxRequest bye;
@@ -190,16 +210,20 @@ class UcxTransport final : public DataTransport {
       const uint64_t seq = next_seq_.fetch_add(1);
       bye.set_seq(seq);
       goodbyes.push_back(bye.SerializeAsString());
-      group.Send(*c->ep, ucx::DaemonTag(Kind::kRequest, c->id, static_cast<uint32_t>(seq)), goodbyes.back().data(),
-                 goodbyes.back().size());
+      groups.emplace_back(c->worker.get());
+      groups.back().Send(*c->ep, ucx::DaemonTag(Kind::kRequest, c->id, static_cast<uint32_t>(seq)),
+                         goodbyes.back().data(), goodbyes.back().size());
     }
-    group.Wait(absl::Now() + absl::Milliseconds(200), nullptr).IgnoreError();
+    const absl::Time until = absl::Now() + absl::Milliseconds(200);
+    for (ucx::OpGroup& group : groups) group.Wait(until, nullptr).IgnoreError();
     for (auto& [address, c] : connections) c->ep->Close();
   }
 
  private:
+  // Members are destroyed bottom up: the endpoint closes before its worker may go.
   struct Connection {
-    std::shared_ptr<ucx::Endpoint> ep;
+    std::shared_ptr<ucx::Worker> worker;  // the client's worker when the connection was opened
+    std::shared_ptr<ucx::Endpoint> ep;    // to the daemon's worker for this connection
     uint32_t id = 0;
     std::string ep_key;  // the daemon's worker address: connections_' key
     std::string daemon;  // "id (address)", for messages
@@ -243,7 +267,7 @@ class UcxTransport final : public DataTransport {
   absl::StatusOr<v1::UcxReply> Call(const std::shared_ptr<Connection>& c, uint64_t seq, const std::string& request,
                                     Kind answer, Deadline deadline, Watch& abort, const char* what) {
     std::string bytes(ucx::kMaxControlBytes, '\0');
-    ucx::OpGroup group(worker_.get());
+    ucx::OpGroup group(c->worker.get());
     group.Recv(ucx::TrainerTag(answer, seq), ucx::kExactMask, bytes.data(), bytes.size());
     group.Send(*c->ep, ucx::DaemonTag(Kind::kRequest, c->id, static_cast<uint32_t>(seq)), request.data(),
                request.size());
@@ -272,11 +296,26 @@ class UcxTransport final : public DataTransport {
 
   // Closes `c` (so nothing of this attempt stays in flight on either end) and annotates `s`.
   absl::Status Fail(const std::shared_ptr<Connection>& c, const absl::Status& s, const char* what) {
+    c->ep->failed();  // runs the process watch once more
+    const bool peer_exited = c->ep->peer_exited();
     c->ep->Close();
+    // A daemon that died while connected over shared memory may have died in the middle of a
+    // write into this worker's receive queue, which then stalls for good (UCX 1.13 does not
+    // recover it): later connections get a fresh worker. This one stays with the connections
+    // that use it (to other daemons, over other transports) until they end.
+    std::shared_ptr<ucx::Worker> fresh;
+    if (peer_exited) {
+      ucx::Worker::Options options;
+      options.name = absl::StrCat("mainstay-trainer-", context_.rank);
+      if (absl::StatusOr<std::unique_ptr<ucx::Worker>> w = ucx::Worker::Create(std::move(options)); w.ok()) {
+        fresh = *std::move(w);
+      }
+    }
     {
       absl::MutexLock lock(&mu_);
       auto it = connections_.find(c->ep_key);
       if (it != connections_.end() && it->second == c) connections_.erase(it);
+      if (fresh != nullptr && worker_ == c->worker) worker_ = std::move(fresh);
     }
     absl::Status out = s;
     if (shutdown_.load()) out = absl::CancelledError("the client is shutting down");
@@ -302,13 +341,21 @@ class UcxTransport final : public DataTransport {
     auto c = std::make_shared<Connection>();
     c->daemon = absl::StrCat(daemon.daemon_id(), " (", daemon.address(), ")");
     c->ep_key = key;
-    absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep = worker_->Connect(key, nullptr);
-    if (!ep.ok()) return absl::UnavailableError(absl::StrCat("UCX to daemon ", c->daemon, ": ", ep.status().message()));
-    c->ep = *std::move(ep);
+    {
+      absl::MutexLock lock(&mu_);
+      c->worker = worker_;
+    }
+    // The hello goes to the daemon's listening worker; the connection then uses the worker the
+    // daemon started for it (UcxHelloReply.data_worker_address).
+    absl::StatusOr<std::shared_ptr<ucx::Endpoint>> hello_ep = c->worker->Connect(key, nullptr);
+    if (!hello_ep.ok()) {
+      return absl::UnavailableError(absl::StrCat("UCX to daemon ", c->daemon, ": ", hello_ep.status().message()));
+    }
+    c->ep = *hello_ep;
 
     const uint64_t nonce = next_seq_.fetch_add(1);
     v1::UcxHello hello;
-    hello.set_worker_address(worker_->address());
+    hello.set_worker_address(c->worker->address());
     hello.set_nonce(nonce);
     hello.set_job_id(context_.job_id);
     hello.set_rank(context_.rank);
@@ -318,7 +365,7 @@ class UcxTransport final : public DataTransport {
     std::string reply_bytes(ucx::kMaxControlBytes, '\0');
     v1::UcxHelloReply reply;
     {
-      ucx::OpGroup group(worker_.get());
+      ucx::OpGroup group(c->worker.get());
       group.Recv(ucx::TrainerTag(Kind::kHelloReply, nonce), ucx::kExactMask, reply_bytes.data(), reply_bytes.size());
       group.Send(*c->ep, ucx::TrainerTag(Kind::kHello, nonce), hello_bytes.data(), hello_bytes.size());
       // Bounded on its own: a daemon that cannot be reached must leave the caller's deadline to
@@ -333,6 +380,15 @@ class UcxTransport final : public DataTransport {
       }
     }
     c->id = reply.connection_id();
+    if (!reply.data_worker_address().empty()) {
+      absl::StatusOr<std::shared_ptr<ucx::Endpoint>> data_ep = c->worker->Connect(reply.data_worker_address(), nullptr);
+      c->ep->Close();  // the hello endpoint: nothing more goes to the listening worker
+      if (!data_ep.ok()) {
+        return absl::UnavailableError(
+            absl::StrCat("UCX to daemon ", c->daemon, " (its connection's worker): ", data_ep.status().message()));
+      }
+      c->ep = *std::move(data_ep);
+    }
     WatchPeer(*c->ep, reply.process());
     absl::MutexLock lock(&mu_);
     connections_[key] = c;
@@ -340,12 +396,12 @@ class UcxTransport final : public DataTransport {
   }
 
   const TransportContext context_;
-  const std::unique_ptr<ucx::Worker> worker_;
   std::atomic<uint64_t> next_seq_{1};
   std::atomic<bool> shutdown_{false};
   absl::Mutex connect_mu_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);  // by worker address
+  std::shared_ptr<ucx::Worker> worker_ ABSL_GUARDED_BY(mu_);  // for new connections
 };
 
 }  // namespace

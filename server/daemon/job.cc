@@ -310,6 +310,8 @@ absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHe
   session->numel_ = numel;
   session->elem_bytes_ = ElementBytes(dtype);
   session->duplicate_ = duplicate;
+  session->track_crc_ = !duplicate && h.crc32c() != 0;
+  session->expected_crc_ = h.crc32c();
   if (!duplicate) {
     // A buffer of an earlier step, if one fits: no allocation, no zero-fill, no page faults
     // (every byte is overwritten: a push is stored only once all of it arrived).
@@ -345,24 +347,35 @@ absl::Status PushSession::AddChunk(int64_t element_offset, const std::string& da
     return absl::InvalidArgumentError(absl::StrCat("PushGrad: chunk of ", n, " elements at ", element_offset,
                                                    " overruns the shard of ", numel_, " elements"));
   }
-  if (!duplicate_) std::memcpy(buffer_.data() + received_ * elem_bytes_, data.data(), data.size());
+  if (!duplicate_) {
+    uint8_t* at = buffer_.data() + received_ * elem_bytes_;
+    std::memcpy(at, data.data(), data.size());
+    if (track_crc_) crc_ = ::mainstay::Crc32cExtend(crc_, at, data.size());
+  }
   received_ += n;
   failed_ = false;
   return absl::OkStatus();
 }
 
+void PushSession::Landed(int64_t bytes) {
+  const int64_t n = std::min(bytes / elem_bytes_, numel_ - received_);
+  if (n <= 0 || duplicate_) return;
+  if (track_crc_) {
+    crc_ = ::mainstay::Crc32cExtend(crc_, buffer_.data() + received_ * elem_bytes_, static_cast<size_t>(n) * elem_bytes_);
+  }
+  received_ += n;
+}
+
 absl::StatusOr<v1::PushGradResponse> PushSession::Finish() {
   if (failed_) return absl::InvalidArgumentError("PushGrad: the stream failed; nothing was stored");
+  if (duplicate_ && received_ == 0) received_ = numel_;  // a duplicate needs no payload (ucx, nccl send none)
   if (received_ != numel_) {
     return absl::InvalidArgumentError(absl::StrCat("PushGrad: the stream ended after ", received_, " of ", numel_,
                                                    " elements; nothing was stored"));
   }
-  if (!duplicate_ && header_.crc32c() != 0) {
-    const uint32_t crc = ::mainstay::Crc32c(buffer_.data(), buffer_.size());
-    if (crc != header_.crc32c()) {
-      return absl::DataLossError(absl::StrCat("PushGrad: CRC-32C of the payload is ", crc, ", the header says ",
-                                              header_.crc32c(), "; nothing was stored"));
-    }
+  if (!duplicate_ && track_crc_ && expected_crc_ != 0 && crc_ != expected_crc_) {
+    return absl::DataLossError(absl::StrCat("PushGrad: CRC-32C of the payload is ", crc_, ", the trainer sent ",
+                                            expected_crc_, "; nothing was stored"));
   }
   return job_->StorePush(*this);
 }

@@ -132,11 +132,18 @@ class PushSession {
 
   // For transports that place the payload themselves (ucx, nccl) instead of AddChunk calls: a
   // duplicate push needs no payload; otherwise the whole payload (numel elements of the header's
-  // dtype) goes to destination(), and Placed() then counts it as received.
+  // dtype) goes to destination(), in order, and Landed(bytes) says that the next `bytes` of it
+  // arrived (whole elements). The payload's CRC-32C, when checked, is extended over those bytes
+  // there, while later bytes are still in flight.
   bool duplicate() const { return duplicate_; }
   int element_bytes() const { return elem_bytes_; }
   std::span<uint8_t> destination() { return duplicate_ ? std::span<uint8_t>() : std::span<uint8_t>(buffer_); }
-  void Placed() { received_ = numel_; }
+  void Landed(int64_t bytes);
+  // A transport whose trainer sends the CRC-32C after the payload (the header's is then 0):
+  // ExpectTrailingCrc32c before the payload lands, SetTrailingCrc32c once the trailer came
+  // (0: the trainer sent none, nothing is checked).
+  void ExpectTrailingCrc32c() { track_crc_ = !duplicate_; }
+  void SetTrailingCrc32c(uint32_t crc) { expected_crc_ = crc; }
 
  private:
   friend class Job;
@@ -148,6 +155,11 @@ class PushSession {
   int64_t received_ = 0;
   std::vector<uint8_t> buffer_;
   bool failed_ = false;
+  // The payload's CRC-32C, computed as it arrives (a chunk is still in cache): tracked when the
+  // header carries one, or a trailer will.
+  bool track_crc_ = false;
+  uint32_t crc_ = 0;
+  uint32_t expected_crc_ = 0;
 };
 
 class Job : public std::enable_shared_from_this<Job> {

@@ -282,7 +282,7 @@ class Server final : public NcclChannelServer {
     // Dropped with the session on failure: nothing of this push is stored.
     MAINSTAY_RETURN_IF_ERROR(c.link->RecvToHost(dest.data(), static_cast<int64_t>(dest.size()), deadline,
                                                 [&] { return Interrupted(cancelled); }));
-    push.Placed();
+    push.Landed(static_cast<int64_t>(dest.size()));
     absl::StatusOr<v1::PushGradResponse> stored = push.Finish();
     if (!stored.ok()) {
       write(ErrorReply(stored.status()));

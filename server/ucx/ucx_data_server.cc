@@ -24,27 +24,51 @@ constexpr int64_t kMaxTimeoutMs = 3600 * 1000;
 constexpr absl::Duration kControlTimeout = absl::Seconds(30);
 constexpr absl::Duration kWaitSlice = absl::Milliseconds(500);
 
-// One trainer connection (opened by its hello).
-struct Connection {
-  uint32_t id = 0;
-  std::shared_ptr<ucx::Endpoint> ep;
-  std::string job_id;
-  int32_t rank = 0;
-  std::string node;
-  std::atomic<bool> dropped{false};
-};
-
 // A standing receive of one kind of incoming control message, driven by the progress thread.
 struct Inbox {
   explicit Inbox(Kind k) : kind(k), buffer(ucx::kMaxControlBytes) {}
   const Kind kind;
   std::vector<char> buffer;
   void* request = nullptr;  // posted and not yet freed (progress thread only)
-  bool cancelled = false;   // by Poll, once stopping (progress thread only)
+  bool cancelled = false;   // once stopping (progress thread only)
   std::atomic<bool> done{false};
   ucs_status_t status = UCS_OK;
   ucp_tag_t tag = 0;
   size_t length = 0;
+  std::atomic<bool> freed{false};  // cancelled and released for good
+};
+
+// One trainer connection (opened by its hello), served by a UCP worker of its own: the
+// listening worker takes hellos only. Over shared memory every sender writes into the
+// receiver's one queue, and a sender killed in the middle of a write leaves an entry that never
+// completes, stalling everything queued behind it (UCX 1.13's shared-memory transports do not
+// recover); with a worker per trainer, a dead trainer stalls only its own, which goes with it.
+//
+// Lifetime: shared by the connection table and the handler threads working on it. The worker's
+// progress thread reads it through a raw pointer (the worker is destroyed first, in the
+// destructor), and never holds a reference, so the destructor never runs on that thread.
+struct Connection {
+  uint32_t id = 0;
+  std::shared_ptr<ucx::Endpoint> ep;  // from `worker` to the trainer's worker
+  std::string job_id;
+  int32_t rank = 0;
+  std::string node;
+  std::atomic<bool> dropped{false};
+  std::atomic<bool> ready{false};   // `worker` and `ep` are set: the inbox may be posted
+  std::atomic<bool> failed{false};  // UCX reported the endpoint failed: drop it
+  Inbox requests{Kind::kRequest};
+  std::unique_ptr<ucx::Worker> worker;
+
+  ~Connection() {
+    if (worker == nullptr) return;
+    dropped.store(true);
+    worker->Signal();
+    // The progress thread cancels and frees the standing receive before the worker goes.
+    while (ready.load() && !requests.freed.load()) absl::SleepFor(absl::Milliseconds(1));
+    if (ep != nullptr) ep->Close();  // needs the progress thread
+    worker.reset();                  // joins it: nothing reads `ep` afterwards
+    ep.reset();
+  }
 };
 
 v1::UcxReply ErrorReply(const absl::Status& status) {
@@ -91,7 +115,7 @@ class Server final : public UcxDataServer {
       stopping_ = true;
     }
     if (worker_ == nullptr) return;
-    worker_->Signal();  // Poll cancels the inboxes' receives
+    worker_->Signal();  // Poll cancels the hello inbox's receive
     std::map<uint32_t, std::shared_ptr<Connection>> conns;
     {
       absl::MutexLock lock(&mu_);
@@ -99,14 +123,15 @@ class Server final : public UcxDataServer {
     }
     for (auto& [id, c] : conns) Drop(c, "the daemon is stopping");
     absl::MutexLock lock(&mu_);
-    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return running_ == 0 && inbox_freed_ == 2; };
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return running_ == 0 && hello_freed_; };
     mu_.Await(absl::Condition(&idle));
     connections_.clear();
   }
 
  private:
-  // ---- Progress thread.
+  // ---- Progress threads.
 
+  // The listening worker's: hellos.
   void Poll() {
     if (!ready_.load()) return;  // the progress thread starts before Init has stored worker_
     bool stopping;
@@ -114,31 +139,65 @@ class Server final : public UcxDataServer {
       absl::MutexLock lock(&mu_);
       stopping = stopping_;
     }
-    for (Inbox* inbox : {&hello_, &request_}) {
-      if (stopping && inbox->request != nullptr && !inbox->cancelled) {
-        ucp_request_cancel(worker_->worker(), inbox->request);
-        inbox->cancelled = true;
-      }
-      for (int round = 0; round < 16; ++round) {  // drain what queued up, within reason
-        if (inbox->request != nullptr) {
-          if (!inbox->done.load(std::memory_order_acquire)) break;
-          ucp_request_free(inbox->request);
-          inbox->request = nullptr;
-          Deliver(*inbox);
-        }
-        if (inbox->request == nullptr && !Post(*inbox)) break;
-      }
+    if (DrainInbox(*worker_, hello_, stopping, [this](Inbox& inbox) {
+          std::string message(inbox.buffer.data(), inbox.length);
+          Spawn([this, message = std::move(message)] { OnHello(message); });
+        })) {
+      absl::MutexLock lock(&mu_);
+      hello_freed_ = true;
     }
-    if (any_failed_.exchange(false)) {
-      std::vector<std::shared_ptr<Connection>> failed;
-      {
-        absl::MutexLock lock(&mu_);
-        for (auto& [id, c] : connections_) {
-          if (c->ep->failed()) failed.push_back(c);
+  }
+
+  // A connection's worker's: its requests, and its endpoint's failure. Never holds a reference
+  // to the connection (see Connection).
+  void PollConnection(Connection* c) {
+    if (!c->ready.load()) return;
+    bool stopping;
+    {
+      absl::MutexLock lock(&mu_);
+      stopping = stopping_;
+    }
+    const uint32_t id = c->id;
+    DrainInbox(*c->worker, c->requests, stopping || c->dropped.load(), [this, id](Inbox& inbox) {
+      std::string message(inbox.buffer.data(), inbox.length);
+      const uint64_t tag = inbox.tag;
+      Spawn([this, id, tag, message = std::move(message)] { OnRequest(id, tag, message); });
+    });
+    if (c->ep->failed() && !c->failed.exchange(true)) {
+      Spawn([this, id] {
+        if (std::shared_ptr<Connection> conn = Find(id)) Drop(conn, std::string(conn->ep->failure().message()));
+      });
+    }
+  }
+
+  // Delivers what arrived in `inbox` (within reason) and keeps its receive posted; once
+  // `closing`, cancels it instead. True once the receive is cancelled and freed for good.
+  template <typename DeliverFn>
+  bool DrainInbox(ucx::Worker& worker, Inbox& inbox, bool closing, const DeliverFn& deliver) {
+    if (inbox.freed.load()) return true;
+    if (closing && inbox.request != nullptr && !inbox.cancelled) {
+      ucp_request_cancel(worker.worker(), inbox.request);
+      inbox.cancelled = true;
+    }
+    for (int round = 0; round < 16; ++round) {
+      if (inbox.request != nullptr) {
+        if (!inbox.done.load(std::memory_order_acquire)) return false;
+        ucp_request_free(inbox.request);
+        inbox.request = nullptr;
+        if (inbox.status == UCS_OK) {
+          deliver(inbox);
+        } else if (inbox.status != UCS_ERR_CANCELED) {
+          Log(LogLevel::kWarning, kComponent,
+              absl::StrCat("dropped an incoming message: ", ucs_status_string(inbox.status)));
         }
       }
-      for (auto& c : failed) Drop(c, std::string(c->ep->failure().message()));
+      if (closing) {
+        inbox.freed.store(true);
+        return true;
+      }
+      if (!Post(worker, inbox)) return false;
     }
+    return false;
   }
 
   static void OnInbox(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data) {
@@ -151,18 +210,8 @@ class Server final : public UcxDataServer {
     inbox->done.store(true, std::memory_order_release);
   }
 
-  // Posts the inbox's receive (it completes through OnInbox; false: not posted).
-  bool Post(Inbox& inbox) {
-    bool stopping;
-    {
-      absl::MutexLock lock(&mu_);
-      stopping = stopping_;
-      if (stopping && inbox.request == nullptr && !inbox_counted_[inbox.kind == Kind::kHello ? 0 : 1]) {
-        inbox_counted_[inbox.kind == Kind::kHello ? 0 : 1] = true;
-        ++inbox_freed_;
-      }
-    }
-    if (stopping) return false;
+  // Posts the inbox's receive on `worker` (it completes through OnInbox; false: not posted).
+  bool Post(ucx::Worker& worker, Inbox& inbox) {
     inbox.done.store(false);
     // Always through the callback (UCX 1.13 leaves recv_info unset for some immediate
     // completions: the sender's tag would be lost).
@@ -170,7 +219,7 @@ class Server final : public UcxDataServer {
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     param.cb.recv = &Server::OnInbox;
     param.user_data = &inbox;
-    ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_->worker(), inbox.buffer.data(), inbox.buffer.size(),
+    ucs_status_ptr_t r = ucp_tag_recv_nbx(worker.worker(), inbox.buffer.data(), inbox.buffer.size(),
                                           ucx::KindTag(inbox.kind), ucx::kKindMask, &param);
     if (UCS_PTR_IS_ERR(r) || r == nullptr) {
       Log(LogLevel::kError, kComponent,
@@ -181,21 +230,10 @@ class Server final : public UcxDataServer {
     return true;
   }
 
-  void Deliver(Inbox& inbox) {
-    if (inbox.status != UCS_OK) {
-      if (inbox.status != UCS_ERR_CANCELED) {
-        Log(LogLevel::kWarning, kComponent,
-            absl::StrCat("dropped an incoming message: ", ucs_status_string(inbox.status)));
-      }
-      return;
-    }
-    std::string message(inbox.buffer.data(), inbox.length);
-    const uint64_t tag = inbox.tag;
-    if (inbox.kind == Kind::kHello) {
-      Spawn([this, message = std::move(message)] { OnHello(message); });
-    } else {
-      Spawn([this, tag, message = std::move(message)] { OnRequest(tag, message); });
-    }
+  std::shared_ptr<Connection> Find(uint32_t id) {
+    absl::MutexLock lock(&mu_);
+    auto it = connections_.find(id);
+    return it == connections_.end() ? nullptr : it->second;
   }
 
   // ---- Handler threads.
@@ -216,10 +254,14 @@ class Server final : public UcxDataServer {
   void Drop(const std::shared_ptr<Connection>& c, const std::string& why) {
     if (c->dropped.exchange(true)) return;
     c->ep->Close();
+    std::shared_ptr<Connection> removed;  // released outside the lock (~Connection waits for its worker)
     {
       absl::MutexLock lock(&mu_);
       auto it = connections_.find(c->id);
-      if (it != connections_.end() && it->second == c) connections_.erase(it);
+      if (it != connections_.end() && it->second == c) {
+        removed = std::move(it->second);
+        connections_.erase(it);
+      }
     }
     options_.daemon->connections()->Close(c->job_id, c->rank, v1::TRANSPORT_UCX, c->node);
     Log(LogLevel::kInfo, kComponent,
@@ -243,10 +285,20 @@ class Server final : public UcxDataServer {
     c->job_id = hello.job_id();
     c->rank = hello.rank();
     c->node = hello.node_name();
-    absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep = worker_->Connect(hello.worker_address(), [this](const absl::Status&) {
-      any_failed_.store(true);
-      worker_->Signal();
-    });
+    ucx::Worker::Options wo;
+    wo.name = "mainstayd-connection";
+    wo.share_context_of = worker_.get();
+    Connection* raw = c.get();
+    wo.after_progress = [this, raw] { PollConnection(raw); };
+    absl::StatusOr<std::unique_ptr<ucx::Worker>> w = ucx::Worker::Create(std::move(wo));
+    if (!w.ok()) {
+      Log(LogLevel::kWarning, kComponent, absl::StrCat("cannot start a UCX worker for a trainer: ", w.status().message()));
+      return;
+    }
+    c->worker = *std::move(w);
+    ucx::Worker* worker = c->worker.get();
+    absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep =
+        c->worker->Connect(hello.worker_address(), [worker](const absl::Status&) { worker->Signal(); });
     if (!ep.ok()) {
       Log(LogLevel::kWarning, kComponent, absl::StrCat("cannot connect back to a trainer: ", ep.status().message()));
       return;
@@ -264,9 +316,11 @@ class Server final : public UcxDataServer {
       c->id = next_id_;
       connections_[c->id] = c;
     }
+    c->ready.store(true);  // its progress thread posts the request inbox now
     options_.daemon->connections()->Record(c->job_id, c->rank, v1::TRANSPORT_UCX, c->node, 0, 0, /*open=*/true);
     v1::UcxHelloReply reply;
     reply.set_connection_id(c->id);
+    reply.set_data_worker_address(c->worker->address());
     const ucx::ProcessIdentity& self = ucx::ProcessIdentity::Self();
     reply.mutable_process()->set_boot_id(self.boot_id);
     reply.mutable_process()->set_pid_namespace(self.pid_namespace);
@@ -285,7 +339,7 @@ class Server final : public UcxDataServer {
       }
     }
     const std::string bytes = reply.SerializeAsString();
-    ucx::OpGroup group(worker_.get());
+    ucx::OpGroup group(c->worker.get());
     group.Send(*c->ep, ucx::TrainerTag(Kind::kHelloReply, hello.nonce()), bytes.data(), bytes.size());
     if (absl::Status s = group.Wait(absl::Now() + kControlTimeout, [&] { return Abort(*c); }); !s.ok()) {
       Drop(c, absl::StrCat("hello reply: ", s.message()));
@@ -295,16 +349,12 @@ class Server final : public UcxDataServer {
         absl::StrCat("connection ", c->id, ": job ", c->job_id, " rank ", c->rank, " from ", c->node));
   }
 
-  void OnRequest(uint64_t tag, const std::string& message) {
-    const uint32_t id = ucx::ConnectionOfTag(tag);
-    std::shared_ptr<Connection> c;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = connections_.find(id);
-      if (it != connections_.end()) c = it->second;
-    }
-    if (c == nullptr) {
-      Log(LogLevel::kWarning, kComponent, absl::StrCat("request on unknown connection ", id, " ignored"));
+  // A request that arrived on connection `id`'s worker.
+  void OnRequest(uint32_t id, uint64_t tag, const std::string& message) {
+    std::shared_ptr<Connection> c = Find(id);
+    if (c == nullptr) return;  // dropped meanwhile
+    if (ucx::ConnectionOfTag(tag) != id) {
+      Drop(c, absl::StrCat("a request naming connection ", ucx::ConnectionOfTag(tag), " (protocol violation)"));
       return;
     }
     v1::UcxRequest request;
@@ -338,7 +388,7 @@ class Server final : public UcxDataServer {
   // Sends one control reply and waits for it.
   void Answer(const std::shared_ptr<Connection>& c, Kind kind, uint64_t seq, const v1::UcxReply& reply) {
     const std::string bytes = reply.SerializeAsString();
-    ucx::OpGroup group(worker_.get());
+    ucx::OpGroup group(c->worker.get());
     group.Send(*c->ep, ucx::TrainerTag(kind, seq), bytes.data(), bytes.size());
     if (absl::Status s = group.Wait(absl::Now() + kControlTimeout, [&] { return Abort(*c); }); !s.ok()) {
       Drop(c, absl::StrCat("reply: ", s.message()));
@@ -361,8 +411,10 @@ class Server final : public UcxDataServer {
     const std::string accept_bytes = accept.SerializeAsString();
     std::vector<size_t> expected;
     int64_t total = 0;
+    const bool trailer = request.crc32c_follows() && !push.duplicate();
+    if (trailer) push.ExpectTrailingCrc32c();
     {
-      ucx::OpGroup group(worker_.get());
+      ucx::OpGroup group(c->worker.get());
       // The chunks' receives go first: the payload never waits as an unexpected message.
       const std::span<uint8_t> dest = push.destination();
       const int64_t chunk = ucx::PushChunkBytes(request.chunk_bytes(), push.element_bytes());
@@ -372,25 +424,47 @@ class Server final : public UcxDataServer {
                    dest.data() + off, n);
         expected.push_back(n);
       }
+      std::string trailer_bytes(trailer ? ucx::kMaxControlBytes : 0, '\0');
+      if (trailer) {
+        group.Recv(ucx::DaemonTag(Kind::kPushTrailer, c->id, static_cast<uint32_t>(seq)), ucx::kExactMask,
+                   trailer_bytes.data(), trailer_bytes.size());
+      }
       total = static_cast<int64_t>(dest.size());
       group.Send(*c->ep, ucx::TrainerTag(Kind::kAccept, seq), accept_bytes.data(), accept_bytes.size());
-      if (absl::Status s = group.Wait(deadline, [&] { return Abort(*c); }); !s.ok()) {
+      const auto abort = [&] { return Abort(*c); };
+      // Chunk by chunk, in order: each is counted (and folded into the CRC) while later ones are
+      // still in flight. A chunk of the wrong size ends that; the rest is still received.
+      absl::Status bad_chunk;
+      absl::Status s;
+      for (size_t i = 0; i < expected.size() && s.ok() && bad_chunk.ok(); ++i) {
+        s = group.WaitRecv(i, deadline, abort);
+        if (!s.ok()) break;
+        if (group.received_bytes(i) != expected[i]) {
+          bad_chunk = absl::InvalidArgumentError(absl::StrCat("PushGrad: chunk ", i, " has ", group.received_bytes(i),
+                                                              " bytes, expected ", expected[i], " (chunk_bytes ",
+                                                              request.chunk_bytes(), "); nothing was stored"));
+        } else {
+          push.Landed(static_cast<int64_t>(expected[i]));
+        }
+      }
+      if (s.ok()) s = group.Wait(deadline, abort);
+      if (!s.ok()) {
         // The trainer died, went silent past its timeout, or the daemon is stopping: the session
         // goes with this scope, nothing of the push is stored.
         Drop(c, absl::StrCat("push of job ", h.job_id(), " bucket ", h.bucket(), " shard ", h.shard(), " step ", h.step(),
                              " abandoned (", s.message(), "); nothing was stored"));
         return;
       }
-      for (size_t i = 0; i < expected.size(); ++i) {
-        if (group.received_bytes(i) != expected[i]) {
+      if (!bad_chunk.ok()) return Answer(c, Kind::kReply, seq, ErrorReply(bad_chunk));
+      if (trailer) {
+        v1::UcxPushTrailer t;
+        if (!t.ParseFromArray(trailer_bytes.data(), static_cast<int>(group.received_bytes(expected.size())))) {
           return Answer(c, Kind::kReply, seq,
-                        ErrorReply(absl::InvalidArgumentError(absl::StrCat(
-                            "PushGrad: chunk ", i, " has ", group.received_bytes(i), " bytes, expected ", expected[i],
-                            " (chunk_bytes ", request.chunk_bytes(), "); nothing was stored"))));
+                        ErrorReply(absl::InvalidArgumentError("PushGrad: an unparseable CRC trailer; nothing was stored")));
         }
+        push.SetTrailingCrc32c(t.crc32c());
       }
     }
-    push.Placed();
     absl::StatusOr<v1::PushGradResponse> stored = push.Finish();
     if (!stored.ok()) return Answer(c, Kind::kReply, seq, ErrorReply(stored.status()));
     if (pushed_bytes_ != nullptr) pushed_bytes_->Increment(static_cast<double>(total));
@@ -419,7 +493,7 @@ class Server final : public UcxDataServer {
     *reply.mutable_pull() = PullHeaderOf(*result);
     const std::string header = reply.SerializeAsString();
     const QuantizedShard& s = *result->shard;  // immutable; alive while `result` is
-    ucx::OpGroup group(worker_.get());
+    ucx::OpGroup group(c->worker.get());
     group.Send(*c->ep, ucx::TrainerTag(Kind::kReply, seq), header.data(), header.size());
     int64_t total = 0;
     if (!result->unchanged) {
@@ -446,16 +520,13 @@ class Server final : public UcxDataServer {
   const Options options_;
   std::unique_ptr<ucx::Worker> worker_;
   std::shared_ptr<metrics::Counter> pushed_bytes_, pulled_bytes_;  // null: no metrics
-  Inbox hello_{Kind::kHello};
-  Inbox request_{Kind::kRequest};
-  std::atomic<bool> any_failed_{false};
+  Inbox hello_{Kind::kHello};  // the listening worker's
   std::atomic<bool> ready_{false};
 
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int running_ ABSL_GUARDED_BY(mu_) = 0;
-  int inbox_freed_ ABSL_GUARDED_BY(mu_) = 0;  // inboxes done for good (Shutdown waits for both)
-  bool inbox_counted_[2] ABSL_GUARDED_BY(mu_) = {false, false};
+  bool hello_freed_ ABSL_GUARDED_BY(mu_) = false;  // Shutdown waits for it
   uint32_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint32_t, std::shared_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
 };

@@ -69,7 +69,9 @@ class TransportFaultTest(unittest.TestCase):
         self.cluster = Cluster(daemons=1, lease_ms=3000)
 
     def tearDown(self):
-        if self.id().endswith("_") or sys.exc_info()[0] is not None:
+        result = getattr(self._outcome, "result", None)
+        failed = result is not None and any(t is self for t, _ in result.errors + result.failures)
+        if failed:
             print(self.cluster.logs())
         self.cluster.stop()
 

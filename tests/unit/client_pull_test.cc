@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <random>
 #include <string>
@@ -22,7 +23,9 @@
 namespace mainstay {
 namespace {
 
+using client_internal::BufferPool;
 using client_internal::MakePulledBucket;
+using client_internal::PooledBytes;
 using client_internal::ShardPullAssembler;
 using ::mainstay::testing::IsOk;
 using ::mainstay::testing::StatusIs;
@@ -49,13 +52,15 @@ absl::StatusOr<PulledBucket> Pull(std::shared_ptr<const Layout> layout, int32_t 
                                   const std::vector<float>& master, int64_t chunk_bytes = 1000) {
   const Bucket& b = layout->buckets[bucket];
   const int64_t base = DataBytes(b.format, begin * b.shard_numel);
-  std::vector<uint8_t> data(DataBytes(b.format, end * b.shard_numel) - base);
+  // A reused buffer holds the previous pull's bytes: start from garbage, every byte must be written.
+  PooledBytes data = PooledBytes::Unpooled(DataBytes(b.format, end * b.shard_numel) - base);
+  std::memset(data.data(), 0xCD, data.size());
   std::vector<PulledShard> shards;
   for (int32_t s = begin; s < end; ++s) {
     MAINSTAY_ASSIGN_OR_RETURN(std::vector<v1::PullParamsResponse> stream,
                               MakePullStream(*layout, bucket, s, 7, master, chunk_bytes));
     const IndexRange bytes = ShardByteRange(b, s);
-    ShardPullAssembler assembler(*layout, bucket, s, 7, std::span<uint8_t>(data).subspan(bytes.begin - base, bytes.size()),
+    ShardPullAssembler assembler(*layout, bucket, s, 7, data.span().subspan(bytes.begin - base, bytes.size()),
                                  /*verify_crc32c=*/true);
     for (const v1::PullParamsResponse& m : stream) {
       MAINSTAY_RETURN_IF_ERROR(assembler.OnMessage(m));
@@ -363,6 +368,55 @@ TEST(ClientPullTest, ProtocolViolationsAreInternalErrors) {
                 "expected");
   ExpectRefused([](Stream& s) { (*s[1].mutable_data()->mutable_data())[0] ^= 1; }, absl::StatusCode::kDataLoss,
                 "CRC-32C");
+}
+
+TEST(BufferPoolTest, AReleasedBufferIsReusedForTheSameSizeOnly) {
+  std::shared_ptr<BufferPool> pool = BufferPool::Create(1 << 20);
+  uint8_t* first;
+  {
+    PooledBytes a = pool->Acquire(4096);
+    first = a.data();
+    EXPECT_EQ(a.size(), 4096u);
+  }
+  EXPECT_EQ(pool->cached_bytes(), 4096);
+  PooledBytes other = pool->Acquire(100);  // another size: a new allocation
+  EXPECT_EQ(pool->reuses(), 0);
+  PooledBytes again = pool->Acquire(4096);
+  EXPECT_EQ(again.data(), first);
+  EXPECT_EQ(pool->reuses(), 1);
+  EXPECT_EQ(pool->cached_bytes(), 0);
+}
+
+TEST(BufferPoolTest, KeepsAtMostTheLimitDroppingTheOldestFirst) {
+  std::shared_ptr<BufferPool> pool = BufferPool::Create(10000);
+  {
+    PooledBytes a = pool->Acquire(4000);
+    PooledBytes b = pool->Acquire(5000);
+    PooledBytes c = pool->Acquire(6000);
+    PooledBytes too_big = pool->Acquire(20000);
+    a = PooledBytes();  // released: 4000 cached
+    b = PooledBytes();  // 9000
+  }  // c (6000) pushes out a, then b; too_big is never kept
+  EXPECT_EQ(pool->cached_bytes(), 6000);
+  PooledBytes reused = pool->Acquire(6000);
+  EXPECT_EQ(pool->reuses(), 1);
+  PooledBytes fresh = pool->Acquire(4000);
+  EXPECT_EQ(pool->reuses(), 1);
+}
+
+TEST(BufferPoolTest, ABufferOutlivingItsPoolIsFreed) {
+  std::shared_ptr<BufferPool> pool = BufferPool::Create(1 << 20);
+  PooledBytes held = pool->Acquire(1 << 16);
+  std::memset(held.data(), 1, held.size());
+  pool.reset();
+  held = PooledBytes();  // no pool to go back to (ASan/valgrind would flag a leak or a stale pool)
+  EXPECT_EQ(held.size(), 0u);
+}
+
+TEST(BufferPoolTest, ZeroLimitKeepsNothing) {
+  std::shared_ptr<BufferPool> pool = BufferPool::Create(0);
+  { PooledBytes a = pool->Acquire(64); }
+  EXPECT_EQ(pool->cached_bytes(), 0);
 }
 
 }  // namespace

@@ -81,6 +81,10 @@ struct ClientOptions {
   bool verify_crc32c = true;      // check pulled data against the daemon's CRC-32C when sent
   int push_threads = 0;           // concurrent push streams; 0 = max(4, D)
   int pull_threads = 0;           // concurrent pull streams; 0 = max(4, D)
+  // Buffers of released PulledBuckets kept for the next pulls of the same size (a fresh large
+  // allocation is zero-filled by the kernel on first touch, which costs more than the transfer).
+  // -1: the job's quantized parameter bytes (one version of every bucket); 0: none kept.
+  int64_t pull_buffer_cache_bytes = -1;
 };
 
 // Outcome of one optimizer step (mirrors mainstay.v1.StepStats).
