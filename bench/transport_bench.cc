@@ -94,27 +94,35 @@ Flags ParseFlags(int argc, char** argv) {
 // (UCX's MB = 2^20 bytes).
 double PerftestMBps(const std::string& perftest, const std::string& tls, int64_t bytes, int port) {
   const int iters = static_cast<int>(std::clamp<int64_t>((int64_t{4} << 30) / bytes, 5, 200));
-  const std::string common = absl::StrCat(" -t tag_bw -s ", bytes, " -n ", iters, " -p ", port);
   const std::string env = absl::StrCat("UCX_TLS=", tls, " ");
-  const std::string server = absl::StrCat(env, perftest, common, " > /dev/null 2>&1 &");
-  if (std::system(server.c_str()) != 0) Die("cannot start the ucx_perftest server");
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  const std::string client = absl::StrCat(env, "timeout 300 ", perftest, " 127.0.0.1", common, " 2>&1");
-  FILE* out = popen(client.c_str(), "r");
-  if (out == nullptr) Die("cannot run ucx_perftest");
-  char line[1024];
-  double mbps = -1;
-  while (std::fgets(line, sizeof(line), out) != nullptr) {
-    const std::string l = line;
-    if (l.rfind("Final:", 0) != 0) continue;
-    std::vector<std::string> cols = absl::StrSplit(l, ' ', absl::SkipEmpty());
-    // Final: iters p50 avg overall bw_avg bw_overall rate_avg rate_overall
-    if (cols.size() >= 7) mbps = std::atof(cols[5].c_str());
+  // The server may not listen yet when the client starts (a loaded 2-core machine): try again
+  // on a fresh port, a few times.
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const std::string common =
+        absl::StrCat(" -t tag_bw -s ", bytes, " -n ", iters, " -p ", port + attempt);
+    const std::string server = absl::StrCat(env, "timeout 300 ", perftest, common, " > /dev/null 2>&1 &");
+    if (std::system(server.c_str()) != 0) Die("cannot start the ucx_perftest server");
+    std::this_thread::sleep_for(std::chrono::milliseconds(500 * (attempt + 1)));
+    const std::string client = absl::StrCat(env, "timeout 300 ", perftest, " 127.0.0.1", common, " 2>&1");
+    FILE* out = popen(client.c_str(), "r");
+    if (out == nullptr) Die("cannot run ucx_perftest");
+    char line[1024];
+    double mbps = -1;
+    while (std::fgets(line, sizeof(line), out) != nullptr) {
+      const std::string l = line;
+      if (l.rfind("Final:", 0) != 0) continue;
+      std::vector<std::string> cols = absl::StrSplit(l, ' ', absl::SkipEmpty());
+      // Final: iters p50 avg overall bw_avg bw_overall rate_avg rate_overall
+      if (cols.size() >= 7) mbps = std::atof(cols[5].c_str());
+    }
+    pclose(out);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    if (mbps > 0) return mbps;
+    const std::string stop = absl::StrCat("pkill -f 'ucx_perftest.* -p ", port + attempt, "$' > /dev/null 2>&1");
+    (void)std::system(stop.c_str());  // a server left waiting for its client
   }
-  pclose(out);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  if (mbps <= 0) Die(absl::StrCat("no tag_bw result from ", perftest, " with UCX_TLS=", tls));
-  return mbps;
+  Die(absl::StrCat("no tag_bw result from ", perftest, " with UCX_TLS=", tls, " after 3 attempts"));
+  return -1;
 }
 
 struct Result {
@@ -204,8 +212,10 @@ int Main(int argc, char** argv) {
       if (r.transport != transport) Die(absl::StrCat(config, ": the client used ", r.transport));
       const double push_mbps = static_cast<double>(bytes) / (1 << 20) / r.push_s;
       const double pull_mbps = static_cast<double>(bytes / 2) / (1 << 20) / r.pull_s;
-      const double base_push = PerftestMBps(f.perftest, tls, bytes, port++);
-      const double base_pull = PerftestMBps(f.perftest, tls, bytes / 2, port++);
+      const double base_push = PerftestMBps(f.perftest, tls, bytes, port);
+      port += 3;
+      const double base_pull = PerftestMBps(f.perftest, tls, bytes / 2, port);
+      port += 3;
       std::printf("%-8s %-4s %6lldMi | %10.0f %10.0f %6.2f | %10.0f %10.0f %6.2f\n", transport.c_str(), tls.c_str(),
                   static_cast<long long>(mib), push_mbps, base_push, push_mbps / base_push, pull_mbps, base_pull,
                   pull_mbps / base_pull);
