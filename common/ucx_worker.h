@@ -142,9 +142,8 @@ class Worker {
     // incoming messages there). Must not block.
     std::function<void()> after_progress;
     // Another worker whose UCP context this one shares (kept alive by it); null: a context of
-    // its own. A process that makes many workers (the daemon: one per connection) shares one:
-    // UCX sets up its transports once per context, and tearing a context down disturbed the
-    // shared-memory segments of the others (seen with UCX 1.13's sysv transport).
+    // its own. A process that makes many workers (the daemon: one per connection) shares one,
+    // so UCX reads its configuration and opens its transports once, not per worker.
     const Worker* share_context_of = nullptr;
   };
   static absl::StatusOr<std::unique_ptr<Worker>> Create(Options options);

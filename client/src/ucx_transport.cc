@@ -74,6 +74,12 @@ constexpr absl::Duration kProbeEvery = absl::Seconds(5);
 constexpr absl::Duration kProbeTimeout = absl::Seconds(5);
 constexpr absl::Duration kHelloTimeout = absl::Seconds(10);
 
+absl::StatusOr<std::unique_ptr<ucx::Worker>> NewTrainerWorker(int32_t rank) {
+  ucx::Worker::Options options;
+  options.name = absl::StrCat("mainstay-trainer-", rank);
+  return ucx::Worker::Create(std::move(options));
+}
+
 class UcxTransport final : public DataTransport {
  public:
   UcxTransport(const TransportContext& context, std::shared_ptr<ucx::Worker> worker)
@@ -305,11 +311,7 @@ class UcxTransport final : public DataTransport {
     // that use it (to other daemons, over other transports) until they end.
     std::shared_ptr<ucx::Worker> fresh;
     if (peer_exited) {
-      ucx::Worker::Options options;
-      options.name = absl::StrCat("mainstay-trainer-", context_.rank);
-      if (absl::StatusOr<std::unique_ptr<ucx::Worker>> w = ucx::Worker::Create(std::move(options)); w.ok()) {
-        fresh = *std::move(w);
-      }
+      if (absl::StatusOr<std::unique_ptr<ucx::Worker>> w = NewTrainerWorker(context_.rank); w.ok()) fresh = *std::move(w);
     }
     {
       absl::MutexLock lock(&mu_);
@@ -411,9 +413,7 @@ absl::StatusOr<std::unique_ptr<DataTransport>> MakeUcxTransport(const TransportC
     return absl::InvalidArgumentError(absl::StrCat("chunk_bytes: ", context.chunk_bytes, " is not in [",
                                                    ucx::kMinChunkBytes, ", ", ucx::kMaxChunkBytes, "]"));
   }
-  ucx::Worker::Options options;
-  options.name = absl::StrCat("mainstay-trainer-", context.rank);
-  absl::StatusOr<std::unique_ptr<ucx::Worker>> worker = ucx::Worker::Create(std::move(options));
+  absl::StatusOr<std::unique_ptr<ucx::Worker>> worker = NewTrainerWorker(context.rank);
   if (!worker.ok()) return absl::UnavailableError(absl::StrCat("UCX: ", worker.status().message()));
   return std::unique_ptr<DataTransport>(new UcxTransport(context, *std::move(worker)));
 }

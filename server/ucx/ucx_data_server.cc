@@ -23,6 +23,7 @@ constexpr int64_t kDefaultTimeoutMs = 60000;
 constexpr int64_t kMaxTimeoutMs = 3600 * 1000;
 constexpr absl::Duration kControlTimeout = absl::Seconds(30);
 constexpr absl::Duration kWaitSlice = absl::Milliseconds(500);
+constexpr size_t kTrailerBytes = 32;  // a UcxPushTrailer is at most 6 bytes
 
 // A standing receive of one kind of incoming control message, driven by the progress thread.
 struct Inbox {
@@ -55,7 +56,7 @@ struct Connection {
   std::string node;
   std::atomic<bool> dropped{false};
   std::atomic<bool> ready{false};   // `worker` and `ep` are set: the inbox may be posted
-  std::atomic<bool> failed{false};  // UCX reported the endpoint failed: drop it
+  std::atomic<bool> drop_scheduled{false};  // the endpoint failed and a Drop is on its way
   Inbox requests{Kind::kRequest};
   std::unique_ptr<ucx::Worker> worker;
 
@@ -163,7 +164,7 @@ class Server final : public UcxDataServer {
       const uint64_t tag = inbox.tag;
       Spawn([this, id, tag, message = std::move(message)] { OnRequest(id, tag, message); });
     });
-    if (c->ep->failed() && !c->failed.exchange(true)) {
+    if (c->ep->failed() && !c->drop_scheduled.exchange(true)) {
       Spawn([this, id] {
         if (std::shared_ptr<Connection> conn = Find(id)) Drop(conn, std::string(conn->ep->failure().message()));
       });
@@ -424,7 +425,7 @@ class Server final : public UcxDataServer {
                    dest.data() + off, n);
         expected.push_back(n);
       }
-      std::string trailer_bytes(trailer ? ucx::kMaxControlBytes : 0, '\0');
+      std::string trailer_bytes(trailer ? kTrailerBytes : 0, '\0');
       if (trailer) {
         group.Recv(ucx::DaemonTag(Kind::kPushTrailer, c->id, static_cast<uint32_t>(seq)), ucx::kExactMask,
                    trailer_bytes.data(), trailer_bytes.size());
