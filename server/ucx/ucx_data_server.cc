@@ -231,6 +231,25 @@ class Server final : public UcxDataServer {
     return true;
   }
 
+  // A worker for one connection, on the listening worker's UCP context. Two hellos at once made
+  // two workers on that context at once, and UCX 1.13 then failed one of them ("ucp_worker_create:
+  // No such device", seen in CI's torch cluster test): creation is serialized, and a worker that
+  // still cannot be made on the shared context gets a context of its own.
+  absl::StatusOr<std::unique_ptr<ucx::Worker>> NewConnectionWorker(std::function<void()> poll) {
+    absl::MutexLock lock(&create_mu_);
+    ucx::Worker::Options wo;
+    wo.name = "mainstayd-connection";
+    wo.share_context_of = worker_.get();
+    wo.after_progress = poll;
+    absl::StatusOr<std::unique_ptr<ucx::Worker>> w = ucx::Worker::Create(wo);
+    if (w.ok()) return w;
+    Log(LogLevel::kWarning, kComponent,
+        absl::StrCat("a connection's UCX worker on the shared context: ", w.status().message(),
+                     "; trying a context of its own"));
+    wo.share_context_of = nullptr;
+    return ucx::Worker::Create(std::move(wo));
+  }
+
   std::shared_ptr<Connection> Find(uint32_t id) {
     absl::MutexLock lock(&mu_);
     auto it = connections_.find(id);
@@ -286,12 +305,8 @@ class Server final : public UcxDataServer {
     c->job_id = hello.job_id();
     c->rank = hello.rank();
     c->node = hello.node_name();
-    ucx::Worker::Options wo;
-    wo.name = "mainstayd-connection";
-    wo.share_context_of = worker_.get();
     Connection* raw = c.get();
-    wo.after_progress = [this, raw] { PollConnection(raw); };
-    absl::StatusOr<std::unique_ptr<ucx::Worker>> w = ucx::Worker::Create(std::move(wo));
+    absl::StatusOr<std::unique_ptr<ucx::Worker>> w = NewConnectionWorker([this, raw] { PollConnection(raw); });
     if (!w.ok()) {
       Log(LogLevel::kWarning, kComponent, absl::StrCat("cannot start a UCX worker for a trainer: ", w.status().message()));
       return;
@@ -524,6 +539,7 @@ class Server final : public UcxDataServer {
   Inbox hello_{Kind::kHello};  // the listening worker's
   std::atomic<bool> ready_{false};
 
+  absl::Mutex create_mu_;  // NewConnectionWorker
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int running_ ABSL_GUARDED_BY(mu_) = 0;
