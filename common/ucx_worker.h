@@ -4,7 +4,8 @@
 //
 // Model: every UCP call may come from any thread (the worker is created multi-threaded); one
 // progress thread drives completions, spinning briefly and then sleeping on the worker's event
-// fd. A posted operation belongs to an OpGroup, which its owner waits on; callbacks only count.
+// fd. A posted operation belongs to an OpGroup, which its owner waits on; its callback frees the
+// request and counts it done.
 //
 // Tags (64 bits): the top byte is the message kind. Messages to a daemon carry the daemon-given
 // connection id (24 bits) and the trainer's request sequence (32 bits); messages to a trainer
@@ -162,8 +163,8 @@ class Worker {
   // Wakes the progress thread (after posting work from another thread).
   void Signal();
   // Operations posted and not complete (OpGroup keeps the count): while any is, the progress
-  // thread keeps spinning instead of sleeping on the event fd (which does not fire for, e.g.,
-  // a TCP socket becoming writable again mid-transfer).
+  // thread sleeps on the event fd at most 200 us at a time (the fd does not fire for, e.g., a
+  // TCP socket becoming writable again mid-transfer).
   void AddActive(int delta) { active_.fetch_add(delta, std::memory_order_relaxed); }
   // Runs `task` on the progress thread after its next round of progress (where no completion
   // can race it: UCX asserts when a completed request is cancelled).
@@ -213,7 +214,7 @@ class OpGroup {
  private:
   struct Slot {
     OpGroup* group = nullptr;
-    void* request = nullptr;  // UCP request, freed by the destructor
+    void* request = nullptr;  // UCP request while not done (for a cancel); freed by its callback
     bool is_recv = false;
     bool done = false;
     size_t length = 0;

@@ -126,9 +126,9 @@ class UcxTransport final : public DataTransport {
       for (int64_t off = 0; off < total; off += chunk) {
         const size_t n = static_cast<size_t>(std::min(chunk, total - off));
         outcome.Send(*c->ep, ucx::DaemonTag(Kind::kPushData, c->id, static_cast<uint32_t>(seq)), bytes + off, n);
-        // While this chunk is in flight (both only read the caller's buffer).
-        if (context_.push_crc32c) crc = Crc32cExtend(crc, bytes + off, n);
       }
+      // While the chunks are in flight (both only read the caller's buffer).
+      if (context_.push_crc32c) crc = Crc32c(bytes, static_cast<size_t>(total));
       if (context_.push_crc32c) {
         v1::UcxPushTrailer trailer;
         trailer.set_crc32c(crc);
