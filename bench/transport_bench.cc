@@ -15,7 +15,7 @@
 // Shared memory has no peer-failure handling: its endpoints are plain, like tag_bw's.
 //
 //   transport_bench --coordinator-bin PATH --daemon-bin PATH [--sizes-mib 16,64,256,1024]
-//                   [--steps 3] [--configs grpc,ucx:tcp,ucx:sm] [--perftest ucx_perftest]
+//                   [--steps 3 (at least; more for sizes under 256 MiB)] [--configs grpc,ucx:tcp,ucx:sm] [--perftest ucx_perftest]
 //                   [--chunk-bytes 4194304] [--daemon-threads 2] [--crc on|off]
 #include <signal.h>
 #include <sys/wait.h>
@@ -164,7 +164,10 @@ Result Measure(const std::string& address, const std::string& transport, int64_t
   if (!client.PushInitialParams(0, params).Wait().ok()) Die("initial push failed");
   std::vector<float> grad(static_cast<size_t>(numel), 0.001f);
   std::vector<double> push, pull;
-  for (int64_t step = 0; step <= f.steps; ++step) {  // step 0 warms up
+  // Small transfers take a few milliseconds each, where one descheduling on a loaded machine
+  // moves a sample by half: they get more steps (each size moves at least 256 MiB measured).
+  const int64_t steps = std::max<int64_t>(f.steps, ((int64_t{256} << 20) + bytes - 1) / bytes);
+  for (int64_t step = 0; step <= steps; ++step) {  // step 0 warms up
     const Clock::time_point t0 = Clock::now();
     absl::StatusOr<PushResult> pushed = client.PushGrad(0, step, ElementSpan::Fp32(grad)).Wait();
     const Clock::time_point t1 = Clock::now();
