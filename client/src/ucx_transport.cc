@@ -381,6 +381,11 @@ class UcxTransport final : public DataTransport {
         return absl::UnavailableError(absl::StrCat("UCX hello to daemon ", c->daemon, ": ", s.message()));
       }
     }
+    if (reply.code() != 0) {
+      c->ep->Close();
+      return absl::Status(static_cast<absl::StatusCode>(reply.code()),
+                          absl::StrCat("UCX hello to daemon ", c->daemon, ": refused: ", reply.message()));
+    }
     c->id = reply.connection_id();
     if (!reply.data_worker_address().empty()) {
       absl::StatusOr<std::shared_ptr<ucx::Endpoint>> data_ep = c->worker->Connect(reply.data_worker_address(), nullptr);

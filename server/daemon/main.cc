@@ -98,6 +98,11 @@ flags:
                               device buffers, on CUDA device 0 of CUDA_VISIBLE_DEVICES; exit 1 if
                               it cannot start). Trainers pick per connection (docs/transports.md);
                               `mainstayctl connections` shows it
+  --ucx-dedicated-workers WHO which UCX trainer connections get a worker (and thread) of their own:
+                              local (default: trainers on this host, which may use shared memory,
+                              where a trainer killed mid-write stalls the worker it writes to),
+                              all, or none; the others share a pool (--ucx-shared-workers)
+  --ucx-shared-workers N      the size of that pool (default 4)
   --health-listen HOST:PORT   a plaintext port serving only grpc.health.v1 (for probes that cannot
                               speak TLS, e.g. Kubernetes'); default none
   --admin-token-file FILE     the embedded coordinator's admin token (with --standalone)
@@ -122,7 +127,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       "--lease-ttl-ms", "--port-file",     "--coordinator-port-file", "--metrics-listen", "--metrics-port-file",
       "--drain-timeout-ms", "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-client-auth",
       "--tls-server-name", "--admin-token-file", "--health-listen", "--tls-internal-name",
-      "--checkpoint-dir", "--transports"};
+      "--checkpoint-dir", "--transports", "--ucx-dedicated-workers",
+      "--ucx-shared-workers"};
   Flags f;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -339,6 +345,23 @@ int Main(int argc, char** argv) {
           absl::InvalidArgumentError(absl::StrCat("--transports: '", t, "' is not one of auto, grpc, ucx, nccl")), 2);
     }
   }
+  UcxDataServer::Options ucx_options{&daemon, &drain};
+  if (const std::string who = flags->Get("--ucx-dedicated-workers", "local"); who == "all") {
+    ucx_options.dedicated_workers = UcxDataServer::DedicatedWorkers::kAll;
+  } else if (who == "none") {
+    ucx_options.dedicated_workers = UcxDataServer::DedicatedWorkers::kNone;
+  } else if (who != "local") {
+    return Fail(absl::InvalidArgumentError(
+                    absl::StrCat("--ucx-dedicated-workers: '", who, "' is not one of local, all, none")),
+                2);
+  }
+  absl::StatusOr<int64_t> shared_workers = IntFlag(*flags, "--ucx-shared-workers", 4);
+  if (!shared_workers.ok()) return Fail(shared_workers.status(), 2);
+  if (*shared_workers < 1 || *shared_workers > 1024) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat("--ucx-shared-workers: ", *shared_workers, " is not in [1, 1024]")),
+                2);
+  }
+  ucx_options.shared_workers = static_cast<int>(*shared_workers);
   // The nccl transport's daemon end: its calls arrive on the Shard service, so it starts first.
   std::unique_ptr<NcclChannelServer> nccl_server;
   if (want_nccl) {
@@ -361,7 +384,7 @@ int Main(int argc, char** argv) {
   std::unique_ptr<UcxDataServer> ucx_server;
   {
     if (want_ucx) {
-      absl::StatusOr<std::unique_ptr<UcxDataServer>> started = UcxDataServer::Start({&daemon, &drain});
+      absl::StatusOr<std::unique_ptr<UcxDataServer>> started = UcxDataServer::Start(ucx_options);
       if (started.ok()) {
         ucx_server = *std::move(started);
         Log(LogLevel::kInfo, "daemon", absl::StrCat("UCX data plane: ", ucx_server->Describe()));

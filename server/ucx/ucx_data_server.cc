@@ -39,36 +39,62 @@ struct Inbox {
   std::atomic<bool> freed{false};  // cancelled and released for good
 };
 
-// One trainer connection (opened by its hello), served by a UCP worker of its own: the
-// listening worker takes hellos only. Over shared memory every sender writes into the
-// receiver's one queue, and a sender killed in the middle of a write leaves an entry that never
-// completes, stalling everything queued behind it (UCX 1.13's shared-memory transports do not
-// recover); with a worker per trainer, a dead trainer stalls only its own, which goes with it.
+struct Connection;
+
+// A UCP worker serving trainer connections (the listening worker takes hellos only): its
+// progress thread, and one standing receive for the requests of every connection it serves
+// (each request's tag names its connection). Dedicated to one connection, or one of the pool
+// that the others share (Options.dedicated_workers).
 //
-// Lifetime: shared by the connection table and the handler threads working on it. The worker's
-// progress thread reads it through a raw pointer (the worker is destroyed first, in the
-// destructor), and never holds a reference, so the destructor never runs on that thread.
+// Lifetime: held by the connections it serves, and by the pool when shared. Its progress thread
+// reads it through a raw pointer: the destructor stops that thread before the members go.
+struct ServingWorker {
+  explicit ServingWorker(bool dedicated) : dedicated(dedicated) {}
+  ~ServingWorker() {
+    if (worker == nullptr) return;
+    closing.store(true);
+    worker->Signal();
+    // The progress thread cancels and frees the standing receive before the worker goes.
+    while (ready.load() && !requests.freed.load()) absl::SleepFor(absl::Milliseconds(1));
+    worker.reset();  // joins the progress thread
+  }
+
+  const bool dedicated;
+  std::unique_ptr<ucx::Worker> worker;
+  Inbox requests{Kind::kRequest};
+  std::atomic<bool> ready{false};    // `worker` is set: the inbox may be posted
+  std::atomic<bool> closing{false};  // the inbox's receive is cancelled, for good
+  // The connections it serves, for the progress thread's failure checks. A connection leaves
+  // (under the lock) before its endpoint closes, so the progress thread never reads a gone one.
+  absl::Mutex members_mu;
+  std::vector<Connection*> members ABSL_GUARDED_BY(members_mu);
+};
+
+// One trainer connection (opened by its hello), on a serving worker.
+//
+// Lifetime: shared by the connection table and the handler threads working on it; the serving
+// worker's progress thread reads it only as a member (see ServingWorker).
 struct Connection {
   uint32_t id = 0;
-  std::shared_ptr<ucx::Endpoint> ep;  // from `worker` to the trainer's worker
+  std::shared_ptr<ServingWorker> serving;
+  std::shared_ptr<ucx::Endpoint> ep;  // from serving->worker to the trainer's worker
   std::string job_id;
   int32_t rank = 0;
   std::string node;
   std::atomic<bool> dropped{false};
-  std::atomic<bool> ready{false};   // `worker` and `ep` are set: the inbox may be posted
   std::atomic<bool> drop_scheduled{false};  // the endpoint failed and a Drop is on its way
-  Inbox requests{Kind::kRequest};
-  std::unique_ptr<ucx::Worker> worker;
+
+  ucx::Worker* worker() const { return serving->worker.get(); }
 
   ~Connection() {
-    if (worker == nullptr) return;
-    dropped.store(true);
-    worker->Signal();
-    // The progress thread cancels and frees the standing receive before the worker goes.
-    while (ready.load() && !requests.freed.load()) absl::SleepFor(absl::Milliseconds(1));
-    if (ep != nullptr) ep->Close();  // needs the progress thread
-    worker.reset();                  // joins it: nothing reads `ep` afterwards
+    if (serving == nullptr) return;
+    {
+      absl::MutexLock lock(&serving->members_mu);
+      std::erase(serving->members, this);
+    }
+    if (ep != nullptr) ep->Close();  // needs the progress thread, which the serving worker still has
     ep.reset();
+    serving.reset();  // a dedicated worker goes here, with its thread
   }
 };
 
@@ -123,10 +149,21 @@ class Server final : public UcxDataServer {
       conns = connections_;
     }
     for (auto& [id, c] : conns) Drop(c, "the daemon is stopping");
-    absl::MutexLock lock(&mu_);
-    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return running_ == 0 && hello_freed_; };
-    mu_.Await(absl::Condition(&idle));
-    connections_.clear();
+    std::map<uint32_t, std::shared_ptr<Connection>> left;
+    {
+      absl::MutexLock lock(&mu_);
+      auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return running_ == 0 && hello_freed_; };
+      mu_.Await(absl::Condition(&idle));
+      left.swap(connections_);
+    }
+    // Outside mu_: a connection leaving its worker, and a worker going, wait for that worker's
+    // progress thread, which takes mu_.
+    left.clear();
+    std::vector<std::shared_ptr<ServingWorker>> pool;
+    {
+      absl::MutexLock lock(&pool_mu_);
+      pool.swap(pool_);
+    }
   }
 
  private:
@@ -149,25 +186,27 @@ class Server final : public UcxDataServer {
     }
   }
 
-  // A connection's worker's: its requests, and its endpoint's failure. Never holds a reference
-  // to the connection (see Connection).
-  void PollConnection(Connection* c) {
-    if (!c->ready.load()) return;
+  // A serving worker's: its connections' requests, and their endpoints' failures. Never holds
+  // a reference to a connection (see ServingWorker).
+  void PollServing(ServingWorker* w) {
+    if (!w->ready.load()) return;
     bool stopping;
     {
       absl::MutexLock lock(&mu_);
       stopping = stopping_;
     }
-    const uint32_t id = c->id;
-    DrainInbox(*c->worker, c->requests, stopping || c->dropped.load(), [this, id](Inbox& inbox) {
+    DrainInbox(*w->worker, w->requests, stopping || w->closing.load(), [this, w](Inbox& inbox) {
       std::string message(inbox.buffer.data(), inbox.length);
       const uint64_t tag = inbox.tag;
-      Spawn([this, id, tag, message = std::move(message)] { OnRequest(id, tag, message); });
+      Spawn([this, w, tag, message = std::move(message)] { OnRequest(w, tag, message); });
     });
-    if (c->ep->failed() && !c->drop_scheduled.exchange(true)) {
-      Spawn([this, id] {
-        if (std::shared_ptr<Connection> conn = Find(id)) Drop(conn, std::string(conn->ep->failure().message()));
-      });
+    absl::MutexLock lock(&w->members_mu);
+    for (Connection* c : w->members) {
+      if (c->ep->failed() && !c->drop_scheduled.exchange(true)) {
+        Spawn([this, id = c->id] {
+          if (std::shared_ptr<Connection> conn = Find(id)) Drop(conn, std::string(conn->ep->failure().message()));
+        });
+      }
     }
   }
 
@@ -231,23 +270,61 @@ class Server final : public UcxDataServer {
     return true;
   }
 
-  // A worker for one connection, on the listening worker's UCP context. Two hellos at once made
-  // two workers on that context at once, and UCX 1.13 then failed one of them ("ucp_worker_create:
+  // A serving worker, on the listening worker's UCP context. Two hellos at once made two
+  // workers on that context at once, and UCX 1.13 then failed one of them ("ucp_worker_create:
   // No such device", seen in CI's torch cluster test): creation is serialized, and a worker that
   // still cannot be made on the shared context gets a context of its own.
-  absl::StatusOr<std::unique_ptr<ucx::Worker>> NewConnectionWorker(std::function<void()> poll) {
-    absl::MutexLock lock(&create_mu_);
+  absl::StatusOr<std::shared_ptr<ServingWorker>> NewServingWorker(bool dedicated) {
+    auto serving = std::make_shared<ServingWorker>(dedicated);
+    ServingWorker* raw = serving.get();
     ucx::Worker::Options wo;
-    wo.name = "mainstayd-connection";
+    wo.name = dedicated ? "mainstayd-connection" : "mainstayd-shared";
     wo.share_context_of = worker_.get();
-    wo.after_progress = poll;
+    wo.after_progress = [this, raw] { PollServing(raw); };
+    absl::MutexLock lock(&create_mu_);
     absl::StatusOr<std::unique_ptr<ucx::Worker>> w = ucx::Worker::Create(wo);
-    if (w.ok()) return w;
-    Log(LogLevel::kWarning, kComponent,
-        absl::StrCat("a connection's UCX worker on the shared context: ", w.status().message(),
-                     "; trying a context of its own"));
-    wo.share_context_of = nullptr;
-    return ucx::Worker::Create(std::move(wo));
+    if (!w.ok()) {
+      Log(LogLevel::kWarning, kComponent,
+          absl::StrCat("a serving UCX worker on the shared context: ", w.status().message(),
+                       "; trying a context of its own"));
+      wo.share_context_of = nullptr;
+      w = ucx::Worker::Create(std::move(wo));
+    }
+    if (!w.ok()) return w.status();
+    serving->worker = *std::move(w);
+    serving->ready.store(true);  // its progress thread posts the request inbox now
+    return serving;
+  }
+
+  // The worker to serve a new connection from `peer`: a fresh one when it gets its own
+  // (Options.dedicated_workers), else the pool's least loaded, the pool growing up to
+  // Options.shared_workers.
+  absl::StatusOr<std::shared_ptr<ServingWorker>> ServingWorkerFor(const ucx::ProcessIdentity& peer) {
+    const ucx::ProcessIdentity& self = ucx::ProcessIdentity::Self();
+    const bool same_host = !self.boot_id.empty() && self.boot_id == peer.boot_id;
+    const bool dedicated = options_.dedicated_workers == DedicatedWorkers::kAll ||
+                           (options_.dedicated_workers == DedicatedWorkers::kLocal && same_host);
+    if (dedicated) return NewServingWorker(true);
+    absl::MutexLock lock(&pool_mu_);
+    std::shared_ptr<ServingWorker> least;
+    size_t least_load = 0;
+    for (const std::shared_ptr<ServingWorker>& w : pool_) {
+      absl::MutexLock members(&w->members_mu);
+      if (least == nullptr || w->members.size() < least_load) {
+        least = w;
+        least_load = w->members.size();
+      }
+    }
+    if (least != nullptr && (least_load == 0 || static_cast<int>(pool_.size()) >= options_.shared_workers)) {
+      return least;
+    }
+    absl::StatusOr<std::shared_ptr<ServingWorker>> fresh = NewServingWorker(false);
+    if (!fresh.ok()) {
+      if (least != nullptr) return least;
+      return fresh.status();
+    }
+    pool_.push_back(*fresh);
+    return fresh;
   }
 
   std::shared_ptr<Connection> Find(uint32_t id) {
@@ -290,9 +367,7 @@ class Server final : public UcxDataServer {
 
   absl::Status Abort(const Connection& c) {
     if (c.ep->failed()) return c.ep->failure();
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return absl::UnavailableError("the daemon is stopping");
-    return absl::OkStatus();
+    return Stopping();
   }
 
   void OnHello(const std::string& message) {
@@ -301,50 +376,29 @@ class Server final : public UcxDataServer {
       Log(LogLevel::kWarning, kComponent, "ignored a malformed UCX hello");
       return;
     }
+    const ucx::ProcessIdentity peer{hello.process().boot_id(), hello.process().pid_namespace(), hello.process().pid()};
+    absl::StatusOr<std::shared_ptr<ServingWorker>> serving = ServingWorkerFor(peer);
+    if (!serving.ok()) {
+      return RefuseHello(hello, absl::UnavailableError(
+                                    absl::StrCat("the daemon cannot start a UCX worker: ", serving.status().message())));
+    }
     auto c = std::make_shared<Connection>();
     c->job_id = hello.job_id();
     c->rank = hello.rank();
     c->node = hello.node_name();
-    Connection* raw = c.get();
-    absl::StatusOr<std::unique_ptr<ucx::Worker>> w = NewConnectionWorker([this, raw] { PollConnection(raw); });
-    if (!w.ok()) {
-      Log(LogLevel::kWarning, kComponent, absl::StrCat("cannot start a UCX worker for a trainer: ", w.status().message()));
-      return;
-    }
-    c->worker = *std::move(w);
-    ucx::Worker* worker = c->worker.get();
+    ServingWorker* w = serving->get();
     absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep =
-        c->worker->Connect(hello.worker_address(), [worker](const absl::Status&) { worker->Signal(); });
+        w->worker->Connect(hello.worker_address(), [w](const absl::Status&) { w->worker->Signal(); });
     if (!ep.ok()) {
-      Log(LogLevel::kWarning, kComponent, absl::StrCat("cannot connect back to a trainer: ", ep.status().message()));
-      return;
+      return RefuseHello(hello, absl::UnavailableError(absl::StrCat("the daemon cannot connect back to this trainer: ",
+                                                                    ep.status().message())));
     }
+    c->serving = *std::move(serving);
     c->ep = *std::move(ep);
-    {
-      absl::MutexLock lock(&mu_);
-      if (stopping_) {
-        c->ep->Close();
-        return;
-      }
-      do {
-        next_id_ = (next_id_ + 1) & 0xffffffu;
-      } while (next_id_ == 0 || connections_.count(next_id_) > 0);
-      c->id = next_id_;
-      connections_[c->id] = c;
-    }
-    c->ready.store(true);  // its progress thread posts the request inbox now
-    options_.daemon->connections()->Record(c->job_id, c->rank, v1::TRANSPORT_UCX, c->node, 0, 0, /*open=*/true);
-    v1::UcxHelloReply reply;
-    reply.set_connection_id(c->id);
-    reply.set_data_worker_address(c->worker->address());
     const ucx::ProcessIdentity& self = ucx::ProcessIdentity::Self();
-    reply.mutable_process()->set_boot_id(self.boot_id);
-    reply.mutable_process()->set_pid_namespace(self.pid_namespace);
-    reply.mutable_process()->set_pid(self.pid);
     if (!c->ep->detects_peer_failure()) {
       // UCX cannot report this trainer's failure (shared memory): watch its process, or else
       // rely on each request's timeout.
-      const ucx::ProcessIdentity peer{hello.process().boot_id(), hello.process().pid_namespace(), hello.process().pid()};
       if (self.SameProcessSpace(peer)) {
         c->ep->WatchProcess(peer.pid);
       } else {
@@ -354,23 +408,71 @@ class Server final : public UcxDataServer {
                          "visible here; a dead trainer is noticed at its request's timeout"));
       }
     }
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;  // ~Connection closes the endpoint
+      do {
+        next_id_ = (next_id_ + 1) & 0xffffffu;
+      } while (next_id_ == 0 || connections_.count(next_id_) > 0);
+      c->id = next_id_;
+      connections_[c->id] = c;
+    }
+    {
+      absl::MutexLock lock(&w->members_mu);
+      w->members.push_back(c.get());
+    }
+    options_.daemon->connections()->Record(c->job_id, c->rank, v1::TRANSPORT_UCX, c->node, 0, 0, /*open=*/true);
+    v1::UcxHelloReply reply;
+    reply.set_connection_id(c->id);
+    reply.set_data_worker_address(w->worker->address());
+    reply.mutable_process()->set_boot_id(self.boot_id);
+    reply.mutable_process()->set_pid_namespace(self.pid_namespace);
+    reply.mutable_process()->set_pid(self.pid);
     const std::string bytes = reply.SerializeAsString();
-    ucx::OpGroup group(c->worker.get());
+    ucx::OpGroup group(c->worker());
     group.Send(*c->ep, ucx::TrainerTag(Kind::kHelloReply, hello.nonce()), bytes.data(), bytes.size());
     if (absl::Status s = group.Wait(absl::Now() + kControlTimeout, [&] { return Abort(*c); }); !s.ok()) {
       Drop(c, absl::StrCat("hello reply: ", s.message()));
       return;
     }
     Log(LogLevel::kInfo, kComponent,
-        absl::StrCat("connection ", c->id, ": job ", c->job_id, " rank ", c->rank, " from ", c->node));
+        absl::StrCat("connection ", c->id, ": job ", c->job_id, " rank ", c->rank, " from ", c->node, " (",
+                     w->dedicated ? "its own worker" : "a shared worker", ")"));
   }
 
-  // A request that arrived on connection `id`'s worker.
-  void OnRequest(uint32_t id, uint64_t tag, const std::string& message) {
-    std::shared_ptr<Connection> c = Find(id);
+  // Answers a hello that cannot be served, from the listening worker, so that the trainer
+  // fails (or falls back to gRPC) at once instead of at its hello timeout.
+  void RefuseHello(const v1::UcxHello& hello, const absl::Status& why) {
+    Log(LogLevel::kWarning, kComponent,
+        absl::StrCat("refused a UCX connection from job ", hello.job_id(), " rank ", hello.rank(), " on ",
+                     hello.node_name(), ": ", why.message()));
+    absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep = worker_->Connect(hello.worker_address(), nullptr);
+    if (!ep.ok()) return;  // the trainer's hello times out
+    v1::UcxHelloReply reply;
+    reply.set_code(static_cast<int32_t>(why.code()));
+    reply.set_message(std::string(why.message()));
+    const std::string bytes = reply.SerializeAsString();
+    {
+      ucx::OpGroup group(worker_.get());
+      group.Send(**ep, ucx::TrainerTag(Kind::kHelloReply, hello.nonce()), bytes.data(), bytes.size());
+      group.Wait(absl::Now() + kControlTimeout, [this] { return Stopping(); }).IgnoreError();
+    }
+    (*ep)->Close();
+  }
+
+  absl::Status Stopping() {
+    absl::MutexLock lock(&mu_);
+    return stopping_ ? absl::UnavailableError("the daemon is stopping") : absl::OkStatus();
+  }
+
+  // A request that arrived on serving worker `w` (compared, never dereferenced: it may be gone).
+  void OnRequest(const ServingWorker* w, uint64_t tag, const std::string& message) {
+    std::shared_ptr<Connection> c = Find(ucx::ConnectionOfTag(tag));
     if (c == nullptr) return;  // dropped meanwhile
-    if (ucx::ConnectionOfTag(tag) != id) {
-      Drop(c, absl::StrCat("a request naming connection ", ucx::ConnectionOfTag(tag), " (protocol violation)"));
+    if (c->serving.get() != w) {
+      // Its payload would arrive at another worker than the one its receives are posted on.
+      Log(LogLevel::kWarning, kComponent,
+          absl::StrCat("ignored a request naming connection ", c->id, ", which another worker serves (protocol violation)"));
       return;
     }
     v1::UcxRequest request;
@@ -404,7 +506,7 @@ class Server final : public UcxDataServer {
   // Sends one control reply and waits for it.
   void Answer(const std::shared_ptr<Connection>& c, Kind kind, uint64_t seq, const v1::UcxReply& reply) {
     const std::string bytes = reply.SerializeAsString();
-    ucx::OpGroup group(c->worker.get());
+    ucx::OpGroup group(c->worker());
     group.Send(*c->ep, ucx::TrainerTag(kind, seq), bytes.data(), bytes.size());
     if (absl::Status s = group.Wait(absl::Now() + kControlTimeout, [&] { return Abort(*c); }); !s.ok()) {
       Drop(c, absl::StrCat("reply: ", s.message()));
@@ -430,7 +532,7 @@ class Server final : public UcxDataServer {
     const bool trailer = request.crc32c_follows() && !push.duplicate();
     if (trailer) push.ExpectTrailingCrc32c();
     {
-      ucx::OpGroup group(c->worker.get());
+      ucx::OpGroup group(c->worker());
       // The chunks' receives go first: the payload never waits as an unexpected message.
       const std::span<uint8_t> dest = push.destination();
       const int64_t chunk = ucx::PushChunkBytes(request.chunk_bytes(), push.element_bytes());
@@ -509,7 +611,7 @@ class Server final : public UcxDataServer {
     *reply.mutable_pull() = PullHeaderOf(*result);
     const std::string header = reply.SerializeAsString();
     const QuantizedShard& s = *result->shard;  // immutable; alive while `result` is
-    ucx::OpGroup group(c->worker.get());
+    ucx::OpGroup group(c->worker());
     group.Send(*c->ep, ucx::TrainerTag(Kind::kReply, seq), header.data(), header.size());
     int64_t total = 0;
     if (!result->unchanged) {
@@ -539,7 +641,9 @@ class Server final : public UcxDataServer {
   Inbox hello_{Kind::kHello};  // the listening worker's
   std::atomic<bool> ready_{false};
 
-  absl::Mutex create_mu_;  // NewConnectionWorker
+  absl::Mutex create_mu_;  // NewServingWorker
+  absl::Mutex pool_mu_;    // ServingWorkerFor
+  std::vector<std::shared_ptr<ServingWorker>> pool_ ABSL_GUARDED_BY(pool_mu_);  // the shared workers
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int running_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,7 +1,8 @@
 // The daemon's UCX data server (docs/transports.md): serves the Shard service's push and pull
 // over UCP tagged messages, next to the gRPC server, on the same ShardDaemon core. Trainers
 // find its worker address in the placement (DaemonEndpoint.ucx_worker_address, registered by
-// mainstayd) and open one connection each with a hello.
+// mainstayd) and open one connection each with a hello; each connection is then served by a
+// worker of its own or one of a shared pool (Options.dedicated_workers).
 //
 // A push is accepted (or refused) before any payload moves; the payload chunks land straight in
 // the core's PushSession buffer, and nothing is stored unless every byte arrived (a trainer that
@@ -26,9 +27,18 @@ namespace mainstay::daemon {
 
 class UcxDataServer {
  public:
+  // Which trainer connections get a UCP worker, with its progress thread, of their own; the
+  // others share a pool of at most `shared_workers`. Over shared memory, a trainer killed in
+  // the middle of writing into a worker's receive queue stalls that worker for good (UCX 1.13),
+  // and with it every connection it serves. Trainers on this host (same boot id), which may use
+  // shared memory, get their own by default; remote trainers share, so the daemon's threads do
+  // not grow with the number of ranks.
+  enum class DedicatedWorkers { kLocal, kAll, kNone };
   struct Options {
     ShardDaemon* daemon = nullptr;  // required, not owned
     StepDrain* drain = nullptr;     // not owned; null: no graceful drain
+    DedicatedWorkers dedicated_workers = DedicatedWorkers::kLocal;
+    int shared_workers = 4;  // >= 1
   };
   // UNIMPLEMENTED without UCX; UNAVAILABLE when UCX cannot start here (no usable transport).
   static absl::StatusOr<std::unique_ptr<UcxDataServer>> Start(Options options);

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
 #include "common/job_spec.h"
@@ -59,10 +61,14 @@ class LocalCluster {
     c->address_ = absl::StrCat("127.0.0.1:", *port);
     for (int i = 0; i < daemons; ++i) {
       const std::string port_file = c->dir_->File(absl::StrCat("dport", i));
-      auto d = Subprocess::Start({{MAINSTAYD_BIN, "--coordinator", c->address_, "--listen", "127.0.0.1:0",
-                                   "--node-name", absl::StrCat("node", i), "--threads", "1", "--metrics-listen", "off", "--memory-bytes",
-                                   "4000000000", "--peer-timeout-ms", "20000", "--port-file", port_file},
-                                  c->dir_->File(absl::StrCat("daemon", i, ".log"))});
+      std::vector<std::string> argv = {MAINSTAYD_BIN, "--coordinator", c->address_, "--listen", "127.0.0.1:0",
+                                       "--node-name", absl::StrCat("node", i), "--threads", "1", "--metrics-listen", "off",
+                                       "--memory-bytes", "4000000000", "--peer-timeout-ms", "20000", "--port-file", port_file};
+      // E.g. "--ucx-dedicated-workers none --ucx-shared-workers 1" (CTest's slice_test_ucx_tcp_shared).
+      if (const char* extra = std::getenv("MAINSTAY_TEST_DAEMON_FLAGS"); extra != nullptr) {
+        for (absl::string_view flag : absl::StrSplit(extra, ' ', absl::SkipEmpty())) argv.emplace_back(flag);
+      }
+      auto d = Subprocess::Start({argv, c->dir_->File(absl::StrCat("daemon", i, ".log"))});
       EXPECT_THAT(d.status(), IsOk());
       c->daemons_.push_back(*std::move(d));
       EXPECT_THAT(testing::WaitForPortFile(port_file, *c->daemons_.back(), kStartTimeout).status(), IsOk());

@@ -66,7 +66,9 @@ def pusher_main(argv):
 
 class TransportFaultTest(unittest.TestCase):
     def setUp(self):
-        self.cluster = Cluster(daemons=1, lease_ms=3000)
+        # E.g. "--ucx-dedicated-workers none --ucx-shared-workers 1": every trainer on one worker.
+        self.cluster = Cluster(daemons=1, lease_ms=3000,
+                               daemon_flags=os.environ.get("MAINSTAY_TEST_DAEMON_FLAGS", "").split())
 
     def tearDown(self):
         result = getattr(self._outcome, "result", None)
