@@ -240,8 +240,14 @@ absl::Status Client::Impl::Retry(absl::string_view what, Deadline deadline, cons
       {
         absl::MutexLock lock(&mu);
         active_calls.erase(&context);
+        cancelled = shutting_down;
       }
       if (status.ok()) return status;
+      // Not cancelled here, so by the server: a gRPC server that is shutting down cancels the
+      // calls that reach it in its last moments. Retried like any stopping server's UNAVAILABLE.
+      if (status.code() == absl::StatusCode::kCancelled && !cancelled) {
+        status = absl::UnavailableError(absl::StrCat("the server cancelled the call (stopping?): ", status.message()));
+      }
     }
     const std::string where = route_fn && !route.address.empty()
                                   ? absl::StrCat(what, " at daemon ", route.daemon_id, " (", route.address, ")")

@@ -89,25 +89,39 @@ TEST(ServerNotifyTest, CoordinatorSaysReadyWithItsAddressThenStoppingAtSigterm) 
 
 TEST(ServerNotifyTest, DaemonSaysReadyOnlyOnceRegisteredThenStoppingAtSigterm) {
   MAINSTAY_ASSERT_OK_AND_ASSIGN(auto dir, TempDir::Create("mainstay-notify"));
-  MAINSTAY_ASSERT_OK_AND_ASSIGN(auto listener, NotifyListener::Bind(dir->File("notify")));
-  const std::string coordinator_address = absl::StrCat("127.0.0.1:", FreePort());
   const std::string log = dir->File("daemon.log");
-  MAINSTAY_ASSERT_OK_AND_ASSIGN(
-      auto daemon, StartNotifying(*listener,
-                                  {MAINSTAYD_BIN, "--coordinator", coordinator_address, "--listen", "127.0.0.1:0",
-                                   "--threads", "1", "--memory-bytes", "1000000000", "--port-file", dir->File("dport")},
-                                  log));
+  const std::string coordinator_log = dir->File("coordinator.log");
+  std::unique_ptr<NotifyListener> listener;
+  std::unique_ptr<Subprocess> daemon, coordinator;
+  std::optional<std::string> ready;
+  // The coordinator's port is chosen before it runs, so another process (a parallel test) may
+  // take it meanwhile: then the coordinator exits, and the test starts over on another port.
+  for (int attempt = 1; !ready.has_value(); ++attempt) {
+    ASSERT_LE(attempt, 3) << "the coordinator never started:\n" << ReadFileOrEmpty(coordinator_log);
+    if (daemon != nullptr) daemon->Kill().IgnoreError();
+    MAINSTAY_ASSERT_OK_AND_ASSIGN(listener, NotifyListener::Bind(dir->File(absl::StrCat("notify", attempt))));
+    const std::string coordinator_address = absl::StrCat("127.0.0.1:", FreePort());
+    MAINSTAY_ASSERT_OK_AND_ASSIGN(
+        daemon, StartNotifying(*listener,
+                               {MAINSTAYD_BIN, "--coordinator", coordinator_address, "--listen", "127.0.0.1:0",
+                                "--threads", "1", "--memory-bytes", "1000000000", "--metrics-listen", "off",
+                                "--port-file", dir->File("dport")},
+                               log));
 
-  // Running, but no coordinator to register with yet (it keeps retrying): not ready.
-  EXPECT_EQ(listener->Receive(absl::Seconds(3)), std::nullopt) << ReadFileOrEmpty(log);
-  ASSERT_TRUE(daemon->Running()) << ReadFileOrEmpty(log);
+    // Running, but no coordinator to register with yet (it keeps retrying): not ready.
+    EXPECT_EQ(listener->Receive(absl::Seconds(3)), std::nullopt) << ReadFileOrEmpty(log);
+    ASSERT_TRUE(daemon->Running()) << ReadFileOrEmpty(log);
 
-  MAINSTAY_ASSERT_OK_AND_ASSIGN(
-      auto coordinator, Subprocess::Start({{MAINSTAY_COORDINATOR_BIN, "--listen", coordinator_address, "--state-dir",
-                                            dir->File("state")},
-                                           dir->File("coordinator.log")}));
-  const std::optional<std::string> ready = listener->Receive(kStart);
-  ASSERT_TRUE(ready.has_value()) << ReadFileOrEmpty(log) << ReadFileOrEmpty(dir->File("coordinator.log"));
+    MAINSTAY_ASSERT_OK_AND_ASSIGN(
+        coordinator, Subprocess::Start({{MAINSTAY_COORDINATOR_BIN, "--listen", coordinator_address, "--state-dir",
+                                         dir->File(absl::StrCat("state", attempt)), "--metrics-listen", "off"},
+                                        coordinator_log}));
+    for (absl::Time until = absl::Now() + kStart; !ready.has_value() && absl::Now() < until;) {
+      ready = listener->Receive(absl::Milliseconds(500));
+      if (!ready.has_value() && !coordinator->Running()) break;  // its port was taken: start over
+    }
+    ASSERT_TRUE(ready.has_value() || !coordinator->Running()) << ReadFileOrEmpty(log) << ReadFileOrEmpty(coordinator_log);
+  }
   // The port file is written right before READY.
   MAINSTAY_ASSERT_OK_AND_ASSIGN(int port, testing::WaitForPortFile(dir->File("dport"), *daemon, kStart));
   EXPECT_EQ(*ready, absl::StrCat("READY=1\nSTATUS=daemon-1 serving on 127.0.0.1:", port));
@@ -116,7 +130,7 @@ TEST(ServerNotifyTest, DaemonSaysReadyOnlyOnceRegisteredThenStoppingAtSigterm) {
   EXPECT_THAT(listener->Receive(kStart), Optional(std::string("STOPPING=1")));
   ExpectCleanExit(*daemon, log);
   ASSERT_THAT(coordinator->Signal(SIGTERM), IsOk());
-  ExpectCleanExit(*coordinator, dir->File("coordinator.log"));
+  ExpectCleanExit(*coordinator, coordinator_log);
 }
 
 }  // namespace

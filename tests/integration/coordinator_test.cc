@@ -915,7 +915,10 @@ TEST_F(CoordinatorTest, SigtermEndsWaitingCallsAndExitsZero) {
     get.set_wait_ms(600'000);
     waited = Rpc(stub(), &CoordinatorStub::KvGet, get, absl::Minutes(10));
   });
-  // Whether the KvGet is waiting yet or not, a shutdown answers it UNAVAILABLE.
+  // A waiting call is answered UNAVAILABLE. (One that reaches the server in the last moments of
+  // its gRPC shutdown is cancelled by gRPC itself: CANCELLED, which the client library retries
+  // as it does UNAVAILABLE. So the KvGet must be waiting before the signal.)
+  absl::SleepFor(absl::Seconds(1));
   const absl::Time start = absl::Now();
   MAINSTAY_ASSERT_OK_AND_ASSIGN(int ended, coordinator_->Stop(SIGTERM));
   EXPECT_TRUE(WIFEXITED(ended) && WEXITSTATUS(ended) == 0) << DescribeWaitStatus(ended);

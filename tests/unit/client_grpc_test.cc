@@ -248,6 +248,17 @@ TEST_F(ClientGrpcTest, UnavailableDaemonsAreRetriedUntilTheyHaveTheJob) {
   EXPECT_EQ(cluster_->version(), 0);
 }
 
+TEST_F(ClientGrpcTest, CallsCancelledByAStoppingServerAreRetried) {
+  StartCluster();
+  ClientOptions base;
+  base.initial_backoff = std::chrono::milliseconds(5);
+  ConnectRanks(testing_fakes::SmallSpec(1), 1, base);
+  cluster_->FailNextCalls(3, grpc::StatusCode::CANCELLED);
+  PushInitial(RandomBuckets(3));
+  EXPECT_EQ(cluster_->stats().unavailable_answers, 3);
+  EXPECT_EQ(cluster_->version(), 0);
+}
+
 TEST_F(ClientGrpcTest, GivesUpWithUnavailableAtTheDeadline) {
   StartCluster();
   ConnectRanks(testing_fakes::SmallSpec(1), 1);

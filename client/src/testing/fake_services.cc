@@ -318,9 +318,10 @@ void FakeCluster::MoveShard(int32_t bucket, int32_t shard, int daemon) {
   state_->owners[bucket * state_->layout->data_parallel_size + shard] = daemon;
   ++state_->epoch;
 }
-void FakeCluster::FailNextCalls(int calls) {
+void FakeCluster::FailNextCalls(int calls, grpc::StatusCode code) {
   absl::MutexLock lock(&state_->mu);
   state_->unavailable_left = calls;
+  state_->unavailable_code = code;
 }
 std::vector<float> FakeCluster::Master(int32_t bucket) const {
   absl::MutexLock lock(&state_->mu);

@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/support/status.h>
+
 #include "absl/status/statusor.h"
 #include "common/layout.h"
 #include "mainstay/v1/shard.pb.h"
@@ -61,8 +63,9 @@ class FakeCluster {
 
   // Moves (bucket, shard) to daemon `daemon` under a new epoch.
   void MoveShard(int32_t bucket, int32_t shard, int daemon);
-  // Makes the daemons answer UNAVAILABLE to their next `calls` data-plane calls.
-  void FailNextCalls(int calls);
+  // Makes the daemons answer `code` (UNAVAILABLE; or e.g. CANCELLED, as a stopping gRPC server
+  // does) to their next `calls` data-plane calls.
+  void FailNextCalls(int calls, grpc::StatusCode code = grpc::StatusCode::UNAVAILABLE);
   // Current FP32 master of a bucket (numel elements) and the current version (-1 before the
   // initial parameters are complete).
   std::vector<float> Master(int32_t bucket) const;

@@ -42,6 +42,7 @@ struct FakeCluster::State {
   mutable absl::Mutex mu;
   absl::CondVar changed;
   int unavailable_left ABSL_GUARDED_BY(mu) = 0;
+  grpc::StatusCode unavailable_code ABSL_GUARDED_BY(mu) = grpc::StatusCode::UNAVAILABLE;
   int create_unavailable_left ABSL_GUARDED_BY(mu) = 0;
   std::string job_id ABSL_GUARDED_BY(mu), job_token ABSL_GUARDED_BY(mu), request_id ABSL_GUARDED_BY(mu);
   std::shared_ptr<const Layout> layout ABSL_GUARDED_BY(mu);
@@ -70,7 +71,9 @@ struct FakeCluster::State {
     if (unavailable_left > 0) {
       --unavailable_left;
       ++stats.unavailable_answers;
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake daemon: job not assigned yet");
+      return grpc::Status(unavailable_code, unavailable_code == grpc::StatusCode::UNAVAILABLE
+                                                ? "fake daemon: job not assigned yet"
+                                                : "fake daemon: a call cut short by a stopping server");
     }
     if (layout == nullptr || job != job_id) return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown job");
     if (token != job_token) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "bad job token");
