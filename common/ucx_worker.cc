@@ -309,23 +309,27 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(const std::string& rem
 // ---------------------------------------------------------------------------------------------
 // OpGroup.
 
-OpGroup::~OpGroup() { CancelAndDrain(); }
+// A send's request is freed by its callback, on the thread completing it (which holds the
+// worker's lock there anyway): nothing else ever reads it. A receive's stays until the group
+// goes, because CancelAndDrain may cancel it, and a receive can complete on another thread than
+// the progress thread (a forced endpoint close purges its rendezvous receives), so a request
+// freed by its callback could be cancelled after the free.
+OpGroup::~OpGroup() {
+  CancelAndDrain();
+  for (Slot* s : recvs_) {
+    if (s->request != nullptr) ucp_request_free(s->request);
+  }
+}
 
-// Each request is freed by its callback, on the progress thread, which holds the worker's lock
-// there anyway. Freed from the owner's thread (as the destructor once did), every free had to
-// take that lock from the progress thread, which holds it through a whole chunk's copy: a push's
-// end waited 1.5-3.5 ms for six frees (bench/transport_bench, 16 MiB over shared memory).
 void OpGroup::OnSend(void* request, ucs_status_t status, void* user_data) {
   auto* slot = static_cast<Slot*>(user_data);
   ucp_request_free(request);
   slot->group->Complete(slot, status, 0);
 }
 
-void OpGroup::OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data) {
+void OpGroup::OnRecv(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data) {
   auto* slot = static_cast<Slot*>(user_data);
-  const size_t length = info != nullptr ? info->length : 0;
-  ucp_request_free(request);
-  slot->group->Complete(slot, status, length);
+  slot->group->Complete(slot, status, info != nullptr ? info->length : 0);
 }
 
 void OpGroup::Complete(Slot* slot, ucs_status_t status, size_t length) {
@@ -341,7 +345,9 @@ void OpGroup::Complete(Slot* slot, ucs_status_t status, size_t length) {
 
 void OpGroup::Track(Slot* slot, ucs_status_ptr_t result, const char* what) {
   if (UCS_PTR_IS_PTR(result)) {
-    slot->request = result;  // the callback may already have run: it does not read this
+    // A receive's, for CancelAndDrain and the destructor. A send's callback frees its request,
+    // maybe already (it does not read this).
+    if (slot->is_recv) slot->request = result;
   } else {
     worker_->AddActive(-1);
     absl::MutexLock lock(&mu_);

@@ -109,6 +109,7 @@ class UcxTransport final : public DataTransport {
     request.set_crc32c_follows(context_.push_crc32c);
     const std::string request_bytes = Serialize(request, seq, deadline);
     std::string reply_bytes(ucx::kMaxControlBytes, '\0');
+    std::string trailer_bytes;  // declared before `outcome`, whose send reads it until the group goes
     Watch abort(this, route, *c);
 
     // The outcome's receive is posted first, so it is never an unexpected message.
@@ -117,7 +118,6 @@ class UcxTransport final : public DataTransport {
     absl::StatusOr<v1::UcxReply> accept = Call(c, seq, request_bytes, Kind::kAccept, deadline, abort, "push request");
     if (!accept.ok()) return accept.status();
     if (absl::Status s = StatusOfReply(*accept); !s.ok()) return s;  // refused: nothing was sent, nothing stored
-    std::string trailer_bytes;  // alive until `outcome` completed
     if (!accept->duplicate()) {
       const int64_t chunk = ucx::PushChunkBytes(context_.chunk_bytes, data.element_bytes());
       const auto* bytes = static_cast<const uint8_t*>(data.data);

@@ -171,7 +171,9 @@ class Server final : public UcxDataServer {
 
   // The listening worker's: hellos.
   void Poll() {
-    if (!ready_.load()) return;  // the progress thread starts before Init has stored worker_
+    // The progress thread starts before Init has stored worker_, and runs a few more rounds
+    // while ~Server destroys it (worker_ is null by then; the inbox was freed at Shutdown).
+    if (!ready_.load() || hello_.freed.load()) return;
     bool stopping;
     {
       absl::MutexLock lock(&mu_);
@@ -189,7 +191,8 @@ class Server final : public UcxDataServer {
   // A serving worker's: its connections' requests, and their endpoints' failures. Never holds
   // a reference to a connection (see ServingWorker).
   void PollServing(ServingWorker* w) {
-    if (!w->ready.load()) return;
+    // As in Poll: `w->worker` is not set yet, or is being destroyed (the inbox is freed then).
+    if (!w->ready.load() || w->requests.freed.load()) return;
     bool stopping;
     {
       absl::MutexLock lock(&mu_);
@@ -452,12 +455,10 @@ class Server final : public UcxDataServer {
     reply.set_code(static_cast<int32_t>(why.code()));
     reply.set_message(std::string(why.message()));
     const std::string bytes = reply.SerializeAsString();
-    {
-      ucx::OpGroup group(worker_.get());
-      group.Send(**ep, ucx::TrainerTag(Kind::kHelloReply, hello.nonce()), bytes.data(), bytes.size());
-      group.Wait(absl::Now() + kControlTimeout, [this] { return Stopping(); }).IgnoreError();
-    }
-    (*ep)->Close();
+    ucx::OpGroup group(worker_.get());
+    group.Send(**ep, ucx::TrainerTag(Kind::kHelloReply, hello.nonce()), bytes.data(), bytes.size());
+    group.Wait(absl::Now() + kControlTimeout, [this] { return Stopping(); }).IgnoreError();
+    (*ep)->Close();  // before the group goes: ends the send if it is still pending
   }
 
   absl::Status Stopping() {
@@ -532,6 +533,8 @@ class Server final : public UcxDataServer {
     const bool trailer = request.crc32c_follows() && !push.duplicate();
     if (trailer) push.ExpectTrailingCrc32c();
     {
+      // Declared before the group: its receive may still be posted until the group goes.
+      std::string trailer_bytes(trailer ? kTrailerBytes : 0, '\0');
       ucx::OpGroup group(c->worker());
       // The chunks' receives go first: the payload never waits as an unexpected message.
       const std::span<uint8_t> dest = push.destination();
@@ -542,7 +545,6 @@ class Server final : public UcxDataServer {
                    dest.data() + off, n);
         expected.push_back(n);
       }
-      std::string trailer_bytes(trailer ? kTrailerBytes : 0, '\0');
       if (trailer) {
         group.Recv(ucx::DaemonTag(Kind::kPushTrailer, c->id, static_cast<uint32_t>(seq)), ucx::kExactMask,
                    trailer_bytes.data(), trailer_bytes.size());
