@@ -433,8 +433,9 @@ void OpGroup::CancelAndDrain() {
     absl::MutexLock lock(&mu_);
     if (pending_ == 0) return;
   }
-  // On the progress thread, the only one that completes receives: a receive still not done
-  // there cannot complete between the check and the cancel.
+  // A receive may still complete between the check and the cancel (on the progress thread, or
+  // on a thread force-closing an endpoint); cancelling a completed receive does nothing, and its
+  // request stays allocated until the destructor.
   // The task reads this group: it must have run before the group can go, even when every
   // operation completes on its own meanwhile.
   auto ran = std::make_shared<absl::Notification>();

@@ -166,8 +166,7 @@ class Worker {
   // thread sleeps on the event fd at most 200 us at a time (the fd does not fire for, e.g., a
   // TCP socket becoming writable again mid-transfer).
   void AddActive(int delta) { active_.fetch_add(delta, std::memory_order_relaxed); }
-  // Runs `task` on the progress thread after its next round of progress (where no completion
-  // can race it: UCX asserts when a completed request is cancelled).
+  // Runs `task` on the progress thread after its next round of progress.
   void RunOnProgressThread(std::function<void()> task);
 
  private:
