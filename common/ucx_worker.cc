@@ -26,7 +26,7 @@ absl::Mutex log_level_mu(absl::kConstInit);
 // sleeps on the event fd: 20 ms when idle (an idle worker costs nothing), 200 us with operations
 // in flight. It once spun all through a transfer: on two cores that held a core against the
 // threads doing the work (the CRC, the peer's progress thread), and 16 MiB pushes and pulls over
-// shared memory ran at 0.27 of tag_bw; sleeping between events, 0.5-0.7 (bench/transport_bench).
+// shared memory ran at 0.27 of tag_bw; sleeping between events, 0.3-0.7 (bench/transport_bench).
 constexpr auto kSpin = std::chrono::microseconds(200);
 constexpr timespec kIdleWait{0, 20'000'000};   // 20 ms
 constexpr timespec kActiveWait{0, 200'000};    // 200 us
@@ -309,21 +309,18 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(const std::string& rem
 // ---------------------------------------------------------------------------------------------
 // OpGroup.
 
-// A send's request is freed by its callback, on the thread completing it (which holds the
-// worker's lock there anyway): nothing else ever reads it. A receive's stays until the group
-// goes, because CancelAndDrain may cancel it, and a receive can complete on another thread than
-// the progress thread (a forced endpoint close purges its rendezvous receives), so a request
-// freed by its callback could be cancelled after the free.
+// Requests are freed here, not by their callbacks: CancelAndDrain may cancel a receive that has
+// just completed on another thread (a forced endpoint close purges its rendezvous receives),
+// which is harmless only while the request is still allocated.
 OpGroup::~OpGroup() {
   CancelAndDrain();
-  for (Slot* s : recvs_) {
-    if (s->request != nullptr) ucp_request_free(s->request);
+  for (Slot& s : slots_) {
+    if (s.request != nullptr) ucp_request_free(s.request);
   }
 }
 
-void OpGroup::OnSend(void* request, ucs_status_t status, void* user_data) {
+void OpGroup::OnSend(void*, ucs_status_t status, void* user_data) {
   auto* slot = static_cast<Slot*>(user_data);
-  ucp_request_free(request);
   slot->group->Complete(slot, status, 0);
 }
 
@@ -345,9 +342,7 @@ void OpGroup::Complete(Slot* slot, ucs_status_t status, size_t length) {
 
 void OpGroup::Track(Slot* slot, ucs_status_ptr_t result, const char* what) {
   if (UCS_PTR_IS_PTR(result)) {
-    // A receive's, for CancelAndDrain and the destructor. A send's callback frees its request,
-    // maybe already (it does not read this).
-    if (slot->is_recv) slot->request = result;
+    slot->request = result;  // the callback may already have run: it does not read this
   } else {
     worker_->AddActive(-1);
     absl::MutexLock lock(&mu_);

@@ -4,8 +4,7 @@
 //
 // Model: every UCP call may come from any thread (the worker is created multi-threaded); one
 // progress thread drives completions, spinning briefly and then sleeping on the worker's event
-// fd. A posted operation belongs to an OpGroup, which its owner waits on; callbacks count
-// operations done (and free a send's request).
+// fd. A posted operation belongs to an OpGroup, which its owner waits on; callbacks only count.
 //
 // Tags (64 bits): the top byte is the message kind. Messages to a daemon carry the daemon-given
 // connection id (24 bits) and the trainer's request sequence (32 bits); messages to a trainer
@@ -213,7 +212,7 @@ class OpGroup {
  private:
   struct Slot {
     OpGroup* group = nullptr;
-    void* request = nullptr;  // a receive's UCP request, freed by the destructor (a send's: by its callback)
+    void* request = nullptr;  // UCP request, freed by the destructor
     bool is_recv = false;
     bool done = false;
     size_t length = 0;

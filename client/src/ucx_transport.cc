@@ -122,16 +122,14 @@ class UcxTransport final : public DataTransport {
       const int64_t chunk = ucx::PushChunkBytes(context_.chunk_bytes, data.element_bytes());
       const auto* bytes = static_cast<const uint8_t*>(data.data);
       const int64_t total = data.bytes();
-      uint32_t crc = 0;
       for (int64_t off = 0; off < total; off += chunk) {
-        const size_t n = static_cast<size_t>(std::min(chunk, total - off));
-        outcome.Send(*c->ep, ucx::DaemonTag(Kind::kPushData, c->id, static_cast<uint32_t>(seq)), bytes + off, n);
+        outcome.Send(*c->ep, ucx::DaemonTag(Kind::kPushData, c->id, static_cast<uint32_t>(seq)), bytes + off,
+                     static_cast<size_t>(std::min(chunk, total - off)));
       }
-      // While the chunks are in flight (both only read the caller's buffer).
-      if (context_.push_crc32c) crc = Crc32c(bytes, static_cast<size_t>(total));
       if (context_.push_crc32c) {
+        // While the chunks are in flight (both only read the caller's buffer).
         v1::UcxPushTrailer trailer;
-        trailer.set_crc32c(crc);
+        trailer.set_crc32c(Crc32c(bytes, static_cast<size_t>(total)));
         trailer_bytes = trailer.SerializeAsString();
         outcome.Send(*c->ep, ucx::DaemonTag(Kind::kPushTrailer, c->id, static_cast<uint32_t>(seq)),
                      trailer_bytes.data(), trailer_bytes.size());
@@ -348,7 +346,7 @@ class UcxTransport final : public DataTransport {
       c->worker = worker_;
     }
     // The hello goes to the daemon's listening worker; the connection then uses the worker the
-    // daemon started for it (UcxHelloReply.data_worker_address).
+    // daemon serves it on (UcxHelloReply.data_worker_address).
     absl::StatusOr<std::shared_ptr<ucx::Endpoint>> hello_ep = c->worker->Connect(key, nullptr);
     if (!hello_ep.ok()) {
       return absl::UnavailableError(absl::StrCat("UCX to daemon ", c->daemon, ": ", hello_ep.status().message()));

@@ -373,7 +373,7 @@ absl::StatusOr<v1::PushGradResponse> PushSession::Finish() {
     return absl::InvalidArgumentError(absl::StrCat("PushGrad: the stream ended after ", received_, " of ", numel_,
                                                    " elements; nothing was stored"));
   }
-  if (!duplicate_ && track_crc_ && expected_crc_ != 0 && crc_ != expected_crc_) {
+  if (track_crc_ && expected_crc_ != 0 && crc_ != expected_crc_) {  // never tracked for a duplicate
     return absl::DataLossError(absl::StrCat("PushGrad: CRC-32C of the payload is ", crc_, ", the trainer sent ",
                                             expected_crc_, "; nothing was stored"));
   }
