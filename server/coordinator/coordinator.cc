@@ -151,6 +151,7 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
                        p.placement_epoch(), " but is not in its placement (epoch ", epoch, "): dropping it there"));
     }
   }
+  s.ReconcileLocked(request);
   v1::HeartbeatResponse response;
   response.set_lease_ttl_ms(l->second.ttl_ms);
   response.set_state(d->second.state());
@@ -162,6 +163,62 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
   }
   response.set_max_placement_epoch(max_epoch);
   return response;
+}
+
+void Coordinator::Impl::ReconcileLocked(const v1::HeartbeatRequest& request) {
+  const std::string& daemon_id = request.daemon_id();
+  const int64_t now = Now();
+  std::map<std::string, const v1::JobProgress*> held;
+  for (const v1::JobProgress& p : request.jobs()) held[p.job_id()] = &p;
+  Batch batch;
+  for (const auto& [job_id, job] : state.jobs) {
+    bool placed = false;
+    for (const v1::DaemonEndpoint& e : job.placement().daemons()) placed |= e.daemon_id() == daemon_id;
+    if (!placed) continue;
+    const std::pair<std::string, std::string> key{job_id, daemon_id};
+    auto h = held.find(job_id);
+    if (!job.started() && h != held.end() && h->second->version() >= 0) {
+      v1::StoredJob started = job;
+      started.set_started(true);
+      batch.PutJob(started);
+    }
+    if (h != held.end() && h->second->placement_epoch() >= job.placement().epoch()) {
+      resends.erase(key);
+      continue;
+    }
+    if (jobs_to_recover.count(job_id)) continue;  // the restore sends assignments of its own
+    Resend& r = resends[key];
+    if (r.since_ms == 0) r.since_ms = now;  // an assignment may still be on its way: wait a little
+    if (now - r.since_ms < options.reconcile_after_ms || now - r.last_ms < options.reconcile_after_ms) continue;
+    r.last_ms = now;
+    if (h == held.end() && job.started()) {
+      // The job's state lives only in its daemons, and this one no longer has it (it restarted
+      // within its lease). Re-sending the assignment would give it empty shards; recover the job
+      // as if the daemon had died, once.
+      if (lost_state[job_id].insert(daemon_id).second) {
+        Log(LogLevel::kWarning, "coordinator",
+            absl::StrCat("daemon ", daemon_id, " is placed on job ", job_id,
+                         " but no longer holds it (restarted?): its shards' state is lost; the job is DEGRADED "
+                         "and will be restored from its newest checkpoint"));
+        jobs_to_recover.insert(job_id);
+      }
+      continue;
+    }
+    const int64_t reported = h == held.end() ? -1 : h->second->placement_epoch();
+    const v1::SourceCheckpoint* source =
+        job.has_restored_from() && reported < job.restored_epoch() ? &job.restored_from() : nullptr;
+    Log(LogLevel::kInfo, "coordinator",
+        absl::StrCat("daemon ", daemon_id, " reports job ", job_id,
+                     reported < 0 ? std::string(" not at all") : absl::StrCat(" at placement epoch ", reported),
+                     " for ", now - r.since_ms, " ms; re-sending its assignment at epoch ", job.placement().epoch(),
+                     source != nullptr ? absl::StrCat(" (the restore from ", source->checkpoint_id(), ")") : ""));
+    SendAssignments(job, {}, "", source, daemon_id);
+  }
+  AddJobHealth(batch);
+  if (batch.empty()) return;
+  if (absl::Status saved = Commit(batch); !saved.ok()) {
+    Log(LogLevel::kError, "coordinator", absl::StrCat("reconciliation not saved: ", saved.message()));
+  }
 }
 
 absl::Status Coordinator::DeregisterDaemon(const v1::DeregisterDaemonRequest& request) {

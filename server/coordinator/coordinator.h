@@ -54,6 +54,11 @@ struct CoordinatorOptions {
   // Called (under the coordinator's lock: it must not call back into the Coordinator) for each
   // daemon marked DOWN because its lease ran out; metrics count them. Empty: nothing.
   std::function<void(const std::string& daemon_id)> on_lease_expired;
+  // Reconciliation: a daemon that reports a job it is placed on behind the placement epoch (or
+  // not at all) for this long is sent its assignment again, and again every this long, for as
+  // long as it lives. A daemon that no longer holds a started job lost its state: the job is
+  // DEGRADED and recovered as if the daemon had died.
+  int64_t reconcile_after_ms = 3000;
 };
 
 class Coordinator {

@@ -381,14 +381,25 @@ absl::StatusOr<v1::RestoreCheckpointResponse> Coordinator::Impl::RestoreLocked(v
   v1::StoredJob updated = job;
   *updated.mutable_placement() = MakePlacement(job_id, job.placement().epoch() + 1, job.layout().buckets_size(), owners);
   updated.mutable_info()->set_placement_epoch(updated.placement().epoch());
-  updated.mutable_info()->set_state(HealthOf(updated));
-  Batch batch;
-  batch.PutJob(updated);
-  MAINSTAY_RETURN_IF_ERROR(Commit(batch));
-  progress.erase(job_id);
   v1::SourceCheckpoint source;
   source.set_checkpoint_id(manifest.checkpoint_id());
   source.set_manifest_uri(checkpoint::JoinPath(dir, checkpoint::kManifestName));
+  updated.set_started(true);
+  *updated.mutable_restored_from() = source;
+  updated.set_restored_epoch(updated.placement().epoch());
+  auto lost = lost_state.find(job_id);
+  std::set<std::string> lost_before;
+  if (lost != lost_state.end()) lost_before.swap(lost->second);
+  lost_state.erase(job_id);  // every daemon of the new placement loads the checkpoint
+  updated.mutable_info()->set_state(HealthOf(updated));
+  Batch batch;
+  batch.PutJob(updated);
+  if (absl::Status saved = Commit(batch); !saved.ok()) {
+    if (!lost_before.empty()) lost_state[job_id] = std::move(lost_before);
+    return saved;
+  }
+  progress.erase(job_id);
+  for (auto it = resends.begin(); it != resends.end();) it = it->first.first == job_id ? resends.erase(it) : std::next(it);
   SendAssignments(updated, {}, "", &source);
   if (options.assigner != nullptr) {
     std::set<std::string> kept(owners.begin(), owners.end());

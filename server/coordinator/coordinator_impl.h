@@ -106,6 +106,16 @@ struct Coordinator::Impl {
   bool stopping ABSL_GUARDED_BY(mu) = false;
   // Jobs that lost a daemon and wait to be restored from their latest checkpoint.
   std::set<std::string> jobs_to_recover ABSL_GUARDED_BY(mu);
+  // Reconciliation (coordinator.cc, Heartbeat; memory only, rebuilt from the next heartbeats
+  // after a restart): since when a placed daemon has reported a job behind its placement epoch
+  // or not at all, and when its assignment was last re-sent; and, per started job, the live
+  // daemons that no longer hold it (they restarted: the job is DEGRADED until it is restored).
+  struct Resend {
+    int64_t since_ms = 0;
+    int64_t last_ms = 0;
+  };
+  std::map<std::pair<std::string, std::string>, Resend> resends ABSL_GUARDED_BY(mu);  // (job, daemon)
+  std::map<std::string, std::set<std::string>> lost_state ABSL_GUARDED_BY(mu);         // job -> daemons
 
   // coordinator_checkpoints.cc.
   checkpoint::CheckpointFs& Fs() const;
@@ -120,6 +130,9 @@ struct Coordinator::Impl {
                                                               const v1::CheckpointManifest& manifest,
                                                               const std::string& dir) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void RecoverJobs() ABSL_LOCKS_EXCLUDED(mu);
+  // coordinator.cc: compares the jobs a daemon's heartbeat reports with the placements that
+  // name it; re-sends what it lacks, marks jobs started, and recovers jobs it lost.
+  void ReconcileLocked(const v1::HeartbeatRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Registers a checkpoint of the job as WRITING; returns it and the step to write.
   absl::StatusOr<std::pair<v1::CheckpointInfo, int64_t>> BeginCheckpointLocked(const std::string& job_id,
                                                                                 bool periodic)
@@ -171,9 +184,15 @@ struct Coordinator::Impl {
 
   // READY when every owner is up, DEGRADED otherwise.
   v1::JobState HealthOf(const v1::StoredJob& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return HealthIn(state, job);
+  }
+  // DEGRADED when a daemon of the job is down or has lost the job's state.
+  v1::JobState HealthIn(const State& in, const v1::StoredJob& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto lost = lost_state.find(job.info().job_id());
     for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
-      auto it = state.daemons.find(e.daemon_id());
-      if (it == state.daemons.end() || it->second.state() == v1::DAEMON_STATE_DOWN) return v1::JOB_STATE_DEGRADED;
+      auto it = in.daemons.find(e.daemon_id());
+      if (it == in.daemons.end() || it->second.state() == v1::DAEMON_STATE_DOWN) return v1::JOB_STATE_DEGRADED;
+      if (lost != lost_state.end() && lost->second.count(e.daemon_id())) return v1::JOB_STATE_DEGRADED;
     }
     return v1::JOB_STATE_READY;
   }
@@ -183,11 +202,7 @@ struct Coordinator::Impl {
     State after = state;
     after.Apply(batch.proto);
     for (const auto& [id, job] : after.jobs) {
-      v1::JobState health = v1::JOB_STATE_READY;
-      for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
-        auto it = after.daemons.find(e.daemon_id());
-        if (it == after.daemons.end() || it->second.state() == v1::DAEMON_STATE_DOWN) health = v1::JOB_STATE_DEGRADED;
-      }
+      const v1::JobState health = HealthIn(after, job);
       if (job.info().state() != health) {
         v1::StoredJob updated = job;
         updated.mutable_info()->set_state(health);
@@ -306,11 +321,14 @@ struct Coordinator::Impl {
   // Sends each owner its shards of `job` (those of `ranks`, or all of its ranks when empty).
   // The gained shards start from the trainers (new job), from `from_peer`'s copy or, with
   // `from_checkpoint`, from a checkpoint (the daemons then replace the whole job).
+  // With `only_daemon`, only that daemon's assignment is sent (reconciliation).
   void SendAssignments(const v1::StoredJob& job, const std::set<int>& only_ranks, const std::string& from_peer,
-                       const v1::SourceCheckpoint* from_checkpoint = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+                       const v1::SourceCheckpoint* from_checkpoint = nullptr, const std::string& only_daemon = "")
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (options.assigner == nullptr) return;
     std::map<std::string, std::vector<v1::ShardRef>> by_daemon;
     for (const v1::ShardPlacement& p : job.placement().shards()) {
+      if (!only_daemon.empty() && p.daemon_id() != only_daemon) continue;
       if (only_ranks.empty() || only_ranks.count(p.shard().shard())) by_daemon[p.daemon_id()].push_back(p.shard());
     }
     for (const auto& [daemon, shards] : by_daemon) {

@@ -314,6 +314,133 @@ TEST_F(CoordinatorCoreTest, ADaemonHoldingAJobItIsNotPlacedOnIsToldToDropItAndIt
   EXPECT_EQ(assigner_.calls().size(), before + 1);
 }
 
+// Reconciliation: the coordinator re-sends what a live daemon lacks, for as long as it lives.
+TEST_F(CoordinatorCoreTest, AnAssignmentADaemonNeverGotIsSentAgainUntilItHoldsTheJob) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto created = Create(SmallSpec("j", 2, {"n1", "n2"}));
+  ASSERT_THAT(created, IsOk());
+  const size_t sent = assigner_.calls().size();  // the original assignments (a's was "lost")
+  auto beat = [&](const v1::RegisterDaemonResponse& d, int64_t epoch) {
+    v1::HeartbeatRequest hb;
+    hb.set_daemon_id(d.daemon_id());
+    hb.set_lease_id(d.lease_id());
+    if (epoch >= 0) {
+      v1::JobProgress* p = hb.add_jobs();
+      p->set_job_id(created->job_id());
+      p->set_placement_epoch(epoch);
+      p->set_version(-1);
+      p->set_committed_step(-1);
+    }
+    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  };
+  auto resent_to_a = [&] {
+    int n = 0;
+    const auto calls = assigner_.calls();
+    for (size_t i = sent; i < calls.size(); ++i) {
+      if (!calls[i].assign || calls[i].address != "n1:7000") continue;
+      EXPECT_EQ(calls[i].assign_request.job_id(), created->job_id());
+      EXPECT_EQ(calls[i].assign_request.placement_epoch(), 1);
+      EXPECT_TRUE(calls[i].assign_request.has_from_trainer()) << "the job has not started: a new assignment";
+      EXPECT_EQ(calls[i].assign_request.shards_size(), created->job().num_buckets());
+      ++n;
+    }
+    return n;
+  };
+  beat(a, -1);
+  EXPECT_EQ(resent_to_a(), 0) << "an assignment may still be on its way";
+  // Well past the old one-minute give-up: re-sent every 3 s while a lacks the job.
+  for (int i = 0; i < 200; ++i) {  // 100 s in 500 ms heartbeats
+    clock_.Advance(500);
+    beat(a, -1);
+    beat(b, 1);
+  }
+  EXPECT_GE(resent_to_a(), 30);
+  EXPECT_LE(resent_to_a(), 34);
+  EXPECT_EQ(assigner_.calls().size(), sent + static_cast<size_t>(resent_to_a())) << "b, which holds it, gets nothing";
+  // Once a reports the job at the current epoch, nothing more is sent.
+  const int total = resent_to_a();
+  for (int i = 0; i < 20; ++i) {
+    clock_.Advance(500);
+    beat(a, 1);
+    beat(b, 1);
+  }
+  EXPECT_EQ(resent_to_a(), total);
+}
+
+TEST_F(CoordinatorCoreTest, ADaemonBehindThePlacementEpochIsSentTheCurrentAssignment) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto c = Register("n3", kGiB);
+  auto created = Create(SmallSpec("j", 2, {"n1", "n2"}));
+  ASSERT_THAT(created, IsOk());
+  v1::DrainDaemonRequest drain;  // rank 1 moves from b to c: epoch 2, and a must learn of it
+  drain.set_daemon_id(b.daemon_id());
+  ASSERT_THAT(coordinator_->DrainDaemon(drain), IsOk());
+  const size_t sent = assigner_.calls().size();
+  for (int i = 0; i < 8; ++i) {  // 4 s of heartbeats; a still reports epoch 1
+    clock_.Advance(500);
+    for (const auto* d : {&a, &b, &c}) {
+      v1::HeartbeatRequest hb;
+      hb.set_daemon_id(d->daemon_id());
+      hb.set_lease_id(d->lease_id());
+      if (d != &b) {
+        v1::JobProgress* p = hb.add_jobs();
+        p->set_job_id(created->job_id());
+        p->set_placement_epoch(d == &a ? 1 : 2);
+      }
+      ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+    }
+  }
+  const auto calls = assigner_.calls();
+  ASSERT_EQ(calls.size(), sent + 1);
+  EXPECT_TRUE(calls.back().assign);
+  EXPECT_EQ(calls.back().address, "n1:7000");
+  EXPECT_EQ(calls.back().assign_request.placement_epoch(), 2);
+  EXPECT_EQ(calls.back().assign_request.placement().epoch(), 2);
+  EXPECT_EQ(calls.back().assign_request.shards_size(), created->job().num_buckets()) << "a's own shards";
+}
+
+TEST_F(CoordinatorCoreTest, ALiveDaemonThatLostAStartedJobMakesItDegradedNotReassignedEmpty) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto created = Create(SmallSpec("j", 2, {"n1", "n2"}));
+  ASSERT_THAT(created, IsOk());
+  auto beat = [&](const v1::RegisterDaemonResponse& d, bool holds) {
+    v1::HeartbeatRequest hb;
+    hb.set_daemon_id(d.daemon_id());
+    hb.set_lease_id(d.lease_id());
+    if (holds) {
+      v1::JobProgress* p = hb.add_jobs();
+      p->set_job_id(created->job_id());
+      p->set_placement_epoch(1);
+      p->set_version(5);
+      p->set_committed_step(4);
+    }
+    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  };
+  beat(a, true);  // version 0 was published: the job has started
+  beat(b, true);
+  const size_t sent = assigner_.calls().size();
+  for (int i = 0; i < 10; ++i) {  // a no longer holds it
+    clock_.Advance(500);
+    beat(a, false);
+    beat(b, true);
+  }
+  EXPECT_EQ(assigner_.calls().size(), sent) << "an empty from_trainer assignment would wedge the job";
+  EXPECT_EQ(coordinator_->ListJobs({}).jobs(0).state(), v1::JOB_STATE_DEGRADED);
+  // Survives a coordinator restart: the job is still known to have started.
+  Restart(std::move(store_));
+  a = Register("n1", kGiB, a.daemon_id());
+  b = Register("n2", kGiB, b.daemon_id());
+  for (int i = 0; i < 10; ++i) {
+    clock_.Advance(500);
+    beat(a, false);
+    beat(b, true);
+  }
+  EXPECT_EQ(coordinator_->ListJobs({}).jobs(0).state(), v1::JOB_STATE_DEGRADED);
+}
+
 TEST_F(CoordinatorCoreTest, DrainMovesRanksAndBumpsTheEpoch) {
   auto a = Register("n1", kGiB);
   auto b = Register("n2", kGiB);
