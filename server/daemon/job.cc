@@ -1,5 +1,7 @@
-// The protocol side of a job: assignment, validation of pushes, pulls and FinishStep, and
-// the step thread's loop with the commit. The arithmetic of a step is in job_step.cc.
+// The protocol side of a job: assignment, pulls, FinishStep, state copies and progress.
+// Pushes are staged in job_push.cc, the step thread's arithmetic and commit are in
+// job_step.cc, the agreed outcome of a step in job_outcome.cc, checkpoints in
+// job_checkpoint.cc.
 #include "server/daemon/job.h"
 
 #include <openssl/sha.h>
@@ -9,7 +11,6 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "common/crc32c.h"
 #include "common/job_spec_proto.h"
 #include "common/layout_proto.h"
 #include "common/logging.h"
@@ -19,11 +20,6 @@
 
 namespace mainstay::daemon {
 namespace {
-
-int ElementBytes(ElementType type) { return BitsOf(type) / 8; }
-
-// shard.proto: a chunk holds at most 4 MiB (a large bucket is never one giant message).
-constexpr size_t kMaxChunkBytes = 4 << 20;
 
 std::string Sha256(const std::string& text) {
   unsigned char digest[SHA256_DIGEST_LENGTH];
@@ -175,6 +171,8 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
   epoch_ = request.placement_epoch();
   owners_ = std::move(owners);
   members_.assign(members.begin(), members.end());
+  endpoints_.clear();
+  for (const v1::DaemonEndpoint& e : request.placement().daemons()) endpoints_[e.daemon_id()] = e;
   for (const v1::ShardRef& ref : request.shards()) {
     const Key key{ref.bucket(), ref.shard()};
     if (shards_.count(key)) continue;
@@ -205,218 +203,6 @@ absl::StatusOr<bool> Job::Drop(const v1::DropShardRequest& request) {
     for (const v1::ShardRef& ref : request.shards()) shards_.erase({ref.bucket(), ref.shard()});
   }
   return shards_.empty();
-}
-
-absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHeader& h) {
-  MAINSTAY_RETURN_IF_ERROR(CheckToken(h.job_token()));
-  auto session = std::make_unique<PushSession>();
-  session->job_ = shared_from_this();
-  session->header_ = h;
-  if (h.num_contributors() == 0) session->header_.set_num_contributors(1);
-  absl::MutexLock lock(&mu_);
-  MAINSTAY_RETURN_IF_ERROR(CheckRoute(h.placement_epoch(), h.bucket(), h.shard()));
-  const int64_t d = job_.layout.data_parallel_size;
-  const int64_t numel = job_.layout.buckets[static_cast<size_t>(h.bucket())].shard_numel;
-  ElementType dtype;
-  switch (h.dtype()) {
-    case v1::ELEMENT_TYPE_FP32: dtype = ElementType::kFloat32; break;
-    case v1::ELEMENT_TYPE_BF16: dtype = ElementType::kBFloat16; break;
-    case v1::ELEMENT_TYPE_FP16: dtype = ElementType::kFloat16; break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("PushGrad: dtype ", v1::ElementType_Name(h.dtype()),
-                                                     " is not FP32, BF16 or FP16"));
-  }
-  if (h.rank() < 0 || h.rank() >= d) {
-    return absl::InvalidArgumentError(absl::StrCat("PushGrad: rank ", h.rank(), " is outside [0, ", d, ")"));
-  }
-  const int32_t contributors = session->header_.num_contributors();
-  const int64_t expected_bytes = numel * ElementBytes(dtype);
-  if (h.total_bytes() != expected_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("PushGrad: total_bytes ", h.total_bytes(), " but ",
-                                                   ShardName(h.bucket(), h.shard()), " holds ", numel, " elements = ",
-                                                   expected_bytes, " bytes of ", ElementTypeName(dtype)));
-  }
-  const ShardState& state = *shards_.at({h.bucket(), h.shard()});
-  bool duplicate = false;
-  if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS) {
-    if (h.step() != -1) return absl::InvalidArgumentError("PushGrad: initial parameters must have step -1");
-    if (dtype != ElementType::kFloat32) return absl::InvalidArgumentError("PushGrad: initial parameters must be FP32");
-    if (!restored_from_.empty()) {
-      return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
-          "PushGrad: job ", job_id_, " is restored from checkpoint ", restored_from_,
-          "; it takes no initial parameters (pull the latest version instead)")));
-    }
-    if (version_ >= 0 || state.initialized) {
-      return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
-          "PushGrad: initial parameters of job ", job_id_, " were already taken (version ", version_, " exists)")));
-    }
-    auto it = pending_.find(-1);
-    duplicate = (it != pending_.end() && it->second.shards.count({h.bucket(), h.shard()})) || executing_step_ == -1;
-  } else if (h.kind() == v1::PUSH_KIND_GRADIENT) {
-    if (h.step() < 0) return absl::InvalidArgumentError(absl::StrCat("PushGrad: step ", h.step(), " < 0"));
-    if (contributors != 1 && contributors != d) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("PushGrad: num_contributors ", contributors, " must be 1 (reduced) or D = ", d));
-    }
-    if (h.step() <= committed_step_ && committed_step_ >= 0) {
-      return ErrorWithDetail(absl::FailedPreconditionError(
-          absl::StrCat("PushGrad: step ", h.step(), " of job ", job_id_, " is already decided (committed step ",
-                       committed_step_, ")")));
-    }
-    const int64_t first_open = std::max<int64_t>(next_step_, 0);
-    if (rewound_ && h.step() != next_step_) return RewoundError("PushGrad", h.step());
-    if (h.step() > first_open + 1) {
-      return ErrorWithDetail(absl::FailedPreconditionError(
-          absl::StrCat("PushGrad: step ", h.step(), " is ahead of job ", job_id_, ": the daemon takes steps ",
-                       first_open, " and ", first_open + 1, " now")));
-    }
-    if (loss_scale_.config.dynamic && h.loss_scale() != 0.0 && h.loss_scale() != loss_scale_now_) {
-      return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
-          "PushGrad: loss_scale ", h.loss_scale(), " differs from the daemon's current ", loss_scale_now_)));
-    }
-    if (executing_step_ == h.step()) {
-      if (!executing_keys_.count({h.bucket(), h.shard(), h.rank()})) {
-        return absl::InvalidArgumentError(absl::StrCat("PushGrad: ", ShardName(h.bucket(), h.shard()), " of step ",
-                                                       h.step(), " already has all its contributions"));
-      }
-      duplicate = true;
-    } else if (auto it = pending_.find(h.step()); it != pending_.end()) {
-      auto sit = it->second.shards.find({h.bucket(), h.shard()});
-      if (sit != it->second.shards.end()) {
-        const ShardInputs& in = sit->second;
-        if (in.by_rank.count(h.rank())) {
-          duplicate = true;
-        } else if (in.num_contributors != contributors) {
-          return absl::InvalidArgumentError(absl::StrCat("PushGrad: num_contributors ", contributors,
-                                                         " differs from the step's earlier pushes (",
-                                                         in.num_contributors, ")"));
-        } else if (static_cast<int32_t>(in.by_rank.size()) >= contributors) {
-          return absl::InvalidArgumentError(absl::StrCat("PushGrad: ", ShardName(h.bucket(), h.shard()), " of step ",
-                                                         h.step(), " already has all ", contributors,
-                                                         " contributions"));
-        } else if (in.loss_scale != (h.loss_scale() > 0.0 ? h.loss_scale() : 1.0)) {
-          return absl::InvalidArgumentError(absl::StrCat("PushGrad: loss_scale ", h.loss_scale(),
-                                                         " differs from the step's earlier pushes (", in.loss_scale, ")"));
-        } else if (in.dtype != dtype) {
-          return absl::InvalidArgumentError(absl::StrCat("PushGrad: dtype ", ElementTypeName(dtype),
-                                                         " differs from the step's earlier pushes (",
-                                                         ElementTypeName(in.dtype), ")"));
-        }
-      }
-    }
-  } else {
-    return absl::InvalidArgumentError("PushGrad: kind must be PUSH_KIND_GRADIENT or PUSH_KIND_INITIAL_PARAMS");
-  }
-  session->numel_ = numel;
-  session->elem_bytes_ = ElementBytes(dtype);
-  session->duplicate_ = duplicate;
-  session->track_crc_ = !duplicate && h.crc32c() != 0;
-  session->expected_crc_ = h.crc32c();
-  if (!duplicate) {
-    // A buffer of an earlier step, if one fits: no allocation, no zero-fill, no page faults
-    // (every byte is overwritten: a push is stored only once all of it arrived).
-    for (auto it = spare_buffers_.begin(); it != spare_buffers_.end(); ++it) {
-      if (static_cast<int64_t>(it->size()) == expected_bytes) {
-        session->buffer_ = std::move(*it);
-        spare_buffers_.erase(it);
-        break;
-      }
-    }
-    session->buffer_.resize(static_cast<size_t>(expected_bytes));
-  }
-  return session;
-}
-
-absl::Status PushSession::AddChunk(int64_t element_offset, const std::string& data) {
-  if (failed_) return absl::InvalidArgumentError("PushGrad: the stream already failed");
-  failed_ = true;
-  if (element_offset != received_) {
-    return absl::InvalidArgumentError(absl::StrCat("PushGrad: chunk at element ", element_offset, ", expected ",
-                                                   received_, " (chunks must be in order without gaps)"));
-  }
-  if (data.size() > kMaxChunkBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("PushGrad: chunk of ", data.size(), " bytes is over the protocol's ", kMaxChunkBytes, " bytes"));
-  }
-  if (data.size() % static_cast<size_t>(elem_bytes_) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("PushGrad: chunk of ", data.size(), " bytes is not whole ", elem_bytes_, "-byte elements"));
-  }
-  const int64_t n = static_cast<int64_t>(data.size()) / elem_bytes_;
-  if (n == 0 || received_ + n > numel_) {
-    return absl::InvalidArgumentError(absl::StrCat("PushGrad: chunk of ", n, " elements at ", element_offset,
-                                                   " overruns the shard of ", numel_, " elements"));
-  }
-  if (!duplicate_) {
-    uint8_t* at = buffer_.data() + received_ * elem_bytes_;
-    std::memcpy(at, data.data(), data.size());
-    if (track_crc_) crc_ = ::mainstay::Crc32cExtend(crc_, at, data.size());
-  }
-  received_ += n;
-  failed_ = false;
-  return absl::OkStatus();
-}
-
-void PushSession::Landed(int64_t bytes) {
-  const int64_t n = std::min(bytes / elem_bytes_, numel_ - received_);
-  if (n <= 0 || duplicate_) return;
-  if (track_crc_) {
-    crc_ = ::mainstay::Crc32cExtend(crc_, buffer_.data() + received_ * elem_bytes_, static_cast<size_t>(n) * elem_bytes_);
-  }
-  received_ += n;
-}
-
-absl::StatusOr<v1::PushGradResponse> PushSession::Finish() {
-  if (failed_) return absl::InvalidArgumentError("PushGrad: the stream failed; nothing was stored");
-  if (duplicate_ && received_ == 0) received_ = numel_;  // a duplicate needs no payload (ucx, nccl send none)
-  if (received_ != numel_) {
-    return absl::InvalidArgumentError(absl::StrCat("PushGrad: the stream ended after ", received_, " of ", numel_,
-                                                   " elements; nothing was stored"));
-  }
-  if (track_crc_ && expected_crc_ != 0 && crc_ != expected_crc_) {  // never tracked for a duplicate
-    return absl::DataLossError(absl::StrCat("PushGrad: CRC-32C of the payload is ", crc_, ", the trainer sent ",
-                                            expected_crc_, "; nothing was stored"));
-  }
-  return job_->StorePush(*this);
-}
-
-absl::StatusOr<v1::PushGradResponse> Job::StorePush(PushSession& session) {
-  const v1::PushGradHeader& h = session.header_;
-  v1::PushGradResponse response;
-  response.set_received_elements(session.received_);
-  absl::MutexLock lock(&mu_);
-  if (session.duplicate_) {
-    response.set_duplicate(true);
-    return response;
-  }
-  // Re-check what may have changed while the data streamed in.
-  MAINSTAY_RETURN_IF_ERROR(CheckRoute(h.placement_epoch(), h.bucket(), h.shard()));
-  if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS ? version_ >= 0 : (committed_step_ >= h.step() && committed_step_ >= 0)) {
-    return ErrorWithDetail(absl::FailedPreconditionError(
-        absl::StrCat("PushGrad: step ", h.step(), " was decided while the push streamed in")));
-  }
-  if (executing_step_ == h.step()) {
-    response.set_duplicate(true);
-    return response;
-  }
-  failures_.erase(h.step());  // a step pushed again after a failure is a new attempt
-  StepInputs& step = pending_[h.step()];
-  if (step.first_push_ms == 0) step.first_push_ms = options_.clock->NowUnixMs();
-  ShardInputs& in = step.shards[{h.bucket(), h.shard()}];
-  if (in.by_rank.empty()) {
-    in.num_contributors = h.kind() == v1::PUSH_KIND_INITIAL_PARAMS ? 1 : h.num_contributors();
-    in.loss_scale = h.loss_scale() > 0.0 ? h.loss_scale() : 1.0;
-    in.dtype = h.dtype() == v1::ELEMENT_TYPE_BF16   ? ElementType::kBFloat16
-               : h.dtype() == v1::ELEMENT_TYPE_FP16 ? ElementType::kFloat16
-                                                    : ElementType::kFloat32;
-  }
-  if (in.by_rank.count(h.rank()) || (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS && !in.by_rank.empty())) {
-    response.set_duplicate(true);  // a concurrent identical push won the race
-    return response;
-  }
-  in.by_rank[h.rank()] = std::move(session.buffer_);
-  response.set_contributions(static_cast<int32_t>(in.by_rank.size()));
-  return response;
 }
 
 bool Job::Decided(int64_t step) const {

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <span>
 #include <memory>
@@ -44,6 +45,7 @@
 #include "mainstay/v1/checkpoint.pb.h"
 #include "server/checkpoint/checkpoint_files.h"
 #include "server/daemon/scaling_state.h"
+#include "server/daemon/step_outcome.h"
 #include "server/peer/peer_group.h"
 
 namespace mainstay::metrics {
@@ -114,6 +116,10 @@ struct JobOptions {
   Clock* clock = RealClock::Get();
   metrics::DaemonMetrics* metrics = nullptr;   // not owned; null: no metrics
   checkpoint::CheckpointFs* fs = nullptr;      // not owned; null: the POSIX file system
+  // Not owned; null: a daemon whose peer reduction failed gives the step up without asking its
+  // peers (only safe for jobs on one daemon).
+  PeerOutcomeClient* outcomes = nullptr;
+  StepFault fault;                             // tests only (mainstayd --inject-fault)
 };
 
 class Job;
@@ -189,6 +195,10 @@ class Job : public std::enable_shared_from_this<Job> {
   absl::StatusOr<PullResult> PullParams(const v1::PullParamsRequest& request, absl::Time deadline);
   absl::StatusOr<v1::StepStats> FinishStep(const v1::FinishStepRequest& request, absl::Time deadline);
   absl::StatusOr<v1::StepStats> GetStepStats(const v1::GetStepStatsRequest& request);
+  // What this daemon holds of a step, for a peer in doubt about it (job_outcome.cc): DECIDED with
+  // the results of the step's deciding reduction once one completed here (kept for the newest
+  // steps), RUNNING while one of the step's reductions is in progress, else UNDECIDED.
+  v1::GetStepOutcomeResponse GetStepOutcome(const v1::GetStepOutcomeRequest& request) const;
 
   // Writes the owned shards' committed state at `request.committed_step` into
   // `request.directory_uri` (job_checkpoint.cc): waits until that step is decided (the
@@ -292,8 +302,22 @@ class Job : public std::enable_shared_from_this<Job> {
   absl::StatusOr<StepResult> ExecuteStep(int64_t step, const StepInputs& inputs,
                                          const std::vector<std::shared_ptr<ShardState>>& shards,
                                          const std::vector<std::string>& members, int64_t epoch);
-  absl::Status EnsureGroup(const std::vector<std::string>& members, int64_t epoch, int64_t step,
-                           absl::Time deadline);
+  // The job's peer group for `members` at `epoch` (job_outcome.cc): the current one, or a new
+  // one at the generation the members agree on (PeerGroupFactory::Generation); true when new.
+  absl::StatusOr<bool> EnsureGroup(const std::vector<std::string>& members, int64_t epoch, absl::Time deadline);
+  // Leaves a group that failed, so that peers still in its reductions fail at once, and raises
+  // the shared generation past it, so that everyone rebuilds at the same key.
+  void BreakGroup();
+  // Runs one of step `step`'s peer reductions (`index` 0: stats SUM, 1: amax MAX). GetStepOutcome
+  // answers RUNNING meanwhile; when it completes, `decided` says whether its result fixes the
+  // step's outcome and fills the decision, which is recorded before anyone can ask.
+  absl::Status RunReduction(int64_t step, int index, const std::function<absl::Status()>& reduce,
+                            const std::function<bool(v1::StepDecision*)>& decided);
+  // A reduction of `step` failed here with `cause`: leaves the group, then asks the peers until
+  // one holds the step's decision (returned; this daemon finishes the step with it) or every
+  // peer answers UNDECIDED (returns `cause`: every daemon gives the step up). Waits while a peer
+  // is unreachable or still reducing; UNAVAILABLE when the job stops meanwhile.
+  absl::StatusOr<v1::StepDecision> LearnDecision(int64_t step, const absl::Status& cause);
 
   const std::string job_id_;
   const ResolvedJob job_;
@@ -306,6 +330,7 @@ class Job : public std::enable_shared_from_this<Job> {
   int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<Key, std::string> owners_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> members_ ABSL_GUARDED_BY(mu_);  // sorted daemon ids of the placement
+  std::map<std::string, v1::DaemonEndpoint> endpoints_ ABSL_GUARDED_BY(mu_);  // of the members
   std::map<Key, std::shared_ptr<ShardState>> shards_ ABSL_GUARDED_BY(mu_);
   int64_t next_step_ ABSL_GUARDED_BY(mu_) = -1;       // the step the engine waits for
   int64_t executing_step_ ABSL_GUARDED_BY(mu_) = -2;  // the step running unlocked, or -2
@@ -318,6 +343,10 @@ class Job : public std::enable_shared_from_this<Job> {
   std::vector<std::vector<uint8_t>> spare_buffers_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, v1::StepStats> stats_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, absl::Status> failures_ ABSL_GUARDED_BY(mu_);
+  // The agreed results of the newest steps' deciding reductions (GetStepOutcome), and whether a
+  // reduction of executing_step_ is running now.
+  std::map<int64_t, v1::StepDecision> decisions_ ABSL_GUARDED_BY(mu_);
+  bool reducing_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<Restore> restore_ ABSL_GUARDED_BY(mu_);  // taken by the step thread
   absl::Status restore_error_ ABSL_GUARDED_BY(mu_);         // a restore that failed
   bool restoring_ ABSL_GUARDED_BY(mu_) = false;             // from Create until the restore ends
@@ -333,8 +362,11 @@ class Job : public std::enable_shared_from_this<Job> {
   LossScaleState loss_scale_;
   std::unique_ptr<peer::PeerGroup> group_;
   int64_t group_epoch_ = -1;
-  int64_t failed_attempts_ = 0;  // of the step being retried
+  std::string group_base_;        // the key of the group's generations ("mainstay/peer/JOB/EPOCH")
+  int64_t group_generation_ = 0;  // the generation group_ was built at
   std::vector<std::string> group_members_;
+  bool fault_fired_ = false;      // options_.fault
+  int restore_attempts_ = 0;      // failed attempts of the restore in progress (at most 3)
 
   double loss_scale_now_ ABSL_GUARDED_BY(mu_) = 1.0;  // copy for push validation
   std::thread step_thread_;

@@ -214,11 +214,12 @@ void Job::RunRestore() {
   absl::StatusOr<StepResult> result =
       loaded.ok() ? ExecuteStep(-1, inputs, shards, members, epoch) : absl::StatusOr<StepResult>(loaded);
 
+  if (!result.ok()) BreakGroup();  // a failed collective leaves the group unusable
   mu_.Lock();
   if (!result.ok()) {
-    group_.reset();
-    ++failed_attempts_;
-    const bool retry = !loaded.ok() ? false : failed_attempts_ < 3 && !stopping_;
+    decisions_.erase(-1);
+    ++restore_attempts_;
+    const bool retry = !loaded.ok() ? false : restore_attempts_ < 3 && !stopping_;
     Log(LogLevel::kWarning, "daemon",
         absl::StrCat("job ", job_id_, ": restoring from checkpoint ", restore->checkpoint_id,
                      retry ? " failed, retrying: " : " failed: ", result.status().ToString()));
@@ -235,7 +236,7 @@ void Job::RunRestore() {
   for (size_t i = 0; i < shards.size(); ++i) shards[i]->Commit(result->published[i], options_.retained_versions);
   version_ = inputs.publish_version;
   restoring_ = false;
-  failed_attempts_ = 0;
+  restore_attempts_ = 0;
   loss_scale_now_ = loss_scale_.scale;
   committed_scaling_ = ScalingProto();
   Log(LogLevel::kInfo, "daemon",

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/error_detail.h"
@@ -89,36 +90,6 @@ std::vector<FragmentWork> FragmentsOf(const Layout& layout, const Shard& shard) 
 
 }  // namespace
 
-absl::Status Job::EnsureGroup(const std::vector<std::string>& members, int64_t epoch, int64_t step,
-                              absl::Time deadline) {
-  if (group_ != nullptr && group_epoch_ == epoch && group_members_ == members) return absl::OkStatus();
-  group_.reset();
-  if (members.size() <= 1) {
-    group_ = std::make_unique<peer::LocalPeerGroup>();
-  } else {
-    auto self = std::find(members.begin(), members.end(), options_.daemon_id);
-    if (self == members.end()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("job ", job_id_, ": this daemon (", options_.daemon_id, ") is not in the placement"));
-    }
-    if (options_.peers == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat("job ", job_id_, " spans ", members.size(),
-                                                        " daemons but this daemon has no peer group configured"));
-    }
-    // Every member builds the group at the same step (they all run every step), so the step
-    // that (re)creates it and the number of failed attempts at it name it: a group broken at
-    // step s is rebuilt as ".../s.1" everywhere (Gloo needs a fresh key per attempt).
-    const std::string key = absl::StrCat("mainstay/peer/", job_id_, "/", epoch, "/", step, ".", failed_attempts_);
-    absl::StatusOr<std::unique_ptr<peer::PeerGroup>> group =
-        options_.peers->Create(key, static_cast<int>(self - members.begin()), static_cast<int>(members.size()), deadline);
-    if (!group.ok()) return Annotate(group.status(), "joining the job's peer group");
-    group_ = *std::move(group);
-  }
-  group_epoch_ = epoch;
-  group_members_ = members;
-  return absl::OkStatus();
-}
-
 absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs& inputs,
                                                  const std::vector<std::shared_ptr<ShardState>>& shards,
                                                  const std::vector<std::string>& members, int64_t epoch) {
@@ -131,7 +102,10 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   const Format model = job_.recipe.model_dtype;
   const kernels::Device& device = options_.device;
   const absl::Time deadline = absl::Now() + options_.peer_timeout;
-  MAINSTAY_RETURN_IF_ERROR(EnsureGroup(members, epoch, step, deadline));
+  MAINSTAY_ASSIGN_OR_RETURN(bool new_group, EnsureGroup(members, epoch, deadline));
+  // Set when a reduction failed here but a peer had decided the step: its results replace the
+  // remaining reductions (job_outcome.cc).
+  std::optional<v1::StepDecision> learned;
   const bool restoring = inputs.restored;
 
   double lr = 0.0, weight_decay = 0.0;
@@ -144,8 +118,8 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   std::vector<kernels::GradView> grads(shards.size());
   std::vector<float> multipliers(shards.size(), 1.0f);
   absl::Time t = absl::Now();
+  double partial[2] = {0.0, 0.0};  // sum of squares, non-finite count (after the peer SUM)
   if (step >= 0) {
-    double partial[2] = {0.0, 0.0};  // sum of squares, non-finite count
     for (size_t i = 0; i < shards.size(); ++i) {
       ShardState& s = *shards[i];
       const ShardInputs& in = inputs.shards.at({s.bucket, s.shard});
@@ -164,7 +138,46 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     }
     phases.set_grad_stats_ms(MsSince(t));
     t = absl::Now();
-    MAINSTAY_RETURN_IF_ERROR(group_->AllReduceSum(std::span<double>(partial, 2), deadline));
+    // Decides the step when it finds a non-finite gradient (the step is then skipped).
+    auto reduce_stats = [&] {
+      return RunReduction(
+          step, 0, [&] { return group_->AllReduceSum(std::span<double>(partial, 2), deadline); },
+          [&](v1::StepDecision* d) {
+            if (!(partial[1] > 0.0)) return false;
+            d->add_stats_sums(partial[0]);
+            d->add_stats_sums(partial[1]);
+            d->set_skipped(true);
+            return true;
+          });
+    };
+    absl::Status reduced_stats = reduce_stats();
+    absl::StatusOr<v1::StepDecision> decision;  // when the reduction failed here: the peers' decision
+    if (!reduced_stats.ok()) decision = LearnDecision(step, reduced_stats);
+    if (!reduced_stats.ok() && decision.status() == reduced_stats && !new_group) {
+      // The group was built at an earlier step and a peer has left it since (its reduction of
+      // the previous step failed and it learned the decision from us). Nobody decided anything
+      // of this step, so build the group the peers now meet in and reduce again, once, rather
+      // than fail the step back to the trainers.
+      Log(LogLevel::kInfo, "daemon",
+          absl::StrCat("job ", job_id_, ": step ", step, ": the peer group broke since the last step (",
+                       reduced_stats.message(), "); joining the peers' new one"));
+      MAINSTAY_ASSIGN_OR_RETURN(new_group, EnsureGroup(members, epoch, deadline));
+      reduced_stats = reduce_stats();
+      if (!reduced_stats.ok()) decision = LearnDecision(step, reduced_stats);
+    }
+    if (!reduced_stats.ok()) {
+      MAINSTAY_ASSIGN_OR_RETURN(learned, std::move(decision));
+      if (learned->stats_sums_size() != 2) {
+        return absl::InternalError(absl::StrCat("the decision of step ", step, " learned from a peer has ",
+                                                learned->stats_sums_size(), " stats sums, not 2"));
+      }
+      partial[0] = learned->stats_sums(0);
+      partial[1] = learned->stats_sums(1);
+      if (learned->skipped()) {
+        absl::MutexLock lock(&mu_);
+        decisions_[step] = *learned;  // so that other daemons in doubt can learn it here too
+      }
+    }
     phases.set_reduce_stats_ms(MsSince(t));
     const double norm = std::sqrt(partial[0]);
     stats.set_grad_norm(norm);
@@ -260,7 +273,31 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
 
   // 3. Amaxes whose scale spans fragments (and so possibly daemons): peer MAX.
   t = absl::Now();
-  MAINSTAY_RETURN_IF_ERROR(group_->AllReduceMax(std::span<float>(reduced), deadline));
+  auto decide = [&](v1::StepDecision* d) {
+    if (step >= 0) {
+      d->add_stats_sums(partial[0]);
+      d->add_stats_sums(partial[1]);
+    }
+    d->mutable_reduced_max()->Assign(reduced.begin(), reduced.end());
+    return true;
+  };
+  if (!learned.has_value()) {
+    const absl::Status reduced_amax = RunReduction(
+        step, 1, [&] { return group_->AllReduceMax(std::span<float>(reduced), deadline); }, decide);
+    if (!reduced_amax.ok()) {
+      MAINSTAY_ASSIGN_OR_RETURN(learned, LearnDecision(step, reduced_amax));
+    }
+  }
+  if (learned.has_value()) {
+    if (learned->skipped() || learned->reduced_max_size() != static_cast<int>(reduced.size())) {
+      return absl::InternalError(absl::StrCat("the decision of step ", step, " learned from a peer has ",
+                                              learned->reduced_max_size(), " reduced values, this daemon expects ",
+                                              reduced.size()));
+    }
+    std::copy(learned->reduced_max().begin(), learned->reduced_max().end(), reduced.begin());
+    absl::MutexLock lock(&mu_);
+    decisions_[step] = *learned;  // so that other daemons in doubt can learn it here too
+  }
   phases.set_reduce_amax_ms(MsSince(t));
   if (reduced[hyper_at] != -reduced[hyper_at + 1] || reduced[hyper_at + 2] != -reduced[hyper_at + 3]) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -373,13 +410,15 @@ void Job::RunSteps() {
     mu_.Unlock();
 
     absl::StatusOr<StepResult> result = ExecuteStep(step, inputs, shards, members, epoch);
+    if (!result.ok()) BreakGroup();  // a failed collective leaves the group unusable
 
     mu_.Lock();
     executing_step_ = -2;
     executing_keys_.clear();
     if (!result.ok()) {
-      group_.reset();  // a failed collective leaves the group unusable
-      ++failed_attempts_;
+      // Every daemon fails this attempt alike (the decision, if any, was deterministic), so the
+      // next attempt must not be answered with this one's results.
+      decisions_.erase(step);
       Log(LogLevel::kWarning, "daemon",
           absl::StrCat("job ", job_id_, ": step ", step, " failed and changed nothing: ", result.status().ToString()));
       // INVALID_ARGUMENT (the trainers disagree) stays what it is; anything else is ABORTED:
@@ -407,7 +446,6 @@ void Job::RunSteps() {
       for (auto& [rank, data] : in.by_rank) spare_buffers_.push_back(std::move(data));
     }
     committed_scaling_ = ScalingProto();
-    failed_attempts_ = 0;
     failures_.erase(step);
     loss_scale_now_ = loss_scale_.scale;
     const int64_t commit_ms = options_.clock->NowUnixMs();

@@ -37,6 +37,7 @@
 #include "server/daemon/shard_daemon.h"
 #include "server/daemon/step_drain.h"
 #include "server/grpc/coordinator_link.h"
+#include "server/grpc/peer_outcome_client.h"
 #include "server/grpc/coordinator_service.h"
 #include "server/grpc/shard_service.h"
 #include "server/nccl/nccl_channel_server.h"
@@ -106,6 +107,9 @@ flags:
   --health-listen HOST:PORT   a plaintext port serving only grpc.health.v1 (for probes that cannot
                               speak TLS, e.g. Kubernetes'); default none
   --admin-token-file FILE     the embedded coordinator's admin token (with --standalone)
+  --inject-fault SPEC         tests only: lose-reduction:STEP:stats|amax makes this daemon throw
+                              away the completed result of that peer reduction of STEP once, as
+                              if it had timed out (docs/architecture.md, agreed outcome); default none
   --help                      this text
 )";
 
@@ -128,7 +132,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       "--drain-timeout-ms", "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-client-auth",
       "--tls-server-name", "--admin-token-file", "--health-listen", "--tls-internal-name",
       "--checkpoint-dir", "--transports", "--ucx-dedicated-workers",
-      "--ucx-shared-workers"};
+      "--ucx-shared-workers", "--inject-fault"};
   Flags f;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -254,6 +258,11 @@ int Main(int argc, char** argv) {
   if (!tls.ok()) return Fail(tls.status(), 2);
   absl::StatusOr<ChannelSecurity> security = ChannelSecurity::Create(*tls);
   if (!security.ok()) return Fail(security.status(), 2);
+  absl::StatusOr<StepFault> fault = ParseStepFault(flags->Get("--inject-fault"));
+  if (!fault.ok()) return Fail(fault.status(), 2);
+  if (fault->armed()) {
+    Log(LogLevel::kWarning, "daemon", absl::StrCat("fault injection on: --inject-fault ", flags->Get("--inject-fault")));
+  }
   std::string admin_token;
   if (const std::string path = flags->Get("--admin-token-file"); !path.empty()) {
     absl::StatusOr<std::string> token = coordinator::AdminAuth::ReadTokenFile(path);
@@ -317,6 +326,10 @@ int Main(int argc, char** argv) {
       if (*link == nullptr) return absl::UnavailableError("not registered with the coordinator yet");
       return (*link)->Get(k, deadline);
     }
+    absl::StatusOr<int64_t> RaiseCounter(const std::string& k, int64_t at_least, absl::Time deadline) override {
+      if (*link == nullptr) return absl::UnavailableError("not registered with the coordinator yet");
+      return (*link)->RaiseCounter(k, at_least, deadline);
+    }
   };
   CoordinatorLink* link_ptr = nullptr;
   LinkKv kv;
@@ -329,6 +342,9 @@ int Main(int argc, char** argv) {
   daemon_options.retained_versions = static_cast<int>(*retained);
   daemon_options.peer_timeout = absl::Milliseconds(*peer_timeout);
   daemon_options.metrics = registry.get();
+  GrpcPeerOutcomeClient outcomes(*security);
+  daemon_options.outcomes = &outcomes;
+  daemon_options.fault = *fault;
   ShardDaemon daemon(daemon_options);
   StepDrain drain;
 

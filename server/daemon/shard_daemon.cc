@@ -87,6 +87,8 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
     options.clock = options_.clock;
     options.metrics = metrics_.get();
     options.fs = options_.fs;
+    options.outcomes = options_.outcomes;
+    options.fault = options_.fault;
     MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> created, Job::Create(request, std::move(options)));
     absl::MutexLock lock(&mu_);
     if (replace) {
@@ -184,6 +186,21 @@ absl::StatusOr<v1::StepStats> ShardDaemon::FinishStep(const v1::FinishStepReques
 absl::StatusOr<v1::StepStats> ShardDaemon::GetStepStats(const v1::GetStepStatsRequest& request) {
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job_id()));
   return job->GetStepStats(request);
+}
+
+v1::GetStepOutcomeResponse ShardDaemon::GetStepOutcome(const v1::GetStepOutcomeRequest& request) const {
+  std::shared_ptr<Job> job;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(request.job_id());
+    if (it != jobs_.end()) job = it->second;
+  }
+  if (job != nullptr) return job->GetStepOutcome(request);
+  // Without the job this daemon cannot decide any of its steps.
+  v1::GetStepOutcomeResponse response;
+  response.set_state(v1::STEP_OUTCOME_STATE_UNDECIDED);
+  response.set_committed_step(-1);
+  return response;
 }
 
 absl::StatusOr<ShardStateCopy> ShardDaemon::ReadShardState(const std::string& job_id, int32_t bucket,

@@ -45,6 +45,10 @@ struct ShardDaemonOptions {
   Clock* clock = RealClock::Get();
   metrics::Registry* metrics = nullptr;     // not owned; null: no metrics
   checkpoint::CheckpointFs* fs = nullptr;   // not owned; null: the POSIX file system
+  // Not owned; how a job whose peer reduction failed asks its peers for the step's decision
+  // (step_outcome.h). Null: it gives the step up alone (safe only for one-daemon jobs).
+  PeerOutcomeClient* outcomes = nullptr;
+  StepFault fault;                          // tests only (mainstayd --inject-fault)
 };
 
 // The header every transport sends before a pulled shard's data and scales.
@@ -70,6 +74,8 @@ class ShardDaemon {
   absl::StatusOr<v1::StepStats> GetStepStats(const v1::GetStepStatsRequest& request);
 
   absl::StatusOr<ShardStateCopy> ReadShardState(const std::string& job_id, int32_t bucket, int32_t shard) const;
+  // Job::GetStepOutcome of the named job; UNDECIDED when the daemon does not hold the job.
+  v1::GetStepOutcomeResponse GetStepOutcome(const v1::GetStepOutcomeRequest& request) const;
   // Job::WriteCheckpoint of the named job. UNAVAILABLE when the job has no shards here.
   absl::StatusOr<v1::WriteCheckpointResponse> WriteCheckpoint(const v1::WriteCheckpointRequest& request,
                                                               absl::Time deadline);

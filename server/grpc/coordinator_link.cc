@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
@@ -179,6 +180,48 @@ absl::StatusOr<std::string> CoordinatorLink::Get(const std::string& key, absl::T
       return Annotate(status, absl::StrCat("KvGet ", key));
     }
     if (status.code() == absl::StatusCode::kUnavailable) absl::SleepFor(absl::Milliseconds(100));
+  }
+}
+
+absl::StatusOr<int64_t> CoordinatorLink::RaiseCounter(const std::string& key, int64_t at_least, absl::Time deadline) {
+  while (true) {
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("KV counter ", key, ": the coordinator did not answer in time"));
+    }
+    v1::KvGetRequest get;
+    get.set_key(key);
+    v1::KvGetResponse current;
+    {
+      ::grpc::ClientContext context;
+      SetDeadline(&context, std::min(deadline, absl::Now() + options_.call_timeout));
+      const absl::Status status = FromGrpcStatus(stub_->KvGet(&context, get, &current));
+      if (status.code() == absl::StatusCode::kUnavailable) {
+        absl::SleepFor(absl::Milliseconds(100));  // the coordinator restarts: retry until the deadline
+        continue;
+      }
+      if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
+        return Annotate(status, absl::StrCat("KvGet ", key));
+      }
+    }
+    int64_t value = 0, version = 0;
+    if (current.entries_size() > 0) {
+      version = current.entries(0).version();
+      if (!absl::SimpleAtoi(current.entries(0).value(), &value)) {
+        return absl::InvalidArgumentError(absl::StrCat("KV counter ", key, " does not hold an integer"));
+      }
+    }
+    if (value >= at_least) return value;
+    v1::KvPutRequest put;
+    put.set_key(key);
+    put.set_value(absl::StrCat(at_least));
+    put.set_expected_version(version);  // 0: only if still absent
+    v1::KvPutResponse response;
+    ::grpc::ClientContext context;
+    SetDeadline(&context, std::min(deadline, absl::Now() + options_.call_timeout));
+    const absl::Status status = FromGrpcStatus(stub_->KvPut(&context, put, &response));
+    if (status.ok() && response.applied()) return at_least;
+    if (!status.ok() && status.code() != absl::StatusCode::kUnavailable) return Annotate(status, absl::StrCat("KvPut ", key));
+    // Another member raised it meanwhile (or the coordinator blinked): read again.
   }
 }
 

@@ -57,6 +57,8 @@ class CoordinatorLink : public peer::KvClient {
 
   absl::Status Put(const std::string& key, const std::string& value, absl::Duration ttl) override;
   absl::StatusOr<std::string> Get(const std::string& key, absl::Time deadline) override;
+  // KvGet, then a KvPut with expected_version, until one applies or the value is high enough.
+  absl::StatusOr<int64_t> RaiseCounter(const std::string& key, int64_t at_least, absl::Time deadline) override;
 
   // Admin CreateCheckpoint(wait) of a job this daemon serves (checkpoint on stop), with the
   // admin token when the coordinator requires one.

@@ -352,6 +352,19 @@ class ShardService final : public v1::Shard::CallbackService {
       return absl::OkStatus();
     });
   }
+  ::grpc::ServerUnaryReactor* GetStepOutcome(::grpc::CallbackServerContext* context,
+                                             const v1::GetStepOutcomeRequest* request,
+                                             v1::GetStepOutcomeResponse* response) override {
+    if (absl::Status s = grpc_server::CheckInternalPeer(context, internal_, "GetStepOutcome"); !s.ok()) {
+      ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+      reactor->Finish(ToGrpcStatus(s));
+      return reactor;
+    }
+    return grpc_server::Serve(calls_, context, response, ShuttingDown(), [&]() -> absl::Status {
+      *response = core_->GetStepOutcome(*request);
+      return absl::OkStatus();
+    });
+  }
   ::grpc::ServerWriteReactor<v1::FetchShardStateResponse>* FetchShardState(
       ::grpc::CallbackServerContext* context, const v1::FetchShardStateRequest* request) override {
     if (absl::Status s = grpc_server::CheckInternalPeer(context, internal_, "FetchShardState"); !s.ok()) {

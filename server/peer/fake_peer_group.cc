@@ -165,6 +165,7 @@ class InProcessPeerGroup : public PeerGroup {
 struct InProcessPeerGroupFactory::Registry {
   absl::Mutex mu;
   std::map<std::string, std::shared_ptr<GroupState>> groups ABSL_GUARDED_BY(mu);
+  std::map<std::string, int64_t> generations ABSL_GUARDED_BY(mu);
 
   std::shared_ptr<GroupState> Get(const std::string& key) {
     absl::MutexLock lock(&mu);
@@ -229,6 +230,14 @@ void InProcessPeerGroupFactory::Kill(const std::string& group_key, int rank) {
   std::shared_ptr<GroupState> state = registry_->Get(group_key);
   absl::MutexLock lock(&state->mu);
   KillLocked(*state, rank);
+}
+
+absl::StatusOr<int64_t> InProcessPeerGroupFactory::Generation(const std::string& base_key, int64_t at_least,
+                                                              absl::Time) {
+  absl::MutexLock lock(&registry_->mu);
+  int64_t& generation = registry_->generations[base_key];
+  generation = std::max(generation, at_least);
+  return generation;
 }
 
 }  // namespace mainstay::peer

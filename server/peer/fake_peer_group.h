@@ -51,6 +51,9 @@ class InProcessPeerGroupFactory : public PeerGroupFactory {
   // exists (the member then dies before joining).
   void Kill(const std::string& group_key, int rank);
 
+  // An in-memory counter per base key, shared by the factory's members.
+  absl::StatusOr<int64_t> Generation(const std::string& base_key, int64_t at_least, absl::Time deadline) override;
+
  private:
   struct Registry;
   std::shared_ptr<Registry> registry_;

@@ -374,4 +374,11 @@ absl::StatusOr<std::unique_ptr<PeerGroup>> GlooPeerGroupFactory::Create(const st
   return std::make_unique<GlooPeerGroup>(group_key, rank, size, std::move(context));
 }
 
+absl::StatusOr<int64_t> GlooPeerGroupFactory::Generation(const std::string& base_key, int64_t at_least,
+                                                        absl::Time deadline) {
+  absl::StatusOr<int64_t> generation = kv_->RaiseCounter(base_key + "/generation", at_least, deadline);
+  if (!generation.ok()) return Annotate(generation.status(), absl::StrCat("peer group ", base_key, ": generation"));
+  return generation;
+}
+
 }  // namespace mainstay::peer

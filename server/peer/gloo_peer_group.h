@@ -65,6 +65,8 @@ class GlooPeerGroupFactory : public PeerGroupFactory {
   // return up to (deadline - start) late.
   absl::StatusOr<std::unique_ptr<PeerGroup>> Create(const std::string& group_key, int rank, int size,
                                                     absl::Time deadline) override;
+  // The counter `base_key`/generation in the KV (KvClient::RaiseCounter).
+  absl::StatusOr<int64_t> Generation(const std::string& base_key, int64_t at_least, absl::Time deadline) override;
 
  private:
   KvClient* const kv_;

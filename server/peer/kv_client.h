@@ -5,11 +5,14 @@
 #ifndef MAINSTAY_SERVER_PEER_KV_CLIENT_H_
 #define MAINSTAY_SERVER_PEER_KV_CLIENT_H_
 
+#include <algorithm>
+#include <cstdint>
 #include <map>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
@@ -22,6 +25,10 @@ class KvClient {
   virtual absl::Status Put(const std::string& key, const std::string& value, absl::Duration ttl) = 0;
   // The value of `key`, waiting for it to appear until `deadline` (DEADLINE_EXCEEDED).
   virtual absl::StatusOr<std::string> Get(const std::string& key, absl::Time deadline) = 0;
+  // Raises the decimal integer stored at `key` (absent: 0) to at least `at_least`, atomically
+  // against other callers (compare-and-set), and returns the value after the call. The key has
+  // no time to live. INVALID_ARGUMENT when the stored value is not an integer.
+  virtual absl::StatusOr<int64_t> RaiseCounter(const std::string& key, int64_t at_least, absl::Time deadline) = 0;
 };
 
 // In-memory KV (tests, and a standalone daemon with an embedded coordinator in one process).
@@ -39,6 +46,16 @@ class InMemoryKvClient : public KvClient {
       return absl::DeadlineExceededError("kv: key '" + key + "' did not appear before the deadline");
     }
     return kv_.at(key);
+  }
+  absl::StatusOr<int64_t> RaiseCounter(const std::string& key, int64_t at_least, absl::Time) override {
+    absl::MutexLock lock(&mu_);
+    int64_t value = 0;
+    if (auto it = kv_.find(key); it != kv_.end() && !absl::SimpleAtoi(it->second, &value)) {
+      return absl::InvalidArgumentError("kv: key '" + key + "' does not hold an integer");
+    }
+    value = std::max(value, at_least);
+    kv_[key] = std::to_string(value);
+    return value;
   }
 
  private:

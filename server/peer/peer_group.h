@@ -54,11 +54,22 @@ class LocalPeerGroup : public PeerGroup {
 // Builds the group of one job. `group_key` is unique per (job, placement epoch, generation)
 // and the same on every member; `rank` is the member's index among `size` members (daemons
 // sorted by daemon id). Blocks until every member has joined or `deadline` passes.
+//
+// Generations: a broken group is replaced by the next generation of its base key, and the
+// members agree on which one through Generation(), never through a count of their own (a
+// daemon that failed twice and one that failed once would otherwise join different keys and
+// wait for each other forever). The counter is shared by every member (the coordinator's KV for
+// Gloo), and only ever rises.
 class PeerGroupFactory {
  public:
   virtual ~PeerGroupFactory() = default;
   virtual absl::StatusOr<std::unique_ptr<PeerGroup>> Create(const std::string& group_key, int rank, int size,
                                                             absl::Time deadline) = 0;
+  // The generation of `base_key` to join now, after raising it to at least `at_least`
+  // (0: only read it; a member whose group of generation g broke passes g + 1). Atomic against
+  // the other members' calls; UNAVAILABLE / DEADLINE_EXCEEDED when the shared counter cannot be
+  // reached by `deadline`.
+  virtual absl::StatusOr<int64_t> Generation(const std::string& base_key, int64_t at_least, absl::Time deadline) = 0;
 };
 
 }  // namespace mainstay::peer

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -50,16 +51,39 @@ inline JobSpec MakeSpec(const std::string& recipe, LayoutPolicy policy, int64_t 
   return spec;
 }
 
+// The daemons' GetStepOutcome calls to each other, in memory (daemon "dI" is daemons[I]).
+class InProcessOutcomes : public daemon::PeerOutcomeClient {
+ public:
+  explicit InProcessOutcomes(const std::vector<std::unique_ptr<ShardDaemon>>* daemons) : daemons_(daemons) {}
+  absl::StatusOr<v1::GetStepOutcomeResponse> GetStepOutcome(const v1::DaemonEndpoint& peer,
+                                                            const v1::GetStepOutcomeRequest& request,
+                                                            absl::Time) override {
+    for (const auto& d : *daemons_) {
+      if (d->daemon_id() == peer.daemon_id()) return d->GetStepOutcome(request);
+    }
+    return absl::UnavailableError(absl::StrCat("no daemon ", peer.daemon_id()));
+  }
+
+ private:
+  const std::vector<std::unique_ptr<ShardDaemon>>* daemons_;
+};
+
 class Cluster {
  public:
-  // `fs`: where checkpoints are written and read (null: the real file system).
-  Cluster(const JobSpec& spec, int daemons, checkpoint::CheckpointFs* fs = nullptr) : spec_(spec) {
+  // `fs`: where checkpoints are written and read (null: the real file system). `faults`: a
+  // test fault per daemon index (daemon::StepFault). `ask_peers`: daemons in doubt about a
+  // step ask the others (false: they give it up alone, the behaviour before agreed outcomes).
+  Cluster(const JobSpec& spec, int daemons, checkpoint::CheckpointFs* fs = nullptr,
+          const std::map<int, daemon::StepFault>& faults = {}, bool ask_peers = true)
+      : spec_(spec) {
     resolved_ = *ResolveJob(spec);
     for (int i = 0; i < daemons; ++i) {
       ShardDaemonOptions o;
       o.peers = &peers_;
       o.peer_timeout = absl::Seconds(2);
       o.fs = fs;
+      if (ask_peers) o.outcomes = &outcomes_;
+      if (auto f = faults.find(i); f != faults.end()) o.fault = f->second;
       daemons_.push_back(std::make_unique<ShardDaemon>(o));
       daemons_.back()->set_daemon_id(absl::StrCat("d", i));
     }
@@ -246,6 +270,7 @@ class Cluster {
   int64_t epoch_ = 1;
   v1::AssignShardRequest base_;  // the assignment without shards
   peer::InProcessPeerGroupFactory peers_;
+  InProcessOutcomes outcomes_{&daemons_};  // outlives the daemons (declared first)
   std::vector<std::unique_ptr<ShardDaemon>> daemons_;
 };
 

@@ -285,5 +285,115 @@ TEST_F(StepProtocolTest, APeerThatDiesMidStepAbortsTheStepWithNothingChanged) {
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kAborted, ::testing::HasSubstr("push step 0 again")));
 }
 
+// The agreed outcome of a step (docs/architecture.md): a daemon whose copy of a reduction is
+// lost after the reduction completed on the others must end the step as they do.
+StepFault LoseReduction(int64_t step, int reduction) {
+  StepFault f;
+  f.step = step;
+  f.reduction = reduction;
+  return f;
+}
+
+TEST(AgreedOutcomeTest, ADaemonThatLosesTheLastReductionLearnsTheCommitFromItsPeer) {
+  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 2, nullptr, {{1, LoseReduction(1, 1)}});
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  for (int64_t step = 0; step < 4; ++step) {
+    cluster.PushGrads(step);
+    for (const auto& stats : cluster.Finish(step, 1e-3)) {
+      ASSERT_THAT(stats.status(), IsOk()) << "step " << step;  // no split, no retry by the trainers
+      EXPECT_EQ(stats->version(), step + 1);
+    }
+    ref.Step(step, 1e-3f);
+    ExpectMatchesReference(cluster, ref, step + 1);  // the same bytes on both daemons
+  }
+}
+
+TEST(AgreedOutcomeTest, ADaemonThatLosesTheStatsReductionOfASkippedStepSkipsItToo) {
+  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 2, nullptr, {{1, LoseReduction(1, 0)}});
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  cluster.PushGrads(0);
+  for (const auto& stats : cluster.Finish(0, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+  ref.Step(0, 1e-3f);
+  cluster.PushGrads(1, std::nanf(""));
+  for (const auto& stats : cluster.Finish(1, 1e-3)) {
+    ASSERT_THAT(stats.status(), IsOk());
+    EXPECT_TRUE(stats->skipped());
+    EXPECT_EQ(stats->version(), 1);
+  }
+  cluster.PushGrads(2);
+  for (const auto& stats : cluster.Finish(2, 1e-3)) {
+    ASSERT_THAT(stats.status(), IsOk());
+    EXPECT_EQ(stats->version(), 3);
+  }
+  ref.Step(2, 1e-3f);
+  ExpectMatchesReference(cluster, ref, 3);
+}
+
+TEST(AgreedOutcomeTest, ALostStatsReductionOfAnUpdatingStepFailsItEverywhereAndTheRetryCommits) {
+  // Nobody can complete the amax reduction without daemon 1, so nobody decides step 1: both
+  // daemons give it up (ABORTED), and the trainers' retry meets in the next peer group.
+  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 2, nullptr, {{1, LoseReduction(1, 0)}});
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  cluster.PushGrads(0);
+  for (const auto& stats : cluster.Finish(0, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+  ref.Step(0, 1e-3f);
+  cluster.PushGrads(1);
+  for (const auto& stats : cluster.Finish(1, 1e-3)) {
+    EXPECT_THAT(stats.status(), StatusIs(absl::StatusCode::kAborted, ::testing::HasSubstr("push step 1 again")));
+  }
+  ExpectMatchesReference(cluster, ref, 1);  // nothing changed anywhere
+  cluster.PushGrads(1);
+  for (const auto& stats : cluster.Finish(1, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+  ref.Step(1, 1e-3f);
+  ExpectMatchesReference(cluster, ref, 2);
+}
+
+TEST(AgreedOutcomeTest, WithoutAskingPeersTheLostReductionSplitsTheStep) {
+  // The behaviour the protocol removes, kept as a check that the fault really splits the step:
+  // daemon 0 commits step 1, daemon 1 gives it up.
+  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 2, nullptr, {{1, LoseReduction(1, 1)}}, /*ask_peers=*/false);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  cluster.PushGrads(0);
+  for (const auto& stats : cluster.Finish(0, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+  cluster.PushGrads(1);
+  std::vector<absl::StatusCode> codes;
+  for (const auto& stats : cluster.Finish(1, 1e-3)) codes.push_back(stats.status().code());
+  EXPECT_THAT(codes, ::testing::UnorderedElementsAre(absl::StatusCode::kOk, absl::StatusCode::kAborted));
+}
+
+TEST(AgreedOutcomeTest, GetStepOutcomeAnswersDecidedOnlyWithTheDecidingResults) {
+  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 2);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  cluster.PushGrads(0);
+  std::vector<absl::StatusOr<v1::StepStats>> stats = cluster.Finish(0, 1e-3);
+  ASSERT_THAT(stats[0].status(), IsOk());
+  v1::GetStepOutcomeRequest request;
+  request.set_job_id(kJob);
+  request.set_step(0);
+  for (int d = 0; d < 2; ++d) {
+    const v1::GetStepOutcomeResponse answer = cluster.daemon(d).GetStepOutcome(request);
+    EXPECT_EQ(answer.state(), v1::STEP_OUTCOME_STATE_DECIDED);
+    EXPECT_FALSE(answer.decision().skipped());
+    ASSERT_EQ(answer.decision().stats_sums_size(), 2);
+    EXPECT_DOUBLE_EQ(std::sqrt(answer.decision().stats_sums(0)), stats[0]->grad_norm());
+    EXPECT_EQ(answer.decision().reduced_max_size(),
+              cluster.daemon(1 - d).GetStepOutcome(request).decision().reduced_max_size());
+  }
+  request.set_step(1);  // not pushed yet
+  EXPECT_EQ(cluster.daemon(0).GetStepOutcome(request).state(), v1::STEP_OUTCOME_STATE_UNDECIDED);
+  request.set_job_id("no-such-job");
+  EXPECT_EQ(cluster.daemon(0).GetStepOutcome(request).state(), v1::STEP_OUTCOME_STATE_UNDECIDED);
+}
+
 }  // namespace
 }  // namespace mainstay::daemon

@@ -289,6 +289,25 @@ TEST_P(PeerGroupImplTest, TwoGroupsWithDifferentKeysReduceAtOnce) {
   });
 }
 
+TEST_P(PeerGroupImplTest, GenerationsOnlyRiseAndEveryMemberSeesTheSameOne) {
+  Members members(GetParam());
+  PeerGroupFactory& f = members.factory();
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  auto gen = [&](const std::string& key, int64_t at_least) {
+    absl::StatusOr<int64_t> g = f.Generation(key, at_least, deadline);
+    EXPECT_THAT(g.status(), IsOk());
+    return g.value_or(-1);
+  };
+  EXPECT_EQ(gen("gen_a", 0), 0);  // unknown: 0
+  EXPECT_EQ(gen("gen_a", 1), 1);  // a member's group of generation 0 broke
+  EXPECT_EQ(gen("gen_a", 1), 1);  // another member saw the same break
+  EXPECT_EQ(gen("gen_a", 0), 1);  // a late member joins generation 1
+  EXPECT_EQ(gen("gen_b", 0), 0);  // per base key
+  // Members raising the counter at once end on the highest value, whatever the order.
+  RunMembers(8, [&](int rank) { gen("gen_c", rank + 1); });
+  EXPECT_EQ(gen("gen_c", 0), 8);
+}
+
 INSTANTIATE_TEST_SUITE_P(BothImpls, PeerGroupImplTest, ::testing::Values(Impl::kFake, Impl::kGloo),
                          [](const auto& info) { return ImplName(info.param); });
 
@@ -363,6 +382,9 @@ class UnreachableKvClient : public KvClient {
     return absl::UnavailableError("coordinator unreachable");
   }
   absl::StatusOr<std::string> Get(const std::string&, absl::Time) override {
+    return absl::UnavailableError("coordinator unreachable");
+  }
+  absl::StatusOr<int64_t> RaiseCounter(const std::string&, int64_t, absl::Time) override {
     return absl::UnavailableError("coordinator unreachable");
   }
 };

@@ -1,0 +1,178 @@
+// The agreed outcome of a step (DESIGN.md section 8; docs/architecture.md, "Agreed outcome of a
+// step"): the job's peer group and its generations, the step's peer reductions as decision
+// points, and how a daemon whose reduction failed learns the decision from its peers.
+//
+// The rule: a step's outcome is a function of the results of its deciding reduction (the stats
+// SUM when it finds a non-finite gradient, else the amax MAX). Such a result exists on a daemon
+// only if every daemon contributed to that reduction, and once a daemon holds it, the step is
+// decided for everyone: a daemon whose own copy of the reduction failed asks the others and
+// finishes the step with theirs. It gives the step up only when every peer says it holds no
+// result and runs no reduction of the step, and it leaves the group before asking, so no peer
+// can complete one afterwards.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "server/daemon/job.h"
+
+namespace mainstay::daemon {
+
+namespace {
+constexpr size_t kDecisionsKept = 8;  // a peer in doubt is at most one step behind
+constexpr absl::Duration kAskTimeout = absl::Seconds(2);
+constexpr absl::Duration kAskInterval = absl::Milliseconds(200);
+}  // namespace
+
+absl::StatusOr<bool> Job::EnsureGroup(const std::vector<std::string>& members, int64_t epoch, absl::Time deadline) {
+  if (group_ != nullptr && group_epoch_ == epoch && group_members_ == members) return false;
+  group_.reset();
+  if (members.size() <= 1) {
+    group_ = std::make_unique<peer::LocalPeerGroup>();
+    group_base_.clear();
+  } else {
+    auto self = std::find(members.begin(), members.end(), options_.daemon_id);
+    if (self == members.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id_, ": this daemon (", options_.daemon_id, ") is not in the placement"));
+    }
+    if (options_.peers == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id_, " spans ", members.size(),
+                                                        " daemons but this daemon has no peer group configured"));
+    }
+    // The key comes from agreed state only: the placement epoch and the generation the members
+    // share. A group that broke is rebuilt at the next generation by everyone (BreakGroup).
+    const std::string base = absl::StrCat("mainstay/peer/", job_id_, "/", epoch);
+    absl::StatusOr<int64_t> generation = options_.peers->Generation(base, 0, deadline);
+    if (!generation.ok()) return Annotate(generation.status(), "joining the job's peer group");
+    group_base_ = base;
+    group_generation_ = *generation;
+    absl::StatusOr<std::unique_ptr<peer::PeerGroup>> group =
+        options_.peers->Create(absl::StrCat(base, "/g", *generation), static_cast<int>(self - members.begin()),
+                               static_cast<int>(members.size()), deadline);
+    if (!group.ok()) {
+      BreakGroup();  // members that joined this generation must not wait in it for us again
+      return Annotate(group.status(), "joining the job's peer group");
+    }
+    group_ = *std::move(group);
+  }
+  group_epoch_ = epoch;
+  group_members_ = members;
+  return true;
+}
+
+void Job::BreakGroup() {
+  group_.reset();
+  group_epoch_ = -1;
+  group_members_.clear();
+  if (group_base_.empty() || options_.peers == nullptr) return;  // a one-daemon job
+  absl::StatusOr<int64_t> next =
+      options_.peers->Generation(group_base_, group_generation_ + 1, absl::Now() + absl::Seconds(10));
+  if (!next.ok()) {
+    // The members still meet: the next EnsureGroup reads the counter again, and any member
+    // whose group fails raises it.
+    Log(LogLevel::kWarning, "daemon",
+        absl::StrCat("job ", job_id_, ": could not raise the peer group generation: ", next.status().ToString()));
+  }
+  group_base_.clear();
+}
+
+absl::Status Job::RunReduction(int64_t step, int index, const std::function<absl::Status()>& reduce,
+                               const std::function<bool(v1::StepDecision*)>& decided) {
+  {
+    absl::MutexLock lock(&mu_);
+    reducing_ = true;
+  }
+  absl::Status status = reduce();
+  if (status.ok() && options_.fault.armed() && options_.fault.step == step && options_.fault.reduction == index &&
+      !fault_fired_) {
+    fault_fired_ = true;
+    status = absl::DeadlineExceededError(absl::StrCat("injected fault: the result of reduction ", index, " of step ",
+                                                      step, " was lost (--inject-fault)"));
+    Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": ", status.message()));
+  }
+  absl::MutexLock lock(&mu_);
+  reducing_ = false;
+  v1::StepDecision decision;
+  decision.set_step(step);
+  if (status.ok() && decided(&decision)) {
+    decisions_[step] = std::move(decision);
+    while (decisions_.size() > kDecisionsKept) decisions_.erase(decisions_.begin());
+  }
+  return status;
+}
+
+absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const absl::Status& cause) {
+  // Leave first: a peer still inside the reduction then fails at once rather than at its
+  // deadline, and no peer can complete a reduction of this attempt after it answered UNDECIDED.
+  BreakGroup();
+  if (options_.outcomes == nullptr) return cause;
+  const absl::Time start = absl::Now();
+  absl::Time next_log = start + absl::Seconds(10);
+  v1::GetStepOutcomeRequest request;
+  request.set_job_id(job_id_);
+  request.set_step(step);
+  while (true) {
+    std::vector<v1::DaemonEndpoint> peers;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
+      if (std::find(members_.begin(), members_.end(), options_.daemon_id) == members_.end()) return cause;
+      for (const std::string& id : members_) {
+        if (id == options_.daemon_id) continue;
+        auto it = endpoints_.find(id);
+        v1::DaemonEndpoint e;
+        if (it != endpoints_.end()) e = it->second;
+        e.set_daemon_id(id);
+        peers.push_back(std::move(e));
+      }
+    }
+    if (peers.empty()) return cause;
+    bool undecided_everywhere = true;
+    std::string unknown;
+    for (const v1::DaemonEndpoint& peer : peers) {
+      absl::StatusOr<v1::GetStepOutcomeResponse> answer =
+          options_.outcomes->GetStepOutcome(peer, request, absl::Now() + kAskTimeout);
+      if (answer.ok() && answer->state() == v1::STEP_OUTCOME_STATE_DECIDED) {
+        if (answer->decision().step() != step) {
+          return absl::InternalError(absl::StrCat("daemon ", peer.daemon_id(), " answered for step ",
+                                                  answer->decision().step(), " when asked for ", step));
+        }
+        Log(LogLevel::kInfo, "daemon",
+            absl::StrCat("job ", job_id_, ": step ", step, " failed here (", cause.message(), ") but daemon ",
+                         peer.daemon_id(), " decided it: finishing it with that decision"));
+        return answer->decision();
+      }
+      if (answer.ok() && answer->state() == v1::STEP_OUTCOME_STATE_UNDECIDED) continue;
+      undecided_everywhere = false;
+      absl::StrAppend(&unknown, unknown.empty() ? "" : ", ", peer.daemon_id(), " (",
+                      answer.ok() ? "still reducing" : answer.status().ToString(), ")");
+    }
+    if (undecided_everywhere) return cause;
+    if (absl::Now() >= next_log) {
+      next_log = absl::Now() + absl::Seconds(10);
+      Log(LogLevel::kWarning, "daemon",
+          absl::StrCat("job ", job_id_, ": step ", step, " is in doubt for ", absl::FormatDuration(absl::Now() - start),
+                       ": waiting for ", unknown));
+    }
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), kAskInterval);
+  }
+}
+
+v1::GetStepOutcomeResponse Job::GetStepOutcome(const v1::GetStepOutcomeRequest& request) const {
+  absl::MutexLock lock(&mu_);
+  v1::GetStepOutcomeResponse response;
+  response.set_committed_step(committed_step_);
+  if (auto it = decisions_.find(request.step()); it != decisions_.end()) {
+    response.set_state(v1::STEP_OUTCOME_STATE_DECIDED);
+    *response.mutable_decision() = it->second;
+  } else if (reducing_ && executing_step_ == request.step()) {
+    response.set_state(v1::STEP_OUTCOME_STATE_RUNNING);
+  } else {
+    response.set_state(v1::STEP_OUTCOME_STATE_UNDECIDED);
+  }
+  return response;
+}
+
+}  // namespace mainstay::daemon

@@ -1,0 +1,27 @@
+#include "server/daemon/step_outcome.h"
+
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace mainstay::daemon {
+
+absl::StatusOr<StepFault> ParseStepFault(absl::string_view spec) {
+  StepFault fault;
+  if (spec.empty() || spec == "none") return fault;
+  const std::vector<absl::string_view> parts = absl::StrSplit(spec, ':');
+  int64_t step = 0;
+  if (parts.size() == 3 && parts[0] == "lose-reduction" && absl::SimpleAtoi(parts[1], &step) && step >= -1 &&
+      (parts[2] == "stats" || parts[2] == "amax")) {
+    fault.step = step;
+    fault.reduction = parts[2] == "stats" ? 0 : 1;
+    return fault;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("--inject-fault: '", spec,
+                                                 "' is not 'lose-reduction:STEP:stats', 'lose-reduction:STEP:amax' "
+                                                 "(STEP >= -1) or 'none'"));
+}
+
+}  // namespace mainstay::daemon

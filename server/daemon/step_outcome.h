@@ -1,0 +1,53 @@
+// The agreed outcome of a step (DESIGN.md section 8; docs/architecture.md, "Agreed outcome of a
+// step"): a daemon whose peer reduction failed asks its peers, through this interface, whether
+// one of them completed the step's deciding reduction, and finishes the step with that result
+// instead of giving it up alone.
+//
+// Also the test-only fault that makes the split happen on demand (mainstayd --inject-fault).
+//
+// Ownership: the daemon's options hold a PeerOutcomeClient they do not own.
+// Thread safety: implementations are thread-safe (every job's step thread may ask at once).
+#ifndef MAINSTAY_SERVER_DAEMON_STEP_OUTCOME_H_
+#define MAINSTAY_SERVER_DAEMON_STEP_OUTCOME_H_
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "mainstay/v1/common.pb.h"
+#include "mainstay/v1/shard.pb.h"
+
+namespace mainstay::daemon {
+
+class PeerOutcomeClient {
+ public:
+  virtual ~PeerOutcomeClient() = default;
+  // Asks `peer`'s Shard service what it holds of a step (GetStepOutcome). Errors are the
+  // peer's or the transport's: UNAVAILABLE when it cannot be reached, DEADLINE_EXCEEDED when it
+  // did not answer by `deadline`. The caller treats any error as "unknown" and asks again.
+  virtual absl::StatusOr<v1::GetStepOutcomeResponse> GetStepOutcome(const v1::DaemonEndpoint& peer,
+                                                                    const v1::GetStepOutcomeRequest& request,
+                                                                    absl::Time deadline) = 0;
+};
+
+// A fault for tests: at `step`, the daemon throws away the result of its peer reduction number
+// `reduction` (0: the gradient statistics' SUM, 1: the amaxes' MAX) after it completed, and acts
+// as if the reduction had timed out, while the other daemons got the result. That is the split
+// the agreed-outcome protocol exists for. Fires once, on the step's first attempt.
+struct StepFault {
+  static constexpr int64_t kNever = std::numeric_limits<int64_t>::min();
+  int64_t step = kNever;
+  int reduction = 1;
+  bool armed() const { return step != kNever; }
+};
+
+// Parses "lose-reduction:STEP:stats" or "lose-reduction:STEP:amax" ("" or "none": no fault).
+// INVALID_ARGUMENT naming the accepted forms otherwise.
+absl::StatusOr<StepFault> ParseStepFault(absl::string_view spec);
+
+}  // namespace mainstay::daemon
+
+#endif  // MAINSTAY_SERVER_DAEMON_STEP_OUTCOME_H_
