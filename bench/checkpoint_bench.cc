@@ -19,6 +19,7 @@
 //   checkpoint_bench [--params 64M] [--dir DIR] [--reps 3] [--write-dp 2] [--restore-dp 4]
 //                    [--cached] [--coordinator-bin PATH --daemon-bin PATH] [--lease-ttl-ms 1000]
 #include <fcntl.h>
+#include <openssl/sha.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -63,6 +64,13 @@ JobSpec MakeSpec(const Flags& flags, int64_t dp, const std::string& name) {
 namespace {
 
 constexpr char kJobId[] = "bench-job";
+constexpr char kToken[] = "bench-token";
+
+std::string TokenSha256() {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(kToken), sizeof(kToken) - 1, digest);
+  return std::string(reinterpret_cast<const char*>(digest), sizeof(digest));
+}
 
 [[noreturn]] void Die(const std::string& message) {
   std::fprintf(stderr, "checkpoint_bench: %s\n", message.c_str());
@@ -93,6 +101,7 @@ class InProcessCluster {
       daemons_.back()->set_daemon_id(absl::StrCat("d", i));
     }
     base_.set_job_id(kJobId);
+    base_.set_job_token_sha256(TokenSha256());
     JobSpecToProto(spec, base_.mutable_spec());
     LayoutToProto(resolved_.layout, base_.mutable_layout());
     for (const Bucket& b : layout().buckets) {
@@ -122,6 +131,7 @@ class InProcessCluster {
       for (const Shard& s : b.shards) {
         v1::PushGradHeader h;
         h.set_job_id(kJobId);
+        h.set_job_token(kToken);
         h.set_placement_epoch(epoch_);
         h.set_bucket(b.index);
         h.set_shard(s.rank);
@@ -149,6 +159,7 @@ class InProcessCluster {
       threads.emplace_back([&, r] {
         v1::FinishStepRequest req;
         req.set_job_id(kJobId);
+        req.set_job_token(kToken);
         req.set_placement_epoch(epoch_);
         req.set_step(step);
         req.set_rank(r);
@@ -221,6 +232,7 @@ class InProcessCluster {
       for (const Shard& s : b.shards) {
         v1::PullParamsRequest req;
         req.set_job_id(kJobId);
+        req.set_job_token(kToken);
         req.set_placement_epoch(epoch_);
         req.set_bucket(b.index);
         req.set_shard(s.rank);

@@ -4,6 +4,7 @@
 // job_checkpoint.cc.
 #include "server/daemon/job.h"
 
+#include <openssl/crypto.h>
 #include <openssl/sha.h>
 
 #include <algorithm>
@@ -37,6 +38,12 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::AssignShardRequest& a
   if (!spec.ok()) return Annotate(spec.status(), "AssignShard: spec");
   absl::StatusOr<ResolvedJob> resolved = ResolveJob(*spec);
   if (!resolved.ok()) return Annotate(resolved.status(), "AssignShard: spec");
+  if (assign.job_token_sha256().size() != SHA256_DIGEST_LENGTH) {
+    // Every job has a token; a job without one would let any client push, pull or finish steps.
+    return absl::InvalidArgumentError(absl::StrCat("AssignShard: job_token_sha256 of job ", assign.job_id(), " has ",
+                                                   assign.job_token_sha256().size(), " bytes, not the ",
+                                                   SHA256_DIGEST_LENGTH, " of a SHA-256"));
+  }
   absl::StatusOr<Layout> layout = LayoutFromProto(assign.layout());
   if (!layout.ok()) return Annotate(layout.status(), "AssignShard: layout");
   if (!(*layout == resolved->layout)) {
@@ -102,9 +109,10 @@ void Job::Shutdown() {
 }
 
 absl::Status Job::CheckToken(const std::string& token) const {
-  if (token_sha256_.empty()) return absl::OkStatus();
   if (token.empty()) return absl::UnauthenticatedError(absl::StrCat("job ", job_id_, ": job_token is required"));
-  if (Sha256(token) != token_sha256_) {
+  const std::string digest = Sha256(token);
+  // Constant time: how much of a guess matched must not show in the answer's timing.
+  if (CRYPTO_memcmp(digest.data(), token_sha256_.data(), SHA256_DIGEST_LENGTH) != 0) {
     return absl::PermissionDeniedError(absl::StrCat("job ", job_id_, ": the job_token is not this job's"));
   }
   return absl::OkStatus();

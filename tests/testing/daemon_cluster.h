@@ -23,6 +23,7 @@
 #include "server/checkpoint/checkpoint_files.h"
 #include "server/daemon/shard_daemon.h"
 #include "server/peer/fake_peer_group.h"
+#include "tests/testing/job_token.h"
 #include "tests/testing/reference_model.h"
 #include "tests/testing/status_matchers.h"
 
@@ -90,6 +91,7 @@ class Cluster {
     // Rank r's shards on daemon r % daemons: tensors straddle daemons under `flat`.
     v1::AssignShardRequest base;
     base.set_job_id(kJob);
+    base.set_job_token_sha256(TokenSha256());
     base.set_placement_epoch(epoch_);
     JobSpecToProto(spec, base.mutable_spec());
     LayoutToProto(resolved_.layout, base.mutable_layout());
@@ -193,6 +195,7 @@ class Cluster {
                                             int32_t contributors = 1, int64_t chunk_elements = 1000) {
     v1::PushGradHeader h;
     h.set_job_id(kJob);
+    h.set_job_token(kToken);
     h.set_placement_epoch(epoch_);
     h.set_bucket(bucket);
     h.set_shard(shard);
@@ -243,6 +246,7 @@ class Cluster {
       threads.emplace_back([&, i] {
         v1::FinishStepRequest req;
         req.set_job_id(kJob);
+        req.set_job_token(kToken);
         req.set_placement_epoch(epoch_);
         req.set_step(step);
         req.set_rank(calls[i].first);
@@ -257,6 +261,7 @@ class Cluster {
   absl::StatusOr<PullResult> Pull(int32_t bucket, int32_t shard, int64_t version, absl::Duration wait = absl::Seconds(10)) {
     v1::PullParamsRequest req;
     req.set_job_id(kJob);
+    req.set_job_token(kToken);
     req.set_placement_epoch(epoch_);
     req.set_bucket(bucket);
     req.set_shard(shard);

@@ -98,6 +98,7 @@ TEST_F(CheckpointProtocolTest, AfterARestoreTrainersAheadAreAbortedWithTheStepTo
   absl::StatusOr<PullResult> latest = [&] {
     v1::PullParamsRequest req;
     req.set_job_id(kJob);
+    req.set_job_token(kToken);
     req.set_placement_epoch(a_.epoch());
     req.set_latest(true);
     return a_.daemon(0).PullParams(req, absl::Now() + absl::Seconds(10));
@@ -173,6 +174,7 @@ TEST_F(CheckpointProtocolTest, ARestoreWithoutAManifestIsNotFoundAndKeepsTheJob)
   // The job was not replaced: it serves its version 2 as before.
   v1::PullParamsRequest req;
   req.set_job_id(kJob);
+  req.set_job_token(kToken);
   req.set_placement_epoch(1);
   req.set_bucket(0);
   req.set_shard(0);

@@ -36,6 +36,7 @@ using Reference = ::mainstay::testing::ReferenceModel;
 using ::mainstay::testing::Cluster;
 using ::mainstay::testing::ExpectMatchesReference;
 using ::mainstay::testing::kJob;
+using ::mainstay::testing::kToken;
 using ::mainstay::testing::MakeSpec;
 
 struct Case {
@@ -130,6 +131,7 @@ TEST_F(StepProtocolTest, BadPushesAreRejectedWithNothingStored) {
   std::vector<float> short_values(static_cast<size_t>(b.shard_numel - 64), 1.0f);
   v1::PushGradHeader h;
   h.set_job_id(kJob);
+  h.set_job_token(kToken);
   h.set_placement_epoch(1);
   h.set_bucket(0);
   h.set_shard(0);
@@ -208,6 +210,7 @@ TEST_F(StepProtocolTest, DroppingAJobReturnsAtOnceWhileItsStepWaitsForAPeer) {
   std::thread waiter([&] {
     v1::FinishStepRequest req;
     req.set_job_id(kJob);
+    req.set_job_token(kToken);
     req.set_placement_epoch(1);
     req.set_step(0);
     req.set_rank(0);
@@ -253,6 +256,7 @@ TEST_F(StepProtocolTest, LrThatDiffersBetweenRanksFailsTheStepWithNothingChanged
     threads.emplace_back([&, r] {
       v1::FinishStepRequest req;
       req.set_job_id(kJob);
+      req.set_job_token(kToken);
       req.set_placement_epoch(1);
       req.set_step(0);
       req.set_rank(r);
@@ -277,6 +281,7 @@ TEST_F(StepProtocolTest, APeerThatDiesMidStepAbortsTheStepWithNothingChanged) {
   // Daemon 1's rank never finishes; daemon 0 runs the step and times out in the reduction.
   v1::FinishStepRequest req;
   req.set_job_id(kJob);
+  req.set_job_token(kToken);
   req.set_placement_epoch(1);
   req.set_step(0);
   req.set_rank(0);
@@ -393,6 +398,35 @@ TEST(AgreedOutcomeTest, GetStepOutcomeAnswersDecidedOnlyWithTheDecidingResults) 
   EXPECT_EQ(cluster.daemon(0).GetStepOutcome(request).state(), v1::STEP_OUTCOME_STATE_UNDECIDED);
   request.set_job_id("no-such-job");
   EXPECT_EQ(cluster.daemon(0).GetStepOutcome(request).state(), v1::STEP_OUTCOME_STATE_UNDECIDED);
+}
+
+TEST(JobTokenTest, AnAssignmentWithoutAJobTokenHashIsRefusedAndCreatesNoJob) {
+  // A job without a token would let any client push, pull and finish its steps.
+  const JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 1);
+  const ResolvedJob resolved = *ResolveJob(spec);
+  ShardDaemon daemon{ShardDaemonOptions{}};
+  daemon.set_daemon_id("d0");
+  v1::AssignShardRequest assign;
+  assign.set_job_id(kJob);
+  assign.set_placement_epoch(1);
+  JobSpecToProto(spec, assign.mutable_spec());
+  LayoutToProto(resolved.layout, assign.mutable_layout());
+  assign.mutable_from_trainer();
+  v1::ShardPlacement* p = assign.mutable_placement()->add_shards();
+  p->mutable_shard()->set_bucket(0);
+  p->set_daemon_id("d0");
+  *assign.add_shards() = p->shard();
+  EXPECT_THAT(daemon.AssignShard(assign).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("job_token_sha256")));
+  assign.set_job_token_sha256("short");
+  EXPECT_THAT(daemon.AssignShard(assign).status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(daemon.active_jobs(), 0);
+  // With the hash, the job exists and checks tokens.
+  assign.set_job_token_sha256(::mainstay::testing::TokenSha256());
+  ASSERT_THAT(daemon.AssignShard(assign).status(), IsOk());
+  EXPECT_THAT(daemon.CheckJobToken(kJob, kToken), IsOk());
+  EXPECT_THAT(daemon.CheckJobToken(kJob, ""), StatusIs(absl::StatusCode::kUnauthenticated));
+  EXPECT_THAT(daemon.CheckJobToken(kJob, "test-tokeN"), StatusIs(absl::StatusCode::kPermissionDenied));
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "common/layout_proto.h"
 #include "server/daemon/shard_daemon.h"
 #include "server/metrics/registry.h"
+#include "tests/testing/job_token.h"
 #include "tests/testing/reference_model.h"
 #include "tests/testing/status_matchers.h"
 
@@ -59,6 +60,7 @@ class DaemonMetricsTest : public ::testing::Test {
     const ResolvedJob resolved = *ResolveJob(spec);
     v1::AssignShardRequest request;
     request.set_job_id(id);
+    request.set_job_token_sha256(testing::TokenSha256());
     request.set_placement_epoch(1);
     JobSpecToProto(spec, request.mutable_spec());
     LayoutToProto(resolved.layout, request.mutable_layout());
@@ -86,6 +88,7 @@ class DaemonMetricsTest : public ::testing::Test {
       if (poison != 0.0f && b.index == 0) values[0] = poison;
       v1::PushGradHeader h;
       h.set_job_id(id);
+      h.set_job_token(testing::kToken);
       h.set_placement_epoch(1);
       h.set_bucket(b.index);
       h.set_shard(0);
@@ -105,6 +108,7 @@ class DaemonMetricsTest : public ::testing::Test {
   absl::StatusOr<v1::StepStats> Finish(const std::string& id, int64_t step) {
     v1::FinishStepRequest request;
     request.set_job_id(id);
+    request.set_job_token(testing::kToken);
     request.set_placement_epoch(1);
     request.set_step(step);
     request.set_rank(0);
