@@ -123,8 +123,15 @@ const std::vector<Command>& Commands() {
       {"daemons show", "one daemon in detail", "DAEMON_ID [--json]" + std::string(kRemoteHelp), false, RunDaemonsShow},
       {"daemons cordon", "stop placing new shards on a daemon (--undo: make it READY again)",
        "DAEMON_ID [--undo] [--yes]" + std::string(kRemoteHelp), true, RunDaemonsCordon},
-      {"daemons drain", "cordon a daemon and move all of its shards to others",
+      {"daemons drain", "cordon a daemon and move all of its shards to others, state and all",
        "DAEMON_ID [--yes] [--json]" + std::string(kRemoteHelp), true, RunDaemonsDrain},
+      {"shards move", "move one rank of a job (every bucket's shard of it) to another daemon, state and all",
+       "--job ID --rank R --to DAEMON_ID [--yes] [--json]\n"
+       "  --job ID            the job\n"
+       "  --rank R            the rank whose shards move\n"
+       "  --to DAEMON_ID      a READY daemon; it copies the state from the current owner, which then drops it" +
+           std::string(kRemoteHelp),
+       true, RunShardsMove},
       {"connections", "trainers' data-plane connections and the transport each uses (grpc, ucx, nccl)",
        "[--job ID] [--json]\n  --job ID  only this job's" + std::string(kRemoteHelp), false, RunConnections},
       {"jobs list", "list jobs", "[--json]" + std::string(kRemoteHelp), false, RunJobsList},

@@ -77,6 +77,7 @@ absl::Status RunConnections(const Args& args, Output& output);
 absl::Status RunDaemonsShow(const Args& args, Output& output);
 absl::Status RunDaemonsCordon(const Args& args, Output& output);
 absl::Status RunDaemonsDrain(const Args& args, Output& output);
+absl::Status RunShardsMove(const Args& args, Output& output);
 absl::Status RunJobsList(const Args& args, Output& output);
 absl::Status RunJobsShow(const Args& args, Output& output);
 absl::Status RunJobsCreate(const Args& args, Output& output);

@@ -188,6 +188,30 @@ absl::Status RunDaemonsDrain(const Args& args, Output& output) {
   return absl::OkStatus();
 }
 
+absl::Status RunShardsMove(const Args& args, Output& output) {
+  MAINSTAY_RETURN_IF_ERROR(Known(args, {"job", "rank", "to"}));
+  if (args.Get("job").empty() || args.Get("to").empty() || args.Get("rank").empty()) {
+    return absl::InvalidArgumentError("shards move: --job, --rank and --to are required");
+  }
+  MAINSTAY_ASSIGN_OR_RETURN(int64_t rank, args.GetInt("rank", -1));
+  MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
+  v1::MoveShardRequest request;
+  request.set_job_id(args.Get("job"));
+  request.mutable_shard()->set_shard(static_cast<int32_t>(rank));
+  request.set_to_daemon_id(args.Get("to"));
+  v1::MoveShardResponse response;
+  MAINSTAY_RETURN_IF_ERROR(conn.Check(conn.admin().MoveShard(conn.Context().get(), request, &response)));
+  if (args.Has("json")) {
+    PrintJson(response, output);
+    return absl::OkStatus();
+  }
+  const v1::ShardMove& m = response.move();
+  output.out << "rank " << rank << " of job " << m.job_id() << " (" << response.moves_size() << " bucket(s)) moves from "
+             << m.from_daemon_id() << " to " << m.to_daemon_id() << " at placement epoch " << m.placement_epoch()
+             << "; " << m.to_daemon_id() << " copies its state, then " << m.from_daemon_id() << " drops it\n";
+  return absl::OkStatus();
+}
+
 absl::Status RunJobsList(const Args& args, Output& output) {
   MAINSTAY_RETURN_IF_ERROR(Known(args, {}));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));

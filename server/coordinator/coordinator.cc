@@ -132,14 +132,16 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     // were restored elsewhere, or missed a DropShard) is told to drop it; its progress is stale
     // and must not steer checkpoints or `jobs show`.
     auto job = s.state.jobs.find(p.job_id());
-    bool placed = false;
+    bool placed = false, moving_out = false;
     if (job != s.state.jobs.end()) {
       for (const v1::DaemonEndpoint& e : job->second.placement().daemons()) placed |= e.daemon_id() == request.daemon_id();
+      for (const v1::PendingMove& m : job->second.moves()) moving_out |= m.source_daemon_id() == request.daemon_id();
     }
     if (placed) {
       s.progress[p.job_id()][request.daemon_id()] = p;
       continue;
     }
+    if (moving_out) continue;  // it keeps the job until the move's target has copied it
     const int64_t epoch = job != s.state.jobs.end() ? job->second.placement().epoch() : p.placement_epoch() + 1;
     if (s.options.assigner != nullptr && p.placement_epoch() < epoch) {
       v1::DropShardRequest drop;
@@ -184,6 +186,7 @@ void Coordinator::Impl::ReconcileLocked(const v1::HeartbeatRequest& request) {
     }
     if (h != held.end() && h->second->placement_epoch() >= job.placement().epoch()) {
       resends.erase(key);
+      FinishMovesLocked(job, daemon_id, *h->second, batch);
       continue;
     }
     if (jobs_to_recover.count(job_id)) continue;  // the restore sends assignments of its own
@@ -191,7 +194,11 @@ void Coordinator::Impl::ReconcileLocked(const v1::HeartbeatRequest& request) {
     if (r.since_ms == 0) r.since_ms = now;  // an assignment may still be on its way: wait a little
     if (now - r.since_ms < options.reconcile_after_ms || now - r.last_ms < options.reconcile_after_ms) continue;
     r.last_ms = now;
-    if (h == held.end() && job.started()) {
+    std::map<int, std::string> moving_in;  // rank -> source, of moves into this daemon
+    for (const v1::PendingMove& m : job.moves()) {
+      if (m.target_daemon_id() == daemon_id) moving_in[m.rank()] = m.source_daemon_id();
+    }
+    if (h == held.end() && job.started() && moving_in.empty()) {
       // The job's state lives only in its daemons, and this one no longer has it (it restarted
       // within its lease). Re-sending the assignment would give it empty shards; recover the job
       // as if the daemon had died, once.
@@ -212,13 +219,61 @@ void Coordinator::Impl::ReconcileLocked(const v1::HeartbeatRequest& request) {
                      reported < 0 ? std::string(" not at all") : absl::StrCat(" at placement epoch ", reported),
                      " for ", now - r.since_ms, " ms; re-sending its assignment at epoch ", job.placement().epoch(),
                      source != nullptr ? absl::StrCat(" (the restore from ", source->checkpoint_id(), ")") : ""));
-    SendAssignments(job, {}, "", source, daemon_id);
+    if (moving_in.empty()) {
+      SendAssignments(job, {}, "", source, daemon_id);
+      continue;
+    }
+    // A move's target: its moved ranks come from their sources, the rest as above.
+    std::set<int> rest;
+    for (const v1::ShardPlacement& p : job.placement().shards()) {
+      if (p.daemon_id() == daemon_id && !moving_in.count(p.shard().shard())) rest.insert(p.shard().shard());
+    }
+    for (const auto& [rank, from] : moving_in) SendAssignments(job, {rank}, from, nullptr, daemon_id);
+    if (!rest.empty()) SendAssignments(job, rest, "", source, daemon_id);
   }
   AddJobHealth(batch);
   if (batch.empty()) return;
   if (absl::Status saved = Commit(batch); !saved.ok()) {
     Log(LogLevel::kError, "coordinator", absl::StrCat("reconciliation not saved: ", saved.message()));
   }
+}
+
+void Coordinator::Impl::FinishMovesLocked(const v1::StoredJob& job, const std::string& daemon_id,
+                                          const v1::JobProgress& progress, Batch& batch) {
+  if (progress.loading() || job.moves().empty()) return;
+  v1::StoredJob updated = job;
+  updated.clear_moves();
+  bool finished = false;
+  for (const v1::PendingMove& m : job.moves()) {
+    if (m.target_daemon_id() != daemon_id || progress.placement_epoch() < m.epoch()) {
+      *updated.add_moves() = m;
+      continue;
+    }
+    // The target holds the rank's state now: the source's copy can go.
+    finished = true;
+    Log(LogLevel::kInfo, "coordinator",
+        absl::StrCat("job ", job.info().job_id(), ": rank ", m.rank(), " moved from ", m.source_daemon_id(), " to ",
+                     daemon_id, " (epoch ", m.epoch(), "); dropping it on ", m.source_daemon_id()));
+    auto source = state.daemons.find(m.source_daemon_id());
+    if (options.assigner == nullptr || source == state.daemons.end() ||
+        source->second.state() == v1::DAEMON_STATE_DOWN) {
+      continue;
+    }
+    v1::DropShardRequest drop;
+    drop.set_job_id(job.info().job_id());
+    drop.set_placement_epoch(job.placement().epoch());
+    bool still_placed = false;
+    for (const v1::DaemonEndpoint& e : job.placement().daemons()) still_placed |= e.daemon_id() == m.source_daemon_id();
+    if (still_placed) {  // only the moved rank's shards; an empty list would drop the whole job
+      for (int b = 0; b < job.layout().buckets_size(); ++b) {
+        v1::ShardRef* ref = drop.add_shards();
+        ref->set_bucket(b);
+        ref->set_shard(m.rank());
+      }
+    }
+    options.assigner->Drop(source->second.endpoint().address(), drop);
+  }
+  if (finished) batch.PutJob(updated);
 }
 
 absl::Status Coordinator::DeregisterDaemon(const v1::DeregisterDaemonRequest& request) {
@@ -284,62 +339,84 @@ absl::StatusOr<v1::DrainDaemonResponse> Coordinator::DrainDaemon(const v1::Drain
   batch.PutDaemon(draining);
   v1::DrainDaemonResponse response;
   std::vector<DaemonCandidate> candidates = s.Candidates(from);
-  std::vector<std::pair<v1::StoredJob, std::set<int>>> moved;
+  std::vector<v1::StoredJob> moved;
   for (const auto& [job_id, job] : s.state.jobs) {
-    const int64_t dp = job.info().spec().data_parallel_size();
-    std::vector<std::string> owners(dp);
     std::set<int> ranks;
     for (const v1::ShardPlacement& p : job.placement().shards()) {
-      owners[p.shard().shard()] = p.daemon_id();
       if (p.daemon_id() == from) ranks.insert(p.shard().shard());
     }
     if (ranks.empty()) continue;
+    std::map<int, std::string> targets;
     for (int r : ranks) {
       absl::StatusOr<std::vector<std::string>> target = PlaceRanks(1, {}, candidates, job.bytes_per_rank());
       if (!target.ok()) {
-        return absl::ResourceExhaustedError(absl::StrCat("cannot drain ", from, ": no daemon can take rank ", r,
-                                                         " of job ", job_id, ": ", target.status().message()));
+        return absl::ResourceExhaustedError(absl::StrCat("cannot drain ", from, ": no other ready daemon can take rank ",
+                                                         r, " of job ", job_id, " (", target.status().message(),
+                                                         "); nothing was moved"));
       }
       for (DaemonCandidate& c : candidates) {
         if (c.id == (*target)[0]) c.free_bytes -= job.bytes_per_rank();
       }
-      owners[r] = (*target)[0];
+      targets[r] = (*target)[0];
     }
-    v1::StoredJob updated = job;
-    *updated.mutable_placement() =
-        s.MakePlacement(job_id, job.placement().epoch() + 1, job.layout().buckets_size(), owners);
-    for (int b = 0; b < job.layout().buckets_size(); ++b) {
-      for (int r : ranks) {
-        v1::ShardMove* move = response.add_moves();
-        move->set_job_id(job_id);
-        move->mutable_shard()->set_bucket(b);
-        move->mutable_shard()->set_shard(r);
-        move->set_from_daemon_id(from);
-        move->set_to_daemon_id(owners[r]);
-        move->set_placement_epoch(updated.placement().epoch());
-      }
-    }
-    updated.mutable_info()->set_placement_epoch(updated.placement().epoch());
+    std::vector<v1::ShardMove> moves;
+    v1::StoredJob updated = s.PlanMoves(job, targets, &moves);
+    for (v1::ShardMove& m : moves) *response.add_moves() = std::move(m);
     batch.PutJob(updated);
-    moved.push_back({updated, ranks});
+    moved.push_back(std::move(updated));
   }
   MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));
-  for (const auto& [job, ranks] : moved) {
-    s.SendAssignments(job, ranks, from);
-    if (s.options.assigner != nullptr) {
-      v1::DropShardRequest drop;
-      drop.set_job_id(job.info().job_id());
-      drop.set_placement_epoch(job.placement().epoch());
-      for (int b = 0; b < job.layout().buckets_size(); ++b) {
-        for (int r : ranks) {
-          v1::ShardRef* ref = drop.add_shards();
-          ref->set_bucket(b);
-          ref->set_shard(r);
-        }
-      }
-      s.options.assigner->Drop(d->second.endpoint().address(), drop);
+  // The targets copy the state from this daemon, which keeps it until they report it loaded
+  // (ReconcileLocked sends the DropShard then).
+  for (const v1::StoredJob& job : moved) s.SendMoves(job);
+  return response;
+}
+
+absl::StatusOr<v1::MoveShardResponse> Coordinator::MoveShard(const v1::MoveShardRequest& request) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  s.TickLocked();
+  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(request.job_id()));
+  const int32_t rank = request.shard().shard();
+  const int64_t dp = job->info().spec().data_parallel_size();
+  if (rank < 0 || rank >= dp) {
+    return absl::InvalidArgumentError(absl::StrCat("shard: rank ", rank, " is outside [0, ", dp, ") of job ",
+                                                   request.job_id()));
+  }
+  std::string owner;
+  for (const v1::ShardPlacement& p : job->placement().shards()) {
+    if (p.shard().shard() == rank) owner = p.daemon_id();
+  }
+  if (owner == request.to_daemon_id()) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " of job ", request.job_id(), " is already on ",
+                                                      owner));
+  }
+  for (const v1::PendingMove& m : job->moves()) {
+    if (m.rank() == rank) {
+      return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " of job ", request.job_id(),
+                                                        " is still moving to ", m.target_daemon_id(), "; retry later"));
     }
   }
+  std::vector<DaemonCandidate> candidates = s.Candidates("");
+  auto target = std::find_if(candidates.begin(), candidates.end(),
+                             [&](const DaemonCandidate& c) { return c.id == request.to_daemon_id(); });
+  if (target == candidates.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("daemon '", request.to_daemon_id(),
+                                                      "' is not a READY daemon (see mainstayctl daemons list)"));
+  }
+  if (target->free_bytes < job->bytes_per_rank()) {
+    return absl::ResourceExhaustedError(absl::StrCat("daemon ", request.to_daemon_id(), " has ", target->free_bytes,
+                                                     " bytes free; rank ", rank, " needs ", job->bytes_per_rank()));
+  }
+  std::vector<v1::ShardMove> moves;
+  v1::StoredJob updated = s.PlanMoves(*job, {{rank, request.to_daemon_id()}}, &moves);
+  Batch batch;
+  batch.PutJob(updated);
+  MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));
+  s.SendMoves(updated);
+  v1::MoveShardResponse response;
+  for (v1::ShardMove& m : moves) *response.add_moves() = std::move(m);
+  if (response.moves_size() > 0) *response.mutable_move() = response.moves(0);
   return response;
 }
 

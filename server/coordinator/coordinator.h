@@ -77,7 +77,12 @@ class Coordinator {
   absl::StatusOr<v1::CordonDaemonResponse> CordonDaemon(const v1::CordonDaemonRequest& request);
   // Cordons the daemon and moves each of its shard ranks to another ready daemon (a new
   // placement epoch per job). RESOURCE_EXHAUSTED when no other daemon can take them.
+  // Moves every rank off the daemon (DRAINING), state and all: each target copies its ranks from
+  // the daemon, which drops them once the target reports them loaded. RESOURCE_EXHAUSTED, with
+  // nothing moved, when another ready daemon cannot take one of them (e.g. the last daemon).
   absl::StatusOr<v1::DrainDaemonResponse> DrainDaemon(const v1::DrainDaemonRequest& request);
+  // Moves one rank of a job (every bucket's shard of it) to a READY daemon, the same way.
+  absl::StatusOr<v1::MoveShardResponse> MoveShard(const v1::MoveShardRequest& request);
 
   // ---- Jobs. INVALID_ARGUMENT (naming the spec field) for a bad spec, ALREADY_EXISTS for a
   // duplicate name, RESOURCE_EXHAUSTED (with the numbers) when the daemons cannot hold it.

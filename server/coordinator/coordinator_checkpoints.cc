@@ -385,6 +385,7 @@ absl::StatusOr<v1::RestoreCheckpointResponse> Coordinator::Impl::RestoreLocked(v
   source.set_checkpoint_id(manifest.checkpoint_id());
   source.set_manifest_uri(checkpoint::JoinPath(dir, checkpoint::kManifestName));
   updated.set_started(true);
+  updated.clear_moves();  // every daemon of the new placement loads the checkpoint instead
   *updated.mutable_restored_from() = source;
   updated.set_restored_epoch(updated.placement().epoch());
   auto lost = lost_state.find(job_id);

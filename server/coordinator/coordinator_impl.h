@@ -133,6 +133,10 @@ struct Coordinator::Impl {
   // coordinator.cc: compares the jobs a daemon's heartbeat reports with the placements that
   // name it; re-sends what it lacks, marks jobs started, and recovers jobs it lost.
   void ReconcileLocked(const v1::HeartbeatRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // A move's target reports `job` at the move's epoch with nothing loading: the move is done, the
+  // source is told to drop the rank (`batch` gets the job without the move).
+  void FinishMovesLocked(const v1::StoredJob& job, const std::string& daemon_id, const v1::JobProgress& progress,
+                         Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Registers a checkpoint of the job as WRITING; returns it and the step to write.
   absl::StatusOr<std::pair<v1::CheckpointInfo, int64_t>> BeginCheckpointLocked(const std::string& job_id,
                                                                                 bool periodic)
@@ -321,6 +325,54 @@ struct Coordinator::Impl {
   // Sends each owner its shards of `job` (those of `ranks`, or all of its ranks when empty).
   // The gained shards start from the trainers (new job), from `from_peer`'s copy or, with
   // `from_checkpoint`, from a checkpoint (the daemons then replace the whole job).
+  // Moves (drain, MoveShard): `job` at its next epoch with each rank of `targets` on its new
+  // daemon, the moves recorded (StoredJob.moves) and described in `out`. Commit it, then
+  // SendMoves. The sources keep their copies until the targets report the job loaded.
+  v1::StoredJob PlanMoves(const v1::StoredJob& job, const std::map<int, std::string>& targets,
+                          std::vector<v1::ShardMove>* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const int64_t dp = job.info().spec().data_parallel_size();
+    std::vector<std::string> owners(static_cast<size_t>(dp));
+    for (const v1::ShardPlacement& p : job.placement().shards()) owners[static_cast<size_t>(p.shard().shard())] = p.daemon_id();
+    v1::StoredJob updated = job;
+    const int64_t epoch = job.placement().epoch() + 1;
+    for (const auto& [rank, target] : targets) {
+      v1::PendingMove* move = updated.add_moves();
+      move->set_rank(rank);
+      move->set_source_daemon_id(owners[static_cast<size_t>(rank)]);
+      move->set_target_daemon_id(target);
+      move->set_epoch(epoch);
+      for (int b = 0; b < job.layout().buckets_size(); ++b) {
+        v1::ShardMove& shard_move = out->emplace_back();
+        shard_move.set_job_id(job.info().job_id());
+        shard_move.mutable_shard()->set_bucket(b);
+        shard_move.mutable_shard()->set_shard(rank);
+        shard_move.set_from_daemon_id(owners[static_cast<size_t>(rank)]);
+        shard_move.set_to_daemon_id(target);
+        shard_move.set_placement_epoch(epoch);
+      }
+      owners[static_cast<size_t>(rank)] = target;
+    }
+    *updated.mutable_placement() = MakePlacement(job.info().job_id(), epoch, job.layout().buckets_size(), owners);
+    updated.mutable_info()->set_placement_epoch(epoch);
+    return updated;
+  }
+
+  // After PlanMoves' job is committed: each target gets its moved ranks from their source, and
+  // every other daemon of the placement the new epoch (it holds its ranks already).
+  void SendMoves(const v1::StoredJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::set<int> moved;
+    for (const v1::PendingMove& m : job.moves()) {
+      if (m.epoch() != job.placement().epoch()) continue;
+      moved.insert(m.rank());
+      SendAssignments(job, {m.rank()}, m.source_daemon_id());
+    }
+    std::set<int> others;
+    for (int r = 0; r < job.info().spec().data_parallel_size(); ++r) {
+      if (!moved.count(r)) others.insert(r);
+    }
+    if (!others.empty()) SendAssignments(job, others, "");
+  }
+
   // With `only_daemon`, only that daemon's assignment is sent (reconciliation).
   void SendAssignments(const v1::StoredJob& job, const std::set<int>& only_ranks, const std::string& from_peer,
                        const v1::SourceCheckpoint* from_checkpoint = nullptr, const std::string& only_daemon = "")

@@ -78,6 +78,8 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::AssignShardRequest& a
       job->restoring_ = true;
       job->restore_ = std::move(restore);
     }
+    // A job that arrives by a move has no state until its shards are copied (job_move.cc).
+    if (assign.has_from_peer()) job->restoring_ = true;
   }
   MAINSTAY_RETURN_IF_ERROR(job->Assign(assign));
   job->step_thread_ = std::thread([raw = job.get()] { raw->RunSteps(); });
@@ -139,10 +141,16 @@ absl::Status Job::CheckRoute(int64_t epoch, int32_t bucket, int32_t shard) const
   if (shard < 0 || shard >= job_.layout.data_parallel_size) {
     return absl::InvalidArgumentError(absl::StrCat("shard ", shard, " is outside [0, ", job_.layout.data_parallel_size, ")"));
   }
-  if (!shards_.count({bucket, shard})) {
+  if (Fenced() && epoch < fence_epoch_) return FencedError("this call");
+  auto it = shards_.find({bucket, shard});
+  if (it == shards_.end()) {
     return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
         "job ", job_id_, ": this daemon does not own ", ShardName(bucket, shard), " at placement epoch ", epoch_,
         "; re-read the placement")));
+  }
+  if (it->second->incoming) {
+    return absl::UnavailableError(absl::StrCat("job ", job_id_, ": ", ShardName(bucket, shard),
+                                               " is being copied here from its previous daemon; retry"));
   }
   return absl::OkStatus();
 }
@@ -165,10 +173,8 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
       return absl::InvalidArgumentError(absl::StrCat("AssignShard: ", ShardName(key.first, key.second),
                                                      " is not in the layout"));
     }
-    if (request.has_from_peer()) {
-      return absl::UnimplementedError(
-          "AssignShard: copying a shard from a peer is not supported by this daemon yet; only new jobs "
-          "(from_trainer) and restores (from_checkpoint)");
+    if (request.has_from_peer() && request.from_peer().daemon().daemon_id().empty()) {
+      return absl::InvalidArgumentError("AssignShard: from_peer names no daemon");
     }
     if (request.has_from_checkpoint() && request.from_checkpoint().checkpoint_id() != restored_from_) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -177,10 +183,31 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
     }
   }
   epoch_ = request.placement_epoch();
+  // Shards this placement gives to another daemon stop being served here; their state stays
+  // for the new owner's copy until DropShard (a move). One given back is served again.
+  for (auto it = shards_.begin(); it != shards_.end();) {
+    auto owner = owners.find(it->first);
+    if (owner != owners.end() && owner->second != options_.daemon_id) {
+      moving_out_[it->first] = it->second;
+      it = shards_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = moving_out_.begin(); it != moving_out_.end();) {
+    auto owner = owners.find(it->first);
+    if (owner != owners.end() && owner->second == options_.daemon_id) {
+      shards_[it->first] = it->second;
+      it = moving_out_.erase(it);
+    } else {
+      ++it;
+    }
+  }
   owners_ = std::move(owners);
   members_.assign(members.begin(), members.end());
   endpoints_.clear();
   for (const v1::DaemonEndpoint& e : request.placement().daemons()) endpoints_[e.daemon_id()] = e;
+  MoveIn move_in{request.from_peer().daemon(), {}, request.placement_epoch()};
   for (const v1::ShardRef& ref : request.shards()) {
     const Key key{ref.bucket(), ref.shard()};
     if (shards_.count(key)) continue;
@@ -188,8 +215,13 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
     state->bucket = key.first;
     state->shard = key.second;
     state->numel = job_.layout.buckets[static_cast<size_t>(key.first)].shard_numel;
+    if (request.has_from_peer()) {
+      state->incoming = true;
+      move_in.keys.push_back(key);
+    }
     shards_[key] = std::move(state);
   }
+  if (!move_in.keys.empty()) moves_in_.push_back(std::move(move_in));
   return absl::OkStatus();
 }
 
@@ -207,10 +239,14 @@ absl::StatusOr<bool> Job::Drop(const v1::DropShardRequest& request) {
   epoch_ = request.placement_epoch();
   if (request.shards().empty()) {
     shards_.clear();
+    moving_out_.clear();
   } else {
-    for (const v1::ShardRef& ref : request.shards()) shards_.erase({ref.bucket(), ref.shard()});
+    for (const v1::ShardRef& ref : request.shards()) {
+      shards_.erase({ref.bucket(), ref.shard()});
+      moving_out_.erase({ref.bucket(), ref.shard()});
+    }
   }
-  return shards_.empty();
+  return shards_.empty() && moving_out_.empty();
 }
 
 bool Job::Decided(int64_t step) const {
@@ -237,7 +273,9 @@ bool Job::Ready(int64_t step) const {
   return true;
 }
 
-bool Job::ShouldWake() const { return stopping_ || restore_ != nullptr || Ready(next_step_); }
+bool Job::ShouldWake() const {
+  return stopping_ || restore_ != nullptr || !moves_in_.empty() || (!Fenced() && Ready(next_step_));
+}
 
 absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request, absl::Time deadline) {
   MAINSTAY_RETURN_IF_ERROR(CheckToken(request.job_token()));
@@ -275,7 +313,8 @@ absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request,
         ")")));
   }
   auto decided = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return stopping_ || !shards_.count(key) || !restore_error_.ok() || (!restoring_ && Decided(wanted - 1));
+    return stopping_ || !shards_.count(key) || !restore_error_.ok() || (!restoring_ && Decided(wanted - 1)) ||
+           (Fenced() && request.placement_epoch() < fence_epoch_);
   };
   if (!decided()) {
     if (request.no_wait()) {
@@ -353,8 +392,11 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
     }
     in.finished[request.rank()] = hyper;
   }
+  auto fenced = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return Fenced() && request.placement_epoch() < fence_epoch_ && !Decided(step);
+  };
   auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return stopping_ || !restore_error_.ok() || (!restoring_ && Decided(step)) || failures_.count(step);
+    return stopping_ || !restore_error_.ok() || (!restoring_ && Decided(step)) || failures_.count(step) || fenced();
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
     return absl::DeadlineExceededError(absl::StrCat("FinishStep: step ", step, " of job ", job_id_,
@@ -362,6 +404,7 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
                                                     "FinishStep calls of other ranks?"));
   }
   if (!restore_error_.ok()) return absl::FailedPreconditionError(restore_error_.message());
+  if (fenced()) return FencedError("FinishStep");
   if (auto f = failures_.find(step); f != failures_.end() && !Decided(step)) return f->second;
   if (stopping_ && !Decided(step)) return absl::UnavailableError("FinishStep: the job stopped on this daemon (dropped, or the daemon is shutting down)");
   auto it = stats_.find(step);
@@ -427,6 +470,7 @@ v1::JobProgress Job::Progress() const {
   p.set_committed_step(committed_step_);
   p.set_version(version_);
   p.set_placement_epoch(epoch_);
+  p.set_loading(!moves_in_.empty() || restoring_);
   if (auto it = stats_.find(committed_step_); committed_step_ >= 0 && it != stats_.end()) {
     *p.mutable_last_step_stats() = it->second;
   }

@@ -45,7 +45,8 @@
 #include "mainstay/v1/checkpoint.pb.h"
 #include "server/checkpoint/checkpoint_files.h"
 #include "server/daemon/scaling_state.h"
-#include "server/daemon/step_outcome.h"
+#include "server/daemon/peer_client.h"
+#include "server/daemon/shard_state.h"
 #include "server/peer/peer_group.h"
 
 namespace mainstay::metrics {
@@ -53,46 +54,6 @@ class DaemonMetrics;
 }  // namespace mainstay::metrics
 
 namespace mainstay::daemon {
-
-// Quantization metadata of one fragment of a published shard.
-struct FragmentMeta {
-  int32_t tensor = 0;
-  IndexRange elements;  // of the flattened tensor
-  Format format = Format::kBF16;
-  float scale = 0.0f;      // fp8: multiplier before the cast; nvfp4: S_enc; else 0
-  float scale_inv = 0.0f;  // fp8: RN(1/scale); nvfp4: S_dec; else 0
-  float amax = 0.0f;       // whole-tensor amax (reduced); 0 for formats without one
-};
-
-// One published version of one (bucket, shard). Immutable once published.
-struct QuantizedShard {
-  int64_t version = 0;
-  int32_t bucket = 0;
-  int32_t shard = 0;
-  Format format = Format::kBF16;
-  IndexRange elements;              // the shard's bucket elements
-  std::vector<uint8_t> data;        // DataBytes(format, shard_numel); padding is 0
-  bool has_scales = false;
-  ElementType scale_type = ElementType::kE8M0;
-  int64_t num_scales = 0;           // entries: the fragments' block ranges, concatenated
-  std::vector<uint8_t> scales;
-  std::vector<FragmentMeta> fragments;
-};
-
-struct PullResult {
-  // The requested version, or (unchanged) the current one when the step before it was skipped.
-  std::shared_ptr<const QuantizedShard> shard;
-  bool unchanged = false;
-};
-
-// A copy of one shard's committed optimizer state (FetchShardState, tests).
-struct ShardStateCopy {
-  int64_t version = -1;         // the version this state produced; -1 before version 0
-  int64_t committed_step = -1;  // last decided step
-  std::vector<float> master;
-  ElementType moment_type = ElementType::kFloat32;
-  std::vector<uint8_t> m, v;    // raw little-endian elements of moment_type; v empty for SGD
-};
 
 // A consistent copy of the job's committed state at one decided step (checkpoints).
 struct JobSnapshot {
@@ -118,7 +79,7 @@ struct JobOptions {
   checkpoint::CheckpointFs* fs = nullptr;      // not owned; null: the POSIX file system
   // Not owned; null: a daemon whose peer reduction failed gives the step up without asking its
   // peers (only safe for jobs on one daemon).
-  PeerOutcomeClient* outcomes = nullptr;
+  PeerClient* peer_client = nullptr;
   StepFault fault;                             // tests only (mainstayd --inject-fault)
 };
 
@@ -212,6 +173,11 @@ class Job : public std::enable_shared_from_this<Job> {
 
   // A consistent copy of a shard's committed state. FAILED_PRECONDITION when not owned.
   absl::StatusOr<ShardStateCopy> ReadShardState(int32_t bucket, int32_t shard) const;
+  // A move's copy of a shard, owned or moving out (job_move.cc). When request.placement_epoch is
+  // newer than the job's, this daemon first fences the job: no step at an older epoch starts any
+  // more, calls routed with an older epoch are FAILED_PRECONDITION with the new epoch, and the
+  // step in flight is waited for (DEADLINE_EXCEEDED by `deadline`), so the copy is final.
+  absl::StatusOr<ShardStateCopy> CopyForMove(const v1::FetchShardStateRequest& request, absl::Time deadline);
   std::vector<v1::ShardStatus> ShardStatuses() const;
   // Where the job stands (reported to the coordinator with the heartbeat).
   v1::JobProgress Progress() const;
@@ -231,6 +197,7 @@ class Job : public std::enable_shared_from_this<Job> {
     int32_t shard = 0;
     int64_t numel = 0;
     bool initialized = false;  // has masters (version 0 published)
+    bool incoming = false;     // assigned from a peer, not copied yet (job_move.cc)
     std::vector<float> master, scratch_master;
     std::vector<uint8_t> m, v, scratch_m, scratch_v;
     std::vector<float> grad_sum;  // for num_contributors > 1
@@ -287,6 +254,15 @@ class Job : public std::enable_shared_from_this<Job> {
   absl::Status RewoundError(const char* call, int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   void RunSteps();
+  // Moves (job_move.cc). The fence of CopyForMove; the error of a call routed below it.
+  bool Fenced() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return fence_epoch_ > epoch_; }
+  absl::Status FencedError(const char* call) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Called by the step thread with mu_ held while moves_in_ is not empty: copies the incoming
+  // shards from their sources and installs them (releases mu_ while it copies; a failed copy is
+  // retried on the next turn).
+  void RunMovesIn() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The step thread's scaling state from a checkpoint's or a move's copy (by tensor name).
+  void ApplyScaling(const v1::CheckpointScalingState& scaling);
   // The step thread's restore (job_checkpoint.cc): loads the owned shards from the checkpoint
   // into their scratch buffers (setting `inputs.restored`) and the scaling state into the step
   // thread's copies.
@@ -332,6 +308,16 @@ class Job : public std::enable_shared_from_this<Job> {
   std::vector<std::string> members_ ABSL_GUARDED_BY(mu_);  // sorted daemon ids of the placement
   std::map<std::string, v1::DaemonEndpoint> endpoints_ ABSL_GUARDED_BY(mu_);  // of the members
   std::map<Key, std::shared_ptr<ShardState>> shards_ ABSL_GUARDED_BY(mu_);
+  // Moves: shards the placement gave to another daemon, kept for its copy until DropShard;
+  // shards to copy from their sources; the epoch this daemon was fenced at by a copy.
+  std::map<Key, std::shared_ptr<ShardState>> moving_out_ ABSL_GUARDED_BY(mu_);
+  struct MoveIn {
+    v1::DaemonEndpoint source;
+    std::vector<Key> keys;
+    int64_t epoch = 0;
+  };
+  std::vector<MoveIn> moves_in_ ABSL_GUARDED_BY(mu_);
+  int64_t fence_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t next_step_ ABSL_GUARDED_BY(mu_) = -1;       // the step the engine waits for
   int64_t executing_step_ ABSL_GUARDED_BY(mu_) = -2;  // the step running unlocked, or -2
   std::set<std::tuple<int32_t, int32_t, int32_t>> executing_keys_ ABSL_GUARDED_BY(mu_);

@@ -174,9 +174,15 @@ absl::Status Job::LoadRestore(const Restore& restore, const std::vector<std::sha
     }
   }
   inputs.restored = true;
+  ApplyScaling(restore.manifest.scaling());
+  inputs.publish_version = restore.manifest.version();
+  return absl::OkStatus();
+}
+
+void Job::ApplyScaling(const v1::CheckpointScalingState& scaling) {
+  const Layout& layout = job_.layout;
   // The scaling state: matched by tensor name (the new job may order or format tensors
   // differently; a tensor that was not delayed-scaled starts fresh, as in a new job).
-  const v1::CheckpointScalingState& scaling = restore.manifest.scaling();
   std::map<std::string, const v1::TensorScalingState*> by_name;
   for (const v1::TensorScalingState& t : scaling.tensors()) by_name[t.tensor_name()] = &t;
   for (size_t t = 0; t < layout.tensors.size(); ++t) {
@@ -196,8 +202,6 @@ absl::Status Job::LoadRestore(const Restore& restore, const std::vector<std::sha
     loss_scale_.good_steps = scaling.loss_scale_good_steps();
     loss_scale_.hysteresis_left = scaling.loss_scale_hysteresis_left();
   }
-  inputs.publish_version = restore.manifest.version();
-  return absl::OkStatus();
 }
 
 void Job::RunRestore() {

@@ -106,7 +106,7 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const absl::St
   // Leave first: a peer still inside the reduction then fails at once rather than at its
   // deadline, and no peer can complete a reduction of this attempt after it answered UNDECIDED.
   BreakGroup();
-  if (options_.outcomes == nullptr) return cause;
+  if (options_.peer_client == nullptr) return cause;
   const absl::Time start = absl::Now();
   absl::Time next_log = start + absl::Seconds(10);
   v1::GetStepOutcomeRequest request;
@@ -132,7 +132,7 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const absl::St
     std::string unknown;
     for (const v1::DaemonEndpoint& peer : peers) {
       absl::StatusOr<v1::GetStepOutcomeResponse> answer =
-          options_.outcomes->GetStepOutcome(peer, request, absl::Now() + kAskTimeout);
+          options_.peer_client->GetStepOutcome(peer, request, absl::Now() + kAskTimeout);
       if (answer.ok() && answer->state() == v1::STEP_OUTCOME_STATE_DECIDED) {
         if (answer->decision().step() != step) {
           return absl::InternalError(absl::StrCat("daemon ", peer.daemon_id(), " answered for step ",

@@ -392,6 +392,10 @@ void Job::RunSteps() {
       RunRestore();
       continue;
     }
+    if (!moves_in_.empty()) {
+      RunMovesIn();
+      continue;
+    }
     const int64_t step = next_step_;
     StepInputs inputs = std::move(pending_[step]);
     pending_.erase(step);

@@ -37,7 +37,7 @@
 #include "server/daemon/shard_daemon.h"
 #include "server/daemon/step_drain.h"
 #include "server/grpc/coordinator_link.h"
-#include "server/grpc/peer_outcome_client.h"
+#include "server/grpc/grpc_peer_client.h"
 #include "server/grpc/coordinator_service.h"
 #include "server/grpc/shard_service.h"
 #include "server/nccl/nccl_channel_server.h"
@@ -342,8 +342,8 @@ int Main(int argc, char** argv) {
   daemon_options.retained_versions = static_cast<int>(*retained);
   daemon_options.peer_timeout = absl::Milliseconds(*peer_timeout);
   daemon_options.metrics = registry.get();
-  GrpcPeerOutcomeClient outcomes(*security);
-  daemon_options.outcomes = &outcomes;
+  GrpcPeerClient peer_client(*security);
+  daemon_options.peer_client = &peer_client;
   daemon_options.fault = *fault;
   ShardDaemon daemon(daemon_options);
   StepDrain drain;

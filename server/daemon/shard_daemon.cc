@@ -87,7 +87,7 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
     options.clock = options_.clock;
     options.metrics = metrics_.get();
     options.fs = options_.fs;
-    options.outcomes = options_.outcomes;
+    options.peer_client = options_.peer_client;
     options.fault = options_.fault;
     MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> created, Job::Create(request, std::move(options)));
     absl::MutexLock lock(&mu_);
@@ -186,6 +186,12 @@ absl::StatusOr<v1::StepStats> ShardDaemon::FinishStep(const v1::FinishStepReques
 absl::StatusOr<v1::StepStats> ShardDaemon::GetStepStats(const v1::GetStepStatsRequest& request) {
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job_id()));
   return job->GetStepStats(request);
+}
+
+absl::StatusOr<ShardStateCopy> ShardDaemon::CopyShardForMove(const v1::FetchShardStateRequest& request,
+                                                             absl::Time deadline) {
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job_id()));
+  return job->CopyForMove(request, deadline);
 }
 
 v1::GetStepOutcomeResponse ShardDaemon::GetStepOutcome(const v1::GetStepOutcomeRequest& request) const {

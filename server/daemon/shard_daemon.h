@@ -46,8 +46,9 @@ struct ShardDaemonOptions {
   metrics::Registry* metrics = nullptr;     // not owned; null: no metrics
   checkpoint::CheckpointFs* fs = nullptr;   // not owned; null: the POSIX file system
   // Not owned; how a job whose peer reduction failed asks its peers for the step's decision
-  // (step_outcome.h). Null: it gives the step up alone (safe only for one-daemon jobs).
-  PeerOutcomeClient* outcomes = nullptr;
+  // and how a move copies a shard from its source (peer_client.h). Null: it gives the step up
+  // alone (safe only for one-daemon jobs), and moves cannot load.
+  PeerClient* peer_client = nullptr;
   StepFault fault;                          // tests only (mainstayd --inject-fault)
 };
 
@@ -74,6 +75,8 @@ class ShardDaemon {
   absl::StatusOr<v1::StepStats> GetStepStats(const v1::GetStepStatsRequest& request);
 
   absl::StatusOr<ShardStateCopy> ReadShardState(const std::string& job_id, int32_t bucket, int32_t shard) const;
+  // Job::CopyForMove of the named job (FetchShardState).
+  absl::StatusOr<ShardStateCopy> CopyShardForMove(const v1::FetchShardStateRequest& request, absl::Time deadline);
   // Job::GetStepOutcome of the named job; UNDECIDED when the daemon does not hold the job.
   v1::GetStepOutcomeResponse GetStepOutcome(const v1::GetStepOutcomeRequest& request) const;
   // Job::WriteCheckpoint of the named job. UNAVAILABLE when the job has no shards here.

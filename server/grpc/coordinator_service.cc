@@ -345,9 +345,11 @@ class AdminService final : public v1::Admin::CallbackService {
     });
   }
   ::grpc::ServerUnaryReactor* MoveShard(::grpc::CallbackServerContext* context, const v1::MoveShardRequest* request,
-                                        v1::MoveShardResponse*) override {
-    if (absl::Status s = Admit(context, request->admin_token(), "MoveShard"); !s.ok()) return Refuse(context, s);
-    return Unimplemented(context, "MoveShard: moving a single shard is not implemented yet (DrainDaemon moves all of a daemon's shards)");
+                                        v1::MoveShardResponse* response) override {
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::MoveShardResponse> {
+      MAINSTAY_RETURN_IF_ERROR(Admit(context, request->admin_token(), "MoveShard"));
+      return core_->MoveShard(*request);
+    });
   }
   ::grpc::ServerUnaryReactor* GetShardStats(::grpc::CallbackServerContext* context,
                                             const v1::GetShardStatsRequest* request, v1::GetShardStatsResponse*) override {

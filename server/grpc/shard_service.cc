@@ -14,6 +14,7 @@
 #include "common/logging.h"
 #include "common/status.h"
 #include "mainstay/v1/shard.grpc.pb.h"
+#include "server/daemon/shard_transfer.h"
 #include "server/grpc/calls.h"
 #include "server/grpc/health_port.h"
 #include "server/grpc/caller_identity.h"
@@ -245,40 +246,12 @@ absl::Status StreamParams(ShardDaemon* core, Calls* calls, metrics::Counter* pul
   return absl::OkStatus();
 }
 
-// FetchShardState: a consistent copy of the committed state, then master, m and v in chunks.
-absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& request,
+// FetchShardState: the move's copy (fenced when the request's epoch is newer), then its buffers
+// in chunks (server/daemon/shard_transfer.h).
+absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& request, absl::Time deadline,
                          const std::function<bool(const v1::FetchShardStateResponse&)>& write) {
-  MAINSTAY_ASSIGN_OR_RETURN(ShardStateCopy state,
-                            core->ReadShardState(request.job_id(), request.shard().bucket(), request.shard().shard()));
-  v1::FetchShardStateResponse message;
-  v1::ShardStateHeader& h = *message.mutable_header();
-  h.set_version(state.version);
-  h.set_committed_step(state.committed_step);
-  h.set_shard_numel(static_cast<int64_t>(state.master.size()));
-  h.set_moment_type(ElementTypeToProto(state.moment_type));
-  h.set_loss_scale(1.0);
-  if (!write(message)) return absl::CancelledError("FetchShardState: the client went away");
-  const int64_t chunk = ChunkBytes(0);
-  const struct {
-    v1::StateBuffer buffer;
-    const uint8_t* data;
-    int64_t bytes;
-    int element_bytes;
-  } buffers[] = {
-      {v1::STATE_BUFFER_MASTER, reinterpret_cast<const uint8_t*>(state.master.data()),
-       static_cast<int64_t>(state.master.size() * 4), 4},
-      {v1::STATE_BUFFER_MOMENT1, state.m.data(), static_cast<int64_t>(state.m.size()), BitsOf(state.moment_type) / 8},
-      {v1::STATE_BUFFER_MOMENT2, state.v.data(), static_cast<int64_t>(state.v.size()), BitsOf(state.moment_type) / 8},
-  };
-  for (const auto& b : buffers) {
-    MAINSTAY_RETURN_IF_ERROR(WriteChunks<v1::FetchShardStateResponse>(
-        write, b.data, b.bytes, chunk, [&](v1::FetchShardStateResponse& m, int64_t off, const uint8_t* p, int64_t n) {
-          m.mutable_chunk()->set_buffer(b.buffer);
-          m.mutable_chunk()->set_element_offset(off / b.element_bytes);
-          m.mutable_chunk()->set_data(p, static_cast<size_t>(n));
-        }));
-  }
-  return absl::OkStatus();
+  MAINSTAY_ASSIGN_OR_RETURN(ShardStateCopy state, core->CopyShardForMove(request, deadline));
+  return WriteShardState(state, ChunkBytes(0), write);
 }
 
 ::grpc::Status NoNccl() {
@@ -372,7 +345,10 @@ class ShardService final : public v1::Shard::CallbackService {
     }
     const v1::FetchShardStateRequest copy = *request;
     return new BlockingWriter<v1::FetchShardStateResponse>(
-        calls_, context, [core = core_, copy](const auto& write) { return StreamState(core, copy, write); });
+        calls_, context, [core = core_, copy, context](const auto& write) {
+          return StreamState(core, copy, std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(5)),
+                             write);
+        });
   }
   ::grpc::ServerUnaryReactor* WriteCheckpoint(::grpc::CallbackServerContext* context,
                                               const v1::WriteCheckpointRequest* request,

@@ -22,6 +22,7 @@
 #include "common/status.h"
 #include "server/checkpoint/checkpoint_files.h"
 #include "server/daemon/shard_daemon.h"
+#include "server/daemon/shard_transfer.h"
 #include "server/peer/fake_peer_group.h"
 #include "tests/testing/job_token.h"
 #include "tests/testing/reference_model.h"
@@ -53,14 +54,32 @@ inline JobSpec MakeSpec(const std::string& recipe, LayoutPolicy policy, int64_t 
 }
 
 // The daemons' GetStepOutcome calls to each other, in memory (daemon "dI" is daemons[I]).
-class InProcessOutcomes : public daemon::PeerOutcomeClient {
+class InProcessPeers : public daemon::PeerClient {
  public:
-  explicit InProcessOutcomes(const std::vector<std::unique_ptr<ShardDaemon>>* daemons) : daemons_(daemons) {}
+  explicit InProcessPeers(const std::vector<std::unique_ptr<ShardDaemon>>* daemons) : daemons_(daemons) {}
   absl::StatusOr<v1::GetStepOutcomeResponse> GetStepOutcome(const v1::DaemonEndpoint& peer,
                                                             const v1::GetStepOutcomeRequest& request,
                                                             absl::Time) override {
     for (const auto& d : *daemons_) {
       if (d->daemon_id() == peer.daemon_id()) return d->GetStepOutcome(request);
+    }
+    return absl::UnavailableError(absl::StrCat("no daemon ", peer.daemon_id()));
+  }
+  // Through the wire codec, as over gRPC (server/daemon/shard_transfer.h).
+  absl::StatusOr<ShardStateCopy> FetchShardState(const v1::DaemonEndpoint& peer,
+                                                 const v1::FetchShardStateRequest& request,
+                                                 absl::Time deadline) override {
+    for (const auto& d : *daemons_) {
+      if (d->daemon_id() != peer.daemon_id()) continue;
+      MAINSTAY_ASSIGN_OR_RETURN(ShardStateCopy copy, d->CopyShardForMove(request, deadline));
+      daemon::ShardStateReader reader;
+      absl::Status added;
+      MAINSTAY_RETURN_IF_ERROR(daemon::WriteShardState(copy, 4096, [&](const v1::FetchShardStateResponse& m) {
+        if (added.ok()) added = reader.Add(m);
+        return added.ok();
+      }));
+      MAINSTAY_RETURN_IF_ERROR(added);
+      return reader.Finish(request.shard().bucket(), request.shard().shard());
     }
     return absl::UnavailableError(absl::StrCat("no daemon ", peer.daemon_id()));
   }
@@ -83,7 +102,7 @@ class Cluster {
       o.peers = &peers_;
       o.peer_timeout = absl::Seconds(2);
       o.fs = fs;
-      if (ask_peers) o.outcomes = &outcomes_;
+      if (ask_peers) o.peer_client = &peer_client_;
       if (auto f = faults.find(i); f != faults.end()) o.fault = f->second;
       daemons_.push_back(std::make_unique<ShardDaemon>(o));
       daemons_.back()->set_daemon_id(absl::StrCat("d", i));
@@ -119,7 +138,64 @@ class Cluster {
     }
   }
 
-  int Owner(int32_t rank) const { return rank % static_cast<int>(daemons_.size()); }
+  int Owner(int32_t rank) const {
+    return rank < static_cast<int32_t>(owners_.size()) ? owners_[static_cast<size_t>(rank)]
+                                                       : rank % static_cast<int>(daemons_.size());
+  }
+
+  // What the coordinator does for a move (MoveShard): rank `rank`'s shards go to daemon `to` at
+  // the next epoch; `to` copies them from their owner, the others learn the new placement; once
+  // `to` has loaded them, the old owner drops them. Returns the first failed call.
+  absl::Status Move(int32_t rank, int to) {
+    const int from = Owner(rank);
+    if (owners_.empty()) {
+      for (int32_t r = 0; r < layout().data_parallel_size; ++r) owners_.push_back(Owner(r));
+    }
+    owners_[static_cast<size_t>(rank)] = to;
+    ++epoch_;
+    for (int i = 0; i < num_daemons(); ++i) {
+      v1::AssignShardRequest req = base_;
+      req.set_placement_epoch(epoch_);
+      req.mutable_placement()->set_epoch(epoch_);
+      for (v1::ShardPlacement& p : *req.mutable_placement()->mutable_shards()) {
+        p.set_daemon_id(absl::StrCat("d", Owner(p.shard().shard())));
+      }
+      bool any = false;
+      for (const Bucket& b : resolved_.layout.buckets) {
+        for (const Shard& s : b.shards) {
+          if (Owner(s.rank) != i) continue;
+          if (i == to && s.rank == rank) continue;  // below, from the peer
+          *req.add_shards() = ShardRef(b.index, s.rank);
+          any = true;
+        }
+      }
+      if (i == to) {
+        v1::AssignShardRequest copy = req;
+        copy.clear_shards();
+        copy.clear_from_trainer();
+        copy.mutable_from_peer()->mutable_daemon()->set_daemon_id(absl::StrCat("d", from));
+        for (const Bucket& b : resolved_.layout.buckets) *copy.add_shards() = ShardRef(b.index, rank);
+        MAINSTAY_RETURN_IF_ERROR(daemons_[static_cast<size_t>(i)]->AssignShard(copy).status());
+      }
+      if (any) MAINSTAY_RETURN_IF_ERROR(daemons_[static_cast<size_t>(i)]->AssignShard(req).status());
+    }
+    // The coordinator waits for the target's heartbeat to say the copy is loaded.
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (true) {
+      bool loaded = false;
+      for (const v1::JobProgress& p : daemons_[static_cast<size_t>(to)]->Progress()) {
+        loaded |= p.job_id() == kJob && p.placement_epoch() == epoch_ && !p.loading();
+      }
+      if (loaded) break;
+      if (absl::Now() > deadline) return absl::DeadlineExceededError("the move's target did not load the copy");
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    v1::DropShardRequest drop;
+    drop.set_job_id(kJob);
+    drop.set_placement_epoch(epoch_);
+    for (const Bucket& b : resolved_.layout.buckets) *drop.add_shards() = ShardRef(b.index, rank);
+    return daemons_[static_cast<size_t>(from)]->DropShard(drop);
+  }
   ShardDaemon& daemon_of(int32_t rank) { return *daemons_[static_cast<size_t>(Owner(rank))]; }
   const Layout& layout() const { return resolved_.layout; }
   const ResolvedJob& resolved() const { return resolved_; }
@@ -272,10 +348,18 @@ class Cluster {
  private:
   JobSpec spec_;
   ResolvedJob resolved_;
+  static v1::ShardRef ShardRef(int32_t bucket, int32_t shard) {
+    v1::ShardRef ref;
+    ref.set_bucket(bucket);
+    ref.set_shard(shard);
+    return ref;
+  }
+
   int64_t epoch_ = 1;
+  std::vector<int> owners_;      // rank -> daemon, once a move changed it (else rank % daemons)
   v1::AssignShardRequest base_;  // the assignment without shards
   peer::InProcessPeerGroupFactory peers_;
-  InProcessOutcomes outcomes_{&daemons_};  // outlives the daemons (declared first)
+  InProcessPeers peer_client_{&daemons_};  // outlives the daemons (declared first)
   std::vector<std::unique_ptr<ShardDaemon>> daemons_;
 };
 

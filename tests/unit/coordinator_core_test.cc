@@ -282,6 +282,14 @@ TEST_F(CoordinatorCoreTest, ADaemonHoldingAJobItIsNotPlacedOnIsToldToDropItAndIt
   v1::DrainDaemonRequest drain;  // the job moves off a (epoch 2)
   drain.set_daemon_id(a.daemon_id());
   ASSERT_THAT(coordinator_->DrainDaemon(drain), IsOk());
+  {  // b has copied a's rank: the move is done (a is told to drop it)
+    v1::HeartbeatRequest loaded;
+    loaded.set_daemon_id(b.daemon_id());
+    loaded.set_lease_id(b.lease_id());
+    loaded.add_jobs()->set_job_id(created->job_id());
+    loaded.mutable_jobs(0)->set_placement_epoch(2);
+    ASSERT_THAT(coordinator_->Heartbeat(loaded), IsOk());
+  }
   const size_t before = assigner_.calls().size();
   // a still reports the job at epoch 1, far ahead of the real progress.
   v1::HeartbeatRequest hb;
@@ -392,13 +400,15 @@ TEST_F(CoordinatorCoreTest, ADaemonBehindThePlacementEpochIsSentTheCurrentAssign
       ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
     }
   }
-  const auto calls = assigner_.calls();
-  ASSERT_EQ(calls.size(), sent + 1);
-  EXPECT_TRUE(calls.back().assign);
-  EXPECT_EQ(calls.back().address, "n1:7000");
-  EXPECT_EQ(calls.back().assign_request.placement_epoch(), 2);
-  EXPECT_EQ(calls.back().assign_request.placement().epoch(), 2);
-  EXPECT_EQ(calls.back().assign_request.shards_size(), created->job().num_buckets()) << "a's own shards";
+  std::vector<RecordingShardAssigner::Call> to_a;
+  for (size_t i = sent; i < assigner_.calls().size(); ++i) {
+    if (assigner_.calls()[i].address == "n1:7000") to_a.push_back(assigner_.calls()[i]);
+  }
+  ASSERT_EQ(to_a.size(), 1u);
+  EXPECT_TRUE(to_a[0].assign);
+  EXPECT_EQ(to_a[0].assign_request.placement_epoch(), 2);
+  EXPECT_EQ(to_a[0].assign_request.placement().epoch(), 2);
+  EXPECT_EQ(to_a[0].assign_request.shards_size(), created->job().num_buckets()) << "a's own shards";
 }
 
 TEST_F(CoordinatorCoreTest, ALiveDaemonThatLostAStartedJobMakesItDegradedNotReassignedEmpty) {
@@ -456,15 +466,86 @@ TEST_F(CoordinatorCoreTest, DrainMovesRanksAndBumpsTheEpoch) {
   EXPECT_EQ(placement->epoch(), 2);
   EXPECT_THAT(Owners(*placement, 2), ElementsAre(b.daemon_id(), b.daemon_id()));
   EXPECT_EQ(Daemons()[a.daemon_id()].state(), v1::DAEMON_STATE_DRAINING);
-  const auto calls = assigner_.calls();
+  // b copies rank 0 from a (from_peer) and learns the epoch for the rank it had; a keeps its
+  // copy (no DropShard) until b reports the job loaded at epoch 2.
+  auto calls = assigner_.calls();
+  ASSERT_GE(calls.size(), 2u);
+  EXPECT_TRUE(calls[calls.size() - 2].assign);
+  EXPECT_EQ(calls[calls.size() - 2].address, "n2:7000");
   EXPECT_TRUE(calls[calls.size() - 2].assign_request.has_from_peer());
+  EXPECT_EQ(calls[calls.size() - 2].assign_request.from_peer().daemon().daemon_id(), a.daemon_id());
+  EXPECT_EQ(calls[calls.size() - 2].assign_request.shards(0).shard(), 0);
+  EXPECT_TRUE(calls.back().assign);
+  EXPECT_EQ(calls.back().assign_request.shards(0).shard(), 1);
+  EXPECT_FALSE(calls.back().assign_request.has_from_peer());
+  auto report = [&](bool loading) {
+    v1::HeartbeatRequest hb;
+    hb.set_daemon_id(b.daemon_id());
+    hb.set_lease_id(b.lease_id());
+    v1::JobProgress* p = hb.add_jobs();
+    p->set_job_id(created->job_id());
+    p->set_placement_epoch(2);
+    p->set_loading(loading);
+    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  };
+  const size_t after_drain = assigner_.calls().size();
+  report(/*loading=*/true);
+  EXPECT_EQ(assigner_.calls().size(), after_drain) << "nothing is dropped while the copy runs";
+  report(/*loading=*/false);
+  calls = assigner_.calls();
+  ASSERT_EQ(calls.size(), after_drain + 1);
   EXPECT_FALSE(calls.back().assign);
+  EXPECT_EQ(calls.back().address, "n1:7000");
+  EXPECT_EQ(calls.back().drop_request.shards_size(), 0) << "a holds nothing of the job any more";
+  report(/*loading=*/false);
+  EXPECT_EQ(assigner_.calls().size(), after_drain + 1) << "the move is over";
   EXPECT_THAT(coordinator_->WaitPlacement(created->job_id(), "", 2, absl::Now() + absl::Milliseconds(50)),
               StatusIs(absl::StatusCode::kDeadlineExceeded));
   // With no other daemon, draining b is refused and nothing changes.
   drain.set_daemon_id(b.daemon_id());
-  EXPECT_THAT(coordinator_->DrainDaemon(drain), StatusIs(absl::StatusCode::kResourceExhausted));
+  const size_t before_refusal = assigner_.calls().size();
+  EXPECT_THAT(coordinator_->DrainDaemon(drain),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("nothing was moved")));
+  EXPECT_EQ(assigner_.calls().size(), before_refusal) << "nothing sent, nothing dropped";
   EXPECT_EQ(Daemons()[b.daemon_id()].state(), v1::DAEMON_STATE_READY);
+}
+
+TEST_F(CoordinatorCoreTest, MoveShardMovesOneRankStateAndAllAndRefusesBadMoves) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto c = Register("n3", kGiB);
+  auto created = Create(SmallSpec("j", 2, {"n1", "n2"}));
+  ASSERT_THAT(created, IsOk());
+  v1::MoveShardRequest move;
+  move.set_job_id(created->job_id());
+  move.mutable_shard()->set_shard(1);
+  move.set_to_daemon_id(c.daemon_id());
+  auto moved = coordinator_->MoveShard(move);
+  ASSERT_THAT(moved, IsOk());
+  EXPECT_EQ(moved->moves_size(), created->job().num_buckets());
+  EXPECT_EQ(moved->move().from_daemon_id(), b.daemon_id());
+  EXPECT_EQ(moved->move().placement_epoch(), 2);
+  auto placement = coordinator_->WaitPlacement(created->job_id(), "", 1, absl::Now() + absl::Seconds(1));
+  ASSERT_THAT(placement, IsOk());
+  EXPECT_THAT(Owners(*placement, 2), ElementsAre(a.daemon_id(), c.daemon_id()));
+  const auto calls = assigner_.calls();
+  bool copied = false;
+  for (const auto& call : calls) {
+    copied |= call.assign && call.address == "n3:7000" && call.assign_request.has_from_peer() &&
+              call.assign_request.from_peer().daemon().daemon_id() == b.daemon_id();
+    EXPECT_FALSE(!call.assign && call.address == "n2:7000") << "b keeps its copy until c has loaded it";
+  }
+  EXPECT_TRUE(copied);
+  // The same rank again while it moves, to its owner, a bad rank, an unknown daemon: refused.
+  EXPECT_THAT(coordinator_->MoveShard(move), StatusIs(absl::StatusCode::kFailedPrecondition));
+  move.set_to_daemon_id(a.daemon_id());
+  move.mutable_shard()->set_shard(0);
+  EXPECT_THAT(coordinator_->MoveShard(move), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already on")));
+  move.mutable_shard()->set_shard(2);
+  EXPECT_THAT(coordinator_->MoveShard(move), StatusIs(absl::StatusCode::kInvalidArgument));
+  move.mutable_shard()->set_shard(0);
+  move.set_to_daemon_id("daemon-99");
+  EXPECT_THAT(coordinator_->MoveShard(move), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("READY")));
 }
 
 TEST_F(CoordinatorCoreTest, KvCompareAndSetAndTtl) {

@@ -429,5 +429,79 @@ TEST(JobTokenTest, AnAssignmentWithoutAJobTokenHashIsRefusedAndCreatesNoJob) {
   EXPECT_THAT(daemon.CheckJobToken(kJob, "test-tokeN"), StatusIs(absl::StatusCode::kPermissionDenied));
 }
 
+// Moves (docs/daemon.md, "Moves"): a rank's shards go to another daemon between steps, state
+// and all, and the job goes on bit for bit.
+class MoveRecipeTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(MoveRecipeTest, AMovedRankGoesOnBitForBitOnItsNewDaemon) {
+  // D = 2 on three daemons: ranks on d0 and d1, d2 empty; tensors straddle the ranks.
+  const JobSpec spec = MakeSpec(GetParam(), LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 3);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  ExpectMatchesReference(cluster, ref, 0);  // (each version is compared once: delayed scaling)
+  for (int64_t step = 0; step < 5; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    if (step == 2) {
+      std::vector<std::shared_ptr<const QuantizedShard>> before;
+      for (const Bucket& b : cluster.layout().buckets) before.push_back(cluster.Pull(b.index, 1, 2)->shard);
+      ASSERT_THAT(cluster.Move(1, 2), IsOk());  // d1's rank to d2, which copies it from d1
+      EXPECT_EQ(cluster.daemon(1).active_jobs(), 0) << "d1 dropped the job once d2 had loaded it";
+      for (const Bucket& b : cluster.layout().buckets) {  // d2 serves version 2 as d1 did
+        absl::StatusOr<PullResult> after = cluster.Pull(b.index, 1, 2);
+        ASSERT_THAT(after.status(), IsOk());
+        const QuantizedShard& was = *before[static_cast<size_t>(b.index)];
+        EXPECT_EQ(after->shard->version, 2);
+        EXPECT_EQ(after->shard->data, was.data);
+        EXPECT_EQ(after->shard->scales, was.scales);
+        ASSERT_EQ(after->shard->fragments.size(), was.fragments.size());
+        for (size_t f = 0; f < was.fragments.size(); ++f) {
+          EXPECT_EQ(after->shard->fragments[f].scale, was.fragments[f].scale);
+          EXPECT_EQ(after->shard->fragments[f].scale_inv, was.fragments[f].scale_inv);
+          EXPECT_EQ(after->shard->fragments[f].amax, was.fragments[f].amax);
+        }
+      }
+    }
+    cluster.PushGrads(step);
+    for (const auto& stats : cluster.Finish(step, 1e-3)) {
+      ASSERT_THAT(stats.status(), IsOk()) << "step " << step;
+      EXPECT_EQ(stats->version(), step + 1);
+    }
+    ref.Step(step, 1e-3f);
+    ExpectMatchesReference(cluster, ref, step + 1);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, MoveRecipeTest,
+                         ::testing::Values("bf16_with_fp8_mixed", "bf16_with_fp8_current_scaling_mixed",
+                                           "bf16_with_nvfp4_mixed"));
+
+TEST(MoveTest, TheSourceRefusesCallsOfTheOldEpochOnceFencedAndTheTargetServesTheNewOne) {
+  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 3);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  ExpectMatchesReference(cluster, ref, 0);  // version 0 is published everywhere
+  // Fence d1 by hand, as the target's copy at epoch 2 does.
+  v1::FetchShardStateRequest fetch;
+  fetch.set_job_id(kJob);
+  fetch.set_placement_epoch(2);
+  fetch.mutable_shard()->set_shard(1);
+  absl::StatusOr<ShardStateCopy> copy = cluster.daemon(1).CopyShardForMove(fetch, absl::Now() + absl::Seconds(10));
+  ASSERT_THAT(copy.status(), IsOk());
+  EXPECT_EQ(copy->version, 0);
+  ASSERT_NE(copy->newest, nullptr);
+  EXPECT_EQ(copy->newest->version, 0);
+  // A push of epoch 1 to d1 is now FAILED_PRECONDITION naming epoch 2: the trainer re-reads the
+  // placement instead of feeding a step that can no longer run there.
+  const Bucket& b = cluster.layout().buckets[0];
+  absl::Status refused =
+      cluster.Push(0, 1, 0, 1, std::vector<float>(static_cast<size_t>(b.shard_numel), 0.5f), v1::PUSH_KIND_GRADIENT)
+          .status();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::HasSubstr("moving to placement epoch 2")));
+  ASSERT_TRUE(GetErrorDetail(refused).has_value());
+  EXPECT_EQ(GetErrorDetail(refused)->placement_epoch(), 2);
+}
+
 }  // namespace
 }  // namespace mainstay::daemon

@@ -1,14 +1,15 @@
-// The agreed outcome of a step (DESIGN.md section 8; docs/architecture.md, "Agreed outcome of a
-// step"): a daemon whose peer reduction failed asks its peers, through this interface, whether
-// one of them completed the step's deciding reduction, and finishes the step with that result
-// instead of giving it up alone.
+// The calls a daemon makes to its peer daemons: the agreed outcome of a step (DESIGN.md section
+// 8; docs/architecture.md, "Agreed outcome of a step": a daemon whose peer reduction failed asks
+// its peers whether one of them completed the step's deciding reduction, and finishes the step
+// with that result instead of giving it up alone), and the copy of a shard's state that a move
+// loads (docs/daemon.md, "Moves").
 //
 // Also the test-only fault that makes the split happen on demand (mainstayd --inject-fault).
 //
-// Ownership: the daemon's options hold a PeerOutcomeClient they do not own.
+// Ownership: the daemon's options hold a PeerClient they do not own.
 // Thread safety: implementations are thread-safe (every job's step thread may ask at once).
-#ifndef MAINSTAY_SERVER_DAEMON_STEP_OUTCOME_H_
-#define MAINSTAY_SERVER_DAEMON_STEP_OUTCOME_H_
+#ifndef MAINSTAY_SERVER_DAEMON_PEER_CLIENT_H_
+#define MAINSTAY_SERVER_DAEMON_PEER_CLIENT_H_
 
 #include <cstdint>
 #include <limits>
@@ -19,18 +20,25 @@
 #include "absl/time/time.h"
 #include "mainstay/v1/common.pb.h"
 #include "mainstay/v1/shard.pb.h"
+#include "server/daemon/shard_state.h"
 
 namespace mainstay::daemon {
 
-class PeerOutcomeClient {
+class PeerClient {
  public:
-  virtual ~PeerOutcomeClient() = default;
+  virtual ~PeerClient() = default;
   // Asks `peer`'s Shard service what it holds of a step (GetStepOutcome). Errors are the
   // peer's or the transport's: UNAVAILABLE when it cannot be reached, DEADLINE_EXCEEDED when it
   // did not answer by `deadline`. The caller treats any error as "unknown" and asks again.
   virtual absl::StatusOr<v1::GetStepOutcomeResponse> GetStepOutcome(const v1::DaemonEndpoint& peer,
                                                                     const v1::GetStepOutcomeRequest& request,
                                                                     absl::Time deadline) = 0;
+  // Copies a shard's whole state from `peer` (FetchShardState) for a move: the peer fences the
+  // job at request.placement_epoch first (shard.proto). Errors as above, plus the peer's own
+  // (FAILED_PRECONDITION when it does not hold the shard) and DATA_LOSS for a short stream.
+  virtual absl::StatusOr<ShardStateCopy> FetchShardState(const v1::DaemonEndpoint& peer,
+                                                         const v1::FetchShardStateRequest& request,
+                                                         absl::Time deadline) = 0;
 };
 
 // A fault for tests: at `step`, the daemon throws away the result of its peer reduction number
@@ -50,4 +58,4 @@ absl::StatusOr<StepFault> ParseStepFault(absl::string_view spec);
 
 }  // namespace mainstay::daemon
 
-#endif  // MAINSTAY_SERVER_DAEMON_STEP_OUTCOME_H_
+#endif  // MAINSTAY_SERVER_DAEMON_PEER_CLIENT_H_

@@ -1,11 +1,12 @@
-// daemon::PeerOutcomeClient over gRPC: asks a peer daemon's Shard service GetStepOutcome.
+// daemon::PeerClient over gRPC: a peer daemon's Shard service GetStepOutcome and
+// FetchShardState.
 //
 // One cached channel per peer address, made with the daemon's own client credentials
 // (plaintext, TLS or mutual TLS: the call is internal, so with --tls-internal-name the peer
 // requires the daemon's certificate).
 // Thread safety: thread-safe.
-#ifndef MAINSTAY_SERVER_GRPC_PEER_OUTCOME_CLIENT_H_
-#define MAINSTAY_SERVER_GRPC_PEER_OUTCOME_CLIENT_H_
+#ifndef MAINSTAY_SERVER_GRPC_GRPC_PEER_CLIENT_H_
+#define MAINSTAY_SERVER_GRPC_GRPC_PEER_CLIENT_H_
 
 #include <map>
 #include <memory>
@@ -15,20 +16,26 @@
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_tls.h"
 #include "mainstay/v1/shard.grpc.pb.h"
-#include "server/daemon/step_outcome.h"
+#include "server/daemon/peer_client.h"
 
 namespace mainstay::daemon {
 
-class GrpcPeerOutcomeClient : public PeerOutcomeClient {
+class GrpcPeerClient : public PeerClient {
  public:
-  explicit GrpcPeerOutcomeClient(ChannelSecurity security) : security_(std::move(security)) {}
+  explicit GrpcPeerClient(ChannelSecurity security) : security_(std::move(security)) {}
 
   // FAILED_PRECONDITION when `peer` has no address; else the call's status.
   absl::StatusOr<v1::GetStepOutcomeResponse> GetStepOutcome(const v1::DaemonEndpoint& peer,
                                                             const v1::GetStepOutcomeRequest& request,
                                                             absl::Time deadline) override;
+  // Reads the FetchShardState stream into a copy (server/daemon/shard_transfer.h).
+  absl::StatusOr<ShardStateCopy> FetchShardState(const v1::DaemonEndpoint& peer,
+                                                 const v1::FetchShardStateRequest& request,
+                                                 absl::Time deadline) override;
 
  private:
+  absl::StatusOr<v1::Shard::Stub*> StubFor(const v1::DaemonEndpoint& peer);
+
   const ChannelSecurity security_;
   absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<v1::Shard::Stub>> stubs_ ABSL_GUARDED_BY(mu_);  // by address
@@ -36,4 +43,4 @@ class GrpcPeerOutcomeClient : public PeerOutcomeClient {
 
 }  // namespace mainstay::daemon
 
-#endif  // MAINSTAY_SERVER_GRPC_PEER_OUTCOME_CLIENT_H_
+#endif  // MAINSTAY_SERVER_GRPC_GRPC_PEER_CLIENT_H_

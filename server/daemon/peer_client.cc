@@ -1,4 +1,4 @@
-#include "server/daemon/step_outcome.h"
+#include "server/daemon/peer_client.h"
 
 #include <vector>
 

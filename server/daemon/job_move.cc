@@ -1,0 +1,164 @@
+// Moves of shards between live daemons (docs/daemon.md, "Moves"): the source's fence and copy,
+// the target's load. A move happens at a step boundary: the coordinator names the target at a
+// new placement epoch; the target asks the source for each shard with that epoch; the source
+// stops taking steps at older epochs, lets the step in flight be decided, and streams its
+// committed state with the job's scaling state and the newest version; the target installs it
+// and serves from the step after. The source keeps its copy until the coordinator drops it,
+// once the target reports the job loaded.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/error_detail.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "server/daemon/job.h"
+
+namespace mainstay::daemon {
+
+namespace {
+constexpr absl::Duration kCopyTimeout = absl::Minutes(5);
+constexpr absl::Duration kRetryInterval = absl::Milliseconds(500);
+
+std::string ShardName(int32_t bucket, int32_t shard) { return absl::StrCat("(bucket ", bucket, ", shard ", shard, ")"); }
+}  // namespace
+
+absl::Status Job::FencedError(const char* call) const {
+  v1::ErrorDetail detail;
+  detail.set_placement_epoch(fence_epoch_);
+  detail.set_committed_step(committed_step_);
+  detail.set_version(version_);
+  return AttachErrorDetail(
+      absl::FailedPreconditionError(absl::StrCat(call, ": job ", job_id_, " is moving to placement epoch ",
+                                                 fence_epoch_, " (its shards are being copied to a new daemon); "
+                                                 "re-read the placement")),
+      detail);
+}
+
+absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest& request, absl::Time deadline) {
+  const Key key{request.shard().bucket(), request.shard().shard()};
+  absl::MutexLock lock(&mu_);
+  const bool fence = request.placement_epoch() > epoch_;
+  if (fence && request.placement_epoch() > fence_epoch_) {
+    fence_epoch_ = request.placement_epoch();
+    Log(LogLevel::kInfo, "daemon",
+        absl::StrCat("job ", job_id_, ": fenced at placement epoch ", fence_epoch_, " for the copy of ",
+                     ShardName(key.first, key.second), " (no more steps at epoch ", epoch_, ")"));
+  }
+  if (fence || moving_out_.count(key)) {
+    // The copy must be final: the step in flight (which may still commit) is decided first.
+    auto settled = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return stopping_ || (executing_step_ == -2 && restore_ == nullptr && !restoring_);
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&settled), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat("FetchShardState: job ", job_id_,
+                                                      ": the step in flight was not decided before the deadline"));
+    }
+  }
+  if (stopping_) return absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
+  if (!restore_error_.ok()) return absl::FailedPreconditionError(restore_error_.message());
+  std::shared_ptr<ShardState> state;
+  if (auto it = shards_.find(key); it != shards_.end()) state = it->second;
+  if (auto it = moving_out_.find(key); it != moving_out_.end()) state = it->second;
+  if (state == nullptr || state->incoming) {
+    return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+        "FetchShardState: job ", job_id_, ": this daemon holds no state of ", ShardName(key.first, key.second))));
+  }
+  ShardStateCopy copy;
+  copy.version = state->initialized ? version_ : -1;
+  copy.committed_step = committed_step_;
+  copy.moment_type = job_.spec.optimizer.moment_dtype;
+  copy.master = state->master;
+  copy.m = state->m;
+  copy.v = state->v;
+  copy.scaling = committed_scaling_;
+  if (!state->versions.empty()) copy.newest = state->versions.rbegin()->second;
+  return copy;
+}
+
+void Job::RunMovesIn() {
+  const MoveIn move = moves_in_.front();
+  mu_.Unlock();
+  std::vector<std::pair<Key, absl::StatusOr<ShardStateCopy>>> copies;
+  absl::Status failed;
+  for (const Key& key : move.keys) {
+    v1::FetchShardStateRequest request;
+    request.set_job_id(job_id_);
+    request.set_placement_epoch(move.epoch);
+    request.mutable_shard()->set_bucket(key.first);
+    request.mutable_shard()->set_shard(key.second);
+    absl::StatusOr<ShardStateCopy> copy =
+        options_.peer_client == nullptr
+            ? absl::FailedPreconditionError("this daemon has no peer client to copy shards with")
+            : options_.peer_client->FetchShardState(move.source, request, absl::Now() + kCopyTimeout);
+    if (!copy.ok()) {
+      failed = Annotate(copy.status(), absl::StrCat("copying ", ShardName(key.first, key.second), " from daemon ",
+                                                    move.source.daemon_id()));
+      break;
+    }
+    copies.emplace_back(key, std::move(copy));
+  }
+  mu_.Lock();
+  if (stopping_) return;
+  // All shards of one move come from one source at one step, or none is installed.
+  // A daemon that holds no other shard of the job with state takes the source's progress (the
+  // job is new here, or came with no shards); otherwise the copy must be at its step.
+  const bool fresh = std::all_of(shards_.begin(), shards_.end(), [](const auto& e) { return e.second->incoming; });
+  const size_t mb = static_cast<size_t>(BitsOf(job_.spec.optimizer.moment_dtype) / 8);
+  const bool adamw = job_.spec.optimizer.type == OptimizerType::kAdamW;
+  for (const auto& [key, copy] : copies) {
+    if (!failed.ok()) break;
+    auto it = shards_.find(key);
+    const int64_t numel = job_.layout.buckets[static_cast<size_t>(key.first)].shard_numel;
+    if (copy->committed_step != (fresh ? copies.front().second->committed_step : committed_step_) ||
+        (!fresh && copy->version >= 0 && copy->version != version_)) {
+      failed = absl::AbortedError(absl::StrCat("the copy of ", ShardName(key.first, key.second), " is at step ",
+                                               copy->committed_step, " version ", copy->version,
+                                               ", this daemon's shards at step ", committed_step_, " version ",
+                                               version_, "; copying again"));
+    } else if (copy->version >= 0 && (static_cast<int64_t>(copy->master.size()) != numel ||
+                                      copy->m.size() != static_cast<size_t>(numel) * mb ||
+                                      copy->v.size() != (adamw ? static_cast<size_t>(numel) * mb : 0))) {
+      failed = absl::DataLossError(absl::StrCat("the copy of ", ShardName(key.first, key.second),
+                                                " has buffers of the wrong size"));
+    } else if (it == shards_.end() || !it->second->incoming) {
+      failed = absl::AbortedError("the placement changed during the copy");
+    }
+  }
+  if (!failed.ok()) {
+    Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": move from daemon ", move.source.daemon_id(),
+                                                   " at epoch ", move.epoch, ": ", failed.ToString(), "; retrying"));
+    if (epoch_ > move.epoch || stopping_) {
+      // A newer placement supersedes this move (the coordinator re-sends what is still wanted).
+      moves_in_.erase(moves_in_.begin());
+      return;
+    }
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), kRetryInterval);
+    return;
+  }
+  for (auto& [key, copy] : copies) {
+    ShardState& s = *shards_.at(key);
+    s.initialized = copy->version >= 0;
+    s.master = std::move(copy->master);
+    s.m = std::move(copy->m);
+    s.v = std::move(copy->v);
+    s.versions.clear();
+    if (copy->newest != nullptr) s.versions[copy->newest->version] = copy->newest;
+    s.incoming = false;
+  }
+  if (fresh && !copies.empty()) {
+    const ShardStateCopy& first = *copies.front().second;
+    committed_step_ = first.committed_step;
+    next_step_ = first.committed_step + 1;
+    version_ = first.version;
+    ApplyScaling(first.scaling);  // the step thread's own state: it is this thread
+    committed_scaling_ = ScalingProto();
+    loss_scale_now_ = loss_scale_.scale;
+    restoring_ = false;
+  }
+  moves_in_.erase(moves_in_.begin());
+  Log(LogLevel::kInfo, "daemon",
+      absl::StrCat("job ", job_id_, ": copied ", copies.size(), " shard(s) from daemon ", move.source.daemon_id(),
+                   " at step ", committed_step_, ", version ", version_, " (placement epoch ", move.epoch, ")"));
+}
+
+}  // namespace mainstay::daemon

@@ -1,0 +1,62 @@
+// The published and copied forms of a shard's state, shared by the job (job.h), the move
+// protocol (peer_client.h, shard_transfer.h) and the transports.
+// Ownership: plain values; a QuantizedShard is immutable once published and shared by pointer.
+#ifndef MAINSTAY_SERVER_DAEMON_SHARD_STATE_H_
+#define MAINSTAY_SERVER_DAEMON_SHARD_STATE_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/format.h"
+#include "mainstay/v1/checkpoint.pb.h"
+
+namespace mainstay::daemon {
+
+// Quantization metadata of one fragment of a published shard.
+struct FragmentMeta {
+  int32_t tensor = 0;
+  IndexRange elements;  // of the flattened tensor
+  Format format = Format::kBF16;
+  float scale = 0.0f;      // fp8: multiplier before the cast; nvfp4: S_enc; else 0
+  float scale_inv = 0.0f;  // fp8: RN(1/scale); nvfp4: S_dec; else 0
+  float amax = 0.0f;       // whole-tensor amax (reduced); 0 for formats without one
+};
+
+// One published version of one (bucket, shard). Immutable once published.
+struct QuantizedShard {
+  int64_t version = 0;
+  int32_t bucket = 0;
+  int32_t shard = 0;
+  Format format = Format::kBF16;
+  IndexRange elements;              // the shard's bucket elements
+  std::vector<uint8_t> data;        // DataBytes(format, shard_numel); padding is 0
+  bool has_scales = false;
+  ElementType scale_type = ElementType::kE8M0;
+  int64_t num_scales = 0;           // entries: the fragments' block ranges, concatenated
+  std::vector<uint8_t> scales;
+  std::vector<FragmentMeta> fragments;
+};
+
+struct PullResult {
+  // The requested version, or (unchanged) the current one when the step before it was skipped.
+  std::shared_ptr<const QuantizedShard> shard;
+  bool unchanged = false;
+};
+
+// A copy of one shard's committed optimizer state (FetchShardState, tests).
+struct ShardStateCopy {
+  int64_t version = -1;         // the version this state produced; -1 before version 0
+  int64_t committed_step = -1;  // last decided step
+  std::vector<float> master;
+  ElementType moment_type = ElementType::kFloat32;
+  std::vector<uint8_t> m, v;    // raw little-endian elements of moment_type; v empty for SGD
+  // For moves (CopyForMove): the job's scaling state as of committed_step, and the newest
+  // published version (null before version 0).
+  v1::CheckpointScalingState scaling;
+  std::shared_ptr<const QuantizedShard> newest;
+};
+
+}  // namespace mainstay::daemon
+
+#endif  // MAINSTAY_SERVER_DAEMON_SHARD_STATE_H_

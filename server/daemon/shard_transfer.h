@@ -1,0 +1,42 @@
+// A shard's whole state on the wire (FetchShardState): what a move's target needs to go on where
+// the source stopped, bit for bit. The committed masters and moments, the job's scaling state as
+// of that step, and the newest published version (so trainers can pull it from the target).
+//
+// WriteShardState encodes a ShardStateCopy as the stream's messages (a header, then chunks of
+// each buffer in order); ShardStateReader decodes them and checks that every byte of every
+// buffer came exactly once. Both are pure (no I/O, no gRPC) and not thread-safe.
+#ifndef MAINSTAY_SERVER_DAEMON_SHARD_TRANSFER_H_
+#define MAINSTAY_SERVER_DAEMON_SHARD_TRANSFER_H_
+
+#include <cstdint>
+#include <functional>
+
+#include "absl/status/statusor.h"
+#include "mainstay/v1/shard.pb.h"
+#include "server/daemon/job.h"
+
+namespace mainstay::daemon {
+
+// Writes `copy` of (bucket, shard) in chunks of at most `chunk_bytes` (a multiple of 8).
+// CANCELLED when `write` returns false (the reader went away).
+absl::Status WriteShardState(const ShardStateCopy& copy, int64_t chunk_bytes,
+                             const std::function<bool(const v1::FetchShardStateResponse&)>& write);
+
+class ShardStateReader {
+ public:
+  // INVALID_ARGUMENT (DATA_LOSS for overlapping or overrunning chunks) naming what is wrong.
+  absl::Status Add(const v1::FetchShardStateResponse& message);
+  // The copy, once every buffer is complete; DATA_LOSS when the stream ended short.
+  absl::StatusOr<ShardStateCopy> Finish(int32_t bucket, int32_t shard);
+
+ private:
+  bool have_header_ = false;
+  v1::ShardStateHeader header_;
+  ShardStateCopy copy_;
+  std::vector<uint8_t> data_, scales_;  // the newest version's
+  int64_t received_[6] = {0, 0, 0, 0, 0, 0};  // bytes, by StateBuffer
+};
+
+}  // namespace mainstay::daemon
+
+#endif  // MAINSTAY_SERVER_DAEMON_SHARD_TRANSFER_H_

@@ -1,0 +1,64 @@
+#include "server/grpc/grpc_peer_client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/status.h"
+#include "server/daemon/shard_transfer.h"
+
+namespace mainstay::daemon {
+
+absl::StatusOr<v1::Shard::Stub*> GrpcPeerClient::StubFor(const v1::DaemonEndpoint& peer) {
+  if (peer.address().empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("daemon ", peer.daemon_id(), " has no address in the placement"));
+  }
+  absl::MutexLock lock(&mu_);
+  std::unique_ptr<v1::Shard::Stub>& cached = stubs_[peer.address()];
+  if (cached == nullptr) {
+    ::grpc::ChannelArguments args;
+    // A peer that restarts must be found again within a poll or two.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    args.SetMaxReceiveMessageSize(64 << 20);
+    cached = v1::Shard::NewStub(security_.CreateChannel(peer.address(), args));
+  }
+  return cached.get();  // stubs are never removed: the pointer stays valid
+}
+
+absl::StatusOr<v1::GetStepOutcomeResponse> GrpcPeerClient::GetStepOutcome(const v1::DaemonEndpoint& peer,
+                                                                          const v1::GetStepOutcomeRequest& request,
+                                                                          absl::Time deadline) {
+  MAINSTAY_ASSIGN_OR_RETURN(v1::Shard::Stub * stub, StubFor(peer));
+  ::grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  v1::GetStepOutcomeResponse response;
+  const absl::Status status = FromGrpcStatus(stub->GetStepOutcome(&context, request, &response));
+  if (!status.ok()) return Annotate(status, absl::StrCat("GetStepOutcome from daemon ", peer.daemon_id()));
+  return response;
+}
+
+absl::StatusOr<ShardStateCopy> GrpcPeerClient::FetchShardState(const v1::DaemonEndpoint& peer,
+                                                               const v1::FetchShardStateRequest& request,
+                                                               absl::Time deadline) {
+  MAINSTAY_ASSIGN_OR_RETURN(v1::Shard::Stub * stub, StubFor(peer));
+  ::grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  std::unique_ptr<::grpc::ClientReader<v1::FetchShardStateResponse>> reader = stub->FetchShardState(&context, request);
+  ShardStateReader assembled;
+  v1::FetchShardStateResponse message;
+  absl::Status bad;
+  while (reader->Read(&message)) {
+    if (bad.ok()) bad = assembled.Add(message);
+    if (!bad.ok()) context.TryCancel();
+  }
+  const absl::Status status = FromGrpcStatus(reader->Finish());
+  const std::string where = absl::StrCat("FetchShardState from daemon ", peer.daemon_id());
+  if (!bad.ok()) return Annotate(bad, where);
+  if (!status.ok()) return Annotate(status, where);
+  absl::StatusOr<ShardStateCopy> copy = assembled.Finish(request.shard().bucket(), request.shard().shard());
+  if (!copy.ok()) return Annotate(copy.status(), where);
+  return copy;
+}
+
+}  // namespace mainstay::daemon
