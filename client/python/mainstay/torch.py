@@ -20,6 +20,7 @@ Importing this module imports torch; ``import mainstay`` alone does not.
 """
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -110,6 +111,8 @@ class MainstayOptimizer(torch.optim.Optimizer):
         self._next_step = 0
         self.version = None
         self.last_stats = None
+        self.retried_steps = 0  # steps the daemons aborted and step() pushed again
+        self.rewinds = 0        # restores from a checkpoint that step() resumed from
         if resume:
             self.resync()
         else:
@@ -160,17 +163,66 @@ class MainstayOptimizer(torch.optim.Optimizer):
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
         step = self._next_step
         self._collect_grads()
-        pushes = []
+        payloads, pushes = [], []
         for b in self._buckets:
-            shard = self._reduce_scatter(b)
-            pushes.append(self.client.push_grad(b["index"], step, self._host(shard), wait=False))
-        stats = self.client.finish_step(step, lr, weight_decay, timeout_s=self._step_timeout_s)
-        for h in pushes:
-            h.wait()
+            payloads.append(self._host(self._reduce_scatter(b)))
+            pushes.append(self.client.push_grad(b["index"], step, payloads[-1], wait=False))
+        for attempt in range(1, self.MAX_STEP_ATTEMPTS + 1):
+            try:
+                stats = self.client.finish_step(step, lr, weight_decay, timeout_s=self._step_timeout_s)
+                for h in pushes:
+                    h.wait()
+                break
+            except _mainstay.Error as e:
+                for h in pushes:  # settle every push of this attempt before the next one
+                    try:
+                        h.wait()
+                    except _mainstay.Error:
+                        pass
+                if e.code != "ABORTED" or attempt == self.MAX_STEP_ATTEMPTS:
+                    raise
+                resume = self._resume_step(e, step)
+                if resume < step:
+                    return self._rewind(resume, e, loss)
+                # The daemons gave this step up and changed nothing (a peer lost mid-step, a
+                # daemon left the placement): push the same gradients again.
+                self.retried_steps += 1
+                print("mainstay.torch: step %d of job %s was aborted (%s); pushing it again (attempt %d)"
+                      % (step, self.client.job_id, e.message, attempt + 1), file=sys.stderr, flush=True)
+                pushes = [self.client.push_grad(b["index"], step, p, wait=False)
+                          for b, p in zip(self._buckets, payloads)]
         self._next_step = step + 1
         self.last_stats = stats
         if not stats["skipped"]:
             self._load_version(stats["version"])
+        return loss
+
+    # Attempts at one step before step() raises the daemons' ABORTED.
+    MAX_STEP_ATTEMPTS = 8
+
+    @staticmethod
+    def _resume_step(error, step):
+        """The step an ABORTED tells this trainer to run next: the daemons' committed step + 1
+        when they say (a restore rewinds it below `step`), else `step` itself."""
+        info = error.info or {}
+        committed = info.get("committed_step")
+        if committed is None or committed + 1 > step:
+            return step
+        return committed + 1
+
+    def _rewind(self, resume, error, loss):
+        """The job was restored from a checkpoint: its newest version belongs to step
+        `resume` - 1. Loads it into the parameters (a collective: every rank gets the same
+        ABORTED) and goes on from `resume`; this call's gradients are dropped, as a restart from
+        that checkpoint would have dropped them."""
+        probe = self.client.pull_shard(self._buckets[0]["index"], self._rank, _mainstay.Client.LATEST,
+                                       timeout_s=self._step_timeout_s)
+        print("mainstay.torch: job %s was restored to step %d (%s); resuming there at version %d"
+              % (self.client.job_id, resume - 1, error.message, probe.version), file=sys.stderr, flush=True)
+        self._next_step = resume
+        self.rewinds += 1
+        self.last_stats = None
+        self._load_version(probe.version)
         return loss
 
     def state_dict(self):

@@ -55,7 +55,7 @@ def wait_for_file(path, proc, timeout=60):
 class Cluster:
     """mainstay-coordinator + `daemons` mainstayd processes on 127.0.0.1, like scripts/demo.sh."""
 
-    def __init__(self, daemons=2):
+    def __init__(self, daemons=2, flags_of_daemon=None):
         self.dir = tempfile.mkdtemp(prefix="mainstay-torch-test.")
         self.procs = []
         port_file = os.path.join(self.dir, "coordinator.port")
@@ -69,7 +69,7 @@ class Cluster:
             self._start("daemon%d" % i, [os.environ["MAINSTAYD_BIN"], "--coordinator", self.address,
                                          "--listen", "127.0.0.1:0", "--node-name", "node%d" % i, "--threads", "1",
                                          "--memory-bytes", "2000000000", "--lease-ttl-ms", "3000",
-                                         "--port-file", pf])
+                                         "--port-file", pf] + list((flags_of_daemon or {}).get(i, [])))
             wait_for_file(pf, self.procs[-1])
 
     def _start(self, name, argv):
@@ -115,6 +115,39 @@ def train_steps(model, opt, steps, sched=None, seed=1):
         if sched is not None:
             sched.step()
     return seen
+
+
+class AbortedStepTest(unittest.TestCase):
+    """A step the daemons give up (ABORTED: push it again) is retried inside step()."""
+
+    def test_an_aborted_step_is_pushed_again_inside_step_and_training_tracks_the_reference(self):
+        """Daemon 1 loses its copy of step 5's gradient-statistics reduction (mainstayd
+        --inject-fault): nobody can decide the step, both daemons give it up and answer ABORTED.
+        Both ranks' step() push the same gradients again with no exception, and the run tracks
+        the AdamW reference as an undisturbed one does."""
+        cluster = Cluster(flags_of_daemon={1: ["--inject-fault", "lose-reduction:5:stats"]})
+        try:
+            run = tempfile.mkdtemp(prefix="char_lm.", dir=cluster.dir)
+            procs = [subprocess.Popen([PYTHON, CHAR_LM, "--coordinator", cluster.address, "--rank", str(r),
+                                       "--world", "2", "--job-file", os.path.join(run, "job.json"), "--steps", "12",
+                                       "--reference", "--recipe", "bf16_mixed"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for r in range(2)]
+            outs = [p.communicate(timeout=300)[0] for p in procs]
+            for r, (p, out) in enumerate(zip(procs, outs)):
+                self.assertEqual(p.returncode, 0, "rank %d failed:\n%s\n%s" % (r, out, cluster.logs()))
+            # The rank whose daemon gave up at once retries; the other's daemon may still be
+            # waiting in the rebuilt peer group when the retry arrives, and then commits without
+            # an ABORTED at all.
+            self.assertTrue(any("step 5 of job" in out and "pushing it again (attempt 2)" in out for out in outs),
+                            "\n".join(outs) + cluster.logs())
+            rows = re.findall(r"step +(\d+)  loss ([\d.]+)  reference ([\d.]+)", outs[0])
+            self.assertEqual([int(r[0]) for r in rows], list(range(12)), outs[0])
+            worst = max(abs(float(m) - float(r)) / float(r) for _, m, r in rows)
+            self.assertLess(worst, LOSS_RTOL, outs[0])
+            self.assertIn("version 12", outs[0])
+        finally:
+            cluster.stop()
 
 
 class ClusterTest(unittest.TestCase):
