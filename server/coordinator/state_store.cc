@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -150,12 +151,21 @@ class FileStateStore : public StateStore {
       const bool valid = fits && header[2] == Crc32(wal.data() + offset + kHeader, header[1]) &&
                          batch.ParseFromArray(wal.data() + offset + kHeader, static_cast<int>(header[1]));
       if (!valid) {
-        // A torn append ends the file: its header or payload is cut short, or its payload is
-        // the last bytes of the file. Anything else is corruption of committed data.
-        const bool at_end = !fits || offset + kHeader + header[1] == wal.size();
-        if (!at_end) {
-          return absl::DataLossError(absl::StrCat(wal_path_, ": corrupt record at byte ", offset,
-                                                  " followed by more data; refusing to guess the state"));
+        // Only an append cut short by a crash is a torn tail (never acknowledged: appends are
+        // fdatasync'ed before they are answered): the final record's header or payload runs
+        // past the end of the file, or the file was extended with zeros that were never
+        // written. Anything else (a bad magic, length or checksum of a complete record) is
+        // corruption of acknowledged data: refuse to start rather than drop it silently.
+        const bool short_header = !header_ok;
+        const bool short_payload = header_ok && header[0] == kWalMagic && header[1] <= kMaxFrame && !fits;
+        const bool zero_tail = std::all_of(wal.begin() + static_cast<std::ptrdiff_t>(offset), wal.end(),
+                                           [](char c) { return c == 0; });
+        if (!short_header && !short_payload && !zero_tail) {
+          return absl::DataLossError(absl::StrCat(
+              wal_path_, ": corrupt record at byte ", offset, " of ", wal.size(), " (",
+              header[0] != kWalMagic ? "bad magic" : header[1] > kMaxFrame ? "bad length" : "bad checksum",
+              "); it is not a torn final append, so the coordinator refuses to start rather than lose "
+              "acknowledged changes (restore the state directory from a backup)"));
         }
         torn_tail_at_ = static_cast<int64_t>(offset);
         break;

@@ -159,8 +159,11 @@ class FakeDaemon final : public v1::Shard::CallbackService {
     return response;
   }
 
-  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(CoordinatorStub& coordinator) {
+  // `jobs`: the progress the heartbeat reports (the jobs this daemon holds).
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(CoordinatorStub& coordinator,
+                                                  const std::vector<v1::JobProgress>& jobs = {}) {
     v1::HeartbeatRequest request;
+    for (const v1::JobProgress& p : jobs) *request.add_jobs() = p;
     request.set_daemon_id(id_);
     request.set_lease_id(lease_);
     return Rpc(coordinator, &CoordinatorStub::Heartbeat, request);
@@ -697,13 +700,24 @@ TEST_F(CoordinatorTest, WatchPlacementStreamsTheNewEpochAfterDrainDaemon) {
   for (const v1::ShardPlacement& p : moved->shards()) EXPECT_NE(p.daemon_id(), drained);
   EXPECT_THAT(watch.epochs(), ElementsAre(1, 2));
 
-  // The target copies the state from the drained daemon, which drops its shards.
+  // The target copies the state from the drained daemon, which drops its shards once the
+  // target reports the job loaded at epoch 2.
   EXPECT_TRUE(by_id[target]->WaitFor([&](const FakeDaemon::Received& r) {
     for (const v1::AssignShardRequest& a : r.assigns) {
       if (a.placement_epoch() == 2 && a.has_from_peer() && a.from_peer().daemon().daemon_id() == drained) return true;
     }
     return false;
   }));
+  v1::JobProgress loaded;
+  loaded.set_job_id(job.job_id());
+  loaded.set_placement_epoch(2);
+  loaded.set_loading(true);
+  ASSERT_THAT(by_id[target]->Heartbeat(stub(), {loaded}).status(), IsOk());
+  EXPECT_FALSE(by_id[drained]->WaitFor(
+      [&](const FakeDaemon::Received& r) { return !r.drops.empty(); }, absl::Milliseconds(300)))
+      << "the drained daemon keeps its copy while the target loads it";
+  loaded.set_loading(false);
+  ASSERT_THAT(by_id[target]->Heartbeat(stub(), {loaded}).status(), IsOk());
   EXPECT_TRUE(by_id[drained]->WaitFor([&](const FakeDaemon::Received& r) {
     return !r.drops.empty() && r.drops.back().placement_epoch() == 2;
   }));

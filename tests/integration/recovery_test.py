@@ -247,9 +247,9 @@ class RecoveryTest(unittest.TestCase):
     def tearDown(self):
         self.cluster.stop()
 
-    def run_reference(self):
+    def run_reference(self, *extra):
         """The same spec, uninterrupted, on the same cluster: its final weights."""
-        ps = [self.cluster.trainer(r, "reference") for r in range(D)]
+        ps = [self.cluster.trainer(r, "reference", *extra) for r in range(D)]
         for p in ps:
             self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
         return final_of(self.cluster.log("reference.rank0"))
@@ -369,6 +369,62 @@ class RecoveryTest(unittest.TestCase):
         self.cluster.stop()
         self.cluster = Cluster()  # an uninterrupted run, without the fault
         self.assertEqual(final, self.run_reference())
+
+    def owner_of(self, job_id, rank):
+        r = self.cluster.ctl("placement", "--job", job_id, "--json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        for s in json.loads(r.stdout)["placement"]["shards"]:
+            if s["shard"].get("shard", 0) == rank:
+                return s["daemon_id"]
+        raise AssertionError("rank %d not in %s" % (rank, r.stdout))
+
+    def test_a_drain_and_a_move_under_load_keep_every_step(self):
+        # Three daemons, ranks on two of them. While the trainers run, the daemon of rank 1 is
+        # drained (its rank moves, state and all, to the spare daemon), then rank 1 is moved back
+        # with `shards move`. Nothing rewinds; the run ends with an uninterrupted run's bytes.
+        self.cluster.stop()
+        self.cluster = Cluster(daemons=3)
+        ps = [self.cluster.trainer(r, "run", "--steps", "24", "--step-sleep", "0.05") for r in range(D)]
+        self.wait_step("run", 0, 3)
+        job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
+        first = self.owner_of(job, 1)
+        r = self.cluster.ctl("daemons", "drain", first, "--yes")
+        self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
+        second = self.owner_of(job, 1)
+        self.assertNotEqual(second, first)
+        wait_for(lambda: "dropping it on " + first in self.cluster.log("coordinator"), "the drain's move to finish", 60)
+        self.wait_step("run", 0, 12)
+        r = self.cluster.ctl("daemons", "cordon", first, "--undo", "--yes")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = self.cluster.ctl("shards", "move", "--job", job, "--rank", "1", "--to", first, "--yes")
+        self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
+        self.assertIn("moves from " + second + " to " + first, r.stdout)
+        for p in ps:
+            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+        self.assertEqual(self.owner_of(job, 1), first)
+        log = self.cluster.log("run.rank")
+        self.assertNotIn("REWOUND", log, self.cluster.logs())  # nothing was lost: no rewind
+        self.assertNotIn("restoring from checkpoint", self.cluster.log("coordinator"))
+        final = final_of(self.cluster.log("run.rank0"))
+        self.cluster.stop()
+        self.cluster = Cluster()
+        self.assertEqual(final, self.run_reference("--steps", "24"))
+
+    def test_draining_the_last_daemon_of_a_job_is_refused_and_drops_nothing(self):
+        ps = [self.cluster.trainer(r, "run", "--steps", "6") for r in range(D)]
+        for p in ps:
+            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+        r = self.cluster.ctl("daemons", "list", "--json")
+        ids = [d["endpoint"]["daemon_id"] for d in json.loads(r.stdout)["daemons"]]
+        self.assertEqual(self.cluster.ctl("daemons", "drain", ids[0], "--yes").returncode, 0)
+        r = self.cluster.ctl("daemons", "drain", ids[1], "--yes")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("nothing was moved", r.stderr)
+        # The job still serves its last version from the daemon that holds it.
+        job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))
+        client = mainstay.Client(self.cluster.address, job_id=job["job_id"], job_token=job["job_token"], rank=0,
+                                 timeout_s=60)
+        self.assertEqual(client.pull_bucket(client.layout.buckets[0]["index"], mainstay.Client.LATEST).version, 6)
 
     def test_a_restarted_coordinator_leaves_the_data_plane_running(self):
         ps = [self.cluster.trainer(r, "run") for r in range(D)]

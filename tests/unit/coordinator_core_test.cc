@@ -619,6 +619,49 @@ v1::StateBatch KvBatch(int64_t seq, const std::string& key) {
   return b;
 }
 
+// Only a final append cut short is a torn tail; a complete record that is corrupt is refused
+// with DATA_LOSS naming the file and offset, wherever it is, rather than silently cut off.
+TEST_F(FileStoreTest, OnlyAShortFinalRecordIsATornTail) {
+  const auto wal = dir_ / "wal";
+  auto write_three = [&] {
+    std::filesystem::remove(wal);
+    std::filesystem::remove(dir_ / "snapshot");
+    auto store = OpenFileStateStore(dir_);
+    ASSERT_THAT((*store)->Load(), IsOk());
+    for (int i = 1; i <= 3; ++i) ASSERT_THAT((*store)->Append(KvBatch(i, std::to_string(i))), IsOk());
+  };
+  auto corrupt = [&](std::streamoff at, char byte) {
+    std::fstream f(wal, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(at);
+    f.put(byte);
+  };
+  auto load = [&] { return (*OpenFileStateStore(dir_))->Load(); };
+  write_three();
+  const auto size = static_cast<std::streamoff>(std::filesystem::file_size(wal));
+  const std::streamoff record = size / 3;  // the three batches have the same size
+  // A bad magic in the second record (the old reader took it for a torn tail and dropped 2 and 3).
+  corrupt(record, 'X');
+  EXPECT_THAT(load(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr(absl::StrCat("byte ", record, " of"))));
+  EXPECT_THAT(load(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("bad magic")));
+  // An absurd length in the second record's header.
+  write_three();
+  corrupt(record + 7, '\x7f');
+  EXPECT_THAT(load(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("bad length")));
+  // A complete final record with a bad checksum was acknowledged: refused too.
+  write_three();
+  corrupt(size - 1, '\x55');
+  EXPECT_THAT(load(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr(absl::StrCat("byte ", 2 * record))));
+  // The file extended with zeros that were never written (a crash after the size grew): cut.
+  write_three();
+  {
+    std::ofstream f(wal, std::ios::app | std::ios::binary);
+    f << std::string(64, '\0');
+  }
+  auto state = load();
+  ASSERT_THAT(state, IsOk());
+  EXPECT_EQ(state->sequence(), 3);
+}
+
 TEST_F(FileStoreTest, ReplaysLogOntoSnapshot) {
   {
     auto store = OpenFileStateStore(dir_);
