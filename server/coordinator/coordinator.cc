@@ -26,7 +26,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Coordinat
   MAINSTAY_ASSIGN_OR_RETURN(v1::CoordinatorState loaded, options.store->Load());
   absl::MutexLock lock(&impl->mu);
   impl->state = State::FromProto(loaded);
-  const int64_t now = impl->Now();
+  const int64_t now = impl->Mono();
   for (const auto& [id, d] : impl->state.daemons) {
     if (d.state() != v1::DAEMON_STATE_DOWN) impl->leases[id] = {"", options.default_lease_ttl_ms, now + options.default_lease_ttl_ms, 0, {}};
   }
@@ -101,7 +101,7 @@ absl::StatusOr<v1::RegisterDaemonResponse> Coordinator::RegisterDaemon(const v1:
   s.AddJobHealth(batch);
   MAINSTAY_RETURN_IF_ERROR(s.Commit(batch, counters));
   Impl::Lease& lease = s.leases[id];
-  lease = {RandomHex(16), ttl, now + ttl, 0, {}};
+  lease = {RandomHex(16), ttl, s.Mono() + ttl, 0, {}};
   Log(LogLevel::kInfo, "coordinator", absl::StrCat("daemon ", id, " registered at ", request.address(), " (node ",
                                                    e->node_name(), ", lease ", ttl, " ms)"));
   v1::RegisterDaemonResponse response;
@@ -116,6 +116,11 @@ absl::StatusOr<v1::RegisterDaemonResponse> Coordinator::RegisterDaemon(const v1:
 absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::HeartbeatRequest& request) {
   Impl& s = *impl_;
   absl::MutexLock lock(&s.mu);
+  // Renew first: a heartbeat that waited for the lock must not see its own lease expire in the
+  // tick below.
+  if (auto l = s.leases.find(request.daemon_id()); l != s.leases.end() && l->second.id == request.lease_id()) {
+    l->second.expires_ms = s.Mono() + l->second.ttl_ms;
+  }
   s.TickLocked();
   auto d = s.state.daemons.find(request.daemon_id());
   auto l = s.leases.find(request.daemon_id());
@@ -124,7 +129,6 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     return absl::NotFoundError(absl::StrCat("no live lease ", request.lease_id(), " for daemon '", request.daemon_id(),
                                             "': register again"));
   }
-  l->second.expires_ms = s.Now() + l->second.ttl_ms;
   l->second.used_bytes = request.used_bytes();
   l->second.connections.assign(request.connections().begin(), request.connections().end());
   for (const v1::JobProgress& p : request.jobs()) {

@@ -69,7 +69,7 @@ struct Coordinator::Impl {
   struct Lease {
     std::string id;
     int64_t ttl_ms = 0;
-    int64_t expires_ms = 0;
+    int64_t expires_ms = 0;  // monotonic (Mono())
     int64_t used_bytes = 0;
     std::vector<v1::DataConnection> connections;  // as of the latest heartbeat
   };
@@ -150,16 +150,23 @@ struct Coordinator::Impl {
   std::map<std::string, std::pair<int64_t, int64_t>> policy_last ABSL_GUARDED_BY(mu);
 
   int64_t Now() const { return options.clock->NowUnixMs(); }
+  // Leases run on this: a wall-clock step must not expire (or extend) them.
+  int64_t Mono() const { return options.clock->MonotonicMs(); }
 
   // Writes ahead, then applies. Nothing changes when the store fails.
   absl::Status Commit(Batch& batch, const v1::StateCounters& counters) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     batch.proto.set_sequence(state.sequence + 1);
     *batch.proto.mutable_counters() = counters;
-    MAINSTAY_RETURN_IF_ERROR(options.store->Append(batch.proto));
+    const int64_t before = Mono();
+    absl::Status appended = options.store->Append(batch.proto);
+    ExtendLeasesAfterStall(Mono() - before, "a state store write");
+    MAINSTAY_RETURN_IF_ERROR(appended);
     state.Apply(batch.proto);
     changed.SignalAll();
     if (++batches_since_snapshot >= options.snapshot_every_batches) {
+      const int64_t snapshot_start = Mono();
       absl::Status s = options.store->WriteSnapshot(state.ToProto());
+      ExtendLeasesAfterStall(Mono() - snapshot_start, "a state snapshot");
       if (s.ok()) {
         batches_since_snapshot = 0;
       } else {
@@ -170,11 +177,23 @@ struct Coordinator::Impl {
   }
   absl::Status Commit(Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return Commit(batch, state.counters); }
 
+  // The store's writes run under the coordinator's lock, so no heartbeat could renew a lease
+  // while one was stuck (a slow disk's fdatasync): a stall longer than a heartbeat's worth is
+  // added to every lease, rather than declaring live daemons DOWN for the coordinator's own delay.
+  void ExtendLeasesAfterStall(int64_t stalled_ms, const char* what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (stalled_ms < kStallMs) return;
+    for (auto& [id, lease] : leases) lease.expires_ms += stalled_ms;
+    Log(LogLevel::kWarning, "coordinator",
+        absl::StrCat(what, " took ", stalled_ms, " ms while holding the coordinator's lock: every lease extended by as "
+                     "much (a slow disk under --state-dir?)"));
+  }
+  static constexpr int64_t kStallMs = 500;
+
   v1::DaemonInfo Decorated(const v1::DaemonInfo& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     v1::DaemonInfo out = d;
     auto it = leases.find(d.endpoint().daemon_id());
     if (it != leases.end()) {
-      out.set_lease_expires_unix_ms(it->second.expires_ms);
+      out.set_lease_expires_unix_ms(Now() + (it->second.expires_ms - Mono()));  // shown in wall time
       out.set_used_bytes(it->second.used_bytes);
       for (const v1::DataConnection& c : it->second.connections) *out.add_connections() = c;
     }
@@ -226,11 +245,12 @@ struct Coordinator::Impl {
 
   void TickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     const int64_t now = Now();
+    const int64_t mono = Mono();
     Batch batch;
     for (const auto& [id, d] : state.daemons) {
       if (d.state() == v1::DAEMON_STATE_DOWN) continue;
       auto it = leases.find(id);
-      if (it != leases.end() && it->second.expires_ms > now) continue;
+      if (it != leases.end() && it->second.expires_ms > mono) continue;
       v1::DaemonInfo down = d;
       down.set_state(v1::DAEMON_STATE_DOWN);
       batch.PutDaemon(down);

@@ -162,6 +162,60 @@ TEST_F(CoordinatorCoreTest, LeaseExpiryMarksDaemonDownAndJobDegraded) {
   EXPECT_EQ(coordinator_->ListJobs({}).jobs(0).state(), v1::JOB_STATE_READY);
 }
 
+// A store whose writes can be made to take `stall_ms` of (fake) time, like an fdatasync on a
+// slow disk.
+class StallingStore : public StateStore {
+ public:
+  StallingStore(std::unique_ptr<StateStore> inner, FakeClock* clock) : inner_(std::move(inner)), clock_(clock) {}
+  absl::StatusOr<v1::CoordinatorState> Load() override { return inner_->Load(); }
+  absl::Status Append(const v1::StateBatch& batch) override {
+    clock_->Advance(stall_ms);
+    return inner_->Append(batch);
+  }
+  absl::Status WriteSnapshot(const v1::CoordinatorState& state) override { return inner_->WriteSnapshot(state); }
+  int64_t stall_ms = 0;
+
+ private:
+  std::unique_ptr<StateStore> inner_;
+  FakeClock* clock_;
+};
+
+TEST_F(CoordinatorCoreTest, AStallInTheStoresSyncDoesNotMarkLiveDaemonsDown) {
+  auto stalling = std::make_unique<StallingStore>(NewMemoryStateStore(), &clock_);
+  StallingStore* store = stalling.get();
+  Restart(std::move(stalling));
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  // A write that takes 10 s (leases are 1 s): nobody could heartbeat meanwhile.
+  store->stall_ms = 10'000;
+  ASSERT_THAT(Create(SmallSpec("j", 2)), IsOk());
+  store->stall_ms = 0;
+  coordinator_->Tick();
+  for (const auto* d : {&a, &b}) {
+    v1::HeartbeatRequest hb;
+    hb.set_daemon_id(d->daemon_id());
+    hb.set_lease_id(d->lease_id());
+    EXPECT_THAT(coordinator_->Heartbeat(hb), IsOk()) << d->daemon_id();
+  }
+  for (const auto& [id, d] : Daemons()) EXPECT_EQ(d.state(), v1::DAEMON_STATE_READY) << id;
+  EXPECT_EQ(coordinator_->ListJobs({}).jobs(0).state(), v1::JOB_STATE_READY);
+  // Real silence still expires a lease.
+  clock_.Advance(1100);
+  coordinator_->Tick();
+  EXPECT_EQ(Daemons()[a.daemon_id()].state(), v1::DAEMON_STATE_DOWN);
+}
+
+TEST_F(CoordinatorCoreTest, AWallClockJumpDoesNotExpireLeases) {
+  auto a = Register("n1", kGiB);
+  clock_.JumpWall(3'600'000);  // NTP steps the clock an hour ahead
+  coordinator_->Tick();
+  EXPECT_EQ(Daemons()[a.daemon_id()].state(), v1::DAEMON_STATE_READY);
+  clock_.JumpWall(-7'200'000);  // and back
+  clock_.Advance(1100);  // while a real 1.1 s of silence does
+  coordinator_->Tick();
+  EXPECT_EQ(Daemons()[a.daemon_id()].state(), v1::DAEMON_STATE_DOWN);
+}
+
 TEST_F(CoordinatorCoreTest, CreateJobPlacesRanksAndAssignsShards) {
   auto a = Register("n1", kGiB);
   auto b = Register("n2", kGiB);
