@@ -13,6 +13,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace mainstay::checkpoint {
 namespace {
@@ -96,9 +97,18 @@ class PosixCheckpointFs : public CheckpointFs {
     return std::unique_ptr<AtomicWriter>(new PosixWriter(path, fd));
   }
   absl::Status CreateDirs(const std::string& path) override {
+    // The directories made here are fsynced into their parents: a checkpoint whose manifest
+    // was committed must not vanish with its directory's entry in a crash, after retention
+    // deleted the older ones.
+    std::vector<std::string> made;
+    for (std::filesystem::path p(path); !p.empty() && !std::filesystem::exists(p); p = p.parent_path()) {
+      made.push_back(p.string());
+      if (p == p.parent_path()) break;
+    }
     std::error_code ec;
     std::filesystem::create_directories(path, ec);
     if (ec) return Errno("create directory", path, ec.value());
+    for (const std::string& dir : made) MAINSTAY_RETURN_IF_ERROR(SyncDir(Parent(dir)));
     return absl::OkStatus();
   }
   absl::StatusOr<int64_t> FileSize(const std::string& path) override {

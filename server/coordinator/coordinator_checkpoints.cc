@@ -455,28 +455,35 @@ void Coordinator::Impl::RecoverJobs() {
     if (!options.restore_on_daemon_loss || options.checkpoint_dir.empty() || stopping) return;
   }
   for (const std::string& job_id : jobs) {
-    std::vector<v1::CheckpointInfo> checkpoints = ScanCheckpoints(job_id);
-    auto newest = std::find_if(checkpoints.begin(), checkpoints.end(), [](const v1::CheckpointInfo& c) {
-      return c.state() == v1::CHECKPOINT_STATE_COMMITTED;
-    });
-    if (newest == checkpoints.end()) {
-      Log(LogLevel::kWarning, "coordinator",
-          absl::StrCat("job ", job_id, " lost a daemon and has no committed checkpoint: it stays DEGRADED"));
-      continue;
-    }
-    const std::string dir = checkpoint::JoinPath(options.checkpoint_dir, newest->checkpoint_id());
-    absl::StatusOr<v1::CheckpointManifest> manifest = checkpoint::ReadManifest(Fs(), dir);
-    absl::Status status = manifest.status();
-    if (status.ok()) {
+    // Newest first; a checkpoint whose manifest or data files do not verify (a torn copy, a
+    // damaged disk) is passed over for the next older one rather than restored, or trusted.
+    absl::Status status = absl::NotFoundError("no committed checkpoint");
+    for (const v1::CheckpointInfo& c : ScanCheckpoints(job_id)) {
+      if (c.state() != v1::CHECKPOINT_STATE_COMMITTED) continue;
+      const std::string dir = checkpoint::JoinPath(options.checkpoint_dir, c.checkpoint_id());
+      absl::StatusOr<v1::CheckpointManifest> manifest = checkpoint::ReadManifest(Fs(), dir);
+      status = manifest.status();
+      if (status.ok()) status = checkpoint::VerifyDataFiles(Fs(), dir, *manifest).status();
+      if (!status.ok()) {
+        Log(LogLevel::kError, "coordinator",
+            absl::StrCat("job ", job_id, " lost a daemon; its checkpoint ", c.checkpoint_id(),
+                         " does not verify (", status.ToString(), "): trying the next older one"));
+        continue;
+      }
       absl::MutexLock lock(&mu);
       const v1::StoredJob* job = FindJob(job_id);
-      if (job == nullptr) continue;
+      if (job == nullptr) break;
       status = RestoreLocked(*job, *manifest, dir).status();
+      if (!status.ok()) {
+        Log(LogLevel::kError, "coordinator",
+            absl::StrCat("job ", job_id, " lost a daemon; restoring it from checkpoint ", c.checkpoint_id(),
+                         " failed: ", status.ToString()));
+      }
+      break;
     }
-    if (!status.ok()) {
-      Log(LogLevel::kError, "coordinator",
-          absl::StrCat("job ", job_id, " lost a daemon; restoring it from checkpoint ", newest->checkpoint_id(),
-                       " failed: ", status.ToString()));
+    if (absl::IsNotFound(status)) {
+      Log(LogLevel::kWarning, "coordinator",
+          absl::StrCat("job ", job_id, " lost a daemon and has no committed checkpoint that verifies: it stays DEGRADED"));
     }
   }
 }

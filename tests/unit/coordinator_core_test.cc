@@ -12,6 +12,8 @@
 #include "common/job_spec_proto.h"
 #include "server/coordinator/coordinator.h"
 #include "server/coordinator/placement.h"
+#include "server/checkpoint/checkpoint_files.h"
+#include "server/checkpoint/checkpoint_fs.h"
 #include "tests/testing/status_matchers.h"
 
 namespace mainstay::coordinator {
@@ -47,6 +49,8 @@ class CoordinatorCoreTest : public ::testing::Test {
     options.clock = &clock_;
     options.store = store_.get();
     options.assigner = &assigner_;
+    options.fs = &fs_;
+    options.checkpoint_dir = checkpoint_dir_;
     options.default_lease_ttl_ms = 1000;
     options.snapshot_every_batches = 4;  // exercise compaction
     auto c = Coordinator::Create(options);
@@ -88,6 +92,8 @@ class CoordinatorCoreTest : public ::testing::Test {
   }
 
   FakeClock clock_;
+  checkpoint::MemFs fs_;
+  std::string checkpoint_dir_;  // "" : checkpoints off (set before Restart)
   RecordingShardAssigner assigner_;
   std::unique_ptr<StateStore> store_;
   std::unique_ptr<Coordinator> coordinator_;
@@ -600,6 +606,51 @@ TEST_F(CoordinatorCoreTest, MoveShardMovesOneRankStateAndAllAndRefusesBadMoves) 
   move.mutable_shard()->set_shard(0);
   move.set_to_daemon_id("daemon-99");
   EXPECT_THAT(coordinator_->MoveShard(move), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("READY")));
+}
+
+// Recovery from a lost daemon: the newest checkpoint that verifies, not merely the newest.
+TEST_F(CoordinatorCoreTest, RecoverySkipsACheckpointWhoseFilesDoNotVerify) {
+  checkpoint_dir_ = "/ckpt";
+  Restart(NewMemoryStateStore());
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto created = Create(SmallSpec("j", 2, {"n1", "n2"}));
+  ASSERT_THAT(created, IsOk());
+  const std::vector<float> master(8, 1.0f);
+  const std::vector<uint8_t> moments(32, 0);
+  for (int i = 1; i <= 2; ++i) {  // ckpt-1 (older), ckpt-2 (newer)
+    const std::string dir = absl::StrCat("/ckpt/ckpt-", i);
+    ASSERT_THAT(fs_.CreateDirs(dir), IsOk());
+    absl::StatusOr<v1::CheckpointFile> file =
+        checkpoint::WriteDataFile(fs_, dir, 0, 0, {{"layers.0.fc1.bias", 0, 8, master, moments, moments}});
+    ASSERT_THAT(file.status(), IsOk());
+    v1::CheckpointManifest m;
+    m.set_checkpoint_id(absl::StrCat("ckpt-", i));
+    m.set_job_id(created->job_id());
+    m.set_version(10 * i);
+    m.set_committed_step(10 * i - 1);
+    m.set_created_unix_ms(clock_.NowUnixMs() + i);
+    *m.add_files() = *file;
+    ASSERT_THAT(checkpoint::WriteManifest(fs_, dir, m), IsOk());
+  }
+  fs_.Corrupt(checkpoint::JoinPath("/ckpt/ckpt-2", fs_.ListDir("/ckpt/ckpt-2")->front()), 40);
+  // b goes silent: DOWN, and the job is restored from ckpt-1 (ckpt-2's data does not verify).
+  v1::HeartbeatRequest hb;
+  hb.set_daemon_id(a.daemon_id());
+  hb.set_lease_id(a.lease_id());
+  clock_.Advance(900);
+  ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  clock_.Advance(200);
+  const size_t before = assigner_.calls().size();
+  coordinator_->Tick();
+  std::set<std::string> restored_from;
+  const auto calls = assigner_.calls();
+  for (size_t i = before; i < calls.size(); ++i) {
+    if (calls[i].assign && calls[i].assign_request.has_from_checkpoint()) {
+      restored_from.insert(calls[i].assign_request.from_checkpoint().checkpoint_id());
+    }
+  }
+  EXPECT_THAT(restored_from, ElementsAre("ckpt-1"));
 }
 
 TEST_F(CoordinatorCoreTest, KvCompareAndSetAndTtl) {
