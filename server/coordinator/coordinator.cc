@@ -5,13 +5,18 @@
 namespace mainstay::coordinator {
 Coordinator::Coordinator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Coordinator::~Coordinator() {
-  std::vector<std::thread> threads;
+  std::vector<Impl::Background> threads;
   {
     absl::MutexLock lock(&impl_->mu);
     impl_->stopping = true;
     threads.swap(impl_->checkpoint_threads);
   }
-  for (std::thread& t : threads) t.join();  // background checkpoints end at their daemons' answers
+  for (Impl::Background& b : threads) b.thread.join();  // background checkpoints end at their daemons' answers
+}
+
+size_t Coordinator::background_threads_for_testing() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->checkpoint_threads.size();
 }
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const CoordinatorOptions& options) {

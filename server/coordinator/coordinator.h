@@ -84,6 +84,9 @@ class Coordinator {
   // Moves one rank of a job (every bucket's shard of it) to a READY daemon, the same way.
   absl::StatusOr<v1::MoveShardResponse> MoveShard(const v1::MoveShardRequest& request);
 
+  // Background checkpoint threads not yet joined (tests: finished ones are reaped).
+  size_t background_threads_for_testing() const;
+
   // ---- Jobs. INVALID_ARGUMENT (naming the spec field) for a bad spec, ALREADY_EXISTS for a
   // duplicate name, RESOURCE_EXHAUSTED (with the numbers) when the daemons cannot hold it.
   absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& request);

@@ -221,7 +221,7 @@ absl::StatusOr<v1::CreateCheckpointResponse> Coordinator::CreateCheckpoint(const
     s.TickLocked();
     MAINSTAY_ASSIGN_OR_RETURN(std::tie(info, step), s.BeginCheckpointLocked(request.job_id(), /*periodic=*/false));
     if (!request.wait()) {
-      s.checkpoint_threads.emplace_back([&s, info, step] {
+      s.StartBackgroundLocked([&s, info, step] {
         s.EndCheckpoint(s.RunCheckpoint(info, step, absl::Now() + kBackgroundDeadline));
       });
       v1::CreateCheckpointResponse response;
@@ -268,7 +268,7 @@ void Coordinator::Impl::RunCheckpointPolicy() {
     last->second = {step, now};
     Log(LogLevel::kInfo, "coordinator",
         absl::StrCat("checkpoint policy: job ", job_id, " at step ", step, " -> ", begun->first.checkpoint_id()));
-    checkpoint_threads.emplace_back([this, info = begun->first, at = begun->second] {
+    StartBackgroundLocked([this, info = begun->first, at = begun->second] {
       EndCheckpoint(RunCheckpoint(info, at, absl::Now() + kBackgroundDeadline));
     });
   }

@@ -6,7 +6,9 @@
 #include <openssl/rand.h>
 #include <openssl/sha.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -102,7 +104,29 @@ struct Coordinator::Impl {
   // Checkpoints being written (memory only: one whose coordinator died has no manifest and
   // lists as FAILED), and the threads writing those created without `wait`.
   std::map<std::string, v1::CheckpointInfo> checkpoints_in_flight ABSL_GUARDED_BY(mu);
-  std::vector<std::thread> checkpoint_threads ABSL_GUARDED_BY(mu);
+  struct Background {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Background> checkpoint_threads ABSL_GUARDED_BY(mu);
+  // Runs `work` on a thread of its own (a background checkpoint), after joining the ones that
+  // have finished: a long-lived coordinator keeps only the threads still writing.
+  void StartBackgroundLocked(std::function<void()> work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (auto it = checkpoint_threads.begin(); it != checkpoint_threads.end();) {
+      if (it->done->load()) {
+        it->thread.join();  // it has returned from `work`; it takes no lock on its way out
+        it = checkpoint_threads.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    checkpoint_threads.push_back({std::thread([work = std::move(work), done] {
+                                    work();
+                                    done->store(true);
+                                  }),
+                                  done});
+  }
   bool stopping ABSL_GUARDED_BY(mu) = false;
   // Jobs that lost a daemon and wait to be restored from their latest checkpoint.
   std::set<std::string> jobs_to_recover ABSL_GUARDED_BY(mu);

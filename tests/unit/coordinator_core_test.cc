@@ -653,6 +653,23 @@ TEST_F(CoordinatorCoreTest, RecoverySkipsACheckpointWhoseFilesDoNotVerify) {
   EXPECT_THAT(restored_from, ElementsAre("ckpt-1"));
 }
 
+TEST_F(CoordinatorCoreTest, FinishedBackgroundCheckpointThreadsAreReaped) {
+  checkpoint_dir_ = "/ckpt";
+  Restart(NewMemoryStateStore());
+  Register("n1", kGiB);
+  auto created = Create(SmallSpec("j", 1));
+  ASSERT_THAT(created, IsOk());
+  v1::CreateCheckpointRequest request;
+  request.set_job_id(created->job_id());
+  request.set_wait(false);
+  for (int i = 0; i < 200; ++i) {
+    // Each fails at once (the recording assigner writes nothing) and its thread ends.
+    ASSERT_THAT(coordinator_->CreateCheckpoint(request, absl::Now() + absl::Seconds(5)), IsOk());
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_LE(coordinator_->background_threads_for_testing(), 10u) << "the 200 finished threads were all kept";
+}
+
 TEST_F(CoordinatorCoreTest, KvCompareAndSetAndTtl) {
   v1::KvPutRequest put;
   put.set_key("jobs/j/nccl");
