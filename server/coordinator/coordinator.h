@@ -59,6 +59,12 @@ struct CoordinatorOptions {
   // long as it lives. A daemon that no longer holds a started job lost its state: the job is
   // DEGRADED and recovered as if the daemon had died.
   int64_t reconcile_after_ms = 3000;
+  // Bounds on one job (CreateJob answers INVALID_ARGUMENT naming the bound), checked before the
+  // layout is computed: a small spec must not make the coordinator build gigabytes.
+  int64_t max_job_tensors = 100'000;
+  int64_t max_data_parallel_size = 65'536;
+  int64_t max_job_shards = 1'000'000;              // (bucket, shard) pairs: buckets x D
+  int64_t max_placement_bytes = int64_t{256} << 20;  // the serialized placement every daemon gets
 };
 
 class Coordinator {

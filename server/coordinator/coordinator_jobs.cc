@@ -5,9 +5,50 @@
 
 namespace mainstay::coordinator {
 
+namespace {
+
+constexpr int64_t kFormats = 9;  // Format's values: one buffer (and so one partial bucket) each
+
+// The job's size against the coordinator's bounds, from the spec alone (before its layout, the
+// expensive part, is computed). Under the flat and whole-tensor policies a bucket holds at least
+// one whole tensor and closes once it reaches bucket_numel, so buckets <= min(tensors,
+// elements / bucket_numel + formats).
+absl::Status CheckJobSize(const JobSpec& spec, const CoordinatorOptions& o) {
+  const int64_t tensors = static_cast<int64_t>(spec.tensors.size());
+  if (tensors > o.max_job_tensors) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.tensors: ", tensors, " tensors; this coordinator takes at most ",
+                                                   o.max_job_tensors, " per job"));
+  }
+  if (spec.data_parallel_size > o.max_data_parallel_size) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.data_parallel_size: ", spec.data_parallel_size,
+                                                   "; this coordinator takes at most ", o.max_data_parallel_size));
+  }
+  int64_t elements = 0;
+  for (const TensorSpec& t : spec.tensors) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) {
+      if (d <= 0) break;  // ResolveJob names the bad dimension
+      n = n > (int64_t{1} << 50) / d ? int64_t{1} << 50 : n * d;
+    }
+    elements = std::min<int64_t>(elements + n, int64_t{1} << 52);
+  }
+  const int64_t bucket_numel = spec.bucket_numel > 0 ? spec.bucket_numel : DefaultBucketNumel(spec.data_parallel_size);
+  const int64_t buckets = std::min(tensors, elements / std::max<int64_t>(bucket_numel, 1) + 1 + kFormats);
+  const int64_t d = std::max<int64_t>(spec.data_parallel_size, 1);
+  if (buckets > o.max_job_shards / d) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec: the layout could have up to ", buckets, " buckets x ", d, " shards; this coordinator takes at most ",
+        o.max_job_shards, " (bucket, shard) pairs per job: raise bucket_numel or lower data_parallel_size"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJobRequest& request) {
   absl::StatusOr<JobSpec> spec = JobSpecFromProto(request.spec());
   if (!spec.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.", spec.status().message()));
+  MAINSTAY_RETURN_IF_ERROR(CheckJobSize(*spec, impl_->options));
   absl::StatusOr<ResolvedJob> resolved = ResolveJob(*spec);
   if (!resolved.ok()) return absl::Status(resolved.status().code(), absl::StrCat("spec.", resolved.status().message()));
 
@@ -47,6 +88,11 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
   job.set_bytes_per_rank(bytes_per_rank);
   LayoutToProto(resolved->layout, job.mutable_layout());
   *job.mutable_placement() = s.MakePlacement(job_id, 1, static_cast<int>(resolved->layout.buckets.size()), owners);
+  if (const int64_t bytes = static_cast<int64_t>(job.placement().ByteSizeLong()); bytes > s.options.max_placement_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("spec: the job's placement would take ", bytes,
+                                                   " bytes; this coordinator sends at most ", s.options.max_placement_bytes,
+                                                   ": raise bucket_numel or lower data_parallel_size"));
+  }
   v1::JobInfo* info = job.mutable_info();
   info->set_job_id(job_id);
   JobSpecToProto(*spec, info->mutable_spec());

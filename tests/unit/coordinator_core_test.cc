@@ -278,6 +278,28 @@ TEST_F(CoordinatorCoreTest, BadJobsAreRejectedAndChangeNothing) {
   EXPECT_EQ(assigner_.calls().size(), calls_before);
 }
 
+TEST_F(CoordinatorCoreTest, OversizedJobsAreRefusedBeforeTheirLayoutIsBuilt) {
+  Register("n1", 1000 * kGiB);
+  // A few hundred bytes of spec asking for 200 tensors x D = 1,000,000 shards: refused by name,
+  // at once, without building the billions of fragments.
+  v1::JobSpec big = SmallSpec("big", 2);
+  big.set_data_parallel_size(1'000'000);
+  big.set_bucket_numel(1);
+  for (int i = 0; i < 200; ++i) {
+    v1::TensorSpec* t = big.add_tensors();
+    t->set_name(absl::StrCat("t", i));
+    t->add_shape(64);
+  }
+  const absl::Time start = absl::Now();
+  EXPECT_THAT(Create(big), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("data_parallel_size")));
+  big.set_data_parallel_size(8192);  // up to 203 buckets x 8192 = 1.7M pairs
+  EXPECT_THAT(Create(big), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(bucket, shard) pairs per job")));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_EQ(coordinator_->ListJobs({}).jobs_size(), 0);
+  // Within the bounds it is created.
+  EXPECT_THAT(Create(SmallSpec("small", 2)), IsOk());
+}
+
 TEST_F(CoordinatorCoreTest, AJobTokenReadsOnlyItsOwnJob) {
   Register("n1", kGiB);
   auto a = Create(SmallSpec("a", 1));
