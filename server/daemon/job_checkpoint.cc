@@ -210,6 +210,7 @@ void Job::RunRestore() {
   for (const auto& [key, state] : shards_) shards.push_back(state);
   const std::vector<std::string> members = members_;
   const int64_t epoch = epoch_;
+  executing_step_ = -1;  // the republication's reductions answer RUNNING to peers in doubt
   mu_.Unlock();
 
   const absl::Time start = absl::Now();
@@ -220,6 +221,7 @@ void Job::RunRestore() {
 
   if (!result.ok()) BreakGroup();  // a failed collective leaves the group unusable
   mu_.Lock();
+  executing_step_ = -2;
   if (!result.ok()) {
     decisions_.erase(-1);
     ++restore_attempts_;
