@@ -299,6 +299,22 @@ StepFault LoseReduction(int64_t step, int reduction) {
   return f;
 }
 
+// A two-daemon cluster with `fault` on daemon 1 (and peers asked or not), past version 0 and
+// step 0 (no fault fires before step 1), with its reference one step along.
+struct FaultedCluster {
+  explicit FaultedCluster(StepFault fault, bool ask_peers = true)
+      : cluster(MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2), 2, nullptr, {{1, fault}},
+                ask_peers),
+        ref(cluster.resolved()) {
+    cluster.PushInitial(ref);
+    cluster.PushGrads(0);
+    for (const auto& stats : cluster.Finish(0, 1e-3)) EXPECT_THAT(stats.status(), IsOk());
+    ref.Step(0, 1e-3f);
+  }
+  Cluster cluster;
+  Reference ref;
+};
+
 TEST(AgreedOutcomeTest, ADaemonThatLosesTheLastReductionLearnsTheCommitFromItsPeer) {
   const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
   Cluster cluster(spec, 2, nullptr, {{1, LoseReduction(1, 1)}});
@@ -316,13 +332,8 @@ TEST(AgreedOutcomeTest, ADaemonThatLosesTheLastReductionLearnsTheCommitFromItsPe
 }
 
 TEST(AgreedOutcomeTest, ADaemonThatLosesTheStatsReductionOfASkippedStepSkipsItToo) {
-  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
-  Cluster cluster(spec, 2, nullptr, {{1, LoseReduction(1, 0)}});
-  Reference ref(cluster.resolved());
-  cluster.PushInitial(ref);
-  cluster.PushGrads(0);
-  for (const auto& stats : cluster.Finish(0, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
-  ref.Step(0, 1e-3f);
+  FaultedCluster f(LoseReduction(1, 0));
+  Cluster& cluster = f.cluster;
   cluster.PushGrads(1, std::nanf(""));
   for (const auto& stats : cluster.Finish(1, 1e-3)) {
     ASSERT_THAT(stats.status(), IsOk());
@@ -334,40 +345,31 @@ TEST(AgreedOutcomeTest, ADaemonThatLosesTheStatsReductionOfASkippedStepSkipsItTo
     ASSERT_THAT(stats.status(), IsOk());
     EXPECT_EQ(stats->version(), 3);
   }
-  ref.Step(2, 1e-3f);
-  ExpectMatchesReference(cluster, ref, 3);
+  f.ref.Step(2, 1e-3f);
+  ExpectMatchesReference(cluster, f.ref, 3);
 }
 
 TEST(AgreedOutcomeTest, ALostStatsReductionOfAnUpdatingStepFailsItEverywhereAndTheRetryCommits) {
   // Nobody can complete the amax reduction without daemon 1, so nobody decides step 1: both
   // daemons give it up (ABORTED), and the trainers' retry meets in the next peer group.
-  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
-  Cluster cluster(spec, 2, nullptr, {{1, LoseReduction(1, 0)}});
-  Reference ref(cluster.resolved());
-  cluster.PushInitial(ref);
-  cluster.PushGrads(0);
-  for (const auto& stats : cluster.Finish(0, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
-  ref.Step(0, 1e-3f);
+  FaultedCluster f(LoseReduction(1, 0));
+  Cluster& cluster = f.cluster;
   cluster.PushGrads(1);
   for (const auto& stats : cluster.Finish(1, 1e-3)) {
     EXPECT_THAT(stats.status(), StatusIs(absl::StatusCode::kAborted, ::testing::HasSubstr("push step 1 again")));
   }
-  ExpectMatchesReference(cluster, ref, 1);  // nothing changed anywhere
+  ExpectMatchesReference(cluster, f.ref, 1);  // nothing changed anywhere
   cluster.PushGrads(1);
   for (const auto& stats : cluster.Finish(1, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
-  ref.Step(1, 1e-3f);
-  ExpectMatchesReference(cluster, ref, 2);
+  f.ref.Step(1, 1e-3f);
+  ExpectMatchesReference(cluster, f.ref, 2);
 }
 
 TEST(AgreedOutcomeTest, WithoutAskingPeersTheLostReductionSplitsTheStep) {
   // The behaviour the protocol removes, kept as a check that the fault really splits the step:
   // daemon 0 commits step 1, daemon 1 gives it up.
-  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
-  Cluster cluster(spec, 2, nullptr, {{1, LoseReduction(1, 1)}}, /*ask_peers=*/false);
-  Reference ref(cluster.resolved());
-  cluster.PushInitial(ref);
-  cluster.PushGrads(0);
-  for (const auto& stats : cluster.Finish(0, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+  FaultedCluster f(LoseReduction(1, 1), /*ask_peers=*/false);
+  Cluster& cluster = f.cluster;
   cluster.PushGrads(1);
   std::vector<absl::StatusCode> codes;
   for (const auto& stats : cluster.Finish(1, 1e-3)) codes.push_back(stats.status().code());
