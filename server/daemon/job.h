@@ -86,7 +86,8 @@ struct JobOptions {
 class Job;
 
 // One PushGrad stream, between its header and its end. Nothing is stored until Finish
-// succeeds. Not thread-safe (one stream, one caller); holds its job alive.
+// succeeds, and nothing is allocated until its payload lands (a header alone holds no memory).
+// Not thread-safe (one stream, one caller); holds its job alive.
 class PushSession {
  public:
   // Chunks come in order without gaps: `element_offset` must equal the elements received so
@@ -104,7 +105,7 @@ class PushSession {
   // there, while later bytes are still in flight.
   bool duplicate() const { return duplicate_; }
   int element_bytes() const { return elem_bytes_; }
-  std::span<uint8_t> destination() { return duplicate_ ? std::span<uint8_t>() : std::span<uint8_t>(buffer_); }
+  std::span<uint8_t> destination();
   void Landed(int64_t bytes);
   // A transport whose trainer sends the CRC-32C after the payload (the header's is then 0):
   // ExpectTrailingCrc32c before the payload lands, SetTrailingCrc32c once the trailer came
@@ -114,6 +115,9 @@ class PushSession {
 
  private:
   friend class Job;
+  // Grows the buffer to `bytes` as the payload lands (a spare buffer of an earlier step when
+  // one fits; else reserved address space whose pages are touched chunk by chunk).
+  void Reserve(int64_t bytes);
   std::shared_ptr<Job> job_;
   v1::PushGradHeader header_;
   int64_t numel_ = 0;
@@ -246,6 +250,8 @@ class Job : public std::enable_shared_from_this<Job> {
   absl::Status CheckRoute(int64_t epoch, int32_t bucket, int32_t shard) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status ApplyPlacement(const v1::AssignShardRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::PushGradResponse> StorePush(PushSession& session);
+  // An input buffer of the last committed step of exactly `bytes` (empty when none).
+  std::vector<uint8_t> TakeSpareBuffer(int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   bool Decided(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool Ready(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool ShouldWake() const ABSL_SHARED_LOCKS_REQUIRED(mu_);

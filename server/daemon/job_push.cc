@@ -127,19 +127,40 @@ absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHe
   session->duplicate_ = duplicate;
   session->track_crc_ = !duplicate && h.crc32c() != 0;
   session->expected_crc_ = h.crc32c();
-  if (!duplicate) {
-    // A buffer of an earlier step, if one fits: no allocation, no zero-fill, no page faults
-    // (every byte is overwritten: a push is stored only once all of it arrived).
-    for (auto it = spare_buffers_.begin(); it != spare_buffers_.end(); ++it) {
-      if (static_cast<int64_t>(it->size()) == expected_bytes) {
-        session->buffer_ = std::move(*it);
-        spare_buffers_.erase(it);
-        break;
-      }
-    }
-    session->buffer_.resize(static_cast<size_t>(expected_bytes));
-  }
+  // No buffer yet: a stream that sends only its header holds no memory (PushSession::Reserve).
   return session;
+}
+
+std::vector<uint8_t> Job::TakeSpareBuffer(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = spare_buffers_.begin(); it != spare_buffers_.end(); ++it) {
+    if (static_cast<int64_t>(it->size()) == bytes) {
+      std::vector<uint8_t> spare = std::move(*it);
+      spare_buffers_.erase(it);
+      return spare;
+    }
+  }
+  return {};
+}
+
+void PushSession::Reserve(int64_t bytes) {
+  if (static_cast<int64_t>(buffer_.size()) >= bytes) return;
+  const int64_t total = numel_ * elem_bytes_;
+  if (buffer_.capacity() == 0) {
+    // A buffer of an earlier step, if one fits: no allocation, no zero-fill, no page faults
+    // (every byte is overwritten: a push is stored only once all of it arrived). Otherwise
+    // address space for the whole payload, whose pages are touched only as chunks land.
+    buffer_ = job_->TakeSpareBuffer(total);
+    if (buffer_.empty()) buffer_.reserve(static_cast<size_t>(total));
+    if (static_cast<int64_t>(buffer_.size()) >= bytes) return;
+  }
+  buffer_.resize(static_cast<size_t>(bytes));
+}
+
+std::span<uint8_t> PushSession::destination() {
+  if (duplicate_) return {};
+  Reserve(numel_ * elem_bytes_);  // these transports land the whole payload at once
+  return std::span<uint8_t>(buffer_);
 }
 
 absl::Status PushSession::AddChunk(int64_t element_offset, const std::string& data) {
@@ -163,6 +184,7 @@ absl::Status PushSession::AddChunk(int64_t element_offset, const std::string& da
                                                    " overruns the shard of ", numel_, " elements"));
   }
   if (!duplicate_) {
+    Reserve((received_ + n) * elem_bytes_);
     uint8_t* at = buffer_.data() + received_ * elem_bytes_;
     std::memcpy(at, data.data(), data.size());
     if (track_crc_) crc_ = ::mainstay::Crc32cExtend(crc_, at, data.size());

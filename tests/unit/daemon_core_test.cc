@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <thread>
 #include <vector>
@@ -173,6 +174,47 @@ TEST_F(StepProtocolTest, BadPushesAreRejectedWithNothingStored) {
 }
 
 // Found by bad_input_test: the daemon took chunks over shard.proto's 4 MiB.
+int64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * 4096;
+}
+
+TEST(PushChunkTest, HeaderOnlyStreamsHoldNoShardMemory) {
+  // One bucket of 8M elements over D = 2: each rank's gradient shard is 16 MiB of FP32. 200
+  // streams that sent only their header used to hold 3.2 GB between them.
+  JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
+  spec.bucket_numel = 1 << 24;
+  spec.tensors = {{"w", {4096, 2048}}};
+  Cluster cluster(spec, 1);
+  const Bucket& b = cluster.layout().buckets[0];
+  ASSERT_GE(b.shard_numel, int64_t{1} << 22);
+  const int64_t before = ResidentBytes();
+  std::vector<std::unique_ptr<PushSession>> open;
+  for (int i = 0; i < 200; ++i) {
+    v1::PushGradHeader h;
+    h.set_job_id(kJob);
+    h.set_job_token(kToken);
+    h.set_placement_epoch(1);
+    h.set_bucket(0);
+    h.set_shard(i % 2);
+    h.set_step(-1);
+    h.set_rank(i % 2);
+    h.set_kind(v1::PUSH_KIND_INITIAL_PARAMS);
+    h.set_dtype(v1::ELEMENT_TYPE_FP32);
+    h.set_total_bytes(b.shard_numel * 4);
+    absl::StatusOr<std::unique_ptr<PushSession>> session = cluster.daemon(0).BeginPush(h);
+    ASSERT_THAT(session.status(), IsOk());
+    open.push_back(*std::move(session));
+  }
+  EXPECT_LT(ResidentBytes() - before, int64_t{64} << 20) << "header-only streams allocated their shards";
+  // A stream's memory grows with what lands: one 4 MiB chunk, about 4 MiB.
+  const std::string chunk(4 << 20, '\0');
+  ASSERT_THAT(open[0]->AddChunk(0, chunk), IsOk());
+  EXPECT_LT(ResidentBytes() - before, int64_t{64} << 20);
+}
+
 TEST(PushChunkTest, ChunkOverFourMebibytesIsRefusedWithNothingStored) {
   JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 1);
   spec.bucket_numel = 0;  // one bucket: a 5 MiB shard
