@@ -182,6 +182,7 @@ void Coordinator::Impl::ReconcileLocked(const v1::HeartbeatRequest& request) {
   std::map<std::string, const v1::JobProgress*> held;
   for (const v1::JobProgress& p : request.jobs()) held[p.job_id()] = &p;
   Batch batch;
+  bool health_changed = false;
   for (const auto& [job_id, job] : state.jobs) {
     bool placed = false;
     for (const v1::DaemonEndpoint& e : job.placement().daemons()) placed |= e.daemon_id() == daemon_id;
@@ -212,6 +213,7 @@ void Coordinator::Impl::ReconcileLocked(const v1::HeartbeatRequest& request) {
       // within its lease). Re-sending the assignment would give it empty shards; recover the job
       // as if the daemon had died, once.
       if (lost_state[job_id].insert(daemon_id).second) {
+        health_changed = true;
         Log(LogLevel::kWarning, "coordinator",
             absl::StrCat("daemon ", daemon_id, " is placed on job ", job_id,
                          " but no longer holds it (restarted?): its shards' state is lost; the job is DEGRADED "
@@ -240,6 +242,8 @@ void Coordinator::Impl::ReconcileLocked(const v1::HeartbeatRequest& request) {
     for (const auto& [rank, from] : moving_in) SendAssignments(job, {rank}, from, nullptr, daemon_id);
     if (!rest.empty()) SendAssignments(job, rest, "", source, daemon_id);
   }
+  // (AddJobHealth copies the whole state: only when something here can change a job's health.)
+  if (batch.empty() && !health_changed) return;
   AddJobHealth(batch);
   if (batch.empty()) return;
   if (absl::Status saved = Commit(batch); !saved.ok()) {
