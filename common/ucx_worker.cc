@@ -49,6 +49,9 @@ absl::Status FromUcs(ucs_status_t status, const std::string& what) {
     case UCS_ERR_REJECTED:
     case UCS_ERR_NO_RESOURCE:
     case UCS_ERR_BUSY:
+    // Over shared memory, a peer killed mid-transfer takes its segments with it: attaching to
+    // one then fails ("Shared memory error"). The peer is gone, like a reset connection.
+    case UCS_ERR_SHMEM_SEGMENT:
       return absl::UnavailableError(message);
     case UCS_ERR_NO_MEMORY:
     case UCS_ERR_EXCEEDS_LIMIT:
