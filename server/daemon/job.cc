@@ -28,7 +28,6 @@ std::string Sha256(const std::string& text) {
   return std::string(reinterpret_cast<const char*>(digest), sizeof(digest));
 }
 
-std::string ShardName(int32_t bucket, int32_t shard) { return absl::StrCat("(bucket ", bucket, ", shard ", shard, ")"); }
 
 }  // namespace
 

@@ -33,6 +33,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
@@ -246,6 +247,10 @@ class Job : public std::enable_shared_from_this<Job> {
 
   Job(std::string job_id, ResolvedJob resolved, std::string token_sha256, JobOptions options);
 
+  // "(bucket b, shard r)", for messages.
+  static std::string ShardName(int32_t bucket, int32_t shard) {
+    return absl::StrCat("(bucket ", bucket, ", shard ", shard, ")");
+  }
   // Routing checks shared by every data-plane call: epoch, bucket, shard ownership.
   absl::Status CheckRoute(int64_t epoch, int32_t bucket, int32_t shard) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status ApplyPlacement(const v1::AssignShardRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

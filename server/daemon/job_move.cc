@@ -19,7 +19,6 @@ namespace {
 constexpr absl::Duration kCopyTimeout = absl::Minutes(5);
 constexpr absl::Duration kRetryInterval = absl::Milliseconds(500);
 
-std::string ShardName(int32_t bucket, int32_t shard) { return absl::StrCat("(bucket ", bucket, ", shard ", shard, ")"); }
 }  // namespace
 
 absl::Status Job::FencedError(const char* call) const {

@@ -18,7 +18,6 @@ int ElementBytes(ElementType type) { return BitsOf(type) / 8; }
 // shard.proto: a chunk holds at most 4 MiB (a large bucket is never one giant message).
 constexpr size_t kMaxChunkBytes = 4 << 20;
 
-std::string ShardName(int32_t bucket, int32_t shard) { return absl::StrCat("(bucket ", bucket, ", shard ", shard, ")"); }
 
 }  // namespace
 
