@@ -3,7 +3,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
+#include <map>
 #include <random>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -470,10 +473,14 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, double lr, double wei
     impl_->steps.erase(step);
     return failed;
   }
-  std::vector<std::pair<std::string, std::string>> daemons;  // address, id
+  struct Target {
+    std::string address, id;
+    bool redirected = false;  // a new owner of shards pushed elsewhere (moved meanwhile)
+  };
+  std::map<std::string, std::string> landed;  // address -> daemon id
   {
     absl::MutexLock lock(&impl_->mu);
-    for (const auto& [address, id] : impl_->steps[step].daemons) daemons.emplace_back(address, id);
+    landed = impl_->steps[step].daemons;
   }
   v1::FinishStepRequest request;
   request.set_job_id(impl_->job_id);
@@ -483,40 +490,82 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, double lr, double wei
   request.set_lr(lr);
   request.set_weight_decay(weight_decay);
 
-  std::vector<absl::Status> statuses(daemons.size());
-  std::vector<v1::FinishStepResponse> responses(daemons.size());
-  auto finish_one = [&](size_t i) {
-    const auto& [address, id] = daemons[i];
-    statuses[i] = impl_->Retry(
-        absl::StrCat("FinishStep(", step, ")"), deadline, [&] { return impl_->RouteForAddress(address, id); },
+  // Each call blocks until the step is decided: one thread per daemon, outside the pools. First
+  // the daemons the pushes landed on; then, as soon as a call ends, the new owners of shards
+  // that moved (with the pushes stored on them: job_move.cc) since their push landed: the
+  // step there may wait for this very rank. A daemon that failed and no longer owns any shard
+  // this rank pushed is passed over.
+  absl::Mutex mu;
+  std::set<std::string> asked;  // daemon ids
+  std::vector<std::pair<std::string, v1::FinishStepResponse>> responses;  // daemon id, answer
+  std::vector<std::thread> threads;
+  int running = 0;
+  std::function<void(Target)> finish_at = [&](Target t) {
+    v1::FinishStepResponse answer;
+    absl::Status status = impl_->Retry(
+        absl::StrCat("FinishStep(", step, ")"), deadline, [&] { return impl_->RouteForAddress(t.address, t.id); },
         [&](const Route& route, grpc::ClientContext* context) {
           v1::FinishStepRequest r = request;
           r.set_placement_epoch(route.epoch);
-          return client_internal::StatusFromCall(route.stub->FinishStep(context, r, &responses[i]),
-                                                 context);
+          r.set_redirected(t.redirected);
+          return client_internal::StatusFromCall(route.stub->FinishStep(context, r, &answer), context);
         });
+    // Where the shards this rank pushed are now (the cache; re-read after a failure): a shard
+    // whose owner changed since its push landed moved with the push, and its new owner needs
+    // this rank's FinishStep too, whether this call succeeded (the daemon kept other shards)
+    // or failed (it kept none: the failure is passed over).
+    if (!status.ok() && !t.redirected) impl_->RefreshPlacement(deadline, 0).IgnoreError();
+    std::map<std::string, std::string> owners;  // id -> address
+    bool passed_over = !status.ok() && !t.redirected;
+    for (const client_internal::StepPush& p : pushes) {
+      absl::StatusOr<Route> owner = impl_->RouteForShard(p.bucket, p.shard);
+      // A shard without a live owner was lost, not moved: a failure stands.
+      passed_over &= owner.ok() && owner->daemon_id != t.id;
+      if (owner.ok()) owners[owner->daemon_id] = owner->address;
+    }
+    absl::MutexLock lock(&mu);
+    if (status.ok()) {
+      responses.emplace_back(t.id, std::move(answer));
+    } else if (!passed_over && failed.ok()) {
+      failed = status;
+    }
+    if (status.ok() || passed_over) {
+      for (const auto& [id, address] : owners) {
+        if (!asked.insert(id).second) continue;
+        ++running;
+        threads.emplace_back(finish_at, Target{address, id, true});
+      }
+    }
+    --running;
   };
-  // Each call blocks until the step is decided: one thread per daemon, outside the pools.
-  std::vector<std::thread> threads;
-  for (size_t i = 1; i < daemons.size(); ++i) threads.emplace_back(finish_one, i);
-  finish_one(0);
-  for (std::thread& t : threads) t.join();
-
-  for (const absl::Status& s : statuses) {
-    if (s.ok()) continue;
-    if (s.code() == absl::StatusCode::kAborted) {
+  {
+    absl::MutexLock lock(&mu);
+    for (const auto& [address, id] : landed) {
+      asked.insert(id);
+      ++running;
+      threads.emplace_back(finish_at, Target{address, id, false});
+    }
+    mu.Await(absl::Condition(+[](int* n) { return *n == 0; }, &running));
+  }
+  for (std::thread& t : threads) t.join();  // all have ended; none is added any more
+  if (!failed.ok()) {
+    if (failed.code() == absl::StatusCode::kAborted) {
       absl::MutexLock lock(&impl_->mu);
       impl_->steps.erase(step);  // the step must be pushed again from scratch
     }
-    return s;
+    return failed;
   }
-  StepStats stats = client_internal::StepStatsFromProto(responses[0].stats());
+  if (responses.empty()) {
+    return absl::AbortedError(absl::StrCat("FinishStep(", step, "): no daemon owns the shards rank ", rank(),
+                                           " pushed; push the step again"));
+  }
+  StepStats stats = client_internal::StepStatsFromProto(responses[0].second.stats());
   for (size_t i = 1; i < responses.size(); ++i) {
-    const StepStats other = client_internal::StepStatsFromProto(responses[i].stats());
+    const StepStats other = client_internal::StepStatsFromProto(responses[i].second.stats());
     if (other.step != stats.step || other.version != stats.version || other.skipped != stats.skipped) {
-      return absl::InternalError(absl::StrCat("FinishStep(", step, "): daemons disagree: ", daemons[0].second,
+      return absl::InternalError(absl::StrCat("FinishStep(", step, "): daemons disagree: ", responses[0].first,
                                               " says version ", stats.version, stats.skipped ? " (skipped)" : "",
-                                              ", ", daemons[i].second, " says version ", other.version,
+                                              ", ", responses[i].first, " says version ", other.version,
                                               other.skipped ? " (skipped)" : ""));
     }
   }

@@ -374,6 +374,27 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
                                                    executing_hyper_.second));
   }
   if (step >= 0 && rewound_ && step > next_step_) return RewoundError("FinishStep", step);
+  if (request.redirected() && step >= 0 && !Decided(step) && executing_step_ != step && !failures_.count(step)) {
+    // Only a move brings this rank's pushes here: without them the step cannot run.
+    bool incoming = false, pushed = false;
+    auto in = pending_.find(step);
+    for (const auto& [key, state] : shards_) {
+      incoming |= state->incoming;
+      if (in != pending_.end()) {
+        auto sit = in->second.shards.find(key);
+        pushed |= sit != in->second.shards.end() && sit->second.by_rank.count(request.rank()) > 0;
+      }
+    }
+    if (incoming) {
+      return absl::UnavailableError(absl::StrCat("FinishStep: job ", job_id_,
+                                                 ": shards are being copied to this daemon; retry"));
+    }
+    if (!pushed) {
+      return absl::AbortedError(absl::StrCat("FinishStep: this daemon holds no push of rank ", request.rank(),
+                                             " for step ", step, " of job ", job_id_, " (they were lost with the "
+                                             "daemon they went to): push step ", step, " again"));
+    }
+  }
   if (step >= 0 && !Decided(step) && executing_step_ != step) {
     const int64_t first_open = std::max<int64_t>(next_step_, 0);
     if (step > first_open + 1) {
@@ -392,7 +413,8 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
     in.finished[request.rank()] = hyper;
   }
   auto fenced = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return Fenced() && request.placement_epoch() < fence_epoch_ && !Decided(step);
+    // (A step still running here may yet commit: its waiters learn how it ends first.)
+    return Fenced() && request.placement_epoch() < fence_epoch_ && !Decided(step) && executing_step_ != step;
   };
   auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return stopping_ || !restore_error_.ok() || (!restoring_ && Decided(step)) || failures_.count(step) || fenced();

@@ -267,6 +267,12 @@ class Job : public std::enable_shared_from_this<Job> {
   void RunSteps();
   // Moves (job_move.cc). The fence of CopyForMove; the error of a call routed below it.
   bool Fenced() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return fence_epoch_ > epoch_; }
+  // Whether a move fenced this daemon past `epoch` (an attempt of a step at `epoch` then cannot
+  // rebuild its group: the peers have gone to the newer placement).
+  bool MovedOn(int64_t epoch) const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return fence_epoch_ > epoch;
+  }
   absl::Status FencedError(const char* call) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Called by the step thread with mu_ held while moves_in_ is not empty: copies the incoming
   // shards from their sources and installs them (releases mu_ while it copies; a failed copy is

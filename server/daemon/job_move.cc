@@ -2,9 +2,10 @@
 // the target's load. A move happens at a step boundary: the coordinator names the target at a
 // new placement epoch; the target asks the source for each shard with that epoch; the source
 // stops taking steps at older epochs, lets the step in flight be decided, and streams its
-// committed state with the job's scaling state and the newest version; the target installs it
-// and serves from the step after. The source keeps its copy until the coordinator drops it,
-// once the target reports the job loaded.
+// committed state with the job's scaling state, the newest version and the pushes it stored of
+// later steps; the target installs it and serves from the step after (the trainers send their
+// FinishStep to the new owner: the step goes on). The source keeps its copy until the
+// coordinator drops it, once the target reports the job loaded.
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -71,6 +72,19 @@ absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest
   copy.v = state->v;
   copy.scaling = committed_scaling_;
   if (!state->versions.empty()) copy.newest = state->versions.rbegin()->second;
+  if (auto it = stats_.find(committed_step_); it != stats_.end()) copy.committed_stats = it->second;
+  // The pushes of later steps stored here go along: the trainers' next step continues on the
+  // target instead of being pushed again (pushes that come after the fence are refused and
+  // re-routed by the trainers, so each push lands exactly once on either side).
+  for (const auto& [step, inputs] : pending_) {
+    if (step >= 0 ? step <= committed_step_ : version_ >= 0) continue;
+    auto in = inputs.shards.find(key);
+    if (in == inputs.shards.end()) continue;
+    for (const auto& [rank, payload] : in->second.by_rank) {
+      copy.pending.push_back(PendingPushCopy{step, rank, in->second.num_contributors, in->second.dtype,
+                                             in->second.loss_scale, payload});
+    }
+  }
   return copy;
 }
 
@@ -119,6 +133,12 @@ void Job::RunMovesIn() {
                                       copy->v.size() != (adamw ? static_cast<size_t>(numel) * mb : 0))) {
       failed = absl::DataLossError(absl::StrCat("the copy of ", ShardName(key.first, key.second),
                                                 " has buffers of the wrong size"));
+    } else if (std::any_of(copy->pending.begin(), copy->pending.end(), [&](const PendingPushCopy& p) {
+                 return p.payload.size() != static_cast<size_t>(numel) * static_cast<size_t>(BitsOf(p.dtype) / 8) ||
+                        p.rank < 0 || p.rank >= job_.layout.data_parallel_size;
+               })) {
+      failed = absl::DataLossError(absl::StrCat("the copy of ", ShardName(key.first, key.second),
+                                                " carries a pending push of the wrong size or rank"));
     } else if (it == shards_.end() || !it->second->incoming) {
       failed = absl::AbortedError("the placement changed during the copy");
     }
@@ -153,11 +173,30 @@ void Job::RunMovesIn() {
     committed_scaling_ = ScalingProto();
     loss_scale_now_ = loss_scale_.scale;
     restoring_ = false;
+    if (first.committed_stats.has_value() && first.committed_step >= 0) {
+      stats_[first.committed_step] = *first.committed_stats;
+    }
+  }
+  size_t carried = 0;
+  for (auto& [key, copy] : copies) {
+    for (PendingPushCopy& p : copy->pending) {
+      if (p.step >= 0 ? p.step <= committed_step_ : version_ >= 0) continue;
+      StepInputs& step = pending_[p.step];
+      if (step.first_push_ms == 0) step.first_push_ms = options_.clock->NowUnixMs();
+      ShardInputs& in = step.shards[key];
+      if (in.by_rank.empty()) {
+        in.num_contributors = p.num_contributors;
+        in.dtype = p.dtype;
+        in.loss_scale = p.loss_scale;
+      }
+      carried += in.by_rank.emplace(p.rank, std::move(p.payload)).second ? 1 : 0;
+    }
   }
   moves_in_.erase(moves_in_.begin());
   Log(LogLevel::kInfo, "daemon",
       absl::StrCat("job ", job_id_, ": copied ", copies.size(), " shard(s) from daemon ", move.source.daemon_id(),
-                   " at step ", committed_step_, ", version ", version_, " (placement epoch ", move.epoch, ")"));
+                   " at step ", committed_step_, ", version ", version_, " (placement epoch ", move.epoch, ")",
+                   carried > 0 ? absl::StrCat(", with ", carried, " push(es) of later steps") : ""));
 }
 
 }  // namespace mainstay::daemon

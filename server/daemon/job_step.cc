@@ -153,6 +153,13 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     absl::Status reduced_stats = reduce_stats();
     absl::StatusOr<v1::StepDecision> decision;  // when the reduction failed here: the peers' decision
     if (!reduced_stats.ok()) decision = LearnDecision(step, reduced_stats);
+    if (!reduced_stats.ok() && decision.status() == reduced_stats && !new_group && MovedOn(epoch)) {
+      // The peers left the group for a newer placement, which moves this daemon's shards away
+      // (a fence): this attempt cannot meet them again. Its pushes go with the copy.
+      return absl::AbortedError(absl::StrCat("the peers left placement epoch ", epoch,
+                                             " for a newer one, which moves this daemon's shards (",
+                                             reduced_stats.message(), ")"));
+    }
     if (!reduced_stats.ok() && decision.status() == reduced_stats && !new_group) {
       // The group was built at an earlier step and a peer has left it since (its reduction of
       // the previous step failed and it learned the decision from us). Nobody decided anything
@@ -419,6 +426,29 @@ void Job::RunSteps() {
     mu_.Lock();
     executing_step_ = -2;
     executing_keys_.clear();
+    if (!result.ok() && fence_epoch_ > epoch && result.status().code() != absl::StatusCode::kInvalidArgument) {
+      // A move fenced this daemon while the attempt ran, and the attempt failed (no peer decided
+      // it): its pushes stay, for the move's copy to carry (job_move.cc). The trainers' FinishStep
+      // calls get the fence's error and go to the new owners; nothing is pushed again.
+      decisions_.erase(step);
+      StepInputs& back = pending_[step];
+      for (auto& [key, in] : inputs.shards) {
+        ShardInputs& b = back.shards[key];
+        if (b.by_rank.empty()) {
+          b.num_contributors = in.num_contributors;
+          b.dtype = in.dtype;
+          b.loss_scale = in.loss_scale;
+        }
+        for (auto& [rank, data] : in.by_rank) b.by_rank.emplace(rank, std::move(data));
+      }
+      back.finished.insert(inputs.finished.begin(), inputs.finished.end());
+      if (back.first_push_ms == 0) back.first_push_ms = inputs.first_push_ms;
+      Log(LogLevel::kInfo, "daemon",
+          absl::StrCat("job ", job_id_, ": step ", step, " did not complete at placement epoch ", epoch,
+                       " before the move to epoch ", fence_epoch_, " (", result.status().message(),
+                       "); its pushes go to the shards' new owners"));
+      continue;
+    }
     if (!result.ok()) {
       // Every daemon fails this attempt alike (the decision, if any, was deterministic), so the
       // next attempt must not be answered with this one's results.

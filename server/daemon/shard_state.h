@@ -6,10 +6,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "common/format.h"
 #include "mainstay/v1/checkpoint.pb.h"
+#include "mainstay/v1/shard.pb.h"
 
 namespace mainstay::daemon {
 
@@ -44,6 +46,16 @@ struct PullResult {
   bool unchanged = false;
 };
 
+// One rank's push of a step not decided yet, carried by a move (ShardStateCopy::pending).
+struct PendingPushCopy {
+  int64_t step = 0;              // -1: initial parameters
+  int32_t rank = 0;
+  int32_t num_contributors = 1;
+  ElementType dtype = ElementType::kFloat32;
+  double loss_scale = 1.0;
+  std::vector<uint8_t> payload;  // raw elements of dtype
+};
+
 // A copy of one shard's committed optimizer state (FetchShardState, tests).
 struct ShardStateCopy {
   int64_t version = -1;         // the version this state produced; -1 before version 0
@@ -55,6 +67,10 @@ struct ShardStateCopy {
   // published version (null before version 0).
   v1::CheckpointScalingState scaling;
   std::shared_ptr<const QuantizedShard> newest;
+  // For moves: the pushes of the steps after committed_step that the source had stored (the
+  // target takes them over, so the trainers need not push them again).
+  std::vector<PendingPushCopy> pending;
+  std::optional<v1::StepStats> committed_stats;  // of committed_step, when the source keeps them
 };
 
 }  // namespace mainstay::daemon

@@ -42,6 +42,16 @@ absl::Status WriteShardState(const ShardStateCopy& copy, int64_t chunk_bytes,
   h.set_loss_scale_hysteresis(copy.scaling.loss_scale_hysteresis_left());
   *h.mutable_scaling() = copy.scaling;
   if (copy.newest != nullptr) *h.mutable_newest() = PullHeaderOf(PullResult{copy.newest, false});
+  if (copy.committed_stats.has_value()) *h.mutable_committed_stats() = *copy.committed_stats;
+  for (const PendingPushCopy& p : copy.pending) {
+    v1::PendingPush& e = *h.add_pending();
+    e.set_step(p.step);
+    e.set_rank(p.rank);
+    e.set_num_contributors(p.num_contributors);
+    e.set_dtype(ElementTypeToProto(p.dtype));
+    e.set_loss_scale(p.loss_scale);
+    e.set_bytes(static_cast<int64_t>(p.payload.size()));
+  }
   if (!write(message)) return absl::CancelledError("FetchShardState: the reader went away");
   const int mb = BitsOf(copy.moment_type) / 8;
   MAINSTAY_RETURN_IF_ERROR(WriteBuffer(v1::STATE_BUFFER_MASTER, reinterpret_cast<const uint8_t*>(copy.master.data()),
@@ -55,6 +65,22 @@ absl::Status WriteShardState(const ShardStateCopy& copy, int64_t chunk_bytes,
                                          static_cast<int64_t>(copy.newest->data.size()), 1, chunk_bytes, write));
     MAINSTAY_RETURN_IF_ERROR(WriteBuffer(v1::STATE_BUFFER_VERSION_SCALES, copy.newest->scales.data(),
                                          static_cast<int64_t>(copy.newest->scales.size()), 1, chunk_bytes, write));
+  }
+  // The pending payloads, as one buffer: chunk offsets count from the first one's start.
+  int64_t base = 0;
+  v1::FetchShardStateResponse chunk;
+  for (const PendingPushCopy& p : copy.pending) {
+    const int64_t size = static_cast<int64_t>(p.payload.size());
+    for (int64_t off = 0; off < size; off += chunk_bytes) {
+      const int64_t n = std::min<int64_t>(chunk_bytes, size - off);
+      chunk.Clear();
+      v1::ShardStateChunk& c = *chunk.mutable_chunk();
+      c.set_buffer(v1::STATE_BUFFER_PENDING_PUSHES);
+      c.set_element_offset(base + off);
+      c.set_data(p.payload.data() + off, static_cast<size_t>(n));
+      if (!write(chunk)) return absl::CancelledError("FetchShardState: the reader went away");
+    }
+    base += size;
   }
   return absl::OkStatus();
 }
@@ -70,9 +96,27 @@ absl::Status ShardStateReader::Add(const v1::FetchShardStateResponse& message) {
     copy_.version = header_.version();
     copy_.committed_step = header_.committed_step();
     copy_.scaling = header_.scaling();
+    if (header_.has_committed_stats()) copy_.committed_stats = header_.committed_stats();
     copy_.master.resize(static_cast<size_t>(n));
     data_.resize(static_cast<size_t>(header_.newest().total_data_bytes()));
     scales_.resize(static_cast<size_t>(header_.newest().total_scale_bytes()));
+    int64_t pending_bytes = 0;
+    for (const v1::PendingPush& p : header_.pending()) {
+      PendingPushCopy e;
+      e.step = p.step();
+      e.rank = p.rank();
+      e.num_contributors = p.num_contributors();
+      MAINSTAY_ASSIGN_OR_RETURN(e.dtype, ElementTypeFromProto(p.dtype()));
+      e.loss_scale = p.loss_scale();
+      if (p.bytes() < 0 || p.bytes() % (BitsOf(e.dtype) / 8) != 0 || p.step() < -1 || p.num_contributors() < 1) {
+        return absl::InvalidArgumentError(absl::StrCat("FetchShardState: pending push of rank ", p.rank(), " step ",
+                                                       p.step(), " is malformed (", p.bytes(), " bytes, ",
+                                                       p.num_contributors(), " contributors)"));
+      }
+      pending_bytes += p.bytes();
+      copy_.pending.push_back(std::move(e));
+    }
+    pending_.resize(static_cast<size_t>(pending_bytes));
     return absl::OkStatus();
   }
   if (!have_header_) return absl::InvalidArgumentError("FetchShardState: a chunk before the header");
@@ -100,6 +144,9 @@ absl::Status ShardStateReader::Add(const v1::FetchShardStateResponse& message) {
     case v1::STATE_BUFFER_VERSION_SCALES:
       base = scales_.data(), size = scales_.size();
       break;
+    case v1::STATE_BUFFER_PENDING_PUSHES:
+      base = pending_.data(), size = pending_.size();
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrCat("FetchShardState: unknown buffer ", c.buffer()));
   }
@@ -119,9 +166,14 @@ absl::StatusOr<ShardStateCopy> ShardStateReader::Finish(int32_t bucket, int32_t 
   if (!have_header_) return absl::DataLossError("FetchShardState: the stream ended before its header");
   const int64_t numel = header_.shard_numel();
   const int64_t mb = BitsOf(copy_.moment_type) / 8;
-  const int64_t want[6] = {0, numel * 4, numel * mb, static_cast<int64_t>(copy_.v.size()),
-                           static_cast<int64_t>(data_.size()), static_cast<int64_t>(scales_.size())};
-  for (int b = 1; b < 6; ++b) {
+  const int64_t want[kBuffers] = {0,
+                                  numel * 4,
+                                  numel * mb,
+                                  static_cast<int64_t>(copy_.v.size()),
+                                  static_cast<int64_t>(data_.size()),
+                                  static_cast<int64_t>(scales_.size()),
+                                  static_cast<int64_t>(pending_.size())};
+  for (int b = 1; b < kBuffers; ++b) {
     if (received_[b] != want[b]) {
       return absl::DataLossError(absl::StrCat("FetchShardState: the stream ended after ", received_[b], " of ",
                                               want[b], " bytes of buffer ", v1::StateBuffer_Name(b)));
@@ -154,6 +206,12 @@ absl::StatusOr<ShardStateCopy> ShardStateReader::Finish(int32_t bucket, int32_t 
       q->fragments.push_back(meta);
     }
     copy_.newest = std::move(q);
+  }
+  const uint8_t* at = pending_.data();
+  for (int i = 0; i < header_.pending_size(); ++i) {
+    const size_t n = static_cast<size_t>(header_.pending(i).bytes());
+    copy_.pending[static_cast<size_t>(i)].payload.assign(at, at + n);
+    at += n;
   }
   return std::move(copy_);
 }

@@ -1,6 +1,7 @@
 // A shard's whole state on the wire (FetchShardState): what a move's target needs to go on where
 // the source stopped, bit for bit. The committed masters and moments, the job's scaling state as
-// of that step, and the newest published version (so trainers can pull it from the target).
+// of that step, the newest published version (so trainers can pull it from the target), and the
+// pushes of later steps the source had stored (so trainers need not push them again).
 //
 // WriteShardState encodes a ShardStateCopy as the stream's messages (a header, then chunks of
 // each buffer in order); ShardStateReader decodes them and checks that every byte of every
@@ -33,8 +34,10 @@ class ShardStateReader {
   bool have_header_ = false;
   v1::ShardStateHeader header_;
   ShardStateCopy copy_;
+  static constexpr int kBuffers = 7;     // StateBuffer values
   std::vector<uint8_t> data_, scales_;  // the newest version's
-  int64_t received_[6] = {0, 0, 0, 0, 0, 0};  // bytes, by StateBuffer
+  std::vector<uint8_t> pending_;        // the pending pushes' payloads, concatenated
+  int64_t received_[kBuffers] = {};     // bytes, by StateBuffer
 };
 
 }  // namespace mainstay::daemon

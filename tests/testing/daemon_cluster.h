@@ -312,8 +312,9 @@ class Cluster {
   }
 
   // Every rank finishes the step on every daemon it pushed to, in parallel (the calls block
-  // until the step is decided). Returns one stats per call.
-  std::vector<absl::StatusOr<v1::StepStats>> Finish(int64_t step, double lr) {
+  // until the step is decided). Returns one stats per call. `redirected`: as a trainer calls
+  // the new owner of shards that moved after its pushes (FinishStepRequest.redirected).
+  std::vector<absl::StatusOr<v1::StepStats>> Finish(int64_t step, double lr, bool redirected = false) {
     std::vector<std::pair<int32_t, int>> calls;
     for (int32_t r = 0; r < layout().data_parallel_size; ++r) calls.push_back({r, Owner(r)});
     std::vector<absl::StatusOr<v1::StepStats>> out(calls.size(), absl::UnknownError("not run"));
@@ -327,6 +328,7 @@ class Cluster {
         req.set_step(step);
         req.set_rank(calls[i].first);
         req.set_lr(lr);
+        req.set_redirected(redirected);
         out[i] = daemons_[static_cast<size_t>(calls[i].second)]->FinishStep(req, absl::Now() + absl::Seconds(30));
       });
     }

@@ -547,5 +547,30 @@ TEST(MoveTest, TheSourceRefusesCallsOfTheOldEpochOnceFencedAndTheTargetServesThe
   EXPECT_EQ(GetErrorDetail(refused)->placement_epoch(), 2);
 }
 
+TEST(MoveTest, PushesStoredOnTheSourceGoWithTheMoveAndTheStepGoesOnAtTheTarget) {
+  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 3);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  ExpectMatchesReference(cluster, ref, 0);
+  cluster.PushGrads(0);
+  for (const auto& stats : cluster.Finish(0, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+  ref.Step(0, 1e-3f);
+  // Step 1's pushes land on d0 and d1; then d1's rank moves to d2 before anyone finishes step 1.
+  cluster.PushGrads(1);
+  ASSERT_THAT(cluster.Move(1, 2), IsOk());
+  // Rank 1 finishes step 1 at d2 without pushing again: d2 holds the pushes d1 had stored.
+  for (const auto& stats : cluster.Finish(1, 1e-3, /*redirected=*/true)) {
+    ASSERT_THAT(stats.status(), IsOk());
+    EXPECT_EQ(stats->version(), 2);
+  }
+  ref.Step(1, 1e-3f);
+  ExpectMatchesReference(cluster, ref, 2);
+  // A redirected FinishStep where none of the rank's pushes are (they were lost with a daemon)
+  // is ABORTED at once, instead of waiting for pushes that will never come.
+  auto lost = cluster.Finish(2, 1e-3, /*redirected=*/true);
+  EXPECT_THAT(lost[1].status(), StatusIs(absl::StatusCode::kAborted, ::testing::HasSubstr("holds no push of rank 1")));
+}
+
 }  // namespace
 }  // namespace mainstay::daemon

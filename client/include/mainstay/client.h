@@ -273,7 +273,9 @@ class MAINSTAY_CLIENT_EXPORT Client {
   // StepStats, checked to agree. Blocks until the step is committed or skipped on all of them.
   // A failed push of the step is returned (its code) without calling the daemons: push it again,
   // then call FinishStep again. ABORTED: the step failed on a daemon, push the step again.
-  // FAILED_PRECONDITION when nothing was pushed for `step`.
+  // FAILED_PRECONDITION when nothing was pushed for `step`. A shard that moved to another daemon
+  // after its push landed (a drain or `shards move`) moved with the push: FinishStep follows it
+  // to the new owner, and the step goes on without an error.
   absl::StatusOr<StepStats> FinishStep(int64_t step, double lr, double weight_decay,
                                        std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // Stats of a decided step without waiting (UNAVAILABLE while undecided), from the daemon
