@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/crc32c.h"
 #include "common/layout_proto.h"
 #include "common/status.h"
@@ -31,6 +33,27 @@ uint64_t GetLe(const uint8_t* p, int bytes) {
 int MomentBytes(v1::ElementType type) { return type == v1::ELEMENT_TYPE_BF16 ? 2 : 4; }
 
 }  // namespace
+
+absl::Status CheckPathUnder(const std::string& root, const std::string& path, absl::string_view what) {
+  if (root.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " '", path, "': the coordinator has no --checkpoint-dir, "
+                                                   "so this daemon reads and writes no checkpoint"));
+  }
+  std::string base = root;
+  while (base.size() > 1 && base.back() == '/') base.pop_back();
+  for (absl::string_view part : absl::StrSplit(path, '/')) {
+    if (part == "..") {
+      return absl::InvalidArgumentError(absl::StrCat(what, " '", path, "' has a '..' component"));
+    }
+  }
+  const bool under = path == base || (base == "/" ? !path.empty() && path[0] == '/'
+                                                  : absl::StartsWith(path, base + "/"));
+  if (!under) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " '", path, "' is outside the checkpoint directory '",
+                                                   base, "'"));
+  }
+  return absl::OkStatus();
+}
 
 std::string DataFileName(int32_t bucket, int32_t shard) { return absl::StrCat("b", bucket, ".s", shard, ".state"); }
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/job_spec.h"
 #include "mainstay/v1/checkpoint.pb.h"
 #include "server/checkpoint/checkpoint_fs.h"
@@ -30,6 +31,10 @@ inline constexpr char kManifestName[] = "MANIFEST";
 
 std::string DataFileName(int32_t bucket, int32_t shard);
 inline std::string JoinPath(const std::string& dir, const std::string& name) { return dir + "/" + name; }
+// OK when `path` is `root` or lies below it, compared lexically: INVALID_ARGUMENT naming `what`
+// for a path elsewhere, one with a ".." component, or an empty `root` (no checkpoint directory
+// configured). Symbolic links inside `root` are not resolved: the directory is the operator's.
+absl::Status CheckPathUnder(const std::string& root, const std::string& path, absl::string_view what);
 
 // One tensor fragment's optimizer state, to be written.
 struct SectionData {

@@ -115,6 +115,7 @@ absl::StatusOr<v1::RegisterDaemonResponse> Coordinator::RegisterDaemon(const v1:
   response.set_lease_ttl_ms(ttl);
   response.set_heartbeat_interval_ms(std::max<int64_t>(ttl / 3, 1));
   response.set_coordinator_id(o.coordinator_id);
+  response.set_checkpoint_dir(o.checkpoint_dir);
   return response;
 }
 

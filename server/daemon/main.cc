@@ -452,7 +452,10 @@ int Main(int argc, char** argv) {
   reg.mutable_resources()->set_cpu_threads(static_cast<int32_t>(*threads));
   reg.set_version("0.1.0");
   reg.set_requested_lease_ttl_ms(*lease);
-  link_options.on_registered = [&daemon](const std::string& id) { daemon.set_daemon_id(id); };
+  link_options.on_registered = [&daemon](const v1::RegisterDaemonResponse& r) {
+    daemon.set_checkpoint_root(r.checkpoint_dir());  // first: no assignment comes before the id
+    daemon.set_daemon_id(r.daemon_id());
+  };
   link_options.report = [&daemon](v1::HeartbeatRequest* request) {
     request->set_used_bytes(daemon.used_bytes());
     request->set_active_jobs(daemon.active_jobs());

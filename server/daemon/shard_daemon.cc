@@ -6,6 +6,7 @@
 #include "common/layout_proto.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "server/checkpoint/checkpoint_files.h"
 
 namespace mainstay::daemon {
 
@@ -44,6 +45,17 @@ void ShardDaemon::set_daemon_id(const std::string& id) {
   daemon_id_ = id;
 }
 
+void ShardDaemon::set_checkpoint_root(const std::string& root) {
+  absl::MutexLock lock(&mu_);
+  checkpoint_root_ = root;
+}
+
+absl::Status ShardDaemon::CheckCheckpointPath(const std::string& path, absl::string_view what) const {
+  absl::MutexLock lock(&mu_);
+  if (!checkpoint_root_.has_value()) return absl::OkStatus();
+  return checkpoint::CheckPathUnder(*checkpoint_root_, path, what);
+}
+
 std::string ShardDaemon::daemon_id() const {
   absl::MutexLock lock(&mu_);
   return daemon_id_;
@@ -62,6 +74,10 @@ absl::StatusOr<std::shared_ptr<Job>> ShardDaemon::FindJob(const std::string& job
 }
 
 absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::AssignShardRequest& request) {
+  if (request.has_from_checkpoint()) {
+    MAINSTAY_RETURN_IF_ERROR(
+        CheckCheckpointPath(request.from_checkpoint().manifest_uri(), "AssignShard: from_checkpoint.manifest_uri"));
+  }
   std::shared_ptr<Job> job;
   {
     absl::MutexLock lock(&mu_);
@@ -159,6 +175,7 @@ void ShardDaemon::ReapLocked(std::shared_ptr<Job> job) {
 
 absl::StatusOr<v1::WriteCheckpointResponse> ShardDaemon::WriteCheckpoint(const v1::WriteCheckpointRequest& request,
                                                                          absl::Time deadline) {
+  MAINSTAY_RETURN_IF_ERROR(CheckCheckpointPath(request.directory_uri(), "WriteCheckpoint: directory_uri"));
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job_id()));
   return job->WriteCheckpoint(request, deadline);
 }

@@ -18,12 +18,14 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
@@ -63,6 +65,10 @@ class ShardDaemon {
   // The id the coordinator gave this daemon; shard assignments wait (UNAVAILABLE) until set.
   void set_daemon_id(const std::string& id);
   std::string daemon_id() const;
+  // The only directory checkpoints are read from and written to (the coordinator's
+  // --checkpoint-dir, learned at registration; "" allows none). Until set (a daemon core used in
+  // process, without a coordinator) paths are not confined.
+  void set_checkpoint_root(const std::string& root);
 
   absl::StatusOr<v1::AssignShardResponse> AssignShard(const v1::AssignShardRequest& request);
   absl::Status DropShard(const v1::DropShardRequest& request);
@@ -105,6 +111,9 @@ class ShardDaemon {
   metrics::Registry::CollectorId collector_ = 0;
   mutable absl::Mutex mu_;
   std::string daemon_id_ ABSL_GUARDED_BY(mu_);
+  std::optional<std::string> checkpoint_root_ ABSL_GUARDED_BY(mu_);  // nullopt: not confined
+  // INVALID_ARGUMENT unless `path` is under checkpoint_root_ (when set).
+  absl::Status CheckCheckpointPath(const std::string& path, absl::string_view what) const ABSL_LOCKS_EXCLUDED(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Dropped jobs whose step threads are being joined off the caller's thread (a step may sit in
   // a peer reduction until its deadline, and DropShard must not block a gRPC thread that long).

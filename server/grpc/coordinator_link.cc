@@ -69,7 +69,7 @@ absl::Status CoordinatorLink::Register(absl::Time deadline) {
       Log(LogLevel::kInfo, kComponent,
           absl::StrCat("registered with coordinator ", options_.coordinator_address, " as ", response.daemon_id(),
                        " (lease ", response.lease_ttl_ms(), " ms)"));
-      if (options_.on_registered) options_.on_registered(response.daemon_id());
+      if (options_.on_registered) options_.on_registered(response);
       return absl::OkStatus();
     }
     const bool retry = status.code() == absl::StatusCode::kUnavailable ||

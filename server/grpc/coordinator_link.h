@@ -35,7 +35,7 @@ class CoordinatorLink : public peer::KvClient {
     absl::Duration register_timeout = absl::Seconds(60);  // keep retrying UNAVAILABLE this long
     absl::Duration call_timeout = absl::Seconds(10);
     // Called with the daemon id after every (re-)registration.
-    std::function<void(const std::string&)> on_registered;
+    std::function<void(const v1::RegisterDaemonResponse&)> on_registered;
     // Fills the heartbeat's payload (used bytes, active jobs, job progress).
     std::function<void(v1::HeartbeatRequest*)> report;
   };

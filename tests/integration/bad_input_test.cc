@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <span>
 #include <string>
@@ -339,6 +340,36 @@ TEST_F(BadInputTest, MissingTokenOrAnotherJobsTokenIsRefusedAndStoresNothing) {
   ASSERT_THAT(other.status(), IsOk()) << Logs();
   h.set_job_token((*other)->job_token());
   EXPECT_THAT(RawPush(address_, h, InChunks(Grad(1))), StatusIs(absl::StatusCode::kPermissionDenied));
+  ExpectStepOneCommitsAsIfNothingHappened();
+}
+
+TEST_F(BadInputTest, CheckpointPathsOutsideTheCoordinatorsDirectoryAreRefusedAndChangeNothing) {
+  // The daemon writes and reads checkpoints only under the --checkpoint-dir the coordinator
+  // named at registration; this coordinator has none, so every path is refused (issue 18, 4).
+  auto stub = v1::Shard::NewStub(::grpc::CreateChannel(address_, ::grpc::InsecureChannelCredentials()));
+  const std::string elsewhere = dir_->File("elsewhere");
+  v1::WriteCheckpointRequest write;
+  write.set_job_id(client_->job_id());
+  write.set_placement_epoch(client_->placement().epoch);
+  write.set_checkpoint_id("ck-1");
+  write.set_directory_uri(elsewhere);
+  write.set_committed_step(0);
+  v1::WriteCheckpointResponse written;
+  ::grpc::ClientContext write_context;
+  EXPECT_THAT(FromGrpcStatus(stub->WriteCheckpoint(&write_context, write, &written)),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("no --checkpoint-dir")));
+  EXPECT_FALSE(std::filesystem::exists(elsewhere)) << "nothing may be written";
+
+  // A restore pointing at a manifest outside (here through '..') replaces nothing.
+  v1::AssignShardRequest assign;
+  assign.set_job_id(client_->job_id());
+  assign.set_placement_epoch(client_->placement().epoch + 1);
+  assign.mutable_from_checkpoint()->set_checkpoint_id("ck-1");
+  assign.mutable_from_checkpoint()->set_manifest_uri(dir_->File("state/../elsewhere/MANIFEST"));
+  v1::AssignShardResponse assigned;
+  ::grpc::ClientContext assign_context;
+  EXPECT_THAT(FromGrpcStatus(stub->AssignShard(&assign_context, assign, &assigned)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   ExpectStepOneCommitsAsIfNothingHappened();
 }
 

@@ -154,5 +154,20 @@ TEST(CheckpointFilesTest, PosixWritesAreAtomicAndAnAbandonedWriteLeavesNothing) 
   ASSERT_THAT(fs.RemoveAll(dir), IsOk());
 }
 
+TEST(CheckpointFilesTest, OnlyPathsUnderTheRootPass) {
+  EXPECT_THAT(CheckPathUnder("/ck", "/ck/job-1-s5/MANIFEST", "uri"), IsOk());
+  EXPECT_THAT(CheckPathUnder("/ck/", "/ck/job-1-s5", "uri"), IsOk());
+  EXPECT_THAT(CheckPathUnder("/ck", "/ck", "uri"), IsOk());
+  EXPECT_THAT(CheckPathUnder("rel/ck", "rel/ck/x", "uri"), IsOk());
+  EXPECT_THAT(CheckPathUnder("/ck", "/ck/../etc/MANIFEST", "uri"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'..' component")));
+  EXPECT_THAT(CheckPathUnder("/ck", "/ckx/MANIFEST", "uri"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside the checkpoint directory '/ck'")));
+  EXPECT_THAT(CheckPathUnder("/ck", "/etc/passwd", "uri"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(CheckPathUnder("/ck", "ck/x", "uri"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(CheckPathUnder("", "/ck/x", "uri"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no --checkpoint-dir")));
+}
+
 }  // namespace
 }  // namespace mainstay::checkpoint
