@@ -7,6 +7,7 @@
 // there, and the next attempt opens a fresh one.
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <map>
@@ -14,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/src/transport.h"
 #include "common/crc32c.h"
 #include "common/error_detail.h"
@@ -73,6 +76,9 @@ absl::Status StatusOfReply(const v1::UcxReply& reply) {
 constexpr absl::Duration kProbeEvery = absl::Seconds(5);
 constexpr absl::Duration kProbeTimeout = absl::Seconds(5);
 constexpr absl::Duration kHelloTimeout = absl::Seconds(10);
+// Marks a status as the daemon's answer to the hello (not a timeout): Attach retries an
+// UNAVAILABLE one.
+constexpr char kRefusedPayload[] = "mainstay.ucx/hello-refused";
 
 absl::StatusOr<std::unique_ptr<ucx::Worker>> NewTrainerWorker(int32_t rank) {
   ucx::Worker::Options options;
@@ -95,7 +101,18 @@ class UcxTransport final : public DataTransport {
   bool ComputesPushCrc32c() const override { return true; }
 
   absl::Status Attach(const v1::DaemonEndpoint& daemon, Deadline deadline) override {
-    return ConnectionTo(daemon, deadline).status();
+    // A daemon that has not received the job's assignment yet (it comes moments after
+    // CreateJob) refuses the hello with UNAVAILABLE: ask again until the deadline.
+    absl::Duration backoff = absl::Milliseconds(20);
+    while (true) {
+      absl::Status s = ConnectionTo(daemon, deadline).status();
+      if (s.ok() || !absl::IsUnavailable(s) || !s.GetPayload(kRefusedPayload).has_value() ||
+          absl::Now() + backoff >= ToAbsl(deadline) || shutdown_.load()) {
+        return s;
+      }
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, absl::Milliseconds(500));
+    }
   }
 
   absl::StatusOr<v1::PushGradResponse> Push(const Route& route, const v1::PushGradHeader& header, ElementSpan data,
@@ -358,6 +375,7 @@ class UcxTransport final : public DataTransport {
     hello.set_worker_address(c->worker->address());
     hello.set_nonce(nonce);
     hello.set_job_id(context_.job_id);
+    hello.set_job_token(context_.job_token);
     hello.set_rank(context_.rank);
     hello.set_node_name(HostName());
     SetProcess(hello.mutable_process());
@@ -381,8 +399,10 @@ class UcxTransport final : public DataTransport {
     }
     if (reply.code() != 0) {
       c->ep->Close();
-      return absl::Status(static_cast<absl::StatusCode>(reply.code()),
-                          absl::StrCat("UCX hello to daemon ", c->daemon, ": refused: ", reply.message()));
+      absl::Status refused(static_cast<absl::StatusCode>(reply.code()),
+                           absl::StrCat("UCX hello to daemon ", c->daemon, ": refused: ", reply.message()));
+      refused.SetPayload(kRefusedPayload, absl::Cord("1"));
+      return refused;
     }
     c->id = reply.connection_id();
     if (!reply.data_worker_address().empty()) {

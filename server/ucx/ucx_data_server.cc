@@ -24,6 +24,7 @@ constexpr int64_t kMaxTimeoutMs = 3600 * 1000;
 constexpr absl::Duration kControlTimeout = absl::Seconds(30);
 constexpr absl::Duration kWaitSlice = absl::Milliseconds(500);
 constexpr size_t kTrailerBytes = 32;  // a UcxPushTrailer is at most 6 bytes
+constexpr int kMaxRefusals = 2;  // threads answering hellos for jobs not (yet) here, at a time
 
 // A standing receive of one kind of incoming control message, driven by the progress thread.
 struct Inbox {
@@ -180,11 +181,42 @@ class Server final : public UcxDataServer {
       stopping = stopping_;
     }
     if (DrainInbox(*worker_, hello_, stopping, [this](Inbox& inbox) {
-          std::string message(inbox.buffer.data(), inbox.length);
-          Spawn([this, message = std::move(message)] { OnHello(message); });
+          Admit(std::string(inbox.buffer.data(), inbox.length));
         })) {
       absl::MutexLock lock(&mu_);
       hello_freed_ = true;
+    }
+  }
+
+  // On the listening worker's progress thread: a hello gets a handler thread (and a worker, an
+  // endpoint, a reply naming this process) only once its job token checks out. A hello for a
+  // job not here yet (its assignment may be on its way) is refused with UNAVAILABLE, from at
+  // most kMaxRefusals threads at a time; any other is dropped unanswered.
+  void Admit(const std::string& message) {
+    v1::UcxHello hello;
+    absl::Status admitted = absl::InvalidArgumentError("a malformed UCX hello");
+    if (hello.ParseFromString(message) && !hello.worker_address().empty()) {
+      admitted = options_.daemon->CheckJobToken(hello.job_id(), hello.job_token());
+    }
+    if (admitted.ok()) {
+      Spawn([this, hello = std::move(hello)] { OnHello(hello); });
+      return;
+    }
+    if (admitted.code() == absl::StatusCode::kUnavailable && refusals_.fetch_add(1) < kMaxRefusals) {
+      Spawn([this, hello = std::move(hello), admitted] {
+        RefuseHello(hello, admitted);
+        refusals_.fetch_sub(1);
+      });
+      return;
+    }
+    if (admitted.code() == absl::StatusCode::kUnavailable) refusals_.fetch_sub(1);
+    absl::MutexLock lock(&mu_);
+    ++dropped_hellos_;
+    if (absl::Now() - last_drop_log_ >= absl::Seconds(10)) {
+      last_drop_log_ = absl::Now();
+      Log(LogLevel::kWarning, kComponent,
+          absl::StrCat("dropped ", dropped_hellos_, " UCX hello(s) unanswered so far; the latest: ", admitted.message(),
+                       " (job '", hello.job_id(), "' rank ", hello.rank(), ")"));
     }
   }
 
@@ -373,12 +405,7 @@ class Server final : public UcxDataServer {
     return Stopping();
   }
 
-  void OnHello(const std::string& message) {
-    v1::UcxHello hello;
-    if (!hello.ParseFromString(message) || hello.worker_address().empty()) {
-      Log(LogLevel::kWarning, kComponent, "ignored a malformed UCX hello");
-      return;
-    }
+  void OnHello(const v1::UcxHello& hello) {
     const ucx::ProcessIdentity peer{hello.process().boot_id(), hello.process().pid_namespace(), hello.process().pid()};
     absl::StatusOr<std::shared_ptr<ServingWorker>> serving = ServingWorkerFor(peer);
     if (!serving.ok()) {
@@ -652,6 +679,9 @@ class Server final : public UcxDataServer {
   bool hello_freed_ ABSL_GUARDED_BY(mu_) = false;  // Shutdown waits for it
   uint32_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint32_t, std::shared_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int> refusals_{0};  // refusal threads running (Admit)
+  int64_t dropped_hellos_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_drop_log_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 
 }  // namespace

@@ -21,11 +21,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "client/src/transport.h"
 #include "common/grpc_status.h"
 #include "common/job_spec.h"
 #include "common/recipe.h"
 #include "common/status.h"
 #include "mainstay/client.h"
+#include "mainstay/v1/coordinator.grpc.pb.h"
 #include "mainstay/v1/shard.grpc.pb.h"
 #include "tests/testing/reference_model.h"
 #include "tests/testing/status_matchers.h"
@@ -356,6 +358,48 @@ class SliceProtocolTest : public ::testing::Test {
   std::unique_ptr<LocalCluster> cluster_;
   std::vector<std::unique_ptr<Client>> clients_;
 };
+
+TEST_F(SliceProtocolTest, AUcxHelloWithoutTheJobsTokenGetsNoConnectionAndNoAnswer) {
+  // Issue 18, item 5: the daemon checks the hello's job token on its progress thread, before
+  // any thread, worker or endpoint is spent on it; only a trainer of a job it holds is answered.
+  const char* transport = std::getenv("MAINSTAY_TRANSPORT");
+  if (transport == nullptr || std::string(transport) != "ucx") GTEST_SKIP() << "a UCX test (slice_test_ucx_*)";
+  auto coordinator = v1::Coordinator::NewStub(::grpc::CreateChannel(cluster_->address(), ::grpc::InsecureChannelCredentials()));
+  v1::GetPlacementRequest get;
+  get.set_job_id(clients_[0]->job_id());
+  get.set_job_token(clients_[0]->job_token());
+  v1::GetPlacementResponse placement;
+  ::grpc::ClientContext context;
+  ASSERT_THAT(FromGrpcStatus(coordinator->GetPlacement(&context, get, &placement)), IsOk());
+  const v1::DaemonEndpoint& daemon = placement.placement().daemons(0);
+  ASSERT_FALSE(daemon.ucx_worker_address().empty());
+  auto attach = [&](const std::string& job_id, const std::string& token, absl::Duration within) {
+    client_internal::TransportContext c;
+    c.job_id = job_id;
+    c.job_token = token;
+    absl::StatusOr<std::unique_ptr<client_internal::DataTransport>> t = client_internal::MakeUcxTransport(c);
+    EXPECT_THAT(t.status(), IsOk());
+    return (*t)->Attach(daemon, absl::ToChronoTime(absl::Now() + within));
+  };
+  absl::Time start = absl::Now();
+  EXPECT_THAT(attach(clients_[0]->job_id(), "not-the-token", absl::Seconds(2)),
+              StatusIs(absl::StatusCode::kUnavailable, ::testing::HasSubstr("hello")));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(1900)) << "a hello with a wrong token must get no answer";
+  start = absl::Now();
+  EXPECT_THAT(attach(clients_[0]->job_id(), "", absl::Seconds(2)), StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(1900)) << "a hello without a token must get no answer";
+  // A job the daemon does not hold (yet) is refused at once; Attach asks again until its deadline.
+  start = absl::Now();
+  EXPECT_THAT(attach("no-such-job", "any", absl::Seconds(1)),
+              StatusIs(absl::StatusCode::kUnavailable, ::testing::HasSubstr("has no shards on this daemon")));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  const std::string logs = cluster_->Logs();
+  EXPECT_THAT(logs, ::testing::HasSubstr("UCX hello(s) unanswered"));
+  EXPECT_THAT(logs, ::testing::Not(::testing::HasSubstr("not-the-token")));
+  // The job's own trainers still connect and train.
+  EXPECT_THAT(attach(clients_[0]->job_id(), clients_[0]->job_token(), absl::Seconds(10)), IsOk()) << cluster_->Logs();
+  for (const auto& r : TrainAll(clients_, 1, false, /*first_step=*/1)) ASSERT_THAT(r.status(), IsOk()) << cluster_->Logs();
+}
 
 TEST_F(SliceProtocolTest, NonFiniteGradientOnOneRankSkipsTheStepOnEveryDaemon) {
   const Layout& layout = clients_[0]->layout();
