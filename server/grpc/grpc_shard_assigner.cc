@@ -53,7 +53,7 @@ struct GrpcShardAssigner::Call {
 
 struct GrpcShardAssigner::Peer {
   std::string address;
-  std::unique_ptr<v1::Shard::Stub> stub;
+  std::shared_ptr<v1::Shard::Stub> stub;  // shared with WriteCheckpoint calls in progress
   absl::CondVar wake;                           // a call was queued, or stopping
   std::deque<Call> queue;                       // guarded by the assigner's mu_
   ::grpc::ClientContext* in_flight = nullptr;   // guarded by the assigner's mu_
@@ -80,6 +80,7 @@ void GrpcShardAssigner::Drop(const std::string& daemon_address, const v1::DropSh
 
 void GrpcShardAssigner::Enqueue(const std::string& address, Call call) {
   call.made = absl::Now();
+  JoinEnded();
   absl::MutexLock lock(&mu_);
   if (stopping_) {
     Log(LogLevel::kWarning, kComponent, absl::StrCat("shutting down: not sending ", call.Describe(address)));
@@ -108,11 +109,11 @@ GrpcShardAssigner::Peer* GrpcShardAssigner::PeerLocked(const std::string& addres
 
 absl::StatusOr<v1::WriteCheckpointResponse> GrpcShardAssigner::WriteCheckpoint(
     const std::string& address, const v1::WriteCheckpointRequest& request, absl::Time deadline) {
-  v1::Shard::Stub* stub = nullptr;
+  std::shared_ptr<v1::Shard::Stub> stub;  // kept alive by this call if the worker ends meanwhile
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
-    stub = PeerLocked(address)->stub.get();  // peers live until the assigner is destroyed
+    stub = PeerLocked(address)->stub;
   }
   ::grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline));
@@ -128,8 +129,19 @@ void GrpcShardAssigner::RunWorker(Peer* peer) {
     Call call;
     {
       absl::MutexLock lock(&mu_);
-      while (!stopping_ && peer->queue.empty()) peer->wake.Wait(&mu_);
+      const absl::Time idle_until = absl::Now() + options_.idle_timeout;
+      while (!stopping_ && peer->queue.empty() && absl::Now() < idle_until) {
+        peer->wake.WaitWithDeadline(&mu_, idle_until);
+      }
       if (stopping_) return;
+      if (peer->queue.empty()) {
+        // Idle: this worker ends; Enqueue, WriteCheckpoint or Shutdown joins it. A call made
+        // after this point starts a new worker.
+        auto it = peers_.find(peer->address);
+        ended_.push_back(std::move(it->second));
+        peers_.erase(it);
+        return;
+      }
       call = std::move(peer->queue.front());
       peer->queue.pop_front();
     }
@@ -182,6 +194,20 @@ void GrpcShardAssigner::Deliver(Peer* peer, const Call& call) {
   }
 }
 
+void GrpcShardAssigner::JoinEnded() {
+  std::vector<std::unique_ptr<Peer>> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    ended.swap(ended_);
+  }
+  for (auto& peer : ended) peer->worker.join();
+}
+
+size_t GrpcShardAssigner::live_workers() const {
+  absl::MutexLock lock(&mu_);
+  return peers_.size();
+}
+
 void GrpcShardAssigner::Shutdown() {
   std::map<std::string, std::unique_ptr<Peer>> peers;
   {
@@ -198,6 +224,7 @@ void GrpcShardAssigner::Shutdown() {
     peers.swap(peers_);
   }
   for (auto& [address, peer] : peers) peer->worker.join();
+  JoinEnded();
 }
 
 }  // namespace mainstay::coordinator

@@ -8,6 +8,8 @@
 // `give_up_after` has passed since it was made; then, or on any other code (for example
 // FAILED_PRECONDITION for an epoch the daemon has already passed), it is logged and dropped.
 // Delivery is best effort by design: a daemon that restarts asks for its placement anyway.
+// A worker with nothing to send for `idle_timeout` ends and gives up its channel (daemons come
+// and go at new addresses); the next call to that address starts a new one.
 //
 // Thread safety: Assign and Drop may be called from any thread and return at once.
 // Shutdown (also run by the destructor) cancels the call in flight, drops queued ones with a
@@ -18,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -32,6 +35,7 @@ struct GrpcShardAssignerOptions {
   absl::Duration give_up_after = absl::Minutes(1);    // per call, from when it was made
   absl::Duration initial_backoff = absl::Milliseconds(100);
   absl::Duration max_backoff = absl::Seconds(5);
+  absl::Duration idle_timeout = absl::Minutes(5);     // a daemon's worker with no call ends
   // How the daemons are dialled: plaintext, TLS or mutual TLS (common/grpc_tls.h).
   ChannelSecurity security;
 };
@@ -49,6 +53,8 @@ class GrpcShardAssigner : public ShardAssigner {
                                                               absl::Time deadline) override;
 
   void Shutdown();
+  // Daemon addresses with a worker now (tests; each is one thread and one channel).
+  size_t live_workers() const;
 
  private:
   struct Call;
@@ -57,11 +63,14 @@ class GrpcShardAssigner : public ShardAssigner {
   Peer* PeerLocked(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunWorker(Peer* peer);
   void Deliver(Peer* peer, const Call& call);
+  // Joins the workers that ended idle (their threads have returned or are returning).
+  void JoinEnded() ABSL_LOCKS_EXCLUDED(mu_);
 
   const GrpcShardAssignerOptions options_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, std::unique_ptr<Peer>> peers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Peer>> ended_ ABSL_GUARDED_BY(mu_);  // idle workers, to join
 };
 
 }  // namespace mainstay::coordinator
