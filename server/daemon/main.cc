@@ -70,6 +70,7 @@ flags:
   --memory-bytes N            host memory offered for shard state (default: 80% of physical memory)
   --retained-versions N       published versions kept per shard (default 4)
   --peer-timeout-ms N         bound on one step's reductions among daemons (default 120000)
+  --push-idle-timeout-ms N    a gRPC PushGrad stream silent this long is cancelled (default 60000)
   --lease-ttl-ms N            lease to ask the coordinator for (default: the coordinator's)
   --port-file FILE            write the Shard service's port to FILE once serving
   --coordinator-port-file F   write the embedded coordinator's port to F (with --standalone)
@@ -128,7 +129,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   static const std::set<std::string> kValued = {
       "--coordinator", "--state-dir",      "--coordinator-listen", "--listen",        "--advertise",
       "--node-name",   "--threads",        "--memory-bytes",       "--retained-versions", "--peer-timeout-ms",
-      "--lease-ttl-ms", "--port-file",     "--coordinator-port-file", "--metrics-listen", "--metrics-port-file",
+      "--push-idle-timeout-ms", "--lease-ttl-ms", "--port-file",     "--coordinator-port-file", "--metrics-listen", "--metrics-port-file",
       "--drain-timeout-ms", "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-client-auth",
       "--tls-server-name", "--admin-token-file", "--health-listen", "--tls-internal-name",
       "--checkpoint-dir", "--transports", "--ucx-dedicated-workers",
@@ -250,8 +251,12 @@ int Main(int argc, char** argv) {
   absl::StatusOr<int64_t> peer_timeout = IntFlag(*flags, "--peer-timeout-ms", 120000);
   absl::StatusOr<int64_t> lease = IntFlag(*flags, "--lease-ttl-ms", 0);
   absl::StatusOr<int64_t> drain_timeout = IntFlag(*flags, "--drain-timeout-ms", 30000);
+  absl::StatusOr<int64_t> push_idle = IntFlag(*flags, "--push-idle-timeout-ms", 60000);
+  if (push_idle.ok() && *push_idle < 1) {
+    push_idle = absl::InvalidArgumentError(absl::StrCat("--push-idle-timeout-ms: must be >= 1, got ", *push_idle));
+  }
   for (const absl::Status& s : {threads.status(), memory.status(), retained.status(), peer_timeout.status(),
-                                lease.status(), drain_timeout.status()}) {
+                                lease.status(), drain_timeout.status(), push_idle.status()}) {
     if (!s.ok()) return Fail(s, 2);
   }
   absl::StatusOr<TlsOptions> tls = TlsFromFlags(*flags);
@@ -394,6 +399,7 @@ int Main(int argc, char** argv) {
   ShardServer::Options server_options{listen, 64 << 20, &daemon, *tls, flags->Get("--tls-internal-name"), &drain,
                                       flags->Get("--health-listen")};
   server_options.nccl = nccl_server.get();
+  server_options.push_idle_timeout = absl::Milliseconds(*push_idle);
   absl::StatusOr<std::unique_ptr<ShardServer>> server = ShardServer::Start(server_options);
   if (!server.ok()) return Fail(server.status(), server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
   // The UCX data plane next to gRPC: its worker address goes into the registration.

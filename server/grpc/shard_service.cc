@@ -17,6 +17,7 @@
 #include "server/daemon/shard_transfer.h"
 #include "server/grpc/calls.h"
 #include "server/grpc/health_port.h"
+#include "server/grpc/push_streams.h"
 #include "server/grpc/caller_identity.h"
 #include "server/metrics/daemon_metrics.h"
 
@@ -58,17 +59,26 @@ absl::StatusOr<T> WaitInSlices(::grpc::CallbackServerContext* context, Calls* ca
 class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradRequest> {
  public:
   PushGradReactor(ShardDaemon* core, Calls* calls, metrics::Counter* pushed_bytes, StepDrain* drain,
-                  ::grpc::CallbackServerContext* context, v1::PushGradResponse* response)
-      : core_(core), calls_(calls), pushed_bytes_(pushed_bytes), drain_(drain), context_(context), response_(response) {
+                  PushStreams* streams, ::grpc::CallbackServerContext* context, v1::PushGradResponse* response)
+      : core_(core), calls_(calls), pushed_bytes_(pushed_bytes), drain_(drain), streams_(streams), context_(context),
+        response_(response) {
     if (!calls_->Enter()) {
       Finish(ShuttingDown());
       return;
     }
     entered_ = true;
+    streams_->Open(context_);
     StartRead(&request_);
   }
 
   void OnReadDone(bool ok) override {
+    if (!ok && context_->IsCancelled()) {
+      // By the trainer, or by PushStreams (idle, or replaced by a newer stream of this push).
+      return End(absl::CancelledError("PushGrad: the stream was cancelled (by the trainer, after sending nothing "
+                                      "for the daemon's idle timeout, or by a newer stream of the same push); "
+                                      "nothing of it is stored"));
+    }
+    streams_->Touch(context_);
     if (!ok) {  // the client half-closed: the stream is complete
       if (session_ == nullptr) return End(absl::InvalidArgumentError("PushGrad: the stream had no header"));
       absl::StatusOr<v1::PushGradResponse> result = session_->Finish();
@@ -90,6 +100,8 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
       }
       session_ = *std::move(session);
       header_ = request_.header();
+      streams_->Keyed(context_, absl::StrCat(header_.job_id(), "/", header_.bucket(), "/", header_.shard(), "/",
+                                             header_.step(), "/", header_.rank(), "/", header_.kind()));
     } else {
       if (!request_.has_chunk()) return End(absl::InvalidArgumentError("PushGrad: a second header in one stream"));
       if (absl::Status s = session_->AddChunk(request_.chunk().element_offset(), request_.chunk().data()); !s.ok()) {
@@ -101,7 +113,10 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
     StartRead(&request_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    streams_->Close(context_);
+    delete this;
+  }
 
  private:
   void End(const absl::Status& status) {
@@ -114,6 +129,7 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
   Calls* const calls_;
   metrics::Counter* const pushed_bytes_;  // null: no metrics
   StepDrain* const drain_;                // null: no graceful drain
+  PushStreams* const streams_;            // not owned
   ::grpc::CallbackServerContext* const context_;
   v1::PushGradResponse* const response_;
   v1::PushGradRequest request_;
@@ -262,8 +278,9 @@ absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& re
 class ShardService final : public v1::Shard::CallbackService {
  public:
   ShardService(ShardDaemon* core, Calls* calls, StepDrain* drain, std::string internal_peer_name,
-               NcclChannelServer* nccl)
-      : core_(core), calls_(calls), drain_(drain), internal_(std::move(internal_peer_name)), nccl_(nccl) {
+               NcclChannelServer* nccl, PushStreams* streams)
+      : core_(core), calls_(calls), drain_(drain), internal_(std::move(internal_peer_name)), nccl_(nccl),
+        streams_(streams) {
     if (metrics::DaemonMetrics* m = core->metrics(); m != nullptr) {
       pushed_bytes_ = m->PushedBytes(kTransport);
       pulled_bytes_ = m->PulledBytes(kTransport);
@@ -287,7 +304,7 @@ class ShardService final : public v1::Shard::CallbackService {
   }
   ::grpc::ServerReadReactor<v1::PushGradRequest>* PushGrad(::grpc::CallbackServerContext* context,
                                                            v1::PushGradResponse* response) override {
-    return new PushGradReactor(core_, calls_, pushed_bytes_.get(), drain_, context, response);
+    return new PushGradReactor(core_, calls_, pushed_bytes_.get(), drain_, streams_, context, response);
   }
   ::grpc::ServerWriteReactor<v1::PullParamsResponse>* PullParams(::grpc::CallbackServerContext* context,
                                                                  const v1::PullParamsRequest* request) override {
@@ -445,6 +462,7 @@ class ShardService final : public v1::Shard::CallbackService {
   StepDrain* const drain_;
   const std::string internal_;  // empty: no internal-peer check
   NcclChannelServer* const nccl_;  // null: no nccl transport
+  PushStreams* const streams_;     // the open PushGrad streams
   std::shared_ptr<metrics::Counter> pushed_bytes_, pulled_bytes_;  // null: no metrics
 };
 
@@ -452,6 +470,7 @@ class ShardService final : public v1::Shard::CallbackService {
 
 struct ShardServer::Impl {
   Options options;
+  std::unique_ptr<PushStreams> streams;  // declared first: outlives the server and its reactors
   Calls calls;
   std::unique_ptr<ShardService> service;
   std::unique_ptr<::grpc::Server> server;
@@ -506,8 +525,9 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options)
     return absl::InvalidArgumentError(
         "--tls-internal-name needs mutual TLS (--tls-client-auth require): the name is read from client certificates");
   }
+  impl->streams = std::make_unique<PushStreams>(options.push_idle_timeout);
   impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls, options.drain, options.internal_peer_name,
-                                                 options.nccl);
+                                                 options.nccl, impl->streams.get());
   ::grpc::EnableDefaultHealthCheckService(true);
   ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   ::grpc::ServerBuilder builder;

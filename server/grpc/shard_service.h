@@ -8,7 +8,8 @@
 // after their header is accepted (UNAVAILABLE for new steps while draining, nothing stored).
 //
 // PushGrad is a callback read reactor that validates the header before any data arrives and
-// stages chunks in the core's PushSession (nothing is stored until the stream ends well).
+// stages chunks in the core's PushSession (nothing is stored until the stream ends well); an
+// idle stream, or one a newer stream of the same push replaces, is cancelled.
 // PullParams and FinishStep wait for a step, so they run on helper threads (server/grpc/calls.h),
 // in slices that notice a cancelled call or a shutdown; PullParams then streams the immutable
 // snapshot in chunks of at most max_chunk_bytes (default 1 MiB, capped at 4 MiB).
@@ -26,6 +27,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/tls.h"
 #include "server/daemon/shard_daemon.h"
 #include "server/daemon/step_drain.h"
@@ -52,6 +54,10 @@ class ShardServer {
     // The nccl transport's calls go here; not owned, must outlive the server. Null: they answer
     // UNIMPLEMENTED (mainstayd started without --transports nccl).
     NcclChannelServer* nccl = nullptr;
+    // A PushGrad stream that receives no message for this long is cancelled (nothing of it is
+    // stored), and a second stream of the same (job, bucket, shard, step, rank) cancels the
+    // first (server/grpc/push_streams.h). mainstayd --push-idle-timeout-ms.
+    absl::Duration push_idle_timeout = absl::Seconds(60);
   };
 
   // INVALID_ARGUMENT for bad options (unreadable or mismatched TLS files included);

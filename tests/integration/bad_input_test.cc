@@ -130,7 +130,7 @@ class BadInputTest : public ::testing::Test {
     coordinator_address_ = absl::StrCat("127.0.0.1:", *port);
     auto d = Subprocess::Start({{MAINSTAYD_BIN, "--coordinator", coordinator_address_, "--listen", "127.0.0.1:0",
                                  "--node-name", "node0", "--threads", "1", "--metrics-listen", "off", "--memory-bytes",
-                                 "4000000000", "--port-file", dir_->File("dport")},
+                                 "4000000000", "--push-idle-timeout-ms", "2000", "--port-file", dir_->File("dport")},
                                 dir_->File("daemon.log")});
     ASSERT_THAT(d.status(), IsOk());
     daemon_ = *std::move(d);
@@ -341,6 +341,51 @@ TEST_F(BadInputTest, MissingTokenOrAnotherJobsTokenIsRefusedAndStoresNothing) {
   h.set_job_token((*other)->job_token());
   EXPECT_THAT(RawPush(address_, h, InChunks(Grad(1))), StatusIs(absl::StatusCode::kPermissionDenied));
   ExpectStepOneCommitsAsIfNothingHappened();
+}
+
+TEST_F(BadInputTest, SilentOrReplacedPushStreamsAreCancelledAndStoreNothing) {
+  // Issue 18, item 7: one open stream per (job, bucket, shard, step, rank), and none silent for
+  // longer than --push-idle-timeout-ms (2 s here).
+  auto stub = v1::Shard::NewStub(::grpc::CreateChannel(address_, ::grpc::InsecureChannelCredentials()));
+  struct Open {
+    ::grpc::ClientContext context;
+    v1::PushGradResponse response;
+    std::unique_ptr<::grpc::ClientWriter<v1::PushGradRequest>> writer;
+  };
+  auto open = [&](const v1::PushGradHeader& h) {
+    auto o = std::make_unique<Open>();
+    o->context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+    o->writer = stub->PushGrad(&o->context, &o->response);
+    v1::PushGradRequest request;
+    *request.mutable_header() = h;
+    EXPECT_TRUE(o->writer->Write(request));
+    return o;
+  };
+  // A second stream of the same push replaces the first, which the daemon cancels.
+  std::unique_ptr<Open> first = open(Header(1));
+  absl::SleepFor(absl::Milliseconds(300));
+  std::unique_ptr<Open> second = open(Header(1));
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_THAT(FromGrpcStatus(first->writer->Finish()), StatusIs(absl::StatusCode::kCancelled));
+  // The newer one is alive; the trainer gives it up (nothing stored either).
+  second->context.TryCancel();
+  EXPECT_THAT(FromGrpcStatus(second->writer->Finish()), StatusIs(absl::StatusCode::kCancelled));
+  // A stream that sends its header and then nothing is cancelled after the idle timeout.
+  v1::PushGradHeader other = Header(1);
+  other.set_bucket(static_cast<int32_t>(layout().buckets.size()) - 1);
+  other.set_total_bytes(layout().buckets.back().shard_numel * 4);
+  other.clear_crc32c();
+  const absl::Time start = absl::Now();
+  std::unique_ptr<Open> silent = open(other);
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (ReadFileOrEmpty(dir_->File("daemon.log")).find("PushGrad stream(s) that sent nothing") == std::string::npos &&
+         absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_LT(absl::Now(), give_up) << "the silent stream was not cancelled\n" << Logs();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(1900));
+  EXPECT_THAT(FromGrpcStatus(silent->writer->Finish()), StatusIs(absl::StatusCode::kCancelled));
+  ExpectStepOneCommitsAsIfNothingHappened();  // none of the three stored anything
 }
 
 TEST_F(BadInputTest, CheckpointPathsOutsideTheCoordinatorsDirectoryAreRefusedAndChangeNothing) {
