@@ -9,15 +9,28 @@
 // fused AdamW + amax + quantize of the kernels over the whole model, on --baseline-threads
 // threads). ratio = slice step time / in-process step time.
 //
+// With --move-at-step S, a spare daemon starts too, and just before step S the last rank's
+// shards are moved to it (Admin.MoveShard, the live move of docs/daemon.md) while the trainers
+// go on. Reported: the time from MoveShard until the spare had installed the copy (its log's
+// "copied" line), the bytes of optimizer state moved, an in-process memcpy of as many bytes in
+// the same run, and the step times before, during and after the move.
+//
 //   step_bench --coordinator-bin PATH --daemon-bin PATH [--params 256e6] [--dp 2] [--steps 3]
 //              [--recipe bf16_with_fp8_current_scaling_mixed] [--daemon-threads 1]
 //              [--transport auto|grpc|ucx]   (UCX_TLS in the environment reaches the daemons too)
+//              [--move-at-step S]
+// STEP_BENCH_PRINT_LOGS=1 prints the daemons' and the coordinator's logs at the end.
+#include <grpcpp/grpcpp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -31,6 +44,8 @@
 #include "kernels/cpu/executor.h"
 #include "kernels/kernels.h"
 #include "mainstay/client.h"
+#include "mainstay/v1/admin.grpc.pb.h"
+#include "mainstay/v1/coordinator.grpc.pb.h"
 #include "tests/testing/subprocess.h"
 
 namespace mainstay {
@@ -49,6 +64,7 @@ struct Flags {
   int baseline_threads = 1;
   std::string recipe = "bf16_with_fp8_current_scaling_mixed";
   std::string transport = "auto";
+  int move_at_step = -1;  // -1: no move
 };
 
 [[noreturn]] void Die(const std::string& message) {
@@ -69,10 +85,12 @@ Flags ParseFlags(int argc, char** argv) {
     else if (name == "--baseline-threads") f.baseline_threads = std::atoi(value.c_str());
     else if (name == "--recipe") f.recipe = value;
     else if (name == "--transport") f.transport = value;
+    else if (name == "--move-at-step") f.move_at_step = std::atoi(value.c_str());
     else Die("unknown flag " + name);
   }
   if (f.coordinator_bin.empty() || f.daemon_bin.empty()) Die("--coordinator-bin and --daemon-bin are required");
   if (f.dp < 1 || f.steps < 1 || f.params < 1e6) Die("bad --dp, --steps or --params");
+  if (f.move_at_step == 0 || f.move_at_step > f.steps) Die("--move-at-step must be in [1, --steps] (step 0 warms up)");
   return f;
 }
 
@@ -120,6 +138,58 @@ TrainerTimes Step(Client& c, int64_t step, std::vector<std::vector<float>>& grad
   t.pull = Seconds(t2, t3);
   t.total = Seconds(t0, t3);
   return t;
+}
+
+// Moves the last rank to the spare daemon (node "spare") with Admin.MoveShard, and returns once
+// the spare's log says it installed the copy.
+absl::Status MoveLastRank(const std::string& coordinator, const Client& client, const std::string& spare_log) {
+  auto channel = ::grpc::CreateChannel(coordinator, ::grpc::InsecureChannelCredentials());
+  auto coord = v1::Coordinator::NewStub(channel);
+  v1::ListDaemonsRequest list;
+  v1::ListDaemonsResponse daemons;
+  {
+    ::grpc::ClientContext context;
+    if (::grpc::Status s = coord->ListDaemons(&context, list, &daemons); !s.ok()) {
+      return absl::UnavailableError("ListDaemons: " + s.error_message());
+    }
+  }
+  std::string spare;
+  for (const v1::DaemonInfo& d : daemons.daemons()) {
+    if (d.endpoint().node_name() == "spare") spare = d.endpoint().daemon_id();
+  }
+  if (spare.empty()) return absl::NotFoundError("no spare daemon registered");
+  v1::MoveShardRequest request;
+  request.set_job_id(client.job_id());
+  request.mutable_shard()->set_shard(client.layout().data_parallel_size - 1);
+  request.set_to_daemon_id(spare);
+  v1::MoveShardResponse response;
+  {
+    ::grpc::ClientContext context;
+    auto admin = v1::Admin::NewStub(channel);
+    if (::grpc::Status s = admin->MoveShard(&context, request, &response); !s.ok()) {
+      return absl::FailedPreconditionError("MoveShard: " + s.error_message());
+    }
+  }
+  const absl::Time give_up = absl::Now() + absl::Minutes(10);
+  while (absl::Now() < give_up) {
+    std::ifstream in(spare_log);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (text.find(": copied ") != std::string::npos) return absl::OkStatus();
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return absl::DeadlineExceededError("the spare did not install the copy within 10 minutes");
+}
+
+// The fastest of three in-process copies of `bytes` (first touch excluded).
+double MemcpySeconds(int64_t bytes) {
+  std::vector<uint8_t> from(static_cast<size_t>(bytes), 1), to(static_cast<size_t>(bytes), 0);
+  double best = 1e30;
+  for (int r = 0; r < 3; ++r) {
+    const Clock::time_point t0 = Clock::now();
+    std::memcpy(to.data(), from.data(), from.size());
+    best = std::min(best, Seconds(t0, Clock::now()));
+  }
+  return best;
 }
 
 // The in-process update of the whole model: fused AdamW with amax, then quantize.
@@ -186,10 +256,11 @@ int Main(int argc, char** argv) {
   if (!cport.ok()) Die(cport.status().ToString());
   const std::string address = absl::StrCat("127.0.0.1:", *cport);
   std::vector<std::unique_ptr<testing::Subprocess>> daemons;
-  for (int i = 0; i < f.dp; ++i) {
+  const bool move = f.move_at_step > 0;
+  for (int i = 0; i < f.dp + (move ? 1 : 0); ++i) {  // the last one is the move's spare
     const std::string port_file = (*dir)->File(absl::StrCat("dport", i));
     auto d = testing::Subprocess::Start({{f.daemon_bin, "--coordinator", address, "--listen", "127.0.0.1:0",
-                                          "--node-name", absl::StrCat("node", i), "--threads",
+                                          "--node-name", i == f.dp ? std::string("spare") : absl::StrCat("node", i), "--threads",
                                           std::to_string(f.daemon_threads), "--retained-versions", "2", "--metrics-listen", "off",
                                           "--port-file", port_file},
                                          (*dir)->File(absl::StrCat("daemon", i, ".log"))});
@@ -243,7 +314,21 @@ int Main(int argc, char** argv) {
   std::printf("%6s %9s %9s %9s %9s | daemon: %8s %8s %8s %8s %8s %8s\n", "step", "total_s", "push_s", "finish_s",
               "pull_s", "wait_ms", "stats_ms", "rstat_ms", "upd_ms", "ramax_ms", "quant_ms");
   std::vector<double> totals;
+  std::thread mover;
+  double move_s = -1;
+  int64_t move_done_step = -1;
+  std::atomic<int64_t> current_step{0};
   for (int64_t step = 0; step < f.steps + 1; ++step) {  // step 0 is a warm-up
+    current_step = step;
+    if (step == f.move_at_step) {
+      mover = std::thread([&] {
+        const Clock::time_point t0 = Clock::now();
+        absl::Status s = MoveLastRank(address, *clients[0], (*dir)->File(absl::StrCat("daemon", f.dp, ".log")));
+        if (!s.ok()) Die(s.ToString());
+        move_s = Seconds(t0, Clock::now());
+        move_done_step = current_step.load();
+      });
+    }
     std::vector<TrainerTimes> times(static_cast<size_t>(f.dp));
     std::vector<std::thread> threads;
     for (int r = 0; r < f.dp; ++r) {
@@ -258,8 +343,19 @@ int Main(int argc, char** argv) {
     std::printf("%6lld %9.2f %9.2f %9.2f %9.2f |         %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f%s\n",
                 static_cast<long long>(step), slowest.total, slowest.push, slowest.finish, slowest.pull,
                 ph.wait_inputs_ms, ph.grad_stats_ms, ph.reduce_stats_ms, ph.update_ms, ph.reduce_amax_ms,
-                ph.quantize_ms, step == 0 ? "  (warm-up)" : "");
+                ph.quantize_ms, step == 0 ? "  (warm-up)" : step == f.move_at_step ? "  (move starts)" : "");
     if (step > 0) totals.push_back(slowest.total);
+  }
+  if (mover.joinable()) mover.join();
+  if (move) {
+    int64_t state_bytes = 0;
+    const int64_t moment_bytes = BitsOf(job->spec.optimizer.moment_dtype) / 8;
+    for (const Bucket& b : layout.buckets) state_bytes += b.shard_numel * (4 + 2 * moment_bytes);
+    const double copy_s = MemcpySeconds(state_bytes);
+    std::printf("\nmove of rank %d before step %d: %.2f GB of optimizer state (masters and moments) in %.2f s "
+                "(installed during step %lld); memcpy of as many bytes in-process: %.3f s; ratio %.1f\n",
+                f.dp - 1, f.move_at_step, state_bytes / 1e9, move_s, static_cast<long long>(move_done_step), copy_s,
+                move_s / copy_s);
   }
   std::sort(totals.begin(), totals.end());
   const double median = totals[totals.size() / 2];
@@ -271,6 +367,12 @@ int Main(int argc, char** argv) {
               "quantized)\n",
               static_cast<double>(params) * 4 / f.dp / 1e9, static_cast<double>(published) / 1e9);
   clients.clear();
+  if (std::getenv("STEP_BENCH_PRINT_LOGS") != nullptr) {  // for looking into a slow step
+    for (int i = 0; i < f.dp + (move ? 1 : 0); ++i) {
+      std::fprintf(stderr, "--- daemon %d\n%s", i, testing::ReadFileOrEmpty((*dir)->File(absl::StrCat("daemon", i, ".log"))).c_str());
+    }
+    std::fprintf(stderr, "--- coordinator\n%s", testing::ReadFileOrEmpty((*dir)->File("coordinator.log")).c_str());
+  }
   return 0;
 }
 
