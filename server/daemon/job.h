@@ -224,6 +224,16 @@ class Job : public std::enable_shared_from_this<Job> {
     ElementType dtype = ElementType::kFloat32;
     double loss_scale = 1.0;  // multiplied into these gradients by the trainers (1 = none)
     std::map<int32_t, std::vector<uint8_t>> by_rank;
+    // Adds `rank`'s payload unless it has one; the first payload sets the push's description.
+    // True when added.
+    bool Add(int32_t rank, int32_t contributors, ElementType type, double scale, std::vector<uint8_t>&& payload) {
+      if (by_rank.empty()) {
+        num_contributors = contributors;
+        dtype = type;
+        loss_scale = scale;
+      }
+      return by_rank.emplace(rank, std::move(payload)).second;
+    }
   };
   // A restore in progress: what the step thread loads before republishing.
   struct Restore {

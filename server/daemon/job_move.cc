@@ -183,13 +183,7 @@ void Job::RunMovesIn() {
       if (p.step >= 0 ? p.step <= committed_step_ : version_ >= 0) continue;
       StepInputs& step = pending_[p.step];
       if (step.first_push_ms == 0) step.first_push_ms = options_.clock->NowUnixMs();
-      ShardInputs& in = step.shards[key];
-      if (in.by_rank.empty()) {
-        in.num_contributors = p.num_contributors;
-        in.dtype = p.dtype;
-        in.loss_scale = p.loss_scale;
-      }
-      carried += in.by_rank.emplace(p.rank, std::move(p.payload)).second ? 1 : 0;
+      carried += step.shards[key].Add(p.rank, p.num_contributors, p.dtype, p.loss_scale, std::move(p.payload)) ? 1 : 0;
     }
   }
   moves_in_.erase(moves_in_.begin());

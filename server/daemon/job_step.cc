@@ -433,13 +433,9 @@ void Job::RunSteps() {
       decisions_.erase(step);
       StepInputs& back = pending_[step];
       for (auto& [key, in] : inputs.shards) {
-        ShardInputs& b = back.shards[key];
-        if (b.by_rank.empty()) {
-          b.num_contributors = in.num_contributors;
-          b.dtype = in.dtype;
-          b.loss_scale = in.loss_scale;
+        for (auto& [rank, data] : in.by_rank) {
+          back.shards[key].Add(rank, in.num_contributors, in.dtype, in.loss_scale, std::move(data));
         }
-        for (auto& [rank, data] : in.by_rank) b.by_rank.emplace(rank, std::move(data));
       }
       back.finished.insert(inputs.finished.begin(), inputs.finished.end());
       if (back.first_push_ms == 0) back.first_push_ms = inputs.first_push_ms;

@@ -12,15 +12,17 @@
 namespace mainstay::daemon {
 namespace {
 
+// `base`: bytes of the buffer written before these (the pending pushes share one buffer).
 absl::Status WriteBuffer(v1::StateBuffer buffer, const uint8_t* bytes, int64_t size, int element_bytes,
-                         int64_t chunk, const std::function<bool(const v1::FetchShardStateResponse&)>& write) {
+                         int64_t chunk, const std::function<bool(const v1::FetchShardStateResponse&)>& write,
+                         int64_t base = 0) {
   v1::FetchShardStateResponse message;
   for (int64_t off = 0; off < size; off += chunk) {
     const int64_t n = std::min<int64_t>(chunk, size - off);
     message.Clear();
     v1::ShardStateChunk& c = *message.mutable_chunk();
     c.set_buffer(buffer);
-    c.set_element_offset(off / element_bytes);
+    c.set_element_offset((base + off) / element_bytes);
     c.set_data(bytes + off, static_cast<size_t>(n));
     if (!write(message)) return absl::CancelledError("FetchShardState: the reader went away");
   }
@@ -68,18 +70,10 @@ absl::Status WriteShardState(const ShardStateCopy& copy, int64_t chunk_bytes,
   }
   // The pending payloads, as one buffer: chunk offsets count from the first one's start.
   int64_t base = 0;
-  v1::FetchShardStateResponse chunk;
   for (const PendingPushCopy& p : copy.pending) {
     const int64_t size = static_cast<int64_t>(p.payload.size());
-    for (int64_t off = 0; off < size; off += chunk_bytes) {
-      const int64_t n = std::min<int64_t>(chunk_bytes, size - off);
-      chunk.Clear();
-      v1::ShardStateChunk& c = *chunk.mutable_chunk();
-      c.set_buffer(v1::STATE_BUFFER_PENDING_PUSHES);
-      c.set_element_offset(base + off);
-      c.set_data(p.payload.data() + off, static_cast<size_t>(n));
-      if (!write(chunk)) return absl::CancelledError("FetchShardState: the reader went away");
-    }
+    MAINSTAY_RETURN_IF_ERROR(
+        WriteBuffer(v1::STATE_BUFFER_PENDING_PUSHES, p.payload.data(), size, 1, chunk_bytes, write, base));
     base += size;
   }
   return absl::OkStatus();
