@@ -215,7 +215,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(absl::string_view json_text) {
   MAINSTAY_RETURN_IF_ERROR(CheckKeys(j, "",
                                      {"name", "recipe", "recipe_options", "overrides", "optimizer",
                                       "data_parallel_size", "layout_policy", "bucket_numel", "num_layers",
-                                      "tensors", "trainer_nodes"}));
+                                      "tensors", "trainer_nodes", "replication_factor"}));
   JobSpec spec;
   if (!j.contains("name")) return InvalidArgumentError("name", "is required");
   MAINSTAY_ASSIGN_OR_RETURN(spec.name, GetString(j["name"], "name"));
@@ -249,6 +249,10 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(absl::string_view json_text) {
   if (j.contains("data_parallel_size")) {
     MAINSTAY_ASSIGN_OR_RETURN(spec.data_parallel_size,
                               GetInt(j["data_parallel_size"], "data_parallel_size", 1, kMaxDataParallelSize));
+  }
+  if (j.contains("replication_factor")) {
+    MAINSTAY_ASSIGN_OR_RETURN(int64_t r, GetInt(j["replication_factor"], "replication_factor", 1, kMaxReplicationFactor));
+    spec.replication_factor = static_cast<int>(r);
   }
   if (j.contains("layout_policy")) {
     MAINSTAY_ASSIGN_OR_RETURN(std::string policy, GetString(j["layout_policy"], "layout_policy"));
@@ -329,6 +333,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
   for (const TensorSpec& t : spec.tensors) tensors.push_back({{"name", t.name}, {"shape", t.shape}});
   j["tensors"] = tensors;
   if (!spec.trainer_nodes.empty()) j["trainer_nodes"] = spec.trainer_nodes;
+  if (spec.replication_factor != 1) j["replication_factor"] = spec.replication_factor;
   return j.dump(2);
 }
 

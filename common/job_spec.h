@@ -51,7 +51,10 @@ struct JobSpec {
   int num_layers = 0;                     // transformer layers; 0 = inferred from names
   std::vector<TensorSpec> tensors;        // registration order; formats are resolved later
   std::vector<std::string> trainer_nodes; // node of each trainer rank (D entries) or empty
+  int replication_factor = 1;             // copies of each shard's state, 1..kMaxReplicationFactor
 };
+
+inline constexpr int kMaxReplicationFactor = 3;
 
 absl::StatusOr<JobSpec> ParseJobSpecJson(absl::string_view json_text);
 absl::StatusOr<JobSpec> LoadJobSpecFile(const std::string& path);

@@ -42,6 +42,7 @@ void JobSpecToProto(const JobSpec& spec, v1::JobSpec* out) {
     for (int64_t d : t.shape) p->add_shape(d);
   }
   for (const std::string& node : spec.trainer_nodes) out->add_trainer_nodes(node);
+  out->set_replication_factor(spec.replication_factor);
 }
 
 absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& p) {
@@ -90,6 +91,7 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& p) {
   if (p.trainer_nodes_size() > 0) {
     j["trainer_nodes"] = std::vector<std::string>(p.trainer_nodes().begin(), p.trainer_nodes().end());
   }
+  if (p.replication_factor() != 0) j["replication_factor"] = p.replication_factor();
   return ParseJobSpecJson(j.dump());
 }
 

@@ -147,6 +147,13 @@ absl::Status Job::CheckRoute(int64_t epoch, int32_t bucket, int32_t shard) const
         "job ", job_id_, ": this daemon does not own ", ShardName(bucket, shard), " at placement epoch ", epoch_,
         "; re-read the placement")));
   }
+  if (it->second->replica) {
+    auto owner = owners_.find(it->first);
+    return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id_, ": this daemon holds a replica of ", ShardName(bucket, shard), " at placement epoch ", epoch_,
+        "; its primary is daemon ", owner == owners_.end() ? std::string("?") : owner->second,
+        ": re-read the placement")));
+  }
   if (it->second->incoming) {
     return absl::UnavailableError(absl::StrCat("job ", job_id_, ": ", ShardName(bucket, shard),
                                                " is being copied here from its previous daemon; retry"));
@@ -160,11 +167,33 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
                                                       request.placement_epoch(), " is older than ", epoch_));
   }
   std::map<Key, std::string> owners;
+  std::map<Key, std::vector<std::string>> replicas;
   std::set<std::string> members;
   for (const v1::ShardPlacement& p : request.placement().shards()) {
-    owners[{p.shard().bucket(), p.shard().shard()}] = p.daemon_id();
+    const Key key{p.shard().bucket(), p.shard().shard()};
+    owners[key] = p.daemon_id();
     members.insert(p.daemon_id());
+    for (const std::string& r : p.replica_daemon_ids()) {
+      if (r == p.daemon_id()) {
+        return absl::InvalidArgumentError(absl::StrCat("AssignShard: daemon ", r, " is both the primary and a replica of ",
+                                                       ShardName(key.first, key.second)));
+      }
+      replicas[key].push_back(r);
+      members.insert(r);
+    }
   }
+  // What the placement makes of this daemon for a shard: its primary, a replica, or neither.
+  auto holds = [&](const Key& key) {
+    auto owner = owners.find(key);
+    if (owner == owners.end()) return true;  // (a placement always lists every shard)
+    if (owner->second == options_.daemon_id) return true;
+    auto r = replicas.find(key);
+    return r != replicas.end() && std::count(r->second.begin(), r->second.end(), options_.daemon_id) > 0;
+  };
+  auto is_replica = [&](const Key& key) {
+    auto owner = owners.find(key);
+    return owner != owners.end() && owner->second != options_.daemon_id;
+  };
   for (const v1::ShardRef& ref : request.shards()) {
     const Key key{ref.bucket(), ref.shard()};
     if (key.first < 0 || key.first >= static_cast<int32_t>(job_.layout.buckets.size()) || key.second < 0 ||
@@ -185,8 +214,7 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
   // Shards this placement gives to another daemon stop being served here; their state stays
   // for the new owner's copy until DropShard (a move). One given back is served again.
   for (auto it = shards_.begin(); it != shards_.end();) {
-    auto owner = owners.find(it->first);
-    if (owner != owners.end() && owner->second != options_.daemon_id) {
+    if (!holds(it->first)) {
       moving_out_[it->first] = it->second;
       it = shards_.erase(it);
     } else {
@@ -194,15 +222,27 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
     }
   }
   for (auto it = moving_out_.begin(); it != moving_out_.end();) {
-    auto owner = owners.find(it->first);
-    if (owner != owners.end() && owner->second == options_.daemon_id) {
+    if (holds(it->first)) {
       shards_[it->first] = it->second;
       it = moving_out_.erase(it);
     } else {
       ++it;
     }
   }
-  owners_ = std::move(owners);
+  // A replica promoted to primary (its primary was lost: failover) serves the trainers from now
+  // on; its forwarded inputs not applied are dropped (the trainers push the step to it again).
+  // A primary turned replica drops the trainers' pushes it held.
+  for (auto& [key, state] : shards_) {
+    const bool replica = is_replica(key);
+    if (state->replica == replica) continue;
+    Log(LogLevel::kInfo, "daemon",
+        absl::StrCat("job ", job_id_, ": ", ShardName(key.first, key.second), " is ", replica ? "a replica" : "the primary",
+                     " here from placement epoch ", request.placement_epoch()));
+    state->replica = replica;
+    for (auto& [step, in] : replica_inputs_) in.erase(key);
+    for (auto& [step, in] : pending_) in.shards.erase(key);
+  }
+
   members_.assign(members.begin(), members.end());
   endpoints_.clear();
   for (const v1::DaemonEndpoint& e : request.placement().daemons()) endpoints_[e.daemon_id()] = e;
@@ -214,6 +254,7 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
     state->bucket = key.first;
     state->shard = key.second;
     state->numel = job_.layout.buckets[static_cast<size_t>(key.first)].shard_numel;
+    state->replica = is_replica(key);
     if (request.has_from_peer()) {
       state->incoming = true;
       move_in.keys.push_back(key);
@@ -221,6 +262,8 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
     shards_[key] = std::move(state);
   }
   if (!move_in.keys.empty()) moves_in_.push_back(std::move(move_in));
+  owners_ = std::move(owners);  // (last: the lambdas above read them)
+  replicas_ = std::move(replicas);
   return absl::OkStatus();
 }
 
@@ -260,6 +303,7 @@ bool Job::Ready(int64_t step) const {
   const StepInputs& in = it->second;
   std::set<int32_t> ranks;
   for (const auto& [key, state] : shards_) {
+    if (state->replica) continue;  // its input comes from the primary, taken mid-step
     auto sit = in.shards.find(key);
     if (sit == in.shards.end()) return false;
     if (static_cast<int32_t>(sit->second.by_rank.size()) < sit->second.num_contributors) return false;
@@ -367,11 +411,11 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
     return absl::InvalidArgumentError(absl::StrCat("FinishStep: rank ", request.rank(), " is outside [0, ", d, ")"));
   }
   const auto hyper = std::make_pair(request.lr(), request.weight_decay());
-  if (step >= 0 && executing_step_ == step && hyper != executing_hyper_) {
+  if (step >= 0 && executing_step_ == step && executing_hyper_.has_value() && hyper != *executing_hyper_) {
     return absl::InvalidArgumentError(absl::StrCat("FinishStep: rank ", request.rank(), " sends lr ", hyper.first,
                                                    " weight_decay ", hyper.second, " for step ", step,
-                                                   " but it runs with lr ", executing_hyper_.first, " weight_decay ",
-                                                   executing_hyper_.second));
+                                                   " but it runs with lr ", executing_hyper_->first, " weight_decay ",
+                                                   executing_hyper_->second));
   }
   if (step >= 0 && rewound_ && step > next_step_) return RewoundError("FinishStep", step);
   if (request.redirected() && step >= 0 && !Decided(step) && executing_step_ != step && !failures_.count(step)) {
@@ -454,7 +498,7 @@ absl::StatusOr<ShardStateCopy> Job::ReadShardState(int32_t bucket, int32_t shard
   auto it = shards_.find({bucket, shard});
   if (it == shards_.end()) {
     return ErrorWithDetail(absl::FailedPreconditionError(
-        absl::StrCat("job ", job_id_, ": this daemon does not own ", ShardName(bucket, shard))));
+        absl::StrCat("job ", job_id_, ": this daemon holds no primary or replica of ", ShardName(bucket, shard))));
   }
   ShardStateCopy copy;
   copy.version = it->second->initialized ? version_ : -1;
@@ -473,7 +517,7 @@ std::vector<v1::ShardStatus> Job::ShardStatuses() const {
     v1::ShardStatus s;
     s.mutable_shard()->set_bucket(key.first);
     s.mutable_shard()->set_shard(key.second);
-    s.set_role(v1::SHARD_ROLE_PRIMARY);
+    s.set_role(state->replica ? v1::SHARD_ROLE_REPLICA : v1::SHARD_ROLE_PRIMARY);
     s.set_version(state->initialized ? version_ : -1);
     s.set_committed_step(committed_step_);
     int64_t bytes = static_cast<int64_t>(state->master.size() * 4 + state->m.size() + state->v.size());

@@ -10,6 +10,16 @@
 // and its waiters get ABORTED, so the trainers push it again. Version 0 comes the same way
 // from PUSH_KIND_INITIAL_PARAMS pushes (step -1; no FinishStep needed).
 //
+// Replicas (replication_factor >= 2; docs/architecture.md, "Replicas"): the placement names
+// each (bucket, shard)'s primary and replicas. A daemon holds both kinds in `shards_`; trainers
+// reach only primaries. At the start of each attempt of a step, before the first peer reduction,
+// the primary sends each replica the shard's input (ForwardStepInput: the gradient its update
+// reads, the loss scale, the hyperparameters). The replica takes it after the stats reduction
+// (which every forward of the attempt precedes) and applies the same update, with the same
+// reduced scalars, before the amax reduction: so when any daemon commits step s, every replica
+// holds the input and the decision of s. Replica-only daemons join the reductions with nothing
+// to add to the sums.
+//
 // Memory: per owned shard, master + moments + their scratch copies (the price of the atomic
 // commit) + `retained_versions` published snapshots + the pending gradients of at most two
 // steps. Pulls get shared_ptrs to immutable snapshots, so eviction never tears a reader.
@@ -25,6 +35,7 @@
 #include <map>
 #include <span>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -176,7 +187,18 @@ class Job : public std::enable_shared_from_this<Job> {
   // The checkpoint this job was restored from and the epoch of that assignment ("" / -1: none).
   std::pair<std::string, int64_t> restored_from() const;
 
-  // A consistent copy of a shard's committed state. FAILED_PRECONDITION when not owned.
+  // A primary's input of `header.step` for a replica of (bucket, shard) held here
+  // (ForwardStepInput). CheckReplicaInput validates the header before the payload is read:
+  // FAILED_PRECONDITION when this daemon holds no replica of the shard at that epoch (or the
+  // step is decided), UNAVAILABLE when it has not received that epoch yet, INVALID_ARGUMENT for
+  // a size or dtype that does not fit. StoreReplicaInput checks again and keeps the payload; a
+  // newer attempt's input replaces an older one not yet applied. Returns true when the input
+  // was already applied (a duplicate, nothing stored).
+  absl::StatusOr<bool> CheckReplicaInput(const v1::ReplicaInputHeader& header) const;
+  absl::StatusOr<bool> StoreReplicaInput(const v1::ReplicaInputHeader& header, std::vector<uint8_t> payload);
+
+  // A consistent copy of a shard's committed state (a primary's or a replica's).
+  // FAILED_PRECONDITION when the daemon holds neither.
   absl::StatusOr<ShardStateCopy> ReadShardState(int32_t bucket, int32_t shard) const;
   // A move's copy of a shard, owned or moving out (job_move.cc). When request.placement_epoch is
   // newer than the job's, this daemon first fences the job: no step at an older epoch starts any
@@ -203,6 +225,7 @@ class Job : public std::enable_shared_from_this<Job> {
     int64_t numel = 0;
     bool initialized = false;  // has masters (version 0 published)
     bool incoming = false;     // assigned from a peer, not copied yet (job_move.cc)
+    bool replica = false;      // a replica: updated from its primary's forwarded inputs
     std::vector<float> master, scratch_master;
     std::vector<uint8_t> m, v, scratch_m, scratch_v;
     std::vector<float> grad_sum;  // for num_contributors > 1
@@ -249,6 +272,13 @@ class Job : public std::enable_shared_from_this<Job> {
     std::map<int32_t, std::pair<double, double>> finished;  // rank -> (lr, weight_decay)
     int64_t first_push_ms = 0;
   };
+  // A primary's forwarded input of one step for a replica shard (ForwardStepInput).
+  struct ReplicaInput {
+    ElementType dtype = ElementType::kFloat32;
+    double loss_scale = 1.0;
+    double lr = 0.0, weight_decay = 0.0;
+    std::vector<uint8_t> data;
+  };
   struct StepResult {
     bool skipped = false;
     v1::StepStats stats;
@@ -263,6 +293,28 @@ class Job : public std::enable_shared_from_this<Job> {
   }
   // Routing checks shared by every data-plane call: epoch, bucket, shard ownership.
   absl::Status CheckRoute(int64_t epoch, int32_t bucket, int32_t shard) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // CheckReplicaInput under the lock.
+  absl::StatusOr<bool> CheckReplicaInputLocked(const v1::ReplicaInputHeader& header) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The primary's half of replication (job_replica.cc): sends each replica of a primary shard in
+  // `shards` its input of `step` (`data[i]`, the bytes the update reads). Runs while the caller
+  // computes the gradient statistics; the first error, if any.
+  struct Forward {
+    size_t index;  // into the step's shards
+    const uint8_t* data;
+    ElementType dtype;
+    double loss_scale;
+  };
+  absl::Status ForwardInputs(int64_t step, int64_t epoch, const std::vector<Forward>& forwards,
+                             const std::vector<std::shared_ptr<ShardState>>& shards, double lr, double weight_decay,
+                             const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of, absl::Time deadline);
+  // The replica's half: waits (until `deadline`) for the inputs of `step` of every replica shard
+  // in `shards`, then takes them. UNAVAILABLE when the job stops, DEADLINE_EXCEEDED naming the
+  // shards still missing (the step then fails everywhere before its decision).
+  // ABORTED when the placement moves past `epoch` (the attempt's) meanwhile.
+  absl::StatusOr<std::map<Key, ReplicaInput>> TakeReplicaInputs(int64_t step, int64_t epoch,
+                                                                const std::vector<std::shared_ptr<ShardState>>& shards,
+                                                                absl::Time deadline);
   absl::Status ApplyPlacement(const v1::AssignShardRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::PushGradResponse> StorePush(PushSession& session);
   // An input buffer of the last committed step of exactly `bytes` (empty when none).
@@ -302,9 +354,11 @@ class Job : public std::enable_shared_from_this<Job> {
   // The step thread's scaling state as it goes into a checkpoint.
   v1::CheckpointScalingState ScalingProto() const;
   // The unlocked part of a step (job_step.cc): everything up to the commit.
+  // `replicas_of`: the replicas of the primary shards among `shards` (their forwards' targets).
   absl::StatusOr<StepResult> ExecuteStep(int64_t step, const StepInputs& inputs,
                                          const std::vector<std::shared_ptr<ShardState>>& shards,
-                                         const std::vector<std::string>& members, int64_t epoch);
+                                         const std::vector<std::string>& members, int64_t epoch,
+                                         const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of);
   // The job's peer group for `members` at `epoch` (job_outcome.cc): the current one, or a new
   // one at the generation the members agree on (PeerGroupFactory::Generation); true when new.
   absl::StatusOr<bool> EnsureGroup(const std::vector<std::string>& members, int64_t epoch, absl::Time deadline);
@@ -321,6 +375,13 @@ class Job : public std::enable_shared_from_this<Job> {
   // peer answers UNDECIDED (returns `cause`: every daemon gives the step up). Waits while a peer
   // is unreachable or still reducing; UNAVAILABLE when the job stops meanwhile.
   absl::StatusOr<v1::StepDecision> LearnDecision(int64_t step, const absl::Status& cause);
+  // With replicas, before a decided step is committed and acknowledged: makes sure every member
+  // holds its decision, so that no replica can give up a step a trainer was told is committed
+  // (docs/architecture.md, "Replicas"). A one-value barrier on the group, which each member
+  // enters only once it holds the decision; if it fails (or the group is already broken), asks
+  // the members (GetStepOutcome) until each one still in the placement answers DECIDED.
+  // UNAVAILABLE when the job stops meanwhile.
+  absl::Status ConfirmDecisionHeld(int64_t step);
 
   const std::string job_id_;
   const ResolvedJob job_;
@@ -332,6 +393,10 @@ class Job : public std::enable_shared_from_this<Job> {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<Key, std::string> owners_ ABSL_GUARDED_BY(mu_);
+  std::map<Key, std::vector<std::string>> replicas_ ABSL_GUARDED_BY(mu_);  // daemon ids, by shard
+  // Forwarded inputs of replica shards not applied yet: step -> shard -> input (the newest
+  // attempt's). Taken by the step thread; dropped once the step is decided.
+  std::map<int64_t, std::map<Key, ReplicaInput>> replica_inputs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> members_ ABSL_GUARDED_BY(mu_);  // sorted daemon ids of the placement
   std::map<std::string, v1::DaemonEndpoint> endpoints_ ABSL_GUARDED_BY(mu_);  // of the members
   std::map<Key, std::shared_ptr<ShardState>> shards_ ABSL_GUARDED_BY(mu_);
@@ -348,7 +413,9 @@ class Job : public std::enable_shared_from_this<Job> {
   int64_t next_step_ ABSL_GUARDED_BY(mu_) = -1;       // the step the engine waits for
   int64_t executing_step_ ABSL_GUARDED_BY(mu_) = -2;  // the step running unlocked, or -2
   std::set<std::tuple<int32_t, int32_t, int32_t>> executing_keys_ ABSL_GUARDED_BY(mu_);
-  std::pair<double, double> executing_hyper_ ABSL_GUARDED_BY(mu_);  // its (lr, weight_decay)
+  // Its (lr, weight_decay), when a trainer's FinishStep gave them (a replica-only attempt has
+  // them from its primaries, mid-step).
+  std::optional<std::pair<double, double>> executing_hyper_ ABSL_GUARDED_BY(mu_);
   int64_t committed_step_ ABSL_GUARDED_BY(mu_) = -1;  // last decided step (committed or skipped)
   int64_t version_ ABSL_GUARDED_BY(mu_) = -1;         // newest published version
   std::map<int64_t, StepInputs> pending_ ABSL_GUARDED_BY(mu_);

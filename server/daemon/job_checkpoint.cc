@@ -56,7 +56,9 @@ absl::StatusOr<JobSnapshot> Job::SnapshotAt(int64_t committed_step, absl::Time d
   std::map<Key, std::array<size_t, 3>> sizes;  // master, m, v elements
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [key, state] : shards_) sizes[key] = {state->master.size(), state->m.size(), state->v.size()};
+    for (const auto& [key, state] : shards_) {
+      if (!state->replica) sizes[key] = {state->master.size(), state->m.size(), state->v.size()};
+    }
   }
   std::map<Key, JobSnapshot::ShardCopy> buffers;
   for (const auto& [key, n] : sizes) {
@@ -86,6 +88,7 @@ absl::StatusOr<JobSnapshot> Job::SnapshotAt(int64_t committed_step, absl::Time d
   snap.committed_step = committed_step_;
   snap.scaling = committed_scaling_;
   for (const auto& [key, state] : shards_) {
+    if (state->replica) continue;  // its primary writes it
     if (!state->initialized) {
       return absl::FailedPreconditionError(absl::StrCat("WriteCheckpoint: shard (bucket ", key.first, ", shard ",
                                                         key.second, ") of job ", job_id_, " has no state yet"));
@@ -217,7 +220,7 @@ void Job::RunRestore() {
   StepInputs inputs;
   absl::Status loaded = LoadRestore(*restore, shards, inputs);
   absl::StatusOr<StepResult> result =
-      loaded.ok() ? ExecuteStep(-1, inputs, shards, members, epoch) : absl::StatusOr<StepResult>(loaded);
+      loaded.ok() ? ExecuteStep(-1, inputs, shards, members, epoch, {}) : absl::StatusOr<StepResult>(loaded);
 
   if (!result.ok()) BreakGroup();  // a failed collective leaves the group unusable
   mu_.Lock();

@@ -84,7 +84,7 @@ absl::Status Job::RunReduction(int64_t step, int index, const std::function<absl
     reducing_ = true;
   }
   absl::Status status = reduce();
-  if (status.ok() && options_.fault.armed() && options_.fault.step == step && options_.fault.reduction == index &&
+  if (status.ok() && options_.fault.Is(StepFault::Kind::kLoseReduction, step) && options_.fault.reduction == index &&
       !fault_fired_) {
     fault_fired_ = true;
     status = absl::DeadlineExceededError(absl::StrCat("injected fault: the result of reduction ", index, " of step ",
@@ -154,6 +154,60 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const absl::St
       Log(LogLevel::kWarning, "daemon",
           absl::StrCat("job ", job_id_, ": step ", step, " is in doubt for ", absl::FormatDuration(absl::Now() - start),
                        ": waiting for ", unknown));
+    }
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), kAskInterval);
+  }
+}
+
+absl::Status Job::ConfirmDecisionHeld(int64_t step) {
+  if (group_ != nullptr) {
+    float token = 0.0f;
+    const absl::Status barrier =
+        group_->AllReduceMax(std::span<float>(&token, 1), absl::Now() + options_.peer_timeout);
+    if (barrier.ok()) return absl::OkStatus();  // every member entered it holding the decision
+    Log(LogLevel::kWarning, "daemon",
+        absl::StrCat("job ", job_id_, ": step ", step, " is decided here but the barrier after it failed (",
+                     barrier.message(), "): asking the peers whether they hold the decision before committing"));
+    BreakGroup();
+  }
+  if (options_.peer_client == nullptr) return absl::OkStatus();
+  const absl::Time start = absl::Now();
+  absl::Time next_log = start + absl::Seconds(10);
+  v1::GetStepOutcomeRequest request;
+  request.set_job_id(job_id_);
+  request.set_step(step);
+  while (true) {
+    std::vector<v1::DaemonEndpoint> peers;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
+      for (const std::string& id : members_) {
+        if (id == options_.daemon_id) continue;
+        auto it = endpoints_.find(id);
+        v1::DaemonEndpoint e;
+        if (it != endpoints_.end()) e = it->second;
+        e.set_daemon_id(id);
+        peers.push_back(std::move(e));
+      }
+    }
+    std::string missing;
+    for (const v1::DaemonEndpoint& peer : peers) {
+      absl::StatusOr<v1::GetStepOutcomeResponse> answer =
+          options_.peer_client->GetStepOutcome(peer, request, absl::Now() + kAskTimeout);
+      // (A peer past the step committed it: it keeps the decision of its last steps.)
+      if (answer.ok() && (answer->state() == v1::STEP_OUTCOME_STATE_DECIDED || answer->committed_step() >= step)) {
+        continue;
+      }
+      absl::StrAppend(&missing, missing.empty() ? "" : ", ", peer.daemon_id());
+    }
+    if (missing.empty()) return absl::OkStatus();
+    if (absl::Now() >= next_log) {
+      next_log = absl::Now() + absl::Seconds(10);
+      Log(LogLevel::kWarning, "daemon",
+          absl::StrCat("job ", job_id_, ": step ", step, " is decided here; waiting ",
+                       absl::FormatDuration(absl::Now() - start), " so far for ", missing,
+                       " to hold the decision too before committing it"));
     }
     absl::MutexLock lock(&mu_);
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), kAskInterval);

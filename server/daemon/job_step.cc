@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/error_detail.h"
@@ -92,7 +93,8 @@ std::vector<FragmentWork> FragmentsOf(const Layout& layout, const Shard& shard) 
 
 absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs& inputs,
                                                  const std::vector<std::shared_ptr<ShardState>>& shards,
-                                                 const std::vector<std::string>& members, int64_t epoch) {
+                                                 const std::vector<std::string>& members, int64_t epoch,
+                                                 const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of) {
   StepResult result;
   v1::StepStats& stats = result.stats;
   v1::StepPhaseTimes& phases = *stats.mutable_phases();
@@ -102,7 +104,9 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   const Format model = job_.recipe.model_dtype;
   const kernels::Device& device = options_.device;
   const absl::Time deadline = absl::Now() + options_.peer_timeout;
-  MAINSTAY_ASSIGN_OR_RETURN(bool new_group, EnsureGroup(members, epoch, deadline));
+  // The group is joined right before the first reduction, after the forwards: a daemon holding
+  // only replicas starts its step when the first one arrives.
+  bool new_group = false;
   // Set when a reduction failed here but a peer had decided the step: its results replace the
   // remaining reductions (job_outcome.cc).
   std::optional<v1::StepDecision> learned;
@@ -114,29 +118,65 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   stats.set_weight_decay(weight_decay);
   stats.set_clip_factor(1.0);
 
-  // 1. Gradients: views (summed when several ranks contributed), partial stats, peer SUM.
+  // 1. Gradients: views (summed when several ranks contributed), partial stats, peer SUM. The
+  // primary shards' inputs go to their replicas meanwhile (job_replica.cc); replica shards add
+  // nothing to the sums and take their inputs after the SUM.
   std::vector<kernels::GradView> grads(shards.size());
   std::vector<float> multipliers(shards.size(), 1.0f);
+  std::vector<double> loss_scales(shards.size(), 1.0);  // of each shard's input
+  std::vector<Forward> forwards;
+  std::map<Key, ReplicaInput> replica_in;  // the replica shards' inputs, once taken
   absl::Time t = absl::Now();
   double partial[2] = {0.0, 0.0};  // sum of squares, non-finite count (after the peer SUM)
+  if (step < 0 && !restoring) {
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const ShardState& s = *shards[i];
+      if (s.replica || !replicas_of.count({s.bucket, s.shard})) continue;
+      forwards.push_back({i, inputs.shards.at({s.bucket, s.shard}).by_rank.begin()->second.data(), ElementType::kFloat32, 1.0});
+    }
+    if (!forwards.empty()) {
+      MAINSTAY_RETURN_IF_ERROR(ForwardInputs(step, epoch, forwards, shards, lr, weight_decay, replicas_of, deadline));
+    }
+  }
   if (step >= 0) {
     for (size_t i = 0; i < shards.size(); ++i) {
       ShardState& s = *shards[i];
+      if (s.replica) continue;
       const ShardInputs& in = inputs.shards.at({s.bucket, s.shard});
-      const float unscale = static_cast<float>(1.0 / in.loss_scale);
+      loss_scales[i] = in.loss_scale;
       if (in.num_contributors == 1) {
         grads[i] = {in.by_rank.begin()->second.data(), in.dtype};
       } else {
         SumContributions(in.by_rank, in.dtype, s.numel, s.grad_sum);
         grads[i] = {s.grad_sum.data(), ElementType::kFloat32};
       }
+      if (replicas_of.count({s.bucket, s.shard})) {
+        forwards.push_back({i, static_cast<const uint8_t*>(grads[i].data), grads[i].type, in.loss_scale});
+      }
+    }
+    absl::Status forwarded;
+    std::thread forwarder;
+    if (!forwards.empty()) {
+      forwarder = std::thread([&] {
+        forwarded = ForwardInputs(step, epoch, forwards, shards, lr, weight_decay, replicas_of, deadline);
+      });
+    }
+    absl::Status stats_status;
+    for (size_t i = 0; i < shards.size() && stats_status.ok(); ++i) {
+      const ShardState& s = *shards[i];
+      if (s.replica) continue;
       double sum_squares = 0.0;
       int64_t nonfinite = 0;
-      MAINSTAY_RETURN_IF_ERROR(kernels::GradStats(device, grads[i], s.numel, unscale, &sum_squares, &nonfinite));
+      const float unscale = static_cast<float>(1.0 / loss_scales[i]);
+      stats_status = kernels::GradStats(device, grads[i], s.numel, unscale, &sum_squares, &nonfinite);
       partial[0] += sum_squares;
       partial[1] += static_cast<double>(nonfinite);
     }
+    if (forwarder.joinable()) forwarder.join();  // every forward lands before this daemon's SUM
+    MAINSTAY_RETURN_IF_ERROR(stats_status);
+    MAINSTAY_RETURN_IF_ERROR(forwarded);
     phases.set_grad_stats_ms(MsSince(t));
+    MAINSTAY_ASSIGN_OR_RETURN(new_group, EnsureGroup(members, epoch, deadline));
     t = absl::Now();
     // Decides the step when it finds a non-finite gradient (the step is then skipped).
     auto reduce_stats = [&] {
@@ -195,6 +235,20 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       stats.set_loss_scale(loss_scale_.scale);
       return result;
     }
+    // Every primary forwarded its inputs of this attempt before its SUM, so they are here now.
+    MAINSTAY_ASSIGN_OR_RETURN(replica_in, TakeReplicaInputs(step, epoch, shards, deadline));
+    for (size_t i = 0; i < shards.size(); ++i) {
+      if (!shards[i]->replica) continue;
+      ReplicaInput& in = replica_in.at({shards[i]->bucket, shards[i]->shard});
+      if (options_.fault.Is(StepFault::Kind::kDropReplicaInput, step)) {
+        std::fill(in.data.begin(), in.data.end(), uint8_t{0});
+        Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": injected fault: the replica of ",
+                                                       ShardName(shards[i]->bucket, shards[i]->shard), " drops its "
+                                                       "input of step ", step, " (--inject-fault)"));
+      }
+      grads[i] = {in.data.data(), in.dtype};
+      loss_scales[i] = in.loss_scale;
+    }
     double clip = 1.0;
     if (opt.max_grad_norm > 0.0f) {
       const double c = static_cast<double>(opt.max_grad_norm) / (norm + 1e-6);
@@ -202,9 +256,19 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     }
     stats.set_clip_factor(clip);
     // One rounding from the exact factor: (clip / loss scale) in double, then to FP32.
-    for (size_t i = 0; i < shards.size(); ++i) {
-      multipliers[i] = static_cast<float>(clip / inputs.shards.at({shards[i]->bucket, shards[i]->shard}).loss_scale);
-    }
+    for (size_t i = 0; i < shards.size(); ++i) multipliers[i] = static_cast<float>(clip / loss_scales[i]);
+  } else if (!restoring) {
+    MAINSTAY_ASSIGN_OR_RETURN(replica_in, TakeReplicaInputs(step, epoch, shards, deadline));
+  }
+  // A daemon holding only replicas has no FinishStep calls: the primaries forwarded the step's
+  // hyperparameters. Every value any input carried goes into the MAX check below.
+  std::vector<std::pair<double, double>> hypers;
+  if (!inputs.finished.empty()) hypers.push_back({lr, weight_decay});
+  for (const auto& [key, in] : replica_in) hypers.push_back({in.lr, in.weight_decay});
+  if (inputs.finished.empty() && !hypers.empty()) {
+    std::tie(lr, weight_decay) = hypers.front();
+    stats.set_lr(lr);
+    stats.set_weight_decay(weight_decay);
   }
 
   // 2. The update into scratch buffers (version 0: the initial values), with partial amaxes.
@@ -219,6 +283,12 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   reduced[hyper_at + 1] = -static_cast<float>(lr);
   reduced[hyper_at + 2] = static_cast<float>(weight_decay);
   reduced[hyper_at + 3] = -static_cast<float>(weight_decay);
+  for (const auto& [l, wd] : hypers) {
+    reduced[hyper_at] = std::max(reduced[hyper_at], static_cast<float>(l));
+    reduced[hyper_at + 1] = std::max(reduced[hyper_at + 1], -static_cast<float>(l));
+    reduced[hyper_at + 2] = std::max(reduced[hyper_at + 2], static_cast<float>(wd));
+    reduced[hyper_at + 3] = std::max(reduced[hyper_at + 3], -static_cast<float>(wd));
+  }
   std::vector<std::vector<std::vector<float>>> block_amax(shards.size());
   std::vector<std::vector<FragmentWork>> work(shards.size());  // per shard, reused by the cast
   for (size_t i = 0; i < shards.size(); ++i) {
@@ -229,7 +299,8 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     if (restoring) {
       // LoadRestore read the state into the scratch buffers.
     } else if (step < 0) {
-      const std::vector<uint8_t>& initial = inputs.shards.at({s.bucket, s.shard}).by_rank.begin()->second;
+      const std::vector<uint8_t>& initial = s.replica ? replica_in.at({s.bucket, s.shard}).data
+                                                      : inputs.shards.at({s.bucket, s.shard}).by_rank.begin()->second;
       s.scratch_master.resize(n);
       std::memcpy(s.scratch_master.data(), initial.data(), n * 4);
       s.scratch_m.assign(n * static_cast<size_t>(moment_bytes), 0);
@@ -288,6 +359,9 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     d->mutable_reduced_max()->Assign(reduced.begin(), reduced.end());
     return true;
   };
+  if (step < 0) {
+    MAINSTAY_ASSIGN_OR_RETURN(new_group, EnsureGroup(members, epoch, deadline));
+  }
   if (!learned.has_value()) {
     const absl::Status reduced_amax = RunReduction(
         step, 1, [&] { return group_->AllReduceMax(std::span<float>(reduced), deadline); }, decide);
@@ -407,7 +481,8 @@ void Job::RunSteps() {
     StepInputs inputs = std::move(pending_[step]);
     pending_.erase(step);
     executing_step_ = step;
-    executing_hyper_ = inputs.finished.empty() ? std::make_pair(0.0, 0.0) : inputs.finished.begin()->second;
+    executing_hyper_.reset();
+    if (!inputs.finished.empty()) executing_hyper_ = inputs.finished.begin()->second;
     executing_keys_.clear();
     for (const auto& [key, in] : inputs.shards) {
       for (const auto& [rank, data] : in.by_rank) executing_keys_.insert({key.first, key.second, rank});
@@ -416,12 +491,27 @@ void Job::RunSteps() {
     for (const auto& [key, state] : shards_) shards.push_back(state);
     const std::vector<std::string> members = members_;
     const int64_t epoch = epoch_;
+    std::map<Key, std::vector<v1::DaemonEndpoint>> replicas_of;  // of this daemon's primaries
+    for (const auto& [key, ids] : replicas_) {
+      auto owned = shards_.find(key);
+      if (owned == shards_.end() || owned->second->replica) continue;
+      for (const std::string& id : ids) {
+        v1::DaemonEndpoint e;
+        if (auto it = endpoints_.find(id); it != endpoints_.end()) e = it->second;
+        e.set_daemon_id(id);
+        replicas_of[key].push_back(std::move(e));
+      }
+    }
     const int64_t now_ms = options_.clock->NowUnixMs();
     const double wait_ms = static_cast<double>(now_ms - inputs.first_push_ms);
     mu_.Unlock();
 
-    absl::StatusOr<StepResult> result = ExecuteStep(step, inputs, shards, members, epoch);
+    absl::StatusOr<StepResult> result = ExecuteStep(step, inputs, shards, members, epoch, replicas_of);
     if (!result.ok()) BreakGroup();  // a failed collective leaves the group unusable
+    if (result.ok() && step >= 0 && job_.spec.replication_factor > 1) {
+      // Decided: but it is committed and acknowledged only once every replica holds the decision.
+      if (absl::Status held = ConfirmDecisionHeld(step); !held.ok()) result = held;
+    }
 
     mu_.Lock();
     executing_step_ = -2;
@@ -469,6 +559,7 @@ void Job::RunSteps() {
     }
     if (step >= 0) committed_step_ = step;
     next_step_ = step + 1;
+    replica_inputs_.erase(replica_inputs_.begin(), replica_inputs_.upper_bound(step));
     rewound_ = false;
     // The step's input buffers serve the next step's pushes (as many as this step used).
     spare_buffers_.clear();

@@ -110,7 +110,9 @@ flags:
   --admin-token-file FILE     the embedded coordinator's admin token (with --standalone)
   --inject-fault SPEC         tests only: lose-reduction:STEP:stats|amax makes this daemon throw
                               away the completed result of that peer reduction of STEP once, as
-                              if it had timed out (docs/architecture.md, agreed outcome); default none
+                              if it had timed out (docs/architecture.md, agreed outcome);
+                              drop-replica-input:STEP makes its replicas update STEP with a zero
+                              gradient (the replication mutation check); default none
   --help                      this text
 )";
 

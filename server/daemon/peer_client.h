@@ -2,7 +2,8 @@
 // 8; docs/architecture.md, "Agreed outcome of a step": a daemon whose peer reduction failed asks
 // its peers whether one of them completed the step's deciding reduction, and finishes the step
 // with that result instead of giving it up alone), and the copy of a shard's state that a move
-// loads (docs/daemon.md, "Moves").
+// loads (docs/daemon.md, "Moves"), and a primary's forward of a step's input to its replicas
+// (docs/architecture.md, "Replicas").
 //
 // Also the test-only fault that makes the split happen on demand (mainstayd --inject-fault).
 //
@@ -13,6 +14,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -39,21 +41,33 @@ class PeerClient {
   virtual absl::StatusOr<ShardStateCopy> FetchShardState(const v1::DaemonEndpoint& peer,
                                                          const v1::FetchShardStateRequest& request,
                                                          absl::Time deadline) = 0;
+  // Sends a replica its primary's input of a step (ForwardStepInput): `header`, then `payload`
+  // (header.total_bytes bytes) in chunks. Errors as above, plus the peer's (FAILED_PRECONDITION:
+  // it holds no replica of the shard at that epoch; DATA_LOSS: the CRC did not match).
+  virtual absl::Status ForwardStepInput(const v1::DaemonEndpoint& peer, const v1::ReplicaInputHeader& header,
+                                        std::span<const uint8_t> payload, absl::Time deadline) = 0;
 };
 
-// A fault for tests: at `step`, the daemon throws away the result of its peer reduction number
-// `reduction` (0: the gradient statistics' SUM, 1: the amaxes' MAX) after it completed, and acts
-// as if the reduction had timed out, while the other daemons got the result. That is the split
-// the agreed-outcome protocol exists for. Fires once, on the step's first attempt.
+// A fault for tests, at `step`, of one of two kinds:
+// - kLoseReduction: the daemon throws away the result of its peer reduction number `reduction`
+//   (0: the gradient statistics' SUM, 1: the amaxes' MAX) after it completed, and acts as if the
+//   reduction had timed out, while the other daemons got the result. That is the split the
+//   agreed-outcome protocol exists for. Fires once, on the step's first attempt.
+// - kDropReplicaInput: the daemon's replica shards update with a zero gradient instead of their
+//   primary's forwarded input (every attempt of the step): the replicas silently diverge. The
+//   mutation check of replication: the failover tests must catch it.
 struct StepFault {
   static constexpr int64_t kNever = std::numeric_limits<int64_t>::min();
+  enum class Kind { kLoseReduction, kDropReplicaInput };
+  Kind kind = Kind::kLoseReduction;
   int64_t step = kNever;
   int reduction = 1;
   bool armed() const { return step != kNever; }
+  bool Is(Kind k, int64_t s) const { return armed() && kind == k && step == s; }
 };
 
-// Parses "lose-reduction:STEP:stats" or "lose-reduction:STEP:amax" ("" or "none": no fault).
-// INVALID_ARGUMENT naming the accepted forms otherwise.
+// Parses "lose-reduction:STEP:stats", "lose-reduction:STEP:amax" or "drop-replica-input:STEP"
+// ("" or "none": no fault). INVALID_ARGUMENT naming the accepted forms otherwise.
 absl::StatusOr<StepFault> ParseStepFault(absl::string_view spec);
 
 }  // namespace mainstay::daemon

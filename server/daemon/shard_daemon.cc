@@ -211,6 +211,17 @@ absl::StatusOr<ShardStateCopy> ShardDaemon::CopyShardForMove(const v1::FetchShar
   return job->CopyForMove(request, deadline);
 }
 
+absl::StatusOr<bool> ShardDaemon::CheckReplicaInput(const v1::ReplicaInputHeader& header) const {
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(header.job_id()));
+  return job->CheckReplicaInput(header);
+}
+
+absl::StatusOr<bool> ShardDaemon::StoreReplicaInput(const v1::ReplicaInputHeader& header,
+                                                    std::vector<uint8_t> payload) {
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(header.job_id()));
+  return job->StoreReplicaInput(header, std::move(payload));
+}
+
 v1::GetStepOutcomeResponse ShardDaemon::GetStepOutcome(const v1::GetStepOutcomeRequest& request) const {
   std::shared_ptr<Job> job;
   {

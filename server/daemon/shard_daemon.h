@@ -83,6 +83,10 @@ class ShardDaemon {
   absl::StatusOr<ShardStateCopy> ReadShardState(const std::string& job_id, int32_t bucket, int32_t shard) const;
   // Job::CopyForMove of the named job (FetchShardState).
   absl::StatusOr<ShardStateCopy> CopyShardForMove(const v1::FetchShardStateRequest& request, absl::Time deadline);
+  // Job::CheckReplicaInput / Job::StoreReplicaInput of the named job (ForwardStepInput);
+  // NOT_FOUND when the daemon does not hold the job.
+  absl::StatusOr<bool> CheckReplicaInput(const v1::ReplicaInputHeader& header) const;
+  absl::StatusOr<bool> StoreReplicaInput(const v1::ReplicaInputHeader& header, std::vector<uint8_t> payload);
   // Job::GetStepOutcome of the named job; UNDECIDED when the daemon does not hold the job.
   v1::GetStepOutcomeResponse GetStepOutcome(const v1::GetStepOutcomeRequest& request) const;
   // Job::WriteCheckpoint of the named job. UNAVAILABLE when the job has no shards here.

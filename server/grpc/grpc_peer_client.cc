@@ -2,6 +2,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/status.h"
@@ -59,6 +61,32 @@ absl::StatusOr<ShardStateCopy> GrpcPeerClient::FetchShardState(const v1::DaemonE
   absl::StatusOr<ShardStateCopy> copy = assembled.Finish(request.shard().bucket(), request.shard().shard());
   if (!copy.ok()) return Annotate(copy.status(), where);
   return copy;
+}
+
+absl::Status GrpcPeerClient::ForwardStepInput(const v1::DaemonEndpoint& peer, const v1::ReplicaInputHeader& header,
+                                              std::span<const uint8_t> payload, absl::Time deadline) {
+  MAINSTAY_ASSIGN_OR_RETURN(v1::Shard::Stub * stub, StubFor(peer));
+  constexpr size_t kChunkBytes = 4 << 20;  // the protocol's largest chunk
+  ::grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  v1::ForwardStepInputResponse response;
+  std::unique_ptr<::grpc::ClientWriter<v1::ForwardStepInputRequest>> writer =
+      stub->ForwardStepInput(&context, &response);
+  v1::ForwardStepInputRequest message;
+  *message.mutable_header() = header;
+  bool open = writer->Write(message);
+  const size_t element = header.dtype() == v1::ELEMENT_TYPE_FP32 ? 4 : 2;  // BF16, FP16
+  for (size_t off = 0; open && off < payload.size(); off += kChunkBytes) {
+    const size_t n = std::min(kChunkBytes, payload.size() - off);
+    v1::ForwardStepInputRequest chunk;
+    chunk.mutable_chunk()->set_element_offset(static_cast<int64_t>(off / element));
+    chunk.mutable_chunk()->set_data(reinterpret_cast<const char*>(payload.data() + off), n);
+    open = writer->Write(chunk);
+  }
+  if (open) writer->WritesDone();
+  const absl::Status status = FromGrpcStatus(writer->Finish());
+  if (!status.ok()) return Annotate(status, absl::StrCat("ForwardStepInput to daemon ", peer.daemon_id()));
+  return absl::OkStatus();
 }
 
 }  // namespace mainstay::daemon

@@ -1,5 +1,5 @@
-// daemon::PeerClient over gRPC: a peer daemon's Shard service GetStepOutcome and
-// FetchShardState.
+// daemon::PeerClient over gRPC: a peer daemon's Shard service GetStepOutcome,
+// FetchShardState and ForwardStepInput.
 //
 // One cached channel per peer address, made with the daemon's own client credentials
 // (plaintext, TLS or mutual TLS: the call is internal, so with --tls-internal-name the peer
@@ -32,6 +32,9 @@ class GrpcPeerClient : public PeerClient {
   absl::StatusOr<ShardStateCopy> FetchShardState(const v1::DaemonEndpoint& peer,
                                                  const v1::FetchShardStateRequest& request,
                                                  absl::Time deadline) override;
+  // A ForwardStepInput stream: the header, then the payload in chunks of 4 MiB.
+  absl::Status ForwardStepInput(const v1::DaemonEndpoint& peer, const v1::ReplicaInputHeader& header,
+                                std::span<const uint8_t> payload, absl::Time deadline) override;
 
  private:
   absl::StatusOr<v1::Shard::Stub*> StubFor(const v1::DaemonEndpoint& peer);

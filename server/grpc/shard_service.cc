@@ -55,6 +55,83 @@ absl::StatusOr<T> WaitInSlices(::grpc::CallbackServerContext* context, Calls* ca
   }
 }
 
+// ForwardStepInput: a primary's input of one step for a replica here (internal only). The
+// header is checked before any payload is kept; the payload is stored only once all of it came.
+class ForwardInputReactor final : public ::grpc::ServerReadReactor<v1::ForwardStepInputRequest> {
+ public:
+  ForwardInputReactor(ShardDaemon* core, Calls* calls, const std::string& internal,
+                      ::grpc::CallbackServerContext* context, v1::ForwardStepInputResponse* response)
+      : core_(core), calls_(calls), context_(context), response_(response) {
+    if (absl::Status s = grpc_server::CheckInternalPeer(context, internal, "ForwardStepInput"); !s.ok()) {
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    if (!calls_->Enter()) {
+      Finish(ShuttingDown());
+      return;
+    }
+    entered_ = true;
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok && context_->IsCancelled()) return End(absl::CancelledError("ForwardStepInput: cancelled; nothing stored"));
+    if (!ok) {
+      if (!have_header_) return End(absl::InvalidArgumentError("ForwardStepInput: the stream had no header"));
+      if (duplicate_) {
+        response_->set_duplicate(true);
+        return End(absl::OkStatus());
+      }
+      absl::StatusOr<bool> stored = core_->StoreReplicaInput(header_, std::move(payload_));
+      if (stored.ok()) response_->set_duplicate(*stored);
+      return End(stored.status());
+    }
+    if (!have_header_) {
+      if (!request_.has_header()) return End(absl::InvalidArgumentError("ForwardStepInput: the first message must be the header"));
+      header_ = request_.header();
+      absl::StatusOr<bool> duplicate = core_->CheckReplicaInput(header_);
+      if (!duplicate.ok()) return End(duplicate.status());
+      duplicate_ = *duplicate;
+      have_header_ = true;
+      if (!duplicate_) payload_.reserve(static_cast<size_t>(header_.total_bytes()));
+    } else {
+      if (!request_.has_chunk()) return End(absl::InvalidArgumentError("ForwardStepInput: a second header in one stream"));
+      const v1::GradChunk& chunk = request_.chunk();
+      const int64_t element = header_.dtype() == v1::ELEMENT_TYPE_FP32 ? 4 : 2;
+      if (chunk.element_offset() * element != received_ || chunk.data().size() > static_cast<size_t>(kMaxChunkBytes) ||
+          received_ + static_cast<int64_t>(chunk.data().size()) > header_.total_bytes()) {
+        return End(absl::InvalidArgumentError(absl::StrCat(
+            "ForwardStepInput: chunk of ", chunk.data().size(), " bytes at element ", chunk.element_offset(),
+            " does not continue the ", received_, " bytes received (of ", header_.total_bytes(), ")")));
+      }
+      received_ += static_cast<int64_t>(chunk.data().size());
+      if (!duplicate_) payload_.insert(payload_.end(), chunk.data().begin(), chunk.data().end());
+    }
+    StartRead(&request_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void End(const absl::Status& status) {
+    Finish(ToGrpcWithDetail(context_, status));
+    if (entered_) calls_->Exit();
+    entered_ = false;
+  }
+
+  ShardDaemon* const core_;
+  Calls* const calls_;
+  ::grpc::CallbackServerContext* const context_;
+  v1::ForwardStepInputResponse* const response_;
+  v1::ForwardStepInputRequest request_;
+  v1::ReplicaInputHeader header_;
+  bool have_header_ = false;
+  bool duplicate_ = false;
+  int64_t received_ = 0;
+  std::vector<uint8_t> payload_;
+  bool entered_ = false;
+};
+
 // PushGrad: header first (validated before any data), then chunks into the session.
 class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradRequest> {
  public:
@@ -305,6 +382,10 @@ class ShardService final : public v1::Shard::CallbackService {
   ::grpc::ServerReadReactor<v1::PushGradRequest>* PushGrad(::grpc::CallbackServerContext* context,
                                                            v1::PushGradResponse* response) override {
     return new PushGradReactor(core_, calls_, pushed_bytes_.get(), drain_, streams_, context, response);
+  }
+  ::grpc::ServerReadReactor<v1::ForwardStepInputRequest>* ForwardStepInput(
+      ::grpc::CallbackServerContext* context, v1::ForwardStepInputResponse* response) override {
+    return new ForwardInputReactor(core_, calls_, internal_, context, response);
   }
   ::grpc::ServerWriteReactor<v1::PullParamsResponse>* PullParams(::grpc::CallbackServerContext* context,
                                                                  const v1::PullParamsRequest* request) override {

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <set>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -83,9 +85,23 @@ class InProcessPeers : public daemon::PeerClient {
     }
     return absl::UnavailableError(absl::StrCat("no daemon ", peer.daemon_id()));
   }
+  absl::Status ForwardStepInput(const v1::DaemonEndpoint& peer, const v1::ReplicaInputHeader& header,
+                                std::span<const uint8_t> payload, absl::Time) override {
+    for (const auto& d : *daemons_) {
+      if (d->daemon_id() != peer.daemon_id()) continue;
+      if (down_.count(peer.daemon_id())) break;
+      MAINSTAY_ASSIGN_OR_RETURN(bool duplicate, d->CheckReplicaInput(header));
+      if (duplicate) return absl::OkStatus();
+      return d->StoreReplicaInput(header, std::vector<uint8_t>(payload.begin(), payload.end())).status();
+    }
+    return absl::UnavailableError(absl::StrCat("no daemon ", peer.daemon_id()));
+  }
+  // Calls to a daemon marked down fail UNAVAILABLE (a lost daemon).
+  void SetDown(const std::string& id) { down_.insert(id); }
 
  private:
   const std::vector<std::unique_ptr<ShardDaemon>>* daemons_;
+  std::set<std::string> down_;
 };
 
 class Cluster {
@@ -93,10 +109,15 @@ class Cluster {
   // `fs`: where checkpoints are written and read (null: the real file system). `faults`: a
   // test fault per daemon index (daemon::StepFault). `ask_peers`: daemons in doubt about a
   // step ask the others (false: they give it up alone, the behaviour before agreed outcomes).
+  // With spec.replication_factor R > 1, rank r's shards have replicas on the R-1 daemons after
+  // its primary, (r + k) % daemons.
   Cluster(const JobSpec& spec, int daemons, checkpoint::CheckpointFs* fs = nullptr,
           const std::map<int, daemon::StepFault>& faults = {}, bool ask_peers = true)
       : spec_(spec) {
     resolved_ = *ResolveJob(spec);
+    for (int32_t r = 0; r < spec.data_parallel_size; ++r) {
+      for (int k = 1; k < spec.replication_factor; ++k) replicas_[r].push_back((r + k) % daemons);
+    }
     for (int i = 0; i < daemons; ++i) {
       ShardDaemonOptions o;
       o.peers = &peers_;
@@ -121,6 +142,7 @@ class Cluster {
         p->mutable_shard()->set_bucket(b.index);
         p->mutable_shard()->set_shard(s.rank);
         p->set_daemon_id(absl::StrCat("d", Owner(s.rank)));
+        for (int k : replicas_[s.rank]) p->add_replica_daemon_ids(absl::StrCat("d", k));
       }
     }
     base_ = base;
@@ -128,7 +150,7 @@ class Cluster {
       v1::AssignShardRequest req = base;
       for (const Bucket& b : resolved_.layout.buckets) {
         for (const Shard& s : b.shards) {
-          if (Owner(s.rank) != i) continue;
+          if (!Holds(i, s.rank)) continue;
           v1::ShardRef* ref = req.add_shards();
           ref->set_bucket(b.index);
           ref->set_shard(s.rank);
@@ -142,6 +164,39 @@ class Cluster {
     return rank < static_cast<int32_t>(owners_.size()) ? owners_[static_cast<size_t>(rank)]
                                                        : rank % static_cast<int>(daemons_.size());
   }
+  std::vector<int> Replicas(int32_t rank) const {
+    auto it = replicas_.find(rank);
+    return it == replicas_.end() ? std::vector<int>{} : it->second;
+  }
+  // Whether daemon i holds rank's shards (as primary or replica).
+  bool Holds(int i, int32_t rank) const {
+    const std::vector<int> r = Replicas(rank);
+    return Owner(rank) == i || std::count(r.begin(), r.end(), i) > 0;
+  }
+
+  // What the coordinator does when daemon `dead` is lost with replicas: at the next epoch each
+  // of its primaries goes to its first replica, and it leaves every replica list. The others
+  // get the new placement (they hold every shard they are given already). Calls to the dead
+  // daemon fail from now on.
+  absl::Status Failover(int dead) {
+    peer_client_.SetDown(absl::StrCat("d", dead));
+    if (owners_.empty()) {
+      for (int32_t r = 0; r < layout().data_parallel_size; ++r) owners_.push_back(Owner(r));
+    }
+    for (int32_t r = 0; r < layout().data_parallel_size; ++r) {
+      std::vector<int>& reps = replicas_[r];
+      reps.erase(std::remove(reps.begin(), reps.end(), dead), reps.end());
+      if (owners_[static_cast<size_t>(r)] == dead) {
+        if (reps.empty()) return absl::FailedPreconditionError(absl::StrCat("rank ", r, " has no replica left"));
+        owners_[static_cast<size_t>(r)] = reps.front();
+        reps.erase(reps.begin());
+      }
+    }
+    ++epoch_;
+    MAINSTAY_RETURN_IF_ERROR(SendPlacement({}));
+    daemons_[static_cast<size_t>(dead)]->Shutdown();
+    return absl::OkStatus();
+  }
 
   // What the coordinator does for a move (MoveShard): rank `rank`'s shards go to daemon `to` at
   // the next epoch; `to` copies them from their owner, the others learn the new placement; once
@@ -153,49 +208,25 @@ class Cluster {
     }
     owners_[static_cast<size_t>(rank)] = to;
     ++epoch_;
-    for (int i = 0; i < num_daemons(); ++i) {
-      v1::AssignShardRequest req = base_;
-      req.set_placement_epoch(epoch_);
-      req.mutable_placement()->set_epoch(epoch_);
-      for (v1::ShardPlacement& p : *req.mutable_placement()->mutable_shards()) {
-        p.set_daemon_id(absl::StrCat("d", Owner(p.shard().shard())));
-      }
-      bool any = false;
-      for (const Bucket& b : resolved_.layout.buckets) {
-        for (const Shard& s : b.shards) {
-          if (Owner(s.rank) != i) continue;
-          if (i == to && s.rank == rank) continue;  // below, from the peer
-          *req.add_shards() = ShardRef(b.index, s.rank);
-          any = true;
-        }
-      }
-      if (i == to) {
-        v1::AssignShardRequest copy = req;
-        copy.clear_shards();
-        copy.clear_from_trainer();
-        copy.mutable_from_peer()->mutable_daemon()->set_daemon_id(absl::StrCat("d", from));
-        for (const Bucket& b : resolved_.layout.buckets) *copy.add_shards() = ShardRef(b.index, rank);
-        MAINSTAY_RETURN_IF_ERROR(daemons_[static_cast<size_t>(i)]->AssignShard(copy).status());
-      }
-      if (any) MAINSTAY_RETURN_IF_ERROR(daemons_[static_cast<size_t>(i)]->AssignShard(req).status());
-    }
-    // The coordinator waits for the target's heartbeat to say the copy is loaded.
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    while (true) {
-      bool loaded = false;
-      for (const v1::JobProgress& p : daemons_[static_cast<size_t>(to)]->Progress()) {
-        loaded |= p.job_id() == kJob && p.placement_epoch() == epoch_ && !p.loading();
-      }
-      if (loaded) break;
-      if (absl::Now() > deadline) return absl::DeadlineExceededError("the move's target did not load the copy");
-      absl::SleepFor(absl::Milliseconds(5));
-    }
+    MAINSTAY_RETURN_IF_ERROR(SendPlacement({{to, {rank, from}}}));
+    MAINSTAY_RETURN_IF_ERROR(WaitLoaded(to));
     v1::DropShardRequest drop;
     drop.set_job_id(kJob);
     drop.set_placement_epoch(epoch_);
     for (const Bucket& b : resolved_.layout.buckets) *drop.add_shards() = ShardRef(b.index, rank);
     return daemons_[static_cast<size_t>(from)]->DropShard(drop);
   }
+
+  // What the coordinator does to re-replicate: daemon `to` becomes one more replica of rank
+  // `rank` at the next epoch and copies it from the rank's primary, which keeps its copy.
+  // Returns once `to` has loaded it.
+  absl::Status AddReplica(int32_t rank, int to) {
+    replicas_[rank].push_back(to);
+    ++epoch_;
+    MAINSTAY_RETURN_IF_ERROR(SendPlacement({{to, {rank, Owner(rank)}}}));
+    return WaitLoaded(to);
+  }
+
   ShardDaemon& daemon_of(int32_t rank) { return *daemons_[static_cast<size_t>(Owner(rank))]; }
   const Layout& layout() const { return resolved_.layout; }
   const ResolvedJob& resolved() const { return resolved_; }
@@ -243,7 +274,7 @@ class Cluster {
       req.mutable_from_checkpoint()->set_manifest_uri(checkpoint::JoinPath(dir, checkpoint::kManifestName));
       for (const Bucket& b : resolved_.layout.buckets) {
         for (const Shard& s : b.shards) {
-          if (Owner(s.rank) != i) continue;
+          if (!Holds(i, s.rank)) continue;  // replicas load the checkpoint too
           v1::ShardRef* ref = req.add_shards();
           ref->set_bucket(b.index);
           ref->set_shard(s.rank);
@@ -357,8 +388,53 @@ class Cluster {
     return ref;
   }
 
+  // Sends every daemon holding a shard the current placement (Owner, Replicas) at epoch_.
+  // `copies`: per daemon, the (rank, source daemon) it copies from a peer instead.
+  absl::Status SendPlacement(const std::map<int, std::pair<int32_t, int>>& copies) {
+    v1::AssignShardRequest base = base_;
+    base.set_placement_epoch(epoch_);
+    base.mutable_placement()->set_epoch(epoch_);
+    for (v1::ShardPlacement& p : *base.mutable_placement()->mutable_shards()) {
+      p.set_daemon_id(absl::StrCat("d", Owner(p.shard().shard())));
+      p.clear_replica_daemon_ids();
+      for (int k : Replicas(p.shard().shard())) p.add_replica_daemon_ids(absl::StrCat("d", k));
+    }
+    for (int i = 0; i < num_daemons(); ++i) {
+      auto copy = copies.find(i);
+      v1::AssignShardRequest req = base;
+      for (const Bucket& b : resolved_.layout.buckets) {
+        for (const Shard& s : b.shards) {
+          if (!Holds(i, s.rank) || (copy != copies.end() && copy->second.first == s.rank)) continue;
+          *req.add_shards() = ShardRef(b.index, s.rank);
+        }
+      }
+      if (copy != copies.end()) {
+        v1::AssignShardRequest from_peer = base;
+        from_peer.clear_from_trainer();
+        from_peer.mutable_from_peer()->mutable_daemon()->set_daemon_id(absl::StrCat("d", copy->second.second));
+        for (const Bucket& b : resolved_.layout.buckets) *from_peer.add_shards() = ShardRef(b.index, copy->second.first);
+        MAINSTAY_RETURN_IF_ERROR(daemons_[static_cast<size_t>(i)]->AssignShard(from_peer).status());
+      }
+      if (req.shards_size() > 0) MAINSTAY_RETURN_IF_ERROR(daemons_[static_cast<size_t>(i)]->AssignShard(req).status());
+    }
+    return absl::OkStatus();
+  }
+
+  // What the coordinator waits for after a copy: the target's progress says it loaded epoch_.
+  absl::Status WaitLoaded(int to) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (true) {
+      for (const v1::JobProgress& p : daemons_[static_cast<size_t>(to)]->Progress()) {
+        if (p.job_id() == kJob && p.placement_epoch() == epoch_ && !p.loading()) return absl::OkStatus();
+      }
+      if (absl::Now() > deadline) return absl::DeadlineExceededError("the copy's target did not load it");
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+  }
+
   int64_t epoch_ = 1;
   std::vector<int> owners_;      // rank -> daemon, once a move changed it (else rank % daemons)
+  std::map<int32_t, std::vector<int>> replicas_;  // rank -> replica daemons
   v1::AssignShardRequest base_;  // the assignment without shards
   peer::InProcessPeerGroupFactory peers_;
   InProcessPeers peer_client_{&daemons_};  // outlives the daemons (declared first)

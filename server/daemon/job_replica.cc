@@ -1,0 +1,203 @@
+// Replicas (docs/architecture.md, "Replicas"): the primary forwards each replicated shard's input
+// of a step to its replicas before the step's first peer reduction; the replica stores it and its
+// step thread takes it after that reduction, so that it applies the step with the same input and
+// the same reduced scalars as the primary, before the step is decided.
+#include <algorithm>
+#include <cmath>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/crc32c.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "server/daemon/job.h"
+
+namespace mainstay::daemon {
+namespace {
+
+absl::StatusOr<ElementType> InputType(v1::ElementType type) {
+  switch (type) {
+    case v1::ELEMENT_TYPE_FP32: return ElementType::kFloat32;
+    case v1::ELEMENT_TYPE_BF16: return ElementType::kBFloat16;
+    case v1::ELEMENT_TYPE_FP16: return ElementType::kFloat16;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("ForwardStepInput: dtype ", v1::ElementType_Name(type), " is not FP32, BF16 or FP16"));
+  }
+}
+
+v1::ElementType ProtoType(ElementType type) {
+  switch (type) {
+    case ElementType::kBFloat16: return v1::ELEMENT_TYPE_BF16;
+    case ElementType::kFloat16: return v1::ELEMENT_TYPE_FP16;
+    default: return v1::ELEMENT_TYPE_FP32;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<bool> Job::CheckReplicaInput(const v1::ReplicaInputHeader& h) const {
+  absl::MutexLock lock(&mu_);
+  return CheckReplicaInputLocked(h);
+}
+
+absl::StatusOr<bool> Job::CheckReplicaInputLocked(const v1::ReplicaInputHeader& h) const {
+  const Key key{h.bucket(), h.shard()};
+  if (stopping_) return absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
+  if (h.placement_epoch() > epoch_) {
+    return absl::UnavailableError(absl::StrCat("ForwardStepInput: job ", job_id_, ": this daemon has not received "
+                                               "placement epoch ", h.placement_epoch(), " yet (it has ", epoch_,
+                                               "); retry"));
+  }
+  auto it = shards_.find(key);
+  if (h.placement_epoch() < epoch_ || it == shards_.end() || !it->second->replica) {
+    return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+        "ForwardStepInput: job ", job_id_, ": this daemon holds no replica of ", ShardName(key.first, key.second),
+        " at placement epoch ", h.placement_epoch(), " (it is at epoch ", epoch_, ")")));
+  }
+  MAINSTAY_ASSIGN_OR_RETURN(ElementType type, InputType(h.dtype()));
+  if (h.step() < -1) return absl::InvalidArgumentError(absl::StrCat("ForwardStepInput: step ", h.step(), " < -1"));
+  if (h.step() == -1 && type != ElementType::kFloat32) {
+    return absl::InvalidArgumentError("ForwardStepInput: initial parameters (step -1) must be FP32");
+  }
+  const int64_t numel = it->second->numel;
+  if (h.total_bytes() != numel * (BitsOf(type) / 8)) {
+    return absl::InvalidArgumentError(absl::StrCat("ForwardStepInput: total_bytes ", h.total_bytes(), " but ",
+                                                   ShardName(key.first, key.second), " holds ", numel, " elements of ",
+                                                   ElementTypeName(type)));
+  }
+  if (!(h.loss_scale() > 0.0) || !std::isfinite(h.lr()) || !std::isfinite(h.weight_decay())) {
+    return absl::InvalidArgumentError("ForwardStepInput: loss_scale must be > 0 and lr, weight_decay finite");
+  }
+  // Applied already (a retried call). While the step runs here its input is still wanted: the
+  // step thread takes it after the stats reduction.
+  if (Decided(h.step())) return true;
+  const int64_t first_open = std::max<int64_t>(next_step_, 0);
+  if (h.step() > first_open + 1) {
+    return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+        "ForwardStepInput: step ", h.step(), " is ahead of job ", job_id_, " (open steps: ", first_open, ", ",
+        first_open + 1, ")")));
+  }
+  return false;
+}
+
+absl::StatusOr<bool> Job::StoreReplicaInput(const v1::ReplicaInputHeader& h, std::vector<uint8_t> payload) {
+  if (static_cast<int64_t>(payload.size()) != h.total_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("ForwardStepInput: the payload has ", payload.size(),
+                                                   " bytes, the header says ", h.total_bytes(), "; nothing stored"));
+  }
+  if (h.crc32c() != 0) {
+    const uint32_t crc = Crc32c(payload.data(), payload.size());
+    if (crc != h.crc32c()) {
+      return absl::DataLossError(absl::StrCat("ForwardStepInput: CRC-32C of the payload is ", crc, ", the primary sent ",
+                                              h.crc32c(), "; nothing stored"));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  MAINSTAY_ASSIGN_OR_RETURN(bool duplicate, CheckReplicaInputLocked(h));
+  if (duplicate) return true;
+  ReplicaInput& in = replica_inputs_[h.step()][{h.bucket(), h.shard()}];
+  in.dtype = *InputType(h.dtype());
+  in.loss_scale = h.loss_scale();
+  in.lr = h.lr();
+  in.weight_decay = h.weight_decay();
+  in.data = std::move(payload);
+  // A daemon that holds only replicas has no pushes to make its step ready: the input does.
+  StepInputs& step = pending_[h.step()];
+  if (step.first_push_ms == 0) step.first_push_ms = options_.clock->NowUnixMs();
+  return false;
+}
+
+absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<Forward>& forwards,
+                                const std::vector<std::shared_ptr<ShardState>>& shards, double lr, double weight_decay,
+                                const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of,
+                                absl::Time deadline) {
+  if (options_.peer_client == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id_, " has replicas but this daemon has no peer client to reach them"));
+  }
+  // One thread per replica daemon: each sends its shards in order.
+  std::map<std::string, std::vector<std::pair<const Forward*, v1::DaemonEndpoint>>> by_peer;
+  for (const Forward& f : forwards) {
+    const ShardState& s = *shards[f.index];
+    auto r = replicas_of.find({s.bucket, s.shard});
+    if (r == replicas_of.end()) continue;
+    for (const v1::DaemonEndpoint& peer : r->second) by_peer[peer.daemon_id()].push_back({&f, peer});
+  }
+  std::vector<absl::Status> results(by_peer.size());
+  std::vector<std::thread> threads;
+  size_t n = 0;
+  for (auto& [id, list] : by_peer) {
+    threads.emplace_back([&, i = n++, &list = list] {
+      for (const auto& [f, peer] : list) {
+        const ShardState& s = *shards[f->index];
+        v1::ReplicaInputHeader h;
+        h.set_job_id(job_id_);
+        h.set_placement_epoch(epoch);
+        h.set_bucket(s.bucket);
+        h.set_shard(s.shard);
+        h.set_step(step);
+        h.set_dtype(ProtoType(f->dtype));
+        h.set_total_bytes(s.numel * (BitsOf(f->dtype) / 8));
+        h.set_loss_scale(f->loss_scale);
+        h.set_lr(lr);
+        h.set_weight_decay(weight_decay);
+        h.set_from_daemon_id(options_.daemon_id);
+        h.set_crc32c(Crc32c(f->data, static_cast<size_t>(h.total_bytes())));
+        absl::Status sent = options_.peer_client->ForwardStepInput(
+            peer, h, std::span<const uint8_t>(f->data, static_cast<size_t>(h.total_bytes())), deadline);
+        if (!sent.ok()) {
+          results[i] = Annotate(sent, absl::StrCat("forwarding step ", step, " of ", ShardName(s.bucket, s.shard),
+                                                   " to its replica on daemon ", peer.daemon_id()));
+          return;
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : results) MAINSTAY_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::map<Job::Key, Job::ReplicaInput>> Job::TakeReplicaInputs(
+    int64_t step, int64_t epoch, const std::vector<std::shared_ptr<ShardState>>& shards, absl::Time deadline) {
+  std::vector<Key> wanted;
+  for (const auto& s : shards) {
+    if (s->replica) wanted.push_back({s->bucket, s->shard});
+  }
+  std::map<Key, ReplicaInput> out;
+  if (wanted.empty()) return out;
+  absl::MutexLock lock(&mu_);
+  auto complete = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    if (stopping_ || epoch_ != epoch) return true;
+    auto it = replica_inputs_.find(step);
+    if (it == replica_inputs_.end()) return false;
+    return std::all_of(wanted.begin(), wanted.end(), [&](const Key& k) { return it->second.count(k) > 0; });
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&complete), deadline)) {
+    std::vector<std::string> missing;
+    auto it = replica_inputs_.find(step);
+    for (const Key& k : wanted) {
+      if (it == replica_inputs_.end() || !it->second.count(k)) missing.push_back(ShardName(k.first, k.second));
+    }
+    return absl::DeadlineExceededError(absl::StrCat("step ", step, ": no input from the primary of the replica(s) ",
+                                                    absl::StrJoin(missing, ", "), " before the peer deadline"));
+  }
+  if (stopping_) return absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
+  if (epoch_ != epoch) {
+    // (A failover promoted this daemon, or a primary moved: the step runs again at the new epoch.)
+    return absl::AbortedError(absl::StrCat("step ", step, ": the placement changed to epoch ", epoch_,
+                                           " while this daemon waited for its replicas' inputs"));
+  }
+  auto it = replica_inputs_.find(step);
+  for (const Key& k : wanted) {
+    auto in = it->second.find(k);
+    out[k] = std::move(in->second);
+    it->second.erase(in);
+  }
+  if (it->second.empty()) replica_inputs_.erase(it);
+  return out;
+}
+
+}  // namespace mainstay::daemon

@@ -1,0 +1,295 @@
+// Replicas in the step engine (docs/architecture.md, "Replicas"), in process: with
+// replication_factor R > 1 every shard's replicas apply the same steps as its primary from the
+// inputs it forwards, so their masters and moments stay bit-identical to it and to the unsharded
+// reference; and when a daemon is lost, its replicas take over its shards at the next epoch and
+// the job goes on from the last committed step, with nothing rewound.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/job_spec.h"
+#include "server/checkpoint/checkpoint_fs.h"
+#include "tests/testing/daemon_cluster.h"
+#include "tests/testing/reference_model.h"
+#include "tests/testing/status_matchers.h"
+
+namespace mainstay::daemon {
+namespace {
+
+using ::mainstay::testing::Cluster;
+using ::mainstay::testing::ExpectMatchesReference;
+using ::mainstay::testing::IsOk;
+using ::mainstay::testing::kJob;
+using ::mainstay::testing::MakeSpec;
+using ::mainstay::testing::StatusIs;
+using Reference = ::mainstay::testing::ReferenceModel;
+
+// Daemon `d`'s copy of (bucket, shard) once it has reached `step` and `version`: a replica
+// commits a step a little after the primary's FinishStep returns (both hold the decision by
+// then; each commits on its own step thread). The last read after 10 s otherwise.
+absl::StatusOr<ShardStateCopy> StateAt(Cluster& c, int d, int32_t bucket, int32_t shard, int64_t step,
+                                       int64_t version) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (true) {
+    absl::StatusOr<ShardStateCopy> state = c.daemon(d).ReadShardState(kJob, bucket, shard);
+    if (!state.ok() || (state->committed_step >= step && state->version >= version) || absl::Now() > deadline) {
+      return state;
+    }
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+}
+
+// Whether every replica's state of every shard equals its primary's, byte for byte.
+bool ReplicasEqualPrimaries(Cluster& c) {
+  for (const Bucket& b : c.layout().buckets) {
+    for (const Shard& s : b.shards) {
+      absl::StatusOr<ShardStateCopy> primary = c.daemon(c.Owner(s.rank)).ReadShardState(kJob, b.index, s.rank);
+      if (!primary.ok()) return false;
+      for (int r : c.Replicas(s.rank)) {
+        absl::StatusOr<ShardStateCopy> replica = StateAt(c, r, b.index, s.rank, primary->committed_step, primary->version);
+        if (!replica.ok() || replica->master != primary->master || replica->m != primary->m ||
+            replica->v != primary->v) {
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+// Every replica's state of every shard equals its primary's, byte for byte.
+void ExpectReplicasEqualPrimaries(Cluster& c) {
+  for (const Bucket& b : c.layout().buckets) {
+    for (const Shard& s : b.shards) {
+      absl::StatusOr<ShardStateCopy> primary = c.daemon(c.Owner(s.rank)).ReadShardState(kJob, b.index, s.rank);
+      ASSERT_THAT(primary.status(), IsOk());
+      for (int r : c.Replicas(s.rank)) {
+        absl::StatusOr<ShardStateCopy> replica = StateAt(c, r, b.index, s.rank, primary->committed_step, primary->version);
+        ASSERT_THAT(replica.status(), IsOk()) << "replica on d" << r;
+        EXPECT_EQ(replica->committed_step, primary->committed_step);
+        ASSERT_EQ(replica->master.size(), primary->master.size());
+        EXPECT_EQ(0, std::memcmp(replica->master.data(), primary->master.data(), primary->master.size() * 4))
+            << "master of (bucket " << b.index << ", shard " << s.rank << ") on d" << r;
+        EXPECT_EQ(replica->m, primary->m) << "m on d" << r;
+        EXPECT_EQ(replica->v, primary->v) << "v on d" << r;
+      }
+    }
+  }
+}
+
+struct Case {
+  std::string recipe;
+  int d;        // trainer ranks
+  int daemons;
+  int replication;
+};
+
+class ReplicaTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ReplicaTest, ReplicasStayBitIdenticalToTheirPrimariesAndTheReference) {
+  const Case& p = GetParam();
+  JobSpec spec = MakeSpec(p.recipe, LayoutPolicy::kFlat, p.d);
+  spec.replication_factor = p.replication;
+  Cluster cluster(spec, p.daemons);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  ExpectMatchesReference(cluster, ref, 0);
+  ExpectReplicasEqualPrimaries(cluster);
+  for (int64_t step = 0; step < 3; ++step) {
+    const float lr = 1e-3f * static_cast<float>(step + 1);
+    cluster.PushGrads(step);
+    for (const auto& stats : cluster.Finish(step, lr)) {
+      ASSERT_THAT(stats.status(), IsOk());
+      EXPECT_EQ(stats->version(), step + 1);
+      EXPECT_DOUBLE_EQ(stats->lr(), lr);
+    }
+    ref.Step(step, lr);
+    ExpectMatchesReference(cluster, ref, step + 1);
+    ExpectReplicasEqualPrimaries(cluster);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Recipes, ReplicaTest,
+    ::testing::Values(Case{"bf16_with_fp8_mixed", 2, 2, 2},  // each daemon a primary and a replica
+                      Case{"bf16_with_fp8_current_scaling_mixed", 3, 3, 2},
+                      Case{"bf16_with_nvfp4_mixed", 2, 3, 3},   // a daemon holding replicas only
+                      Case{"bf16_with_mxfp8_mixed", 3, 3, 3},
+                      Case{"bf16_with_fp8_mixed", 3, 4, 2}),  // primaries, replicas and both
+    [](const ::testing::TestParamInfo<Case>& info) {
+      return absl::StrCat(info.param.recipe, "_d", info.param.d, "_", info.param.daemons, "daemons_r",
+                          info.param.replication);
+    });
+
+TEST(ReplicaTest, TrainersCannotPushToOrPullFromAReplica) {
+  JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
+  spec.replication_factor = 2;
+  Cluster cluster(spec, 2);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  // Rank 0's primary is d0, its replica d1.
+  v1::PullParamsRequest pull;
+  pull.set_job_id(kJob);
+  pull.set_job_token(::mainstay::testing::kToken);
+  pull.set_placement_epoch(cluster.epoch());
+  pull.set_bucket(0);
+  pull.set_shard(0);
+  pull.set_version(0);
+  absl::StatusOr<PullResult> pulled = cluster.daemon(1).PullParams(pull, absl::Now() + absl::Seconds(5));
+  EXPECT_THAT(pulled.status(), StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::HasSubstr("replica")));
+}
+
+TEST(ReplicaTest, AForwardForAShardThatIsNotAReplicaHereIsRefusedWithNothingStored) {
+  JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
+  spec.replication_factor = 2;
+  Cluster cluster(spec, 2);
+  v1::ReplicaInputHeader h;
+  h.set_job_id(kJob);
+  h.set_placement_epoch(cluster.epoch());
+  h.set_bucket(0);
+  h.set_shard(0);  // primary on d0: d0 holds no replica of it
+  h.set_step(-1);
+  h.set_dtype(v1::ELEMENT_TYPE_FP32);
+  h.set_total_bytes(cluster.layout().buckets[0].shard_numel * 4);
+  h.set_loss_scale(1.0);
+  EXPECT_THAT(cluster.daemon(0).CheckReplicaInput(h).status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  h.set_shard(1);  // d0 holds its replica
+  h.set_total_bytes(8);
+  EXPECT_THAT(cluster.daemon(0).CheckReplicaInput(h).status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  h.set_total_bytes(cluster.layout().buckets[0].shard_numel * 4);
+  h.set_placement_epoch(cluster.epoch() + 1);
+  EXPECT_THAT(cluster.daemon(0).CheckReplicaInput(h).status(), StatusIs(absl::StatusCode::kUnavailable));
+  h.set_placement_epoch(cluster.epoch());
+  std::vector<uint8_t> payload(static_cast<size_t>(h.total_bytes()), 0);
+  h.set_crc32c(12345);
+  EXPECT_THAT(cluster.daemon(0).StoreReplicaInput(h, payload).status(), StatusIs(absl::StatusCode::kDataLoss));
+}
+
+TEST(FailoverTest, ALostDaemonsReplicasTakeOverAndTheJobGoesOnWithNothingRewound) {
+  JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 3);
+  spec.replication_factor = 2;
+  Cluster cluster(spec, 3);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  for (int64_t step = 0; step < 2; ++step) {
+    cluster.PushGrads(step);
+    for (const auto& stats : cluster.Finish(step, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(step, 1e-3f);
+  }
+  // Daemon 0 is lost between steps: rank 0's primary moves to its replica on d1.
+  ASSERT_THAT(cluster.Failover(0), IsOk());
+  EXPECT_EQ(cluster.Owner(0), 1);
+  ExpectMatchesReference(cluster, ref, 2);  // version 2 is served by the new primary as it was
+  for (int64_t step = 2; step < 5; ++step) {
+    cluster.PushGrads(step);
+    for (const auto& stats : cluster.Finish(step, 1e-3)) {
+      ASSERT_THAT(stats.status(), IsOk());
+      EXPECT_EQ(stats->version(), step + 1);
+    }
+    ref.Step(step, 1e-3f);
+    ExpectMatchesReference(cluster, ref, step + 1);
+    ExpectReplicasEqualPrimaries(cluster);
+  }
+}
+
+// A replicated job's checkpoint is written by the primaries (a daemon holding replicas only
+// writes none), and restores into a replicated job whose replicas load it too and stay equal.
+TEST(ReplicaTest, ACheckpointOfAReplicatedJobRestoresIntoReplicasThatStayEqual) {
+  checkpoint::MemFs fs;
+  JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  spec.replication_factor = 3;
+  Cluster a(spec, 3, &fs);  // d2 holds replicas only
+  Reference ref(a.resolved());
+  a.PushInitial(ref);
+  for (int64_t step = 0; step < 2; ++step) {
+    a.PushGrads(step);
+    for (const auto& stats : a.Finish(step, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(step, 1e-3f);
+  }
+  absl::StatusOr<v1::CheckpointManifest> manifest = a.Checkpoint(fs, "/ckpt", "c1", 1);
+  ASSERT_THAT(manifest.status(), IsOk());
+  EXPECT_EQ(manifest->files_size(), static_cast<int>(a.layout().buckets.size()) * 2) << "one copy of each shard";
+  Cluster b(spec, 3, &fs);
+  ASSERT_THAT(b.Restore("/ckpt", "c1"), IsOk());
+  ExpectMatchesReference(b, ref, 2);
+  ExpectReplicasEqualPrimaries(b);
+  for (int64_t step = 2; step < 4; ++step) {
+    b.PushGrads(step);
+    for (const auto& stats : b.Finish(step, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(step, 1e-3f);
+    ExpectMatchesReference(b, ref, step + 1);
+    ExpectReplicasEqualPrimaries(b);
+  }
+}
+
+// After a failover the ranks short of copies get a new replica, copied from their primary at a
+// step boundary; it then applies the same steps, and a second loss (its primary's daemon) is
+// survived too, with nothing rewound.
+TEST(FailoverTest, ANewReplicaCopiedFromItsPrimaryKeepsUpAndSurvivesTheNextLoss) {
+  JobSpec spec = MakeSpec("bf16_with_fp8_mixed", LayoutPolicy::kFlat, 3);
+  spec.replication_factor = 2;
+  Cluster cluster(spec, 4);  // d3 holds rank 2's replica at first, and takes rank 0's
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  ExpectMatchesReference(cluster, ref, 0);  // (the reference's delayed scaling counts this cast)
+  int64_t step = 0;
+  auto run = [&](int64_t steps) {
+    for (int64_t end = step + steps; step < end; ++step) {
+      SCOPED_TRACE(absl::StrCat("step ", step));
+      cluster.PushGrads(step);
+      const float lr = 1e-3f * static_cast<float>(step + 1);
+      for (const auto& stats : cluster.Finish(step, lr)) ASSERT_THAT(stats.status(), IsOk());
+      ref.Step(step, lr);
+      ExpectMatchesReference(cluster, ref, step + 1);
+    }
+  };
+  run(2);
+  ASSERT_THAT(cluster.Failover(0), IsOk());  // rank 0 now only on d1
+  ASSERT_EQ(cluster.Replicas(0).size(), 0u);
+  run(1);
+  ASSERT_THAT(cluster.AddReplica(0, 3), IsOk());
+  EXPECT_TRUE(ReplicasEqualPrimaries(cluster)) << "the copy is the primary's committed state";
+  run(2);
+  ExpectReplicasEqualPrimaries(cluster);
+  ASSERT_THAT(cluster.Failover(1), IsOk());  // rank 0's primary again: d3 takes over
+  EXPECT_EQ(cluster.Owner(0), 3);
+  run(2);  // (delayed scaling: the copy carried the amax histories, or these casts would differ)
+}
+
+// The mutation check: a replica that does not apply one step's input (the fault) diverges from
+// its primary, and once it is promoted the job no longer matches the reference. The
+// equality checks above would fail on it.
+TEST(FailoverTest, AReplicaThatDropsOneStepsInputIsCaught) {
+  JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  spec.replication_factor = 2;
+  daemon::StepFault fault;
+  fault.kind = daemon::StepFault::Kind::kDropReplicaInput;
+  fault.step = 1;
+  Cluster cluster(spec, 2, nullptr, {{1, fault}});  // d1 holds rank 0's replica
+  Cluster clean(spec, 2);                           // the same run without the fault
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  clean.PushInitial(ref);
+  for (int64_t step = 0; step < 3; ++step) {
+    for (Cluster* c : {&cluster, &clean}) {
+      c->PushGrads(step);
+      for (const auto& stats : c->Finish(step, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+    }
+  }
+  EXPECT_TRUE(ReplicasEqualPrimaries(clean));
+  EXPECT_FALSE(ReplicasEqualPrimaries(cluster));
+  ASSERT_THAT(cluster.Failover(0), IsOk());
+  absl::StatusOr<ShardStateCopy> promoted = StateAt(cluster, 1, 0, 0, 2, 3);
+  absl::StatusOr<ShardStateCopy> expected = StateAt(clean, 0, 0, 0, 2, 3);
+  ASSERT_THAT(promoted.status(), IsOk());
+  ASSERT_THAT(expected.status(), IsOk());
+  EXPECT_EQ(promoted->committed_step, expected->committed_step);
+  EXPECT_NE(promoted->master, expected->master) << "the dropped step must show in the promoted copy";
+}
+
+}  // namespace
+}  // namespace mainstay::daemon
