@@ -205,11 +205,9 @@ void Coordinator::Impl::ReconcileLocked(const v1::HeartbeatRequest& request) {
     if (r.since_ms == 0) r.since_ms = now;  // an assignment may still be on its way: wait a little
     if (now - r.since_ms < options.reconcile_after_ms || now - r.last_ms < options.reconcile_after_ms) continue;
     r.last_ms = now;
-    std::map<int, std::string> moving_in;  // rank -> source, of moves into this daemon
-    for (const v1::PendingMove& m : job.moves()) {
-      if (m.target_daemon_id() == daemon_id) moving_in[m.rank()] = m.source_daemon_id();
-    }
-    if (h == held.end() && job.started() && moving_in.empty()) {
+    const bool moving_in = std::any_of(job.moves().begin(), job.moves().end(),
+                                       [&](const v1::PendingMove& m) { return m.target_daemon_id() == daemon_id; });
+    if (h == held.end() && job.started() && !moving_in) {
       // The job's state lives only in its daemons, and this one no longer has it (it restarted
       // within its lease). Re-sending the assignment would give it empty shards; recover the job
       // as if the daemon had died, once.
@@ -231,17 +229,7 @@ void Coordinator::Impl::ReconcileLocked(const v1::HeartbeatRequest& request) {
                      reported < 0 ? std::string(" not at all") : absl::StrCat(" at placement epoch ", reported),
                      " for ", now - r.since_ms, " ms; re-sending its assignment at epoch ", job.placement().epoch(),
                      source != nullptr ? absl::StrCat(" (the restore from ", source->checkpoint_id(), ")") : ""));
-    if (moving_in.empty()) {
-      SendAssignments(job, {}, "", source, daemon_id);
-      continue;
-    }
-    // A move's target: its moved ranks come from their sources, the rest as above.
-    std::set<int> rest;
-    for (const v1::ShardPlacement& p : job.placement().shards()) {
-      if (p.daemon_id() == daemon_id && !moving_in.count(p.shard().shard())) rest.insert(p.shard().shard());
-    }
-    for (const auto& [rank, from] : moving_in) SendAssignments(job, {rank}, from, nullptr, daemon_id);
-    if (!rest.empty()) SendAssignments(job, rest, "", source, daemon_id);
+    SendAssignmentTo(job, daemon_id, source);  // a move's target: its moved ranks from their sources
   }
   // (AddJobHealth copies the whole state: only when something here can change a job's health.)
   if (batch.empty() && !health_changed) return;
@@ -263,13 +251,18 @@ void Coordinator::Impl::FinishMovesLocked(const v1::StoredJob& job, const std::s
       *updated.add_moves() = m;
       continue;
     }
-    // The target holds the rank's state now: the source's copy can go.
+    // The target holds the rank's state now: the source's copy can go, unless the source still
+    // holds the rank (re-replication copied it to one more daemon).
     finished = true;
+    const std::vector<std::string> holders = HoldersByRank(job).at(static_cast<size_t>(m.rank()));
+    const bool kept = std::count(holders.begin(), holders.end(), m.source_daemon_id()) > 0;
     Log(LogLevel::kInfo, "coordinator",
-        absl::StrCat("job ", job.info().job_id(), ": rank ", m.rank(), " moved from ", m.source_daemon_id(), " to ",
-                     daemon_id, " (epoch ", m.epoch(), "); dropping it on ", m.source_daemon_id()));
+        absl::StrCat("job ", job.info().job_id(), ": rank ", m.rank(), kept ? " copied from " : " moved from ",
+                     m.source_daemon_id(), " to ", daemon_id, " (epoch ", m.epoch(), ")",
+                     kept ? absl::StrCat("; the rank has ", holders.size(), " copies again")
+                          : absl::StrCat("; dropping it on ", m.source_daemon_id())));
     auto source = state.daemons.find(m.source_daemon_id());
-    if (options.assigner == nullptr || source == state.daemons.end() ||
+    if (kept || options.assigner == nullptr || source == state.daemons.end() ||
         source->second.state() == v1::DAEMON_STATE_DOWN) {
       continue;
     }
@@ -355,24 +348,30 @@ absl::StatusOr<v1::DrainDaemonResponse> Coordinator::DrainDaemon(const v1::Drain
   std::vector<DaemonCandidate> candidates = s.Candidates(from);
   std::vector<v1::StoredJob> moved;
   for (const auto& [job_id, job] : s.state.jobs) {
-    std::set<int> ranks;
-    for (const v1::ShardPlacement& p : job.placement().shards()) {
-      if (p.daemon_id() == from) ranks.insert(p.shard().shard());
-    }
-    if (ranks.empty()) continue;
-    std::map<int, std::string> targets;
-    for (int r : ranks) {
-      absl::StatusOr<std::vector<std::string>> target = PlaceRanks(1, {}, candidates, job.bytes_per_rank());
+    // Every rank this daemon holds a copy of (primary or replica) goes to a ready daemon that
+    // holds no copy of it yet; that daemon takes the drained one's role.
+    const std::vector<std::vector<std::string>> holders = Impl::HoldersByRank(job);
+    std::vector<Impl::RankMove> targets;
+    for (size_t r = 0; r < holders.size(); ++r) {
+      if (!std::count(holders[r].begin(), holders[r].end(), from)) continue;
+      std::vector<std::vector<std::string>> others(1);
+      for (const std::string& id : holders[r]) {
+        if (id != from) others[0].push_back(id);
+      }
+      absl::StatusOr<std::vector<std::vector<std::string>>> target =
+          AddCopies(others, static_cast<int>(others[0].size()) + 1, candidates, job.bytes_per_rank());
       if (!target.ok()) {
         return absl::ResourceExhaustedError(absl::StrCat("cannot drain ", from, ": no other ready daemon can take rank ",
                                                          r, " of job ", job_id, " (", target.status().message(),
                                                          "); nothing was moved"));
       }
+      const std::string& to = (*target)[0][0];
       for (DaemonCandidate& c : candidates) {
-        if (c.id == (*target)[0]) c.free_bytes -= job.bytes_per_rank();
+        if (c.id == to) c.free_bytes -= job.bytes_per_rank();
       }
-      targets[r] = (*target)[0];
+      targets.push_back({static_cast<int>(r), from, to});
     }
+    if (targets.empty()) continue;
     std::vector<v1::ShardMove> moves;
     v1::StoredJob updated = s.PlanMoves(job, targets, &moves);
     for (v1::ShardMove& m : moves) *response.add_moves() = std::move(m);
@@ -397,13 +396,16 @@ absl::StatusOr<v1::MoveShardResponse> Coordinator::MoveShard(const v1::MoveShard
     return absl::InvalidArgumentError(absl::StrCat("shard: rank ", rank, " is outside [0, ", dp, ") of job ",
                                                    request.job_id()));
   }
-  std::string owner;
-  for (const v1::ShardPlacement& p : job->placement().shards()) {
-    if (p.shard().shard() == rank) owner = p.daemon_id();
-  }
+  const std::vector<std::string> holders = Impl::HoldersByRank(*job).at(static_cast<size_t>(rank));
+  const std::string& owner = holders.front();
   if (owner == request.to_daemon_id()) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " of job ", request.job_id(), " is already on ",
                                                       owner));
+  }
+  if (std::count(holders.begin(), holders.end(), request.to_daemon_id())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "daemon ", request.to_daemon_id(), " already holds a replica of rank ", rank, " of job ", request.job_id(),
+        "; the primary (", owner, ") can move only to a daemon without a copy of the rank"));
   }
   for (const v1::PendingMove& m : job->moves()) {
     if (m.rank() == rank) {
@@ -423,7 +425,7 @@ absl::StatusOr<v1::MoveShardResponse> Coordinator::MoveShard(const v1::MoveShard
                                                      " bytes free; rank ", rank, " needs ", job->bytes_per_rank()));
   }
   std::vector<v1::ShardMove> moves;
-  v1::StoredJob updated = s.PlanMoves(*job, {{rank, request.to_daemon_id()}}, &moves);
+  v1::StoredJob updated = s.PlanMoves(*job, {{rank, owner, request.to_daemon_id()}}, &moves);
   Batch batch;
   batch.PutJob(updated);
   MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));

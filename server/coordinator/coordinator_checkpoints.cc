@@ -378,8 +378,13 @@ absl::StatusOr<v1::RestoreCheckpointResponse> Coordinator::Impl::RestoreLocked(v
     }
     owner = (*target)[0];
   }
+  // Replicas are placed afresh: every copy loads the checkpoint.
+  absl::StatusOr<std::vector<std::vector<std::string>>> replicas =
+      PlaceReplicas(owners, std::max(1, job.info().spec().replication_factor()), Candidates(""), job.bytes_per_rank());
+  if (!replicas.ok()) return Annotate(replicas.status(), absl::StrCat("restoring job ", job_id));
   v1::StoredJob updated = job;
-  *updated.mutable_placement() = MakePlacement(job_id, job.placement().epoch() + 1, job.layout().buckets_size(), owners);
+  *updated.mutable_placement() =
+      MakePlacement(job_id, job.placement().epoch() + 1, job.layout().buckets_size(), owners, *replicas);
   updated.mutable_info()->set_placement_epoch(updated.placement().epoch());
   v1::SourceCheckpoint source;
   source.set_checkpoint_id(manifest.checkpoint_id());
@@ -403,7 +408,8 @@ absl::StatusOr<v1::RestoreCheckpointResponse> Coordinator::Impl::RestoreLocked(v
   for (auto it = resends.begin(); it != resends.end();) it = it->first.first == job_id ? resends.erase(it) : std::next(it);
   SendAssignments(updated, {}, "", &source);
   if (options.assigner != nullptr) {
-    std::set<std::string> kept(owners.begin(), owners.end());
+    std::set<std::string> kept;
+    for (const v1::DaemonEndpoint& e : updated.placement().daemons()) kept.insert(e.daemon_id());
     for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
       if (kept.count(e.daemon_id())) continue;
       auto d = state.daemons.find(e.daemon_id());
@@ -452,7 +458,12 @@ void Coordinator::Impl::RecoverJobs() {
   {
     absl::MutexLock lock(&mu);
     jobs.swap(jobs_to_recover);
-    if (!options.restore_on_daemon_loss || options.checkpoint_dir.empty() || stopping) return;
+    if (stopping) return;
+    // Jobs with replicas go on from their surviving copies; the rest are restored. Jobs short
+    // of copies get new replicas (coordinator_replicas.cc).
+    for (auto it = jobs.begin(); it != jobs.end();) it = FailoverLocked(*it) ? jobs.erase(it) : std::next(it);
+    ReReplicateLocked();
+    if (!options.restore_on_daemon_loss || options.checkpoint_dir.empty()) return;
   }
   for (const std::string& job_id : jobs) {
     // Newest first; a checkpoint whose manifest or data files do not verify (a torn copy, a

@@ -6,6 +6,7 @@
 #include <openssl/rand.h>
 #include <openssl/sha.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <functional>
@@ -258,6 +259,27 @@ struct Coordinator::Impl {
     }
   }
 
+  // Whether the daemon can serve a job's shards: registered, not DOWN, and still holding the
+  // job's state (not in lost_state).
+  bool HoldsJob(const std::string& job_id, const std::string& daemon_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto d = state.daemons.find(daemon_id);
+    if (d == state.daemons.end() || d->second.state() == v1::DAEMON_STATE_DOWN) return false;
+    auto lost = lost_state.find(job_id);
+    return lost == lost_state.end() || !lost->second.count(daemon_id);
+  }
+
+  // Failover (coordinator_checkpoints.cc): a job with replicas that lost daemons continues on
+  // their surviving copies at the next epoch. False, with nothing changed, when some shard has
+  // no copy left (or the job has no replicas): the job is then restored from a checkpoint.
+  bool FailoverLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Re-replication (coordinator_replicas.cc): every started job with fewer than R copies of a
+  // rank, no move pending and every daemon at its placement epoch gets new replicas on ready
+  // daemons at the next epoch, each copied from the rank's primary (a move that keeps its
+  // source). A job that cannot get them (no daemon with room) is logged once per epoch and
+  // tried again at later ticks.
+  void ReReplicateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  std::map<std::string, int64_t> rereplication_waiting ABSL_GUARDED_BY(mu);  // job -> epoch logged
+
   // Queues every job placed on the daemon for RecoverJobs (the next Tick).
   void MarkJobsToRecover(const std::string& daemon_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (const auto& [job_id, job] : state.jobs) {
@@ -330,6 +352,9 @@ struct Coordinator::Impl {
       std::set<std::pair<std::string, int>> seen;  // (daemon, rank)
       for (const v1::ShardPlacement& p : job.placement().shards()) {
         if (seen.insert({p.daemon_id(), p.shard().shard()}).second) reserved[p.daemon_id()] += job.bytes_per_rank();
+        for (const std::string& r : p.replica_daemon_ids()) {
+          if (seen.insert({r, p.shard().shard()}).second) reserved[r] += job.bytes_per_rank();
+        }
       }
     }
     std::vector<DaemonCandidate> out;
@@ -347,9 +372,11 @@ struct Coordinator::Impl {
     return it == state.daemons.end() ? v1::DaemonEndpoint() : it->second.endpoint();
   }
 
-  // Placement proto for owners[r] of every bucket's shard r.
+  // Placement proto for owners[r] of every bucket's shard r, with replicas[r] when given.
   v1::Placement MakePlacement(const std::string& job_id, int64_t epoch, int num_buckets,
-                              const std::vector<std::string>& owners) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+                              const std::vector<std::string>& owners,
+                              const std::vector<std::vector<std::string>>& replicas = {}) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     v1::Placement p;
     p.set_job_id(job_id);
     p.set_epoch(epoch);
@@ -359,64 +386,113 @@ struct Coordinator::Impl {
         s->mutable_shard()->set_bucket(b);
         s->mutable_shard()->set_shard(static_cast<int32_t>(r));
         s->set_daemon_id(owners[r]);
+        if (r < replicas.size()) {
+          for (const std::string& id : replicas[r]) s->add_replica_daemon_ids(id);
+        }
       }
     }
-    std::set<std::string> unique(owners.begin(), owners.end());
-    for (const std::string& id : unique) *p.add_daemons() = EndpointOf(id);
+    SetDaemons(p);
     return p;
   }
 
-  // Sends each owner its shards of `job` (those of `ranks`, or all of its ranks when empty).
-  // The gained shards start from the trainers (new job), from `from_peer`'s copy or, with
-  // `from_checkpoint`, from a checkpoint (the daemons then replace the whole job).
-  // Moves (drain, MoveShard): `job` at its next epoch with each rank of `targets` on its new
-  // daemon, the moves recorded (StoredJob.moves) and described in `out`. Commit it, then
-  // SendMoves. The sources keep their copies until the targets report the job loaded.
-  v1::StoredJob PlanMoves(const v1::StoredJob& job, const std::map<int, std::string>& targets,
+  // Rebuilds `p.daemons` from its shards: every primary and replica, once, sorted by id.
+  void SetDaemons(v1::Placement& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::set<std::string> unique;
+    for (const v1::ShardPlacement& s : p.shards()) {
+      unique.insert(s.daemon_id());
+      unique.insert(s.replica_daemon_ids().begin(), s.replica_daemon_ids().end());
+    }
+    p.clear_daemons();
+    for (const std::string& id : unique) *p.add_daemons() = EndpointOf(id);
+  }
+
+  // The daemons holding every bucket's shard of each rank (primary first, then replicas).
+  static std::vector<std::vector<std::string>> HoldersByRank(const v1::StoredJob& job) {
+    std::vector<std::vector<std::string>> holders(static_cast<size_t>(job.info().spec().data_parallel_size()));
+    for (const v1::ShardPlacement& p : job.placement().shards()) {
+      std::vector<std::string>& h = holders.at(static_cast<size_t>(p.shard().shard()));
+      if (!h.empty()) continue;  // (every bucket's shard r has the same holders)
+      h.push_back(p.daemon_id());
+      h.insert(h.end(), p.replica_daemon_ids().begin(), p.replica_daemon_ids().end());
+    }
+    return holders;
+  }
+
+  // One rank's move: `source`'s copy of every bucket's shard of `rank` goes to `target`, which
+  // takes the source's role there (primary or replica). With `keep_source` (re-replication)
+  // the source keeps its role and the target becomes one more replica.
+  struct RankMove {
+    int rank = 0;
+    std::string source, target;
+    bool keep_source = false;
+  };
+  // Moves (drain, MoveShard, re-replication): `job` at its next epoch with `moves` applied, the
+  // moves recorded (StoredJob.moves) and described in `out`. Commit it, then SendMoves. A source
+  // that no longer holds the rank keeps its copy until the target reports the job loaded.
+  v1::StoredJob PlanMoves(const v1::StoredJob& job, const std::vector<RankMove>& moves,
                           std::vector<v1::ShardMove>* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    const int64_t dp = job.info().spec().data_parallel_size();
-    std::vector<std::string> owners(static_cast<size_t>(dp));
-    for (const v1::ShardPlacement& p : job.placement().shards()) owners[static_cast<size_t>(p.shard().shard())] = p.daemon_id();
     v1::StoredJob updated = job;
     const int64_t epoch = job.placement().epoch() + 1;
-    for (const auto& [rank, target] : targets) {
+    v1::Placement& placement = *updated.mutable_placement();
+    placement.set_epoch(epoch);
+    for (const RankMove& m : moves) {
       v1::PendingMove* move = updated.add_moves();
-      move->set_rank(rank);
-      move->set_source_daemon_id(owners[static_cast<size_t>(rank)]);
-      move->set_target_daemon_id(target);
+      move->set_rank(m.rank);
+      move->set_source_daemon_id(m.source);
+      move->set_target_daemon_id(m.target);
       move->set_epoch(epoch);
-      for (int b = 0; b < job.layout().buckets_size(); ++b) {
+      for (v1::ShardPlacement& p : *placement.mutable_shards()) {
+        if (p.shard().shard() != m.rank) continue;
         v1::ShardMove& shard_move = out->emplace_back();
         shard_move.set_job_id(job.info().job_id());
-        shard_move.mutable_shard()->set_bucket(b);
-        shard_move.mutable_shard()->set_shard(rank);
-        shard_move.set_from_daemon_id(owners[static_cast<size_t>(rank)]);
-        shard_move.set_to_daemon_id(target);
+        *shard_move.mutable_shard() = p.shard();
+        shard_move.set_from_daemon_id(m.source);
+        shard_move.set_to_daemon_id(m.target);
         shard_move.set_placement_epoch(epoch);
+        if (m.keep_source) {
+          p.add_replica_daemon_ids(m.target);
+        } else if (p.daemon_id() == m.source) {
+          p.set_daemon_id(m.target);
+        } else {
+          for (std::string& r : *p.mutable_replica_daemon_ids()) {
+            if (r == m.source) r = m.target;
+          }
+        }
       }
-      owners[static_cast<size_t>(rank)] = target;
     }
-    *updated.mutable_placement() = MakePlacement(job.info().job_id(), epoch, job.layout().buckets_size(), owners);
+    SetDaemons(placement);
     updated.mutable_info()->set_placement_epoch(epoch);
     return updated;
   }
 
-  // After PlanMoves' job is committed: each target gets its moved ranks from their source, and
-  // every other daemon of the placement the new epoch (it holds its ranks already).
-  void SendMoves(const v1::StoredJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    std::set<int> moved;
+  // Sends `daemon_id` its shards of `job` at the job's epoch: the ranks a pending move brings to
+  // it come from the move's source, the others as they are (or from `from_checkpoint`).
+  void SendAssignmentTo(const v1::StoredJob& job, const std::string& daemon_id,
+                        const v1::SourceCheckpoint* from_checkpoint) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::map<int, std::string> moving_in;  // rank -> source
     for (const v1::PendingMove& m : job.moves()) {
-      if (m.epoch() != job.placement().epoch()) continue;
-      moved.insert(m.rank());
-      SendAssignments(job, {m.rank()}, m.source_daemon_id());
+      if (m.target_daemon_id() == daemon_id) moving_in[m.rank()] = m.source_daemon_id();
     }
-    std::set<int> others;
-    for (int r = 0; r < job.info().spec().data_parallel_size(); ++r) {
-      if (!moved.count(r)) others.insert(r);
+    std::set<int> rest;
+    for (const v1::ShardPlacement& p : job.placement().shards()) {
+      const bool holds = p.daemon_id() == daemon_id || std::count(p.replica_daemon_ids().begin(),
+                                                                  p.replica_daemon_ids().end(), daemon_id) > 0;
+      if (holds && !moving_in.count(p.shard().shard())) rest.insert(p.shard().shard());
     }
-    if (!others.empty()) SendAssignments(job, others, "");
+    for (const auto& [rank, from] : moving_in) SendAssignments(job, {rank}, from, nullptr, daemon_id);
+    if (!rest.empty()) SendAssignments(job, rest, "", from_checkpoint, daemon_id);
   }
 
+  // After PlanMoves' job is committed: every daemon of the placement gets the new epoch, each
+  // target its moved ranks from their source.
+  void SendMoves(const v1::StoredJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (const v1::DaemonEndpoint& e : job.placement().daemons()) SendAssignmentTo(job, e.daemon_id(), nullptr);
+  }
+
+  // Sends each holder (primary or replica) its shards of `job` (those of `only_ranks`, or all
+  // of its ranks when empty). The gained shards start from the trainers (new job), from
+  // `from_peer`'s copy or, with `from_checkpoint`, from a checkpoint (the daemons then replace
+  // the whole job).
   // With `only_daemon`, only that daemon's assignment is sent (reconciliation).
   void SendAssignments(const v1::StoredJob& job, const std::set<int>& only_ranks, const std::string& from_peer,
                        const v1::SourceCheckpoint* from_checkpoint = nullptr, const std::string& only_daemon = "")
@@ -424,8 +500,12 @@ struct Coordinator::Impl {
     if (options.assigner == nullptr) return;
     std::map<std::string, std::vector<v1::ShardRef>> by_daemon;
     for (const v1::ShardPlacement& p : job.placement().shards()) {
-      if (!only_daemon.empty() && p.daemon_id() != only_daemon) continue;
-      if (only_ranks.empty() || only_ranks.count(p.shard().shard())) by_daemon[p.daemon_id()].push_back(p.shard());
+      if (!only_ranks.empty() && !only_ranks.count(p.shard().shard())) continue;
+      // Primaries and replicas alike (the daemon reads each shard's role from the placement).
+      if (only_daemon.empty() || p.daemon_id() == only_daemon) by_daemon[p.daemon_id()].push_back(p.shard());
+      for (const std::string& r : p.replica_daemon_ids()) {
+        if (only_daemon.empty() || r == only_daemon) by_daemon[r].push_back(p.shard());
+      }
     }
     for (const auto& [daemon, shards] : by_daemon) {
       v1::AssignShardRequest req;

@@ -77,6 +77,8 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
   const int64_t bytes_per_rank = BytesPerRank(resolved->layout, moment_bytes);
   MAINSTAY_ASSIGN_OR_RETURN(std::vector<std::string> owners,
                             PlaceRanks(spec->data_parallel_size, spec->trainer_nodes, s.Candidates(""), bytes_per_rank));
+  MAINSTAY_ASSIGN_OR_RETURN(std::vector<std::vector<std::string>> replicas,
+                            PlaceReplicas(owners, spec->replication_factor, s.Candidates(""), bytes_per_rank));
 
   v1::StateCounters counters = s.state.counters;
   counters.set_next_job(counters.next_job() + 1);
@@ -87,7 +89,8 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
   job.set_job_token_sha256(Sha256(token));
   job.set_bytes_per_rank(bytes_per_rank);
   LayoutToProto(resolved->layout, job.mutable_layout());
-  *job.mutable_placement() = s.MakePlacement(job_id, 1, static_cast<int>(resolved->layout.buckets.size()), owners);
+  *job.mutable_placement() =
+      s.MakePlacement(job_id, 1, static_cast<int>(resolved->layout.buckets.size()), owners, replicas);
   if (const int64_t bytes = static_cast<int64_t>(job.placement().ByteSizeLong()); bytes > s.options.max_placement_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("spec: the job's placement would take ", bytes,
                                                    " bytes; this coordinator sends at most ", s.options.max_placement_bytes,

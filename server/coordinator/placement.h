@@ -36,6 +36,24 @@ absl::StatusOr<std::vector<std::string>> PlaceRanks(int64_t data_parallel_size,
                                                     std::span<const std::string> trainer_nodes,
                                                     std::vector<DaemonCandidate> ready, int64_t bytes_per_rank);
 
+// The replicas of each rank for replication_factor `r` (docs/architecture.md, "Replicas"): r-1
+// daemons per rank, none of them the rank's primary (`owners[rank]`) nor each other. First
+// choice: a daemon on a node holding no copy of the rank yet; then the most free memory (ties:
+// smallest id). `ready` is every ready daemon with its free memory before `owners` was placed
+// (their bytes are taken here). RESOURCE_EXHAUSTED with the numbers when there are fewer than r
+// ready daemons or a replica does not fit anywhere. r = 1: one empty list per rank.
+absl::StatusOr<std::vector<std::vector<std::string>>> PlaceReplicas(std::span<const std::string> owners, int r,
+                                                                    std::vector<DaemonCandidate> ready,
+                                                                    int64_t bytes_per_rank);
+
+// Re-replication: for each rank, the daemons to add so that it has `r` copies, given the daemons
+// holding it now (`holders[rank]`, non-empty) and the ready daemons with the memory they have
+// left (holders' bytes already taken). Same preferences as PlaceReplicas. RESOURCE_EXHAUSTED
+// when some copy fits nowhere.
+absl::StatusOr<std::vector<std::vector<std::string>>> AddCopies(const std::vector<std::vector<std::string>>& holders,
+                                                                int r, std::vector<DaemonCandidate> ready,
+                                                                int64_t bytes_per_rank);
+
 }  // namespace mainstay::coordinator
 
 #endif  // MAINSTAY_SERVER_COORDINATOR_PLACEMENT_H_

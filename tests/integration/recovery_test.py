@@ -33,8 +33,9 @@ STEPS = 16
 LR = 1e-2
 
 
-def spec(name):
+def spec(name, replication=1):
     return {
+        "replication_factor": replication,
         "name": name,
         "recipe": "bf16_with_fp8_delayed_scaling_mixed",
         "data_parallel_size": D,
@@ -59,9 +60,10 @@ def trainer_main(argv):
     ap.add_argument("--resume", action="store_true", help="attach to a running job and continue from its version")
     ap.add_argument("--pause-file", help="after each step, wait while this file exists")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
+    ap.add_argument("--replication", type=int, default=1, help="the job's replication_factor")
     args = ap.parse_args(argv)
     if args.rank == 0 and not args.resume:
-        client = mainstay.Client(args.coordinator, spec_json=json.dumps(spec(args.name)), rank=0, timeout_s=90,
+        client = mainstay.Client(args.coordinator, spec_json=json.dumps(spec(args.name, args.replication)), rank=0, timeout_s=90,
                                  max_backoff_s=0.5)
         with open(args.job_file + ".tmp", "w") as f:
             json.dump({"job_id": client.job_id, "job_token": client.job_token}, f)
@@ -378,6 +380,70 @@ class RecoveryTest(unittest.TestCase):
             if s["shard"].get("shard", 0) == rank:
                 return s["daemon_id"]
         raise AssertionError("rank %d not in %s" % (rank, r.stdout))
+
+    def daemon_process(self, daemon_id):
+        """The Cluster's process name ("daemonI") of a daemon id (by its node name "nodeI")."""
+        r = self.cluster.ctl("daemons", "list", "--json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        for d in json.loads(r.stdout)["daemons"]:
+            if d["endpoint"]["daemon_id"] == daemon_id:
+                return "daemon" + d["endpoint"]["node_name"][len("node"):]
+        raise AssertionError("no daemon %s in %s" % (daemon_id, r.stdout))
+
+    def kill_a_primary_with_replicas(self, daemon_flags=()):
+        """replication_factor 2 on three daemons, no checkpoint at all. The daemon holding rank 0's
+        primary is SIGKILLed mid-run; at the next epoch its shards' replicas become the
+        primaries, and the job is then re-replicated to two copies of every rank. Returns the
+        run's final line and the uninterrupted reference's."""
+        self.cluster.stop()
+        self.cluster = Cluster(daemons=3, daemon_flags=daemon_flags)
+        ps = [self.cluster.trainer(r, "run", "--replication", "2", "--step-sleep", "0.05") for r in range(D)]
+        self.wait_step("run", 0, 4)
+        job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
+        shards = self.placement(job)
+        self.assertTrue(all(len(s.get("replica_daemon_ids", [])) == 1 for s in shards), shards)
+        victim = self.owner_of(job, 0)
+        replica = [s["replica_daemon_ids"][0] for s in shards if s["shard"].get("shard", 0) == 0][0]
+        self.cluster.kill(self.daemon_process(victim))
+        for p in ps:
+            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+        self.assertEqual(self.owner_of(job, 0), replica)
+        self.assertIn("fail over to their replicas", self.cluster.log("coordinator"))
+        self.assertNotIn("restoring from checkpoint", self.cluster.log("coordinator"))
+        # Back to two copies of every rank, on the two survivors.
+        wait_for(lambda: all(len(s.get("replica_daemon_ids", [])) == 1 and victim not in
+                             [s["daemon_id"]] + s["replica_daemon_ids"] for s in self.placement(job)),
+                 "re-replication", logs=self.cluster.logs)
+        self.assertIn("copies again", self.cluster.log("coordinator"))
+        log = self.cluster.log("run.rank")
+        # (A step that failed is ABORTED with the committed step, which the trainer logs as
+        # REWOUND or RETRYING; the step it then pushes again must be the one in flight.)
+        for rank in range(D):
+            steps = [int(l.split()[3]) for l in self.cluster.log("run.rank%d" % rank).splitlines()
+                     if l.startswith("rank %d step " % rank)]
+            self.assertEqual(steps, list(range(STEPS)), log)  # no step done twice, none skipped
+        final = final_of(self.cluster.log("run.rank0"))
+        self.assertEqual(final, final_of(self.cluster.log("run.rank1")))
+        self.cluster.stop()
+        self.cluster = Cluster()
+        return final, self.run_reference()
+
+    def placement(self, job):
+        r = self.cluster.ctl("placement", "--job", job, "--json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        return json.loads(r.stdout)["placement"]["shards"]
+
+    def test_a_daemon_killed_with_replicas_fails_over_and_nothing_rewinds(self):
+        final, reference = self.kill_a_primary_with_replicas()
+        self.assertEqual(final, reference)
+
+    def test_the_failover_test_catches_a_replica_that_drops_a_step(self):
+        # The mutation check: every daemon's replicas update step 2 with a zero gradient
+        # (mainstayd --inject-fault drop-replica-input:2). Training goes on as before (the
+        # primaries are right), but once rank 0's replica is promoted the run no longer ends
+        # with the uninterrupted run's bytes.
+        final, reference = self.kill_a_primary_with_replicas(("--inject-fault", "drop-replica-input:2"))
+        self.assertNotEqual(final, reference)
 
     def test_a_drain_and_a_move_under_load_keep_every_step(self):
         # Three daemons, ranks on two of them. While the trainers run, the daemon of rank 1 is

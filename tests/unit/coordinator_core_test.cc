@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "common/job_spec.h"
 #include "common/job_spec_proto.h"
@@ -628,6 +629,153 @@ TEST_F(CoordinatorCoreTest, MoveShardMovesOneRankStateAndAllAndRefusesBadMoves) 
   move.mutable_shard()->set_shard(0);
   move.set_to_daemon_id("daemon-99");
   EXPECT_THAT(coordinator_->MoveShard(move), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("READY")));
+}
+
+// The holders of rank `rank` (primary first) in a placement.
+std::vector<std::string> HoldersOf(const v1::Placement& p, int rank) {
+  for (const v1::ShardPlacement& s : p.shards()) {
+    if (s.shard().shard() != rank) continue;
+    std::vector<std::string> out = {s.daemon_id()};
+    out.insert(out.end(), s.replica_daemon_ids().begin(), s.replica_daemon_ids().end());
+    return out;
+  }
+  return {};
+}
+
+TEST_F(CoordinatorCoreTest, ReplicasArePlacedOnOtherNodesAndTooFewDaemonsAreRefused) {
+  Register("n1", kGiB);
+  v1::JobSpec spec = SmallSpec("j", 2);
+  spec.set_replication_factor(2);
+  EXPECT_THAT(Create(spec), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("replication_factor 2")));
+  Register("n2", kGiB);
+  Register("n3", kGiB);
+  auto created = Create(spec);
+  ASSERT_THAT(created, IsOk());
+  auto placement = coordinator_->WaitPlacement(created->job_id(), "", 0, absl::Now() + absl::Seconds(1));
+  ASSERT_THAT(placement, IsOk());
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::vector<std::string> holders = HoldersOf(*placement, rank);
+    ASSERT_EQ(holders.size(), 2u);
+    EXPECT_NE(holders[0], holders[1]);
+  }
+  EXPECT_EQ(placement->daemons_size(), 3) << "the replicas spread over the third daemon";
+  // Every holder got an assignment naming its shards.
+  std::set<std::string> assigned;
+  for (const auto& call : assigner_.calls()) {
+    if (call.assign) assigned.insert(call.address);
+  }
+  EXPECT_EQ(assigned.size(), 3u);
+}
+
+// A replicated job loses a daemon: the survivors' copies take over at the next epoch (no
+// restore: there is no checkpoint at all), then the job is re-replicated back to R copies from
+// its primaries, which keep their copies.
+TEST_F(CoordinatorCoreTest, ALostDaemonFailsOverToReplicasThenTheJobIsReReplicated) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto c = Register("n3", kGiB);
+  v1::JobSpec spec = SmallSpec("j", 2, {"n1", "n2"});
+  spec.set_replication_factor(2);
+  auto created = Create(spec);
+  ASSERT_THAT(created, IsOk());
+  const std::string job = created->job_id();
+  auto at = [&](int64_t epoch) {
+    auto p = coordinator_->WaitPlacement(job, "", epoch - 1, absl::Now() + absl::Seconds(1));
+    EXPECT_THAT(p, IsOk());
+    return p.ok() ? *p : v1::Placement();
+  };
+  auto beat = [&](const v1::RegisterDaemonResponse& d, int64_t epoch, bool loading = false) {
+    v1::HeartbeatRequest hb;
+    hb.set_daemon_id(d.daemon_id());
+    hb.set_lease_id(d.lease_id());
+    v1::JobProgress* p = hb.add_jobs();
+    p->set_job_id(job);
+    p->set_placement_epoch(epoch);
+    p->set_version(3);
+    p->set_committed_step(2);
+    p->set_loading(loading);
+    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  };
+  const v1::Placement first = at(1);
+  ASSERT_EQ(HoldersOf(first, 0).front(), a.daemon_id());
+  const std::string replica_of_0 = HoldersOf(first, 0)[1];
+  for (auto* d : {&a, &b, &c}) beat(*d, 1);
+  // a dies: its lease runs out while b and c renew theirs.
+  clock_.Advance(900);
+  beat(b, 1);
+  beat(c, 1);
+  clock_.Advance(200);
+  coordinator_->Tick();
+  const v1::Placement failed_over = at(2);
+  EXPECT_EQ(HoldersOf(failed_over, 0), std::vector<std::string>{replica_of_0}) << "promoted, nothing restored";
+  for (int rank = 0; rank < 2; ++rank) {
+    for (const std::string& id : HoldersOf(failed_over, rank)) EXPECT_NE(id, a.daemon_id());
+  }
+  EXPECT_EQ(coordinator_->ListJobs({}).jobs(0).state(), v1::JOB_STATE_READY);
+  // Re-replication waits until both survivors run epoch 2, then copies each short rank from
+  // its primary to the other survivor.
+  coordinator_->Tick();
+  EXPECT_THAT(coordinator_->WaitPlacement(job, "", 2, absl::Now() + absl::Milliseconds(20)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+  beat(b, 2);
+  beat(c, 2);
+  const size_t before = assigner_.calls().size();
+  coordinator_->Tick();
+  const v1::Placement rereplicated = at(3);
+  for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(HoldersOf(rereplicated, rank).size(), 2u) << "rank " << rank;
+  EXPECT_EQ(HoldersOf(rereplicated, 0).front(), replica_of_0) << "the primary stays";
+  const std::string new_replica = HoldersOf(rereplicated, 0)[1];
+  bool copied = false;
+  const auto calls = assigner_.calls();
+  for (size_t i = before; i < calls.size(); ++i) {
+    if (!calls[i].assign || !calls[i].assign_request.has_from_peer()) continue;
+    if (calls[i].assign_request.shards(0).shard() != 0) continue;  // (rank 1 may be short too)
+    EXPECT_EQ(calls[i].address, Daemons()[new_replica].endpoint().address());
+    EXPECT_EQ(calls[i].assign_request.from_peer().daemon().daemon_id(), replica_of_0);
+    copied = true;
+  }
+  EXPECT_TRUE(copied);
+  // The new replica reports it loaded: the move is over, and the source drops nothing.
+  beat(b, 3);
+  beat(c, 3);
+  for (size_t i = before; i < assigner_.calls().size(); ++i) EXPECT_TRUE(assigner_.calls()[i].assign);
+  coordinator_->Tick();
+  EXPECT_THAT(coordinator_->WaitPlacement(job, "", 3, absl::Now() + absl::Milliseconds(20)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded))
+      << "two copies of every rank: nothing more to do";
+}
+
+TEST_F(CoordinatorCoreTest, DrainingAReplicaMovesItsRoleAndAPrimaryMovesOnlyToADaemonWithoutACopy) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto c = Register("n3", kGiB);
+  v1::JobSpec spec = SmallSpec("j", 1, {"n1"});
+  spec.set_replication_factor(2);
+  auto created = Create(spec);
+  ASSERT_THAT(created, IsOk());
+  const std::string job = created->job_id();
+  auto first = coordinator_->WaitPlacement(job, "", 0, absl::Now() + absl::Seconds(1));
+  ASSERT_THAT(first, IsOk());
+  const std::vector<std::string> holders = HoldersOf(*first, 0);
+  ASSERT_EQ(holders.size(), 2u);
+  ASSERT_EQ(holders[0], a.daemon_id());
+  const std::string spare = holders[1] == b.daemon_id() ? c.daemon_id() : b.daemon_id();
+  v1::MoveShardRequest move;
+  move.set_job_id(job);
+  move.mutable_shard()->set_shard(0);
+  move.set_to_daemon_id(holders[1]);
+  EXPECT_THAT(coordinator_->MoveShard(move),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already holds a replica")));
+  v1::DrainDaemonRequest drain;
+  drain.set_daemon_id(holders[1]);
+  ASSERT_THAT(coordinator_->DrainDaemon(drain), IsOk());
+  auto second = coordinator_->WaitPlacement(job, "", 1, absl::Now() + absl::Seconds(1));
+  ASSERT_THAT(second, IsOk());
+  EXPECT_EQ(HoldersOf(*second, 0), (std::vector<std::string>{a.daemon_id(), spare}));
+  // With every other daemon holding a copy, the primary's daemon cannot be drained.
+  drain.set_daemon_id(a.daemon_id());
+  EXPECT_THAT(coordinator_->DrainDaemon(drain),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("nothing was moved")));
 }
 
 // Recovery from a lost daemon: the newest checkpoint that verifies, not merely the newest.
