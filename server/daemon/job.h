@@ -382,6 +382,8 @@ class Job : public std::enable_shared_from_this<Job> {
   // the members (GetStepOutcome) until each one still in the placement answers DECIDED.
   // UNAVAILABLE when the job stops meanwhile.
   absl::Status ConfirmDecisionHeld(int64_t step);
+  // The placement's other members, with their endpoints (just the id where none is known).
+  std::vector<v1::DaemonEndpoint> PeersLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const std::string job_id_;
   const ResolvedJob job_;

@@ -118,14 +118,7 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const absl::St
       absl::MutexLock lock(&mu_);
       if (stopping_) return absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
       if (std::find(members_.begin(), members_.end(), options_.daemon_id) == members_.end()) return cause;
-      for (const std::string& id : members_) {
-        if (id == options_.daemon_id) continue;
-        auto it = endpoints_.find(id);
-        v1::DaemonEndpoint e;
-        if (it != endpoints_.end()) e = it->second;
-        e.set_daemon_id(id);
-        peers.push_back(std::move(e));
-      }
+      peers = PeersLocked();
     }
     if (peers.empty()) return cause;
     bool undecided_everywhere = true;
@@ -160,6 +153,19 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const absl::St
   }
 }
 
+std::vector<v1::DaemonEndpoint> Job::PeersLocked() const {
+  std::vector<v1::DaemonEndpoint> peers;
+  for (const std::string& id : members_) {
+    if (id == options_.daemon_id) continue;
+    auto it = endpoints_.find(id);
+    v1::DaemonEndpoint e;
+    if (it != endpoints_.end()) e = it->second;
+    e.set_daemon_id(id);
+    peers.push_back(std::move(e));
+  }
+  return peers;
+}
+
 absl::Status Job::ConfirmDecisionHeld(int64_t step) {
   if (group_ != nullptr) {
     float token = 0.0f;
@@ -182,14 +188,7 @@ absl::Status Job::ConfirmDecisionHeld(int64_t step) {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
-      for (const std::string& id : members_) {
-        if (id == options_.daemon_id) continue;
-        auto it = endpoints_.find(id);
-        v1::DaemonEndpoint e;
-        if (it != endpoints_.end()) e = it->second;
-        e.set_daemon_id(id);
-        peers.push_back(std::move(e));
-      }
+      peers = PeersLocked();
     }
     std::string missing;
     for (const v1::DaemonEndpoint& peer : peers) {
