@@ -18,7 +18,11 @@
 //   step_bench --coordinator-bin PATH --daemon-bin PATH [--params 256e6] [--dp 2] [--steps 3]
 //              [--recipe bf16_with_fp8_current_scaling_mixed] [--daemon-threads 1]
 //              [--transport auto|grpc|ucx]   (UCX_TLS in the environment reaches the daemons too)
-//              [--move-at-step S]
+//              [--move-at-step S] [--replication R]
+//
+// With --replication R (2 or 3), max(D, R) daemons start and the measured job runs twice in the
+// same run: with replication_factor 1, then R (docs/architecture.md, "Replicas"; the first job is
+// deleted before the second starts). Reported: both medians and their ratio.
 // STEP_BENCH_PRINT_LOGS=1 prints the daemons' and the coordinator's logs at the end.
 #include <grpcpp/grpcpp.h>
 
@@ -65,6 +69,7 @@ struct Flags {
   std::string recipe = "bf16_with_fp8_current_scaling_mixed";
   std::string transport = "auto";
   int move_at_step = -1;  // -1: no move
+  int replication = 1;    // > 1: the job runs twice, at R = 1 then at R, on the same daemons
 };
 
 [[noreturn]] void Die(const std::string& message) {
@@ -86,11 +91,14 @@ Flags ParseFlags(int argc, char** argv) {
     else if (name == "--recipe") f.recipe = value;
     else if (name == "--transport") f.transport = value;
     else if (name == "--move-at-step") f.move_at_step = std::atoi(value.c_str());
+    else if (name == "--replication") f.replication = std::atoi(value.c_str());
     else Die("unknown flag " + name);
   }
   if (f.coordinator_bin.empty() || f.daemon_bin.empty()) Die("--coordinator-bin and --daemon-bin are required");
   if (f.dp < 1 || f.steps < 1 || f.params < 1e6) Die("bad --dp, --steps or --params");
   if (f.move_at_step == 0 || f.move_at_step > f.steps) Die("--move-at-step must be in [1, --steps] (step 0 warms up)");
+  if (f.replication < 1 || f.replication > kMaxReplicationFactor) Die("--replication must be in [1, 3]");
+  if (f.replication > 1 && f.move_at_step > 0) Die("--replication and --move-at-step do not combine");
   return f;
 }
 
@@ -257,7 +265,8 @@ int Main(int argc, char** argv) {
   const std::string address = absl::StrCat("127.0.0.1:", *cport);
   std::vector<std::unique_ptr<testing::Subprocess>> daemons;
   const bool move = f.move_at_step > 0;
-  for (int i = 0; i < f.dp + (move ? 1 : 0); ++i) {  // the last one is the move's spare
+  const int num_daemons = std::max(f.dp + (move ? 1 : 0), f.replication);
+  for (int i = 0; i < num_daemons; ++i) {  // with a move, the last one is its spare
     const std::string port_file = (*dir)->File(absl::StrCat("dport", i));
     auto d = testing::Subprocess::Start({{f.daemon_bin, "--coordinator", address, "--listen", "127.0.0.1:0",
                                           "--node-name", i == f.dp ? std::string("spare") : absl::StrCat("node", i), "--threads",
@@ -269,96 +278,121 @@ int Main(int argc, char** argv) {
     daemons.push_back(*std::move(d));
   }
   // Trainer r on node r: its shards are placed on daemon r (locality).
-  JobSpec placed = spec;
-  for (int r = 0; r < f.dp; ++r) placed.trainer_nodes.push_back(absl::StrCat("node", r));
-  std::vector<std::unique_ptr<Client>> clients;
-  for (int r = 0; r < f.dp; ++r) {
-    ClientOptions o;
-    o.coordinator = address;
-    o.rank = r;
-    o.transport = f.transport;
-    o.timeout = std::chrono::minutes(10);
-    if (r == 0) {
-      o.job_spec_json = JobSpecToJson(placed);
-    } else {
-      o.job_id = clients[0]->job_id();
-      o.job_token = clients[0]->job_token();
-    }
-    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
-    if (!c.ok()) Die(c.status().ToString());
-    clients.push_back(*std::move(c));
-  }
-  for (const DataConnection& c : clients[0]->connections()) {
-    std::printf("rank 0 -> %s: %s%s\n", c.daemon_id.c_str(), c.transport.c_str(),
-                c.note.empty() ? "" : (" (" + c.note + ")").c_str());
-  }
-  const Layout& layout = clients[0]->layout();
-  std::printf("setup: initial parameters (version 0)...\n");
-  std::fflush(stdout);
-  {
-    std::vector<std::thread> threads;
+  auto run_job = [&](int replication) -> double {
+    JobSpec placed = spec;
+    placed.name = absl::StrCat(spec.name, "-r", replication);
+    placed.replication_factor = replication;
+    for (int r = 0; r < f.dp; ++r) placed.trainer_nodes.push_back(absl::StrCat("node", r));
+    std::printf("\njob with replication_factor %d\n", replication);
+    std::vector<std::unique_ptr<Client>> clients;
     for (int r = 0; r < f.dp; ++r) {
-      threads.emplace_back([&, r] {
-        for (const Bucket& b : layout.buckets) {
-          std::vector<float> shard(static_cast<size_t>(b.shard_numel), 0.01f);
-          if (!clients[static_cast<size_t>(r)]->PushInitialParams(b.index, shard).Wait().ok()) Die("initial push failed");
-        }
-      });
+      ClientOptions o;
+      o.coordinator = address;
+      o.rank = r;
+      o.transport = f.transport;
+      o.timeout = std::chrono::minutes(10);
+      if (r == 0) {
+        o.job_spec_json = JobSpecToJson(placed);
+      } else {
+        o.job_id = clients[0]->job_id();
+        o.job_token = clients[0]->job_token();
+      }
+      absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+      if (!c.ok()) Die(c.status().ToString());
+      clients.push_back(*std::move(c));
     }
-    for (std::thread& t : threads) t.join();
-  }
-  std::vector<std::vector<std::vector<float>>> grads(static_cast<size_t>(f.dp));
-  for (auto& g : grads) {
-    for (const Bucket& b : layout.buckets) g.emplace_back(static_cast<size_t>(b.shard_numel), 0.001f);
-  }
-  std::printf("%6s %9s %9s %9s %9s | daemon: %8s %8s %8s %8s %8s %8s\n", "step", "total_s", "push_s", "finish_s",
-              "pull_s", "wait_ms", "stats_ms", "rstat_ms", "upd_ms", "ramax_ms", "quant_ms");
-  std::vector<double> totals;
-  std::thread mover;
-  double move_s = -1;
-  int64_t move_done_step = -1;
-  std::atomic<int64_t> current_step{0};
-  for (int64_t step = 0; step < f.steps + 1; ++step) {  // step 0 is a warm-up
-    current_step = step;
-    if (step == f.move_at_step) {
-      mover = std::thread([&] {
-        const Clock::time_point t0 = Clock::now();
-        absl::Status s = MoveLastRank(address, *clients[0], (*dir)->File(absl::StrCat("daemon", f.dp, ".log")));
-        if (!s.ok()) Die(s.ToString());
-        move_s = Seconds(t0, Clock::now());
-        move_done_step = current_step.load();
-      });
+    for (const DataConnection& c : clients[0]->connections()) {
+      std::printf("rank 0 -> %s: %s%s\n", c.daemon_id.c_str(), c.transport.c_str(),
+                  c.note.empty() ? "" : (" (" + c.note + ")").c_str());
     }
-    std::vector<TrainerTimes> times(static_cast<size_t>(f.dp));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < f.dp; ++r) {
-      threads.emplace_back([&, r] {
-        times[static_cast<size_t>(r)] = Step(*clients[static_cast<size_t>(r)], step, grads[static_cast<size_t>(r)]);
-      });
+    const Layout& layout = clients[0]->layout();
+    std::printf("setup: initial parameters (version 0)...\n");
+    std::fflush(stdout);
+    {
+      std::vector<std::thread> threads;
+      for (int r = 0; r < f.dp; ++r) {
+        threads.emplace_back([&, r] {
+          for (const Bucket& b : layout.buckets) {
+            std::vector<float> shard(static_cast<size_t>(b.shard_numel), 0.01f);
+            if (!clients[static_cast<size_t>(r)]->PushInitialParams(b.index, shard).Wait().ok()) Die("initial push failed");
+          }
+        });
+      }
+      for (std::thread& t : threads) t.join();
     }
-    for (std::thread& t : threads) t.join();
-    TrainerTimes slowest = *std::max_element(times.begin(), times.end(),
-                                             [](const TrainerTimes& a, const TrainerTimes& b) { return a.total < b.total; });
-    const StepStats::Phases& ph = slowest.stats.phases;
-    std::printf("%6lld %9.2f %9.2f %9.2f %9.2f |         %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f%s\n",
-                static_cast<long long>(step), slowest.total, slowest.push, slowest.finish, slowest.pull,
-                ph.wait_inputs_ms, ph.grad_stats_ms, ph.reduce_stats_ms, ph.update_ms, ph.reduce_amax_ms,
-                ph.quantize_ms, step == 0 ? "  (warm-up)" : step == f.move_at_step ? "  (move starts)" : "");
-    if (step > 0) totals.push_back(slowest.total);
+    std::vector<std::vector<std::vector<float>>> grads(static_cast<size_t>(f.dp));
+    for (auto& g : grads) {
+      for (const Bucket& b : layout.buckets) g.emplace_back(static_cast<size_t>(b.shard_numel), 0.001f);
+    }
+    std::printf("%6s %9s %9s %9s %9s | daemon: %8s %8s %8s %8s %8s %8s\n", "step", "total_s", "push_s", "finish_s",
+                "pull_s", "wait_ms", "stats_ms", "rstat_ms", "upd_ms", "ramax_ms", "quant_ms");
+    std::vector<double> totals;
+    std::thread mover;
+    double move_s = -1;
+    int64_t move_done_step = -1;
+    std::atomic<int64_t> current_step{0};
+    for (int64_t step = 0; step < f.steps + 1; ++step) {  // step 0 is a warm-up
+      current_step = step;
+      if (step == f.move_at_step) {
+        mover = std::thread([&] {
+          const Clock::time_point t0 = Clock::now();
+          absl::Status s = MoveLastRank(address, *clients[0], (*dir)->File(absl::StrCat("daemon", f.dp, ".log")));
+          if (!s.ok()) Die(s.ToString());
+          move_s = Seconds(t0, Clock::now());
+          move_done_step = current_step.load();
+        });
+      }
+      std::vector<TrainerTimes> times(static_cast<size_t>(f.dp));
+      std::vector<std::thread> threads;
+      for (int r = 0; r < f.dp; ++r) {
+        threads.emplace_back([&, r] {
+          times[static_cast<size_t>(r)] = Step(*clients[static_cast<size_t>(r)], step, grads[static_cast<size_t>(r)]);
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      TrainerTimes slowest = *std::max_element(times.begin(), times.end(),
+                                               [](const TrainerTimes& a, const TrainerTimes& b) { return a.total < b.total; });
+      const StepStats::Phases& ph = slowest.stats.phases;
+      std::printf("%6lld %9.2f %9.2f %9.2f %9.2f |         %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f%s\n",
+                  static_cast<long long>(step), slowest.total, slowest.push, slowest.finish, slowest.pull,
+                  ph.wait_inputs_ms, ph.grad_stats_ms, ph.reduce_stats_ms, ph.update_ms, ph.reduce_amax_ms,
+                  ph.quantize_ms, step == 0 ? "  (warm-up)" : step == f.move_at_step ? "  (move starts)" : "");
+      if (step > 0) totals.push_back(slowest.total);
+    }
+    if (mover.joinable()) mover.join();
+    if (move) {
+      int64_t state_bytes = 0;
+      const int64_t moment_bytes = BitsOf(job->spec.optimizer.moment_dtype) / 8;
+      for (const Bucket& b : layout.buckets) state_bytes += b.shard_numel * (4 + 2 * moment_bytes);
+      const double copy_s = MemcpySeconds(state_bytes);
+      std::printf("\nmove of rank %d before step %d: %.2f GB of optimizer state (masters and moments) in %.2f s "
+                  "(installed during step %lld); memcpy of as many bytes in-process: %.3f s; ratio %.1f\n",
+                  f.dp - 1, f.move_at_step, state_bytes / 1e9, move_s, static_cast<long long>(move_done_step), copy_s,
+                  move_s / copy_s);
+    }
+    std::sort(totals.begin(), totals.end());
+    const double median = totals[totals.size() / 2];
+    std::printf("slice step at R=%d (median of %d): %.2f s\n", replication, f.steps, median);
+    const std::string job_id = clients[0]->job_id();
+    clients.clear();
+    {
+      auto channel = ::grpc::CreateChannel(address, ::grpc::InsecureChannelCredentials());
+      v1::DeleteJobRequest request;
+      request.set_job_id(job_id);
+      v1::DeleteJobResponse response;
+      ::grpc::ClientContext context;
+      if (::grpc::Status st = v1::Coordinator::NewStub(channel)->DeleteJob(&context, request, &response); !st.ok()) {
+        Die("DeleteJob: " + st.error_message());
+      }
+    }
+    return median;
+  };
+  const double median = run_job(1);
+  if (f.replication > 1) {
+    const double replicated = run_job(f.replication);
+    std::printf("\nreplication_factor %d: step %.2f s against %.2f s at R=1 in the same run: ratio %.2f\n",
+                f.replication, replicated, median, replicated / median);
   }
-  if (mover.joinable()) mover.join();
-  if (move) {
-    int64_t state_bytes = 0;
-    const int64_t moment_bytes = BitsOf(job->spec.optimizer.moment_dtype) / 8;
-    for (const Bucket& b : layout.buckets) state_bytes += b.shard_numel * (4 + 2 * moment_bytes);
-    const double copy_s = MemcpySeconds(state_bytes);
-    std::printf("\nmove of rank %d before step %d: %.2f GB of optimizer state (masters and moments) in %.2f s "
-                "(installed during step %lld); memcpy of as many bytes in-process: %.3f s; ratio %.1f\n",
-                f.dp - 1, f.move_at_step, state_bytes / 1e9, move_s, static_cast<long long>(move_done_step), copy_s,
-                move_s / copy_s);
-  }
-  std::sort(totals.begin(), totals.end());
-  const double median = totals[totals.size() / 2];
   std::printf("\nslice step (median of %d): %.2f s; in-process baseline: %.2f s; ratio %.2f\n", f.steps, median,
               baseline, median / baseline);
   int64_t published = 0;
@@ -366,9 +400,8 @@ int Main(int argc, char** argv) {
   std::printf("per step and trainer: pushed %.2f GB (its FP32 gradient shards), pulled %.2f GB (every bucket, "
               "quantized)\n",
               static_cast<double>(params) * 4 / f.dp / 1e9, static_cast<double>(published) / 1e9);
-  clients.clear();
   if (std::getenv("STEP_BENCH_PRINT_LOGS") != nullptr) {  // for looking into a slow step
-    for (int i = 0; i < f.dp + (move ? 1 : 0); ++i) {
+    for (int i = 0; i < num_daemons; ++i) {
       std::fprintf(stderr, "--- daemon %d\n%s", i, testing::ReadFileOrEmpty((*dir)->File(absl::StrCat("daemon", i, ".log"))).c_str());
     }
     std::fprintf(stderr, "--- coordinator\n%s", testing::ReadFileOrEmpty((*dir)->File("coordinator.log")).c_str());
