@@ -16,6 +16,8 @@
 namespace mainstay::daemon {
 namespace {
 
+constexpr absl::Duration kForwardRetry = absl::Milliseconds(100);
+
 absl::StatusOr<ElementType> InputType(v1::ElementType type) {
   switch (type) {
     case v1::ELEMENT_TYPE_FP32: return ElementType::kFloat32;
@@ -145,8 +147,22 @@ absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<F
         h.set_weight_decay(weight_decay);
         h.set_from_daemon_id(options_.daemon_id);
         h.set_crc32c(Crc32c(f->data, static_cast<size_t>(h.total_bytes())));
-        absl::Status sent = options_.peer_client->ForwardStepInput(
-            peer, h, std::span<const uint8_t>(f->data, static_cast<size_t>(h.total_bytes())), deadline);
+        // An unreachable replica may be dead: retried until the deadline, or until the
+        // coordinator's failover takes it out of the placement (a new epoch: the attempt is
+        // then given up, and the trainers push the step again once, at the new epoch, instead
+        // of failing attempt after attempt against a dead daemon until its lease runs out).
+        absl::Status sent;
+        while (true) {
+          sent = options_.peer_client->ForwardStepInput(
+              peer, h, std::span<const uint8_t>(f->data, static_cast<size_t>(h.total_bytes())), deadline);
+          if (sent.code() != absl::StatusCode::kUnavailable || absl::Now() + kForwardRetry >= deadline) break;
+          absl::MutexLock lock(&mu_);
+          auto moved = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || epoch_ != epoch; };
+          if (mu_.AwaitWithTimeout(absl::Condition(&moved), kForwardRetry)) {
+            sent = absl::AbortedError(absl::StrCat("the placement changed to epoch ", epoch_, " (", sent.message(), ")"));
+            break;
+          }
+        }
         if (!sent.ok()) {
           results[i] = Annotate(sent, absl::StrCat("forwarding step ", step, " of ", ShardName(s.bucket, s.shard),
                                                    " to its replica on daemon ", peer.daemon_id()));
