@@ -14,20 +14,19 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import unittest
 
 import numpy as np
 
-import mainstay
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testing"))
+import process_cluster  # noqa: E402  (the shared process harness)
+from process_cluster import PYTHON, free_port, read, wait_for  # noqa: E402,F401
 
-PYTHON = sys.executable
+import mainstay  # noqa: E402
 D = 2
 STEPS = 16
 LR = 1e-2
@@ -136,105 +135,9 @@ def trainer_main(argv):
 # ---------------------------------------------------------------------------------------------
 # The tests.
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Cluster(process_cluster.Cluster):
+    TRAINER = os.path.abspath(__file__)
 
-
-def read(path):
-    with open(path, errors="replace") as f:
-        return f.read()
-
-
-def wait_for(predicate, what, timeout=60, logs=None):
-    """`logs`: a callable whose text goes into the failure, e.g. Cluster.logs."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for " + what + ("\n" + logs() if logs else ""))
-
-
-class Cluster:
-    def __init__(self, daemons=2, lease_ms=1500, coordinator_flags=(), daemon_flags=(), host="127.0.0.1",
-                 daemon_hosts=None, flags_of_daemon=None):
-        """`daemon_hosts[i]`: (address to listen on, command prefix), e.g. a network namespace.
-        `flags_of_daemon[i]`: extra flags of daemon i only."""
-        self.flags_of_daemon = flags_of_daemon or {}
-        self.dir = tempfile.mkdtemp(prefix="mainstay-recovery.")
-        self.procs = {}
-        self.lease_ms = lease_ms
-        self.coordinator_flags = list(coordinator_flags)
-        self.daemon_flags = list(daemon_flags)
-        self.daemon_hosts = daemon_hosts or {}
-        self.port = free_port()
-        self.address = "%s:%d" % (host, self.port)
-        self.listen = "0.0.0.0:%d" % self.port if host != "127.0.0.1" else self.address
-        self.start_coordinator()
-        for i in range(daemons):
-            self.start_daemon(i)
-
-    def _start(self, name, argv):
-        with open(os.path.join(self.dir, name + ".log"), "a") as log:
-            self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        return self.procs[name]
-
-    def start_coordinator(self):
-        self._start("coordinator", [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", self.listen,
-                                    "--state-dir", os.path.join(self.dir, "state"),
-                                    "--checkpoint-dir", os.path.join(self.dir, "checkpoints"), "--tick-ms", "100"]
-                    + self.coordinator_flags)
-        wait_for(lambda: self.ctl("health").returncode == 0, "the coordinator")
-
-    def start_daemon(self, i):
-        pf = os.path.join(self.dir, "daemon%d.port" % i)
-        if os.path.exists(pf):
-            os.remove(pf)
-        host, prefix = self.daemon_hosts.get(i, ("127.0.0.1", []))
-        p = self._start("daemon%d" % i, prefix + [os.environ["MAINSTAYD_BIN"], "--coordinator", self.address, "--listen",
-                                         host + ":0", "--node-name", "node%d" % i, "--threads", "1",
-                                         "--memory-bytes", "2000000000", "--lease-ttl-ms", str(self.lease_ms),
-                                         "--peer-timeout-ms", "5000", "--metrics-listen", "off", "--port-file", pf]
-                    + self.daemon_flags + list(self.flags_of_daemon.get(i, [])))
-        wait_for(lambda: os.path.exists(pf) and os.path.getsize(pf) > 0 or p.poll() is not None, "daemon%d" % i)
-
-    def kill(self, name):
-        self.procs[name].send_signal(signal.SIGKILL)
-        self.procs[name].wait()
-
-    def trainer(self, rank, name, *extra):
-        return self._start("%s.rank%d.%d" % (name, rank, time.time_ns()),
-                           [PYTHON, os.path.abspath(__file__), "--trainer", "--coordinator", self.address, "--rank",
-                            str(rank), "--job-file", os.path.join(self.dir, name + ".job"), "--name", name] + list(extra))
-
-    def ctl(self, *args):
-        return subprocess.run([os.environ["MAINSTAYCTL_BIN"]] + list(args) + ["--coordinator", self.address],
-                              capture_output=True, text=True, timeout=120)
-
-    def log(self, prefix):
-        out = ""
-        for f in sorted(os.listdir(self.dir)):
-            if f.startswith(prefix) and f.endswith(".log"):
-                out += read(os.path.join(self.dir, f))
-        return out
-
-    def logs(self):
-        return "\n".join("--- %s\n%s" % (f, "\n".join(read(os.path.join(self.dir, f)).splitlines()[-25:]))
-                         for f in sorted(os.listdir(self.dir)) if f.endswith(".log"))
-
-    def stop(self):
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def final_of(log):
@@ -268,9 +171,15 @@ class RecoveryTest(unittest.TestCase):
         return json.loads(r.stdout)
 
     def test_a_trainer_killed_and_restarted_resumes_and_ends_as_an_uninterrupted_run(self):
+        self.trainer_killed_and_restarted()
+
+    def test_with_replicas_a_trainer_killed_and_restarted_resumes_and_ends_as_an_uninterrupted_run(self):
+        self.trainer_killed_and_restarted("--replication", "2")  # each daemon a primary and a replica
+
+    def trainer_killed_and_restarted(self, *extra):
         pause = os.path.join(self.cluster.dir, "pause")
         open(pause, "w").close()
-        ps = [self.cluster.trainer(r, "run", "--pause-file", pause) for r in range(D)]
+        ps = [self.cluster.trainer(r, "run", "--pause-file", pause, *extra) for r in range(D)]
         self.wait_step("run", 1, 0)
         killed = [n for n in self.cluster.procs if n.startswith("run.rank1.")][0]
         self.cluster.kill(killed)
@@ -390,11 +299,12 @@ class RecoveryTest(unittest.TestCase):
                 return "daemon" + d["endpoint"]["node_name"][len("node"):]
         raise AssertionError("no daemon %s in %s" % (daemon_id, r.stdout))
 
-    def kill_a_primary_with_replicas(self, daemon_flags=()):
+    def kill_a_primary_with_replicas(self, daemon_flags=(), replicas_only=False):
         """replication_factor 2 on three daemons, no checkpoint at all. The daemon holding rank 0's
-        primary is SIGKILLed mid-run; at the next epoch its shards' replicas become the
-        primaries, and the job is then re-replicated to two copies of every rank. Returns the
-        run's final line and the uninterrupted reference's."""
+        primary (with `replicas_only`: a daemon that is no rank's primary) is SIGKILLed mid-run;
+        at the next epoch its shards' replicas become the primaries, and the job is then
+        re-replicated to two copies of every rank. Returns the run's final line and the
+        uninterrupted reference's (replication_factor 1: the replicas change no bit)."""
         self.cluster.stop()
         self.cluster = Cluster(daemons=3, daemon_flags=daemon_flags)
         ps = [self.cluster.trainer(r, "run", "--replication", "2", "--step-sleep", "0.05") for r in range(D)]
@@ -402,13 +312,21 @@ class RecoveryTest(unittest.TestCase):
         job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
         shards = self.placement(job)
         self.assertTrue(all(len(s.get("replica_daemon_ids", [])) == 1 for s in shards), shards)
-        victim = self.owner_of(job, 0)
-        replica = [s["replica_daemon_ids"][0] for s in shards if s["shard"].get("shard", 0) == 0][0]
+        primaries = {s["daemon_id"] for s in shards}
+        if replicas_only:
+            victims = {r for s in shards for r in s["replica_daemon_ids"]} - primaries
+            self.assertTrue(victims, "every daemon holds a primary: %s" % shards)
+            victim = sorted(victims)[0]
+            replica = self.owner_of(job, 0)  # nothing is promoted
+        else:
+            victim = self.owner_of(job, 0)
+            replica = [s["replica_daemon_ids"][0] for s in shards if s["shard"].get("shard", 0) == 0][0]
         self.cluster.kill(self.daemon_process(victim))
         for p in ps:
             self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
         self.assertEqual(self.owner_of(job, 0), replica)
-        self.assertIn("fail over to their replicas", self.cluster.log("coordinator"))
+        wait_for(lambda: "fail over to their replicas" in self.cluster.log("coordinator"), "the failover",
+                 logs=self.cluster.logs)
         self.assertNotIn("restoring from checkpoint", self.cluster.log("coordinator"))
         # Back to two copies of every rank, on the two survivors.
         wait_for(lambda: all(len(s.get("replica_daemon_ids", [])) == 1 and victim not in
@@ -435,6 +353,10 @@ class RecoveryTest(unittest.TestCase):
 
     def test_a_daemon_killed_with_replicas_fails_over_and_nothing_rewinds(self):
         final, reference = self.kill_a_primary_with_replicas()
+        self.assertEqual(final, reference)
+
+    def test_a_daemon_holding_only_replicas_killed_loses_nothing(self):
+        final, reference = self.kill_a_primary_with_replicas(replicas_only=True)
         self.assertEqual(final, reference)
 
     def test_the_failover_test_catches_a_replica_that_drops_a_step(self):
@@ -496,7 +418,13 @@ class RecoveryTest(unittest.TestCase):
         self.assertEqual(client.pull_bucket(client.layout.buckets[0]["index"], mainstay.Client.LATEST).version, 6)
 
     def test_a_restarted_coordinator_leaves_the_data_plane_running(self):
-        ps = [self.cluster.trainer(r, "run") for r in range(D)]
+        self.coordinator_restarted()
+
+    def test_with_replicas_a_restarted_coordinator_leaves_the_data_plane_running(self):
+        self.coordinator_restarted("--replication", "2")
+
+    def coordinator_restarted(self, *extra):
+        ps = [self.cluster.trainer(r, "run", *extra) for r in range(D)]
         self.wait_step("run", 0, 2)
         self.cluster.kill("coordinator")
         self.wait_step("run", 0, 8)  # steps go on without the coordinator

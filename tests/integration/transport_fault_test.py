@@ -24,8 +24,9 @@ import unittest
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from recovery_test import Cluster, PYTHON, read, wait_for  # noqa: E402  (the shared process harness)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testing"))
+import process_cluster  # noqa: E402  (the shared process harness)
+from process_cluster import PYTHON, read, wait_for  # noqa: E402
 
 import mainstay  # noqa: E402
 
@@ -67,8 +68,8 @@ def pusher_main(argv):
 class TransportFaultTest(unittest.TestCase):
     def setUp(self):
         # E.g. "--ucx-dedicated-workers none --ucx-shared-workers 1": every trainer on one worker.
-        self.cluster = Cluster(daemons=1, lease_ms=3000,
-                               daemon_flags=os.environ.get("MAINSTAY_TEST_DAEMON_FLAGS", "").split())
+        self.cluster = process_cluster.Cluster(daemons=1, lease_ms=3000,
+                                               daemon_flags=os.environ.get("MAINSTAY_TEST_DAEMON_FLAGS", "").split())
 
     def tearDown(self):
         result = getattr(self._outcome, "result", None)

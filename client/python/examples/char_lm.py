@@ -219,6 +219,8 @@ def main():
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16, help="sequences per rank and step")
     ap.add_argument("--bucket-numel", type=int, default=65536, help="job spec bucket_numel (several buckets)")
+    ap.add_argument("--replication", type=int, default=1,
+                    help="job spec replication_factor: copies of each shard's state on distinct daemons")
     ap.add_argument("--reference", action="store_true", help="also train the torch.optim.AdamW reference")
     ap.add_argument("--step-timeout", type=float, default=60.0, help="finish_step deadline, seconds")
     ap.add_argument("--text", default=TEXT)
@@ -238,7 +240,7 @@ def main():
     generation = current_generation(args) + 1 if args.resume else 0
     join_group(args, generation)
     kw = dict(recipe=args.recipe, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95), eps=1e-8,
-              max_grad_norm=args.max_grad_norm, spec={"bucket_numel": args.bucket_numel},
+              max_grad_norm=args.max_grad_norm, spec={"bucket_numel": args.bucket_numel, "replication_factor": args.replication},
               step_timeout_s=args.step_timeout)
     if args.resume:
         job = read_job(args.job_file)

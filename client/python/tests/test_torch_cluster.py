@@ -1,6 +1,6 @@
 """mainstay.torch against a real cluster: mainstay-coordinator and two mainstayd on loopback.
 
-    MAINSTAY_COORDINATOR_BIN=... MAINSTAYD_BIN=... MAINSTAY_FAKE_SERVER_BIN=... \\
+    MAINSTAY_COORDINATOR_BIN=... MAINSTAYD_BIN=... MAINSTAYCTL_BIN=... MAINSTAY_FAKE_SERVER_BIN=... \\
     PYTHONPATH=<build>/client/python /usr/bin/python3 test_torch_cluster.py
 
 Exit 77 (skipped) without torch. What each test proves is in its docstring.
@@ -8,7 +8,6 @@ Exit 77 (skipped) without torch. What each test proves is in its docstring.
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +23,9 @@ except ImportError:
 
 import mainstay
 from mainstay.torch import MainstayOptimizer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests", "testing"))
+import process_cluster  # noqa: E402  (the shared process harness)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHAR_LM = os.path.join(HERE, "..", "examples", "char_lm.py")
@@ -41,60 +43,9 @@ PYTHON = sys.executable
 LOSS_RTOL = 2e-3
 
 
-def wait_for_file(path, proc, timeout=60):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if os.path.exists(path) and os.path.getsize(path) > 0:
-            return
-        if proc.poll() is not None:
-            raise RuntimeError("process exited (%s) before writing %s" % (proc.returncode, path))
-        time.sleep(0.05)
-    raise RuntimeError("timed out waiting for %s" % path)
-
-
-class Cluster:
-    """mainstay-coordinator + `daemons` mainstayd processes on 127.0.0.1, like scripts/demo.sh."""
-
-    def __init__(self, daemons=2, flags_of_daemon=None):
-        self.dir = tempfile.mkdtemp(prefix="mainstay-torch-test.")
-        self.procs = []
-        port_file = os.path.join(self.dir, "coordinator.port")
-        self._start("coordinator", [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", "127.0.0.1:0",
-                                    "--state-dir", os.path.join(self.dir, "state"), "--port-file", port_file,
-                                    "--checkpoint-dir", os.path.join(self.dir, "checkpoints")])
-        wait_for_file(port_file, self.procs[-1])
-        self.address = "127.0.0.1:" + open(port_file).read().strip()
-        for i in range(daemons):
-            pf = os.path.join(self.dir, "daemon%d.port" % i)
-            self._start("daemon%d" % i, [os.environ["MAINSTAYD_BIN"], "--coordinator", self.address,
-                                         "--listen", "127.0.0.1:0", "--node-name", "node%d" % i, "--threads", "1",
-                                         "--memory-bytes", "2000000000", "--lease-ttl-ms", "3000",
-                                         "--port-file", pf] + list((flags_of_daemon or {}).get(i, [])))
-            wait_for_file(pf, self.procs[-1])
-
-    def _start(self, name, argv):
-        with open(os.path.join(self.dir, name + ".log"), "w") as log:
-            self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
-
-    def logs(self):
-        out = []
-        for f in sorted(os.listdir(self.dir)):
-            if f.endswith(".log"):
-                with open(os.path.join(self.dir, f), errors="replace") as fh:
-                    out.append("--- %s\n%s" % (f, "".join(fh.readlines()[-30:])))
-        return "\n".join(out)
-
-    def stop(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+def Cluster(daemons=2, flags_of_daemon=None):
+    """mainstay-coordinator + `daemons` mainstayd processes on 127.0.0.1 (the shared harness)."""
+    return process_cluster.Cluster(daemons=daemons, lease_ms=3000, flags_of_daemon=flags_of_daemon)
 
 
 def tiny_model(seed=0):
@@ -146,6 +97,60 @@ class AbortedStepTest(unittest.TestCase):
             worst = max(abs(float(m) - float(r)) / float(r) for _, m, r in rows)
             self.assertLess(worst, LOSS_RTOL, outs[0])
             self.assertIn("version 12", outs[0])
+        finally:
+            cluster.stop()
+
+
+class FailoverTest(unittest.TestCase):
+    """A daemon SIGKILLed under a job with replication_factor 2 costs the training loop nothing."""
+
+    def test_a_killed_daemon_fails_over_to_its_replicas_inside_step(self):
+        """Three daemons, two ranks, spec replication_factor 2, the AdamW reference alongside (so
+        any exception out of step() fails the run). Daemon 0, which holds copies of the job, is
+        SIGKILLed mid-run; after its lease the coordinator promotes the replicas and step()
+        pushes the step in flight again by itself. Every step runs once and the loss still
+        tracks the reference: nothing was rewound or lost."""
+        cluster = Cluster(daemons=3)
+        try:
+            run = tempfile.mkdtemp(prefix="failover.", dir=cluster.dir)
+            # The children write their own descriptors; reading through them would move the
+            # offset the children write at.
+            paths = [os.path.join(run, "rank%d.log" % r) for r in range(2)]
+            logs = [open(path, "w") for path in paths]
+            procs = [subprocess.Popen([PYTHON, CHAR_LM, "--coordinator", cluster.address, "--rank", str(r),
+                                       "--world", "2", "--job-file", os.path.join(run, "job.json"), "--steps", "30",
+                                       "--reference", "--recipe", "bf16_mixed", "--replication", "2"],
+                                      stdout=logs[r], stderr=subprocess.STDOUT, text=True)
+                     for r in range(2)]
+            deadline = time.time() + 180
+            killed = False
+            while time.time() < deadline and not killed:
+                with open(paths[0]) as f:
+                    done = [int(s) for s in re.findall(r"rank 0 step +(\d+)", f.read())]
+                if done and done[-1] >= 8:
+                    cluster.kill("daemon0")
+                    killed = True
+                time.sleep(0.02)
+            self.assertTrue(killed, "rank 0 never reached step 8\n" + cluster.logs())
+            for p in procs:
+                p.wait(timeout=300)
+            for log in logs:
+                log.close()
+            outs = []
+            for path in paths:
+                with open(path) as f:
+                    outs.append(f.read())
+            for r, (p, out) in enumerate(zip(procs, outs)):
+                self.assertEqual(p.returncode, 0, "rank %d failed:\n%s\n%s" % (r, out, cluster.logs()))
+            with open(os.path.join(cluster.dir, "coordinator.log"), errors="replace") as f:
+                coordinator = f.read()
+            self.assertIn("fail over to their replicas", coordinator)
+            self.assertNotIn("restoring from checkpoint", coordinator)
+            rows = re.findall(r"step +(\d+)  loss ([\d.]+)  reference ([\d.]+)", outs[0])
+            self.assertEqual([int(r[0]) for r in rows], list(range(30)), outs[0])
+            worst = max(abs(float(m) - float(r)) / float(r) for _, m, r in rows)
+            self.assertLess(worst, LOSS_RTOL, outs[0])
+            self.assertIn("version 30", outs[0])
         finally:
             cluster.stop()
 
