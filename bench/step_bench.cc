@@ -18,11 +18,15 @@
 //   step_bench --coordinator-bin PATH --daemon-bin PATH [--params 256e6] [--dp 2] [--steps 3]
 //              [--recipe bf16_with_fp8_current_scaling_mixed] [--daemon-threads 1]
 //              [--transport auto|grpc|ucx]   (UCX_TLS in the environment reaches the daemons too)
-//              [--move-at-step S] [--replication R]
+//              [--move-at-step S] [--replication R [--kill-at-step S] [--lease-ttl-ms N]]
 //
 // With --replication R (2 or 3), max(D, R) daemons start and the measured job runs twice in the
 // same run: with replication_factor 1, then R (docs/architecture.md, "Replicas"; the first job is
-// deleted before the second starts). Reported: both medians and their ratio.
+// deleted before the second starts). Reported: both medians and their ratio. With
+// --kill-at-step S as well, the replicated run SIGKILLs the daemon of rank 0's primary just
+// before its step S (its replicas take over after the lease, --lease-ttl-ms); reported: the time
+// from the kill until every trainer's FinishStep(S) returned (the trainers push S again when it
+// is ABORTED, as mainstay.torch does). That step is left out of the median.
 // STEP_BENCH_PRINT_LOGS=1 prints the daemons' and the coordinator's logs at the end.
 #include <grpcpp/grpcpp.h>
 
@@ -70,6 +74,8 @@ struct Flags {
   std::string transport = "auto";
   int move_at_step = -1;  // -1: no move
   int replication = 1;    // > 1: the job runs twice, at R = 1 then at R, on the same daemons
+  int kill_at_step = -1;  // with replication: SIGKILL rank 0's daemon just before this step
+  int lease_ttl_ms = 0;   // the daemons' --lease-ttl-ms; 0: the coordinator's default
 };
 
 [[noreturn]] void Die(const std::string& message) {
@@ -92,6 +98,8 @@ Flags ParseFlags(int argc, char** argv) {
     else if (name == "--transport") f.transport = value;
     else if (name == "--move-at-step") f.move_at_step = std::atoi(value.c_str());
     else if (name == "--replication") f.replication = std::atoi(value.c_str());
+    else if (name == "--kill-at-step") f.kill_at_step = std::atoi(value.c_str());
+    else if (name == "--lease-ttl-ms") f.lease_ttl_ms = std::atoi(value.c_str());
     else Die("unknown flag " + name);
   }
   if (f.coordinator_bin.empty() || f.daemon_bin.empty()) Die("--coordinator-bin and --daemon-bin are required");
@@ -99,6 +107,9 @@ Flags ParseFlags(int argc, char** argv) {
   if (f.move_at_step == 0 || f.move_at_step > f.steps) Die("--move-at-step must be in [1, --steps] (step 0 warms up)");
   if (f.replication < 1 || f.replication > kMaxReplicationFactor) Die("--replication must be in [1, 3]");
   if (f.replication > 1 && f.move_at_step > 0) Die("--replication and --move-at-step do not combine");
+  if (f.kill_at_step >= 0 && (f.replication < 2 || f.kill_at_step == 0 || f.kill_at_step > f.steps || f.steps < 2)) {
+    Die("--kill-at-step needs --replication >= 2, --steps >= 2 and a step in [1, --steps]");
+  }
   return f;
 }
 
@@ -125,15 +136,25 @@ TrainerTimes Step(Client& c, int64_t step, std::vector<std::vector<float>>& grad
   TrainerTimes t;
   const Layout& layout = c.layout();
   const Clock::time_point t0 = Clock::now();
-  std::vector<PushHandle> pushes;
-  for (const Bucket& b : layout.buckets) pushes.push_back(c.PushGrad(b.index, step, ElementSpan::Fp32(grads[static_cast<size_t>(b.index)])));
-  for (PushHandle& p : pushes) {
-    if (!p.Wait().ok()) Die(p.Wait().status().ToString());
+  Clock::time_point t1;
+  // A step the daemons gave up (ABORTED: a daemon was lost mid-step) is pushed again.
+  for (int attempt = 1;; ++attempt) {
+    std::vector<PushHandle> pushes;
+    for (const Bucket& b : layout.buckets) {
+      pushes.push_back(c.PushGrad(b.index, step, ElementSpan::Fp32(grads[static_cast<size_t>(b.index)])));
+    }
+    absl::Status pushed;
+    for (PushHandle& p : pushes) {
+      if (absl::Status s = p.Wait().status(); !s.ok() && pushed.ok()) pushed = s;
+    }
+    t1 = Clock::now();
+    absl::StatusOr<StepStats> stats = pushed.ok() ? c.FinishStep(step, 1e-4, 0.0) : absl::StatusOr<StepStats>(pushed);
+    if (stats.ok()) {
+      t.stats = *stats;
+      break;
+    }
+    if (stats.status().code() != absl::StatusCode::kAborted || attempt == 8) Die(stats.status().ToString());
   }
-  const Clock::time_point t1 = Clock::now();
-  absl::StatusOr<StepStats> stats = c.FinishStep(step, 1e-4, 0.0);
-  if (!stats.ok()) Die(stats.status().ToString());
-  t.stats = *stats;
   const Clock::time_point t2 = Clock::now();
   std::vector<PullHandle> pulls;
   for (const Bucket& b : layout.buckets) pulls.push_back(c.PullBucket(b.index, step + 1));
@@ -271,7 +292,7 @@ int Main(int argc, char** argv) {
     auto d = testing::Subprocess::Start({{f.daemon_bin, "--coordinator", address, "--listen", "127.0.0.1:0",
                                           "--node-name", i == f.dp ? std::string("spare") : absl::StrCat("node", i), "--threads",
                                           std::to_string(f.daemon_threads), "--retained-versions", "2", "--metrics-listen", "off",
-                                          "--port-file", port_file},
+                                          "--lease-ttl-ms", std::to_string(f.lease_ttl_ms), "--port-file", port_file},
                                          (*dir)->File(absl::StrCat("daemon", i, ".log"))});
     if (!d.ok()) Die(d.status().ToString());
     if (!testing::WaitForPortFile(port_file, **d, absl::Seconds(60)).ok()) Die("daemon did not start");
@@ -329,6 +350,7 @@ int Main(int argc, char** argv) {
     std::vector<double> totals;
     std::thread mover;
     double move_s = -1;
+    double failover_s = -1;  // --kill-at-step: from the kill until every trainer's FinishStep returned
     int64_t move_done_step = -1;
     std::atomic<int64_t> current_step{0};
     for (int64_t step = 0; step < f.steps + 1; ++step) {  // step 0 is a warm-up
@@ -342,7 +364,15 @@ int Main(int argc, char** argv) {
           move_done_step = current_step.load();
         });
       }
+      const bool kill_now = replication > 1 && step == f.kill_at_step;
+      Clock::time_point killed_at;
+      if (kill_now) {
+        killed_at = Clock::now();
+        if (!daemons[0]->Kill().ok()) Die("could not kill daemon 0");
+        std::printf("SIGKILL of daemon 0 (rank 0's primary) before step %lld\n", static_cast<long long>(step));
+      }
       std::vector<TrainerTimes> times(static_cast<size_t>(f.dp));
+      const Clock::time_point t_steps = Clock::now();
       std::vector<std::thread> threads;
       for (int r = 0; r < f.dp; ++r) {
         threads.emplace_back([&, r] {
@@ -357,9 +387,21 @@ int Main(int argc, char** argv) {
                   static_cast<long long>(step), slowest.total, slowest.push, slowest.finish, slowest.pull,
                   ph.wait_inputs_ms, ph.grad_stats_ms, ph.reduce_stats_ms, ph.update_ms, ph.reduce_amax_ms,
                   ph.quantize_ms, step == 0 ? "  (warm-up)" : step == f.move_at_step ? "  (move starts)" : "");
+      if (kill_now) {
+        double finished = 0;  // the last trainer's FinishStep(step) return, after the kill
+        for (const TrainerTimes& t : times) finished = std::max(finished, t.push + t.finish);
+        failover_s = Seconds(killed_at, t_steps) + finished;
+        continue;
+      }
       if (step > 0) totals.push_back(slowest.total);
     }
     if (mover.joinable()) mover.join();
+    if (failover_s >= 0) {
+      std::printf("failover: step %d committed on every trainer %.2f s after the SIGKILL of rank 0's daemon "
+                  "(lease TTL %s; target: TTL + 1 s)\n",
+                  f.kill_at_step, failover_s,
+                  f.lease_ttl_ms > 0 ? absl::StrCat(f.lease_ttl_ms, " ms").c_str() : "the coordinator's default, 10000 ms");
+    }
     if (move) {
       int64_t state_bytes = 0;
       const int64_t moment_bytes = BitsOf(job->spec.optimizer.moment_dtype) / 8;
@@ -372,7 +414,7 @@ int Main(int argc, char** argv) {
     }
     std::sort(totals.begin(), totals.end());
     const double median = totals[totals.size() / 2];
-    std::printf("slice step at R=%d (median of %d): %.2f s\n", replication, f.steps, median);
+    std::printf("slice step at R=%d (median of %zu): %.2f s\n", replication, totals.size(), median);
     const std::string job_id = clients[0]->job_id();
     clients.clear();
     {
@@ -390,8 +432,13 @@ int Main(int argc, char** argv) {
   const double median = run_job(1);
   if (f.replication > 1) {
     const double replicated = run_job(f.replication);
-    std::printf("\nreplication_factor %d: step %.2f s against %.2f s at R=1 in the same run: ratio %.2f\n",
-                f.replication, replicated, median, replicated / median);
+    if (f.kill_at_step > 0) {
+      // (After the kill the job runs on fewer copies: its median is not the price of R.)
+      std::printf("\n(no replication ratio with --kill-at-step: the steps after the kill run with fewer copies)\n");
+    } else {
+      std::printf("\nreplication_factor %d: step %.2f s against %.2f s at R=1 in the same run: ratio %.2f\n",
+                  f.replication, replicated, median, replicated / median);
+    }
   }
   std::printf("\nslice step (median of %d): %.2f s; in-process baseline: %.2f s; ratio %.2f\n", f.steps, median,
               baseline, median / baseline);
