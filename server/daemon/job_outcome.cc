@@ -9,6 +9,9 @@
 // finishes the step with theirs. It gives the step up only when every peer says it holds no
 // result and runs no reduction of the step, and it leaves the group before asking, so no peer
 // can complete one afterwards.
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -98,6 +101,11 @@ absl::Status Job::RunReduction(int64_t step, int index, const std::function<absl
   if (status.ok() && decided(&decision)) {
     decisions_[step] = std::move(decision);
     while (decisions_.size() > kDecisionsKept) decisions_.erase(decisions_.begin());
+    if (options_.fault.Is(StepFault::Kind::kCrashAfterDecision, step)) {
+      Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": injected fault: SIGKILL after deciding step ",
+                                                     step, " (--inject-fault)"));
+      ::kill(::getpid(), SIGKILL);
+    }
   }
   return status;
 }

@@ -112,7 +112,8 @@ flags:
                               away the completed result of that peer reduction of STEP once, as
                               if it had timed out (docs/architecture.md, agreed outcome);
                               drop-replica-input:STEP makes its replicas update STEP with a zero
-                              gradient (the replication mutation check); default none
+                              gradient (the replication mutation check); crash-after-decision:STEP
+                              SIGKILLs it once it has decided STEP, before the commit; default none
   --help                      this text
 )";
 

@@ -19,14 +19,16 @@ absl::StatusOr<StepFault> ParseStepFault(absl::string_view spec) {
     fault.reduction = parts[2] == "stats" ? 0 : 1;
     return fault;
   }
-  if (parts.size() == 2 && parts[0] == "drop-replica-input" && absl::SimpleAtoi(parts[1], &step) && step >= 0) {
-    fault.kind = StepFault::Kind::kDropReplicaInput;
+  if (parts.size() == 2 && (parts[0] == "drop-replica-input" || parts[0] == "crash-after-decision") &&
+      absl::SimpleAtoi(parts[1], &step) && step >= 0) {
+    fault.kind = parts[0] == "drop-replica-input" ? StepFault::Kind::kDropReplicaInput
+                                                  : StepFault::Kind::kCrashAfterDecision;
     fault.step = step;
     return fault;
   }
   return absl::InvalidArgumentError(absl::StrCat("--inject-fault: '", spec,
                                                  "' is not 'lose-reduction:STEP:stats', 'lose-reduction:STEP:amax' "
-                                                 "(STEP >= -1), 'drop-replica-input:STEP' (STEP >= 0) or 'none'"));
+                                                 "(STEP >= -1), 'drop-replica-input:STEP', 'crash-after-decision:STEP' (STEP >= 0) or 'none'"));
 }
 
 }  // namespace mainstay::daemon

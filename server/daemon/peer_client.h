@@ -56,9 +56,12 @@ class PeerClient {
 // - kDropReplicaInput: the daemon's replica shards update with a zero gradient instead of their
 //   primary's forwarded input (every attempt of the step): the replicas silently diverge. The
 //   mutation check of replication: the failover tests must catch it.
+// - kCrashAfterDecision: the daemon SIGKILLs itself right after its deciding reduction of
+//   `step` returned (the decision is recorded, nothing is committed or acknowledged yet): a
+//   daemon lost between the last reduction and the commit.
 struct StepFault {
   static constexpr int64_t kNever = std::numeric_limits<int64_t>::min();
-  enum class Kind { kLoseReduction, kDropReplicaInput };
+  enum class Kind { kLoseReduction, kDropReplicaInput, kCrashAfterDecision };
   Kind kind = Kind::kLoseReduction;
   int64_t step = kNever;
   int reduction = 1;
@@ -66,8 +69,8 @@ struct StepFault {
   bool Is(Kind k, int64_t s) const { return armed() && kind == k && step == s; }
 };
 
-// Parses "lose-reduction:STEP:stats", "lose-reduction:STEP:amax" or "drop-replica-input:STEP"
-// ("" or "none": no fault). INVALID_ARGUMENT naming the accepted forms otherwise.
+// Parses "lose-reduction:STEP:stats", "lose-reduction:STEP:amax", "drop-replica-input:STEP" or
+// "crash-after-decision:STEP" ("" or "none": no fault). INVALID_ARGUMENT naming the accepted forms otherwise.
 absl::StatusOr<StepFault> ParseStepFault(absl::string_view spec);
 
 }  // namespace mainstay::daemon

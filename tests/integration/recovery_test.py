@@ -359,6 +359,30 @@ class RecoveryTest(unittest.TestCase):
         final, reference = self.kill_a_primary_with_replicas(replicas_only=True)
         self.assertEqual(final, reference)
 
+    def test_a_daemon_killed_between_its_last_reduction_and_the_commit_loses_no_acknowledged_step(self):
+        # replication_factor 2 on three daemons; daemon 0 SIGKILLs itself right after it has
+        # decided step 5 (mainstayd --inject-fault crash-after-decision:5), before it commits or
+        # answers any FinishStep. The survivors hold the decision (the commit barrier), commit
+        # step 5 once the failover took daemon 0 out of the placement, and the trainers' FinishStep
+        # of step 5 is answered by the new primaries: every step runs once, with an uninterrupted
+        # run's bytes.
+        self.cluster.stop()
+        self.cluster = Cluster(daemons=3, flags_of_daemon={0: ["--inject-fault", "crash-after-decision:5"]})
+        ps = [self.cluster.trainer(r, "run", "--replication", "2") for r in range(D)]
+        for p in ps:
+            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+        self.assertIn("SIGKILL after deciding step 5", self.cluster.log("daemon0"))
+        self.assertIn("fail over to their replicas", self.cluster.log("coordinator"))
+        for rank in range(D):
+            steps = [int(l.split()[3]) for l in self.cluster.log("run.rank%d" % rank).splitlines()
+                     if l.startswith("rank %d step " % rank)]
+            self.assertEqual(steps, list(range(STEPS)), self.cluster.log("run.rank"))
+        final = final_of(self.cluster.log("run.rank0"))
+        self.assertEqual(final, final_of(self.cluster.log("run.rank1")))
+        self.cluster.stop()
+        self.cluster = Cluster()
+        self.assertEqual(final, self.run_reference())
+
     def test_the_failover_test_catches_a_replica_that_drops_a_step(self):
         # The mutation check: every daemon's replicas update step 2 with a zero gradient
         # (mainstayd --inject-fault drop-replica-input:2). Training goes on as before (the
