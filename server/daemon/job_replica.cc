@@ -17,6 +17,7 @@ namespace mainstay::daemon {
 namespace {
 
 constexpr absl::Duration kForwardRetry = absl::Milliseconds(100);
+constexpr int kStreamsPerReplica = 4;
 
 absl::StatusOr<ElementType> InputType(v1::ElementType type) {
   switch (type) {
@@ -119,13 +120,18 @@ absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<F
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id_, " has replicas but this daemon has no peer client to reach them"));
   }
-  // One thread per replica daemon: each sends its shards in order.
-  std::map<std::string, std::vector<std::pair<const Forward*, v1::DaemonEndpoint>>> by_peer;
+  // Up to kStreamsPerReplica streams at once to each replica daemon (one gRPC stream alone is
+  // far from the link's speed), each a thread sending its shards in order.
+  std::map<std::pair<std::string, int>, std::vector<std::pair<const Forward*, v1::DaemonEndpoint>>> by_peer;
+  std::map<std::string, int> sent_to;
   for (const Forward& f : forwards) {
     const ShardState& s = *shards[f.index];
     auto r = replicas_of.find({s.bucket, s.shard});
     if (r == replicas_of.end()) continue;
-    for (const v1::DaemonEndpoint& peer : r->second) by_peer[peer.daemon_id()].push_back({&f, peer});
+    for (const v1::DaemonEndpoint& peer : r->second) {
+      const int lane = sent_to[peer.daemon_id()]++ % kStreamsPerReplica;
+      by_peer[{peer.daemon_id(), lane}].push_back({&f, peer});
+    }
   }
   std::vector<absl::Status> results(by_peer.size());
   std::vector<std::thread> threads;
