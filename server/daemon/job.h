@@ -448,7 +448,6 @@ class Job : public std::enable_shared_from_this<Job> {
   int64_t group_generation_ = 0;  // the generation group_ was built at
   std::vector<std::string> group_members_;
   bool fault_fired_ = false;      // options_.fault
-  bool rendezvous_failed_ = false;  // the attempt running failed to join its peer group (in time)
   int restore_attempts_ = 0;      // failed attempts of the restore in progress (at most 3)
 
   double loss_scale_now_ ABSL_GUARDED_BY(mu_) = 1.0;  // copy for push validation

@@ -176,12 +176,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     MAINSTAY_RETURN_IF_ERROR(stats_status);
     MAINSTAY_RETURN_IF_ERROR(forwarded);
     phases.set_grad_stats_ms(MsSince(t));
-    absl::StatusOr<bool> joined = EnsureGroup(members, epoch, deadline);
-    if (!joined.ok()) {
-      rendezvous_failed_ = joined.status().code() == absl::StatusCode::kDeadlineExceeded;
-      return joined.status();
-    }
-    new_group = *joined;
+    MAINSTAY_ASSIGN_OR_RETURN(new_group, EnsureGroup(members, epoch, deadline));
     t = absl::Now();
     // Decides the step when it finds a non-finite gradient (the step is then skipped).
     auto reduce_stats = [&] {
@@ -511,7 +506,6 @@ void Job::RunSteps() {
     const double wait_ms = static_cast<double>(now_ms - inputs.first_push_ms);
     mu_.Unlock();
 
-    rendezvous_failed_ = false;
     absl::StatusOr<StepResult> result = ExecuteStep(step, inputs, shards, members, epoch, replicas_of);
     if (!result.ok()) BreakGroup();  // a failed collective leaves the group unusable
     if (result.ok() && step >= 0 && job_.spec.replication_factor > 1) {
@@ -522,8 +516,11 @@ void Job::RunSteps() {
     mu_.Lock();
     executing_step_ = -2;
     executing_keys_.clear();
-    // The attempt's inputs back into pending_, for the next attempt (or a move's copy).
-    auto keep_inputs = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!result.ok() && fence_epoch_ > epoch && result.status().code() != absl::StatusCode::kInvalidArgument) {
+      // A move fenced this daemon while the attempt ran, and the attempt failed (no peer decided
+      // it): its pushes stay, for the move's copy to carry (job_move.cc). The trainers' FinishStep
+      // calls get the fence's error and go to the new owners; nothing is pushed again.
+      decisions_.erase(step);
       StepInputs& back = pending_[step];
       for (auto& [key, in] : inputs.shards) {
         for (auto& [rank, data] : in.by_rank) {
@@ -532,32 +529,10 @@ void Job::RunSteps() {
       }
       back.finished.insert(inputs.finished.begin(), inputs.finished.end());
       if (back.first_push_ms == 0) back.first_push_ms = inputs.first_push_ms;
-    };
-    if (!result.ok() && fence_epoch_ > epoch && result.status().code() != absl::StatusCode::kInvalidArgument) {
-      // A move fenced this daemon while the attempt ran, and the attempt failed (no peer decided
-      // it): its pushes stay, for the move's copy to carry (job_move.cc). The trainers' FinishStep
-      // calls get the fence's error and go to the new owners; nothing is pushed again.
-      decisions_.erase(step);
-      keep_inputs();
       Log(LogLevel::kInfo, "daemon",
           absl::StrCat("job ", job_id_, ": step ", step, " did not complete at placement epoch ", epoch,
                        " before the move to epoch ", fence_epoch_, " (", result.status().message(),
                        "); its pushes go to the shards' new owners"));
-      continue;
-    }
-    if (!result.ok() && rendezvous_failed_ && step >= 0 && !stopping_) {
-      // The peers did not all meet in a group (a member was late, dead, or at another epoch):
-      // nobody reduced anything of this attempt, so nothing is decided anywhere. The inputs
-      // stay and the step runs again at once, at the generation the failure raised or at a
-      // newer placement's epoch, while the trainers' FinishStep calls keep waiting. Giving the
-      // step back to the trainers instead made two daemons whose attempts started a rendezvous
-      // timeout apart miss each other for good: each one's next attempt began only when the
-      // trainers, held by the other's attempt, pushed again.
-      keep_inputs();
-      Log(LogLevel::kWarning, "daemon",
-          absl::StrCat("job ", job_id_, ": step ", step, " at placement epoch ", epoch, ": ",
-                       result.status().message(), "; trying again with the pushes it has"));
-      mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(100));  // (never a busy loop)
       continue;
     }
     if (!result.ok()) {
