@@ -179,6 +179,9 @@ void Job::RunMovesIn() {
   }
   size_t carried = 0;
   for (auto& [key, copy] : copies) {
+    // A replica's inputs come from its primary's forwards, never from trainers' pushes: the
+    // pushes the copy carries are for a new primary (a move), not for a new replica.
+    if (shards_.at(key)->replica) continue;
     for (PendingPushCopy& p : copy->pending) {
       if (p.step >= 0 ? p.step <= committed_step_ : version_ >= 0) continue;
       StepInputs& step = pending_[p.step];
