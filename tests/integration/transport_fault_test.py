@@ -134,6 +134,9 @@ class TransportFaultTest(unittest.TestCase):
 
     def test_a_daemon_killed_mid_pull_is_unavailable(self):
         client = self.create_job("daemon-pull")
+        # Version 0 is published once the initial params are quantized, which on a loaded machine
+        # can take longer than the short client's deadline: wait for it with the patient client.
+        self.assertEqual(client.pull_bucket(0, 0).version, 0)
         short = mainstay.Client(self.cluster.address, job_id=client.job_id, job_token=client.job_token, rank=0,
                                 timeout_s=4, chunk_bytes=CHUNK, transport=TRANSPORT, max_backoff_s=0.5)
         errors = []
@@ -149,7 +152,8 @@ class TransportFaultTest(unittest.TestCase):
 
         t = threading.Thread(target=pull)
         t.start()
-        wait_for(lambda: len(done) >= 1, "a first pull", 60)
+        wait_for(lambda: len(done) >= 1 or errors, "a first pull", 60)
+        self.assertEqual(errors, [], "a pull failed before the daemon was killed")
         self.cluster.kill("daemon0")
         t.join(timeout=60)
         self.assertFalse(t.is_alive())
