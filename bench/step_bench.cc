@@ -289,11 +289,12 @@ int Main(int argc, char** argv) {
   const int num_daemons = std::max(f.dp + (move ? 1 : 0), f.replication);
   for (int i = 0; i < num_daemons; ++i) {  // with a move, the last one is its spare
     const std::string port_file = (*dir)->File(absl::StrCat("dport", i));
-    auto d = testing::Subprocess::Start({{f.daemon_bin, "--coordinator", address, "--listen", "127.0.0.1:0",
-                                          "--node-name", i == f.dp ? std::string("spare") : absl::StrCat("node", i), "--threads",
-                                          std::to_string(f.daemon_threads), "--retained-versions", "2", "--metrics-listen", "off",
-                                          "--lease-ttl-ms", std::to_string(f.lease_ttl_ms), "--port-file", port_file},
-                                         (*dir)->File(absl::StrCat("daemon", i, ".log"))});
+    std::vector<std::string> argv = {f.daemon_bin, "--coordinator", address, "--listen", "127.0.0.1:0",
+                                     "--node-name", i == f.dp ? std::string("spare") : absl::StrCat("node", i), "--threads",
+                                     std::to_string(f.daemon_threads), "--retained-versions", "2", "--metrics-listen", "off",
+                                     "--port-file", port_file};
+    if (f.lease_ttl_ms > 0) argv.insert(argv.end(), {"--lease-ttl-ms", std::to_string(f.lease_ttl_ms)});
+    auto d = testing::Subprocess::Start({argv, (*dir)->File(absl::StrCat("daemon", i, ".log"))});
     if (!d.ok()) Die(d.status().ToString());
     if (!testing::WaitForPortFile(port_file, **d, absl::Seconds(60)).ok()) Die("daemon did not start");
     daemons.push_back(*std::move(d));
