@@ -10,6 +10,9 @@
 #include <cstdio>
 #include <cstring>
 #include <utility>
+#include <vector>
+
+#include <grpcpp/support/client_interceptor.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -141,10 +144,50 @@ absl::StatusOr<ChannelSecurity> ChannelSecurity::Create(const TlsOptions& option
   return security;
 }
 
+namespace {
+
+// Adds the cluster secret to the initial metadata of every call.
+class SecretInterceptor final : public ::grpc::experimental::Interceptor {
+ public:
+  explicit SecretInterceptor(const std::string* secret) : secret_(secret) {}
+  void Intercept(::grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(::grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->insert({kClusterSecretMetadata, *secret_});
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::string* secret_;
+};
+
+class SecretInterceptorFactory final : public ::grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit SecretInterceptorFactory(std::string secret) : secret_(std::move(secret)) {}
+  ::grpc::experimental::Interceptor* CreateClientInterceptor(::grpc::experimental::ClientRpcInfo*) override {
+    return new SecretInterceptor(&secret_);
+  }
+
+ private:
+  const std::string secret_;  // outlives its interceptors: the channel owns the factory
+};
+
+}  // namespace
+
+ChannelSecurity ChannelSecurity::WithClusterSecret(ClusterSecret secret) const {
+  ChannelSecurity out = *this;
+  out.secret_ = std::move(secret);
+  return out;
+}
+
 std::shared_ptr<::grpc::Channel> ChannelSecurity::CreateChannel(const std::string& address,
                                                                 ::grpc::ChannelArguments args) const {
   if (!server_name_.empty()) args.SetSslTargetNameOverride(server_name_);
-  return ::grpc::CreateCustomChannel(address, credentials_, args);
+  if (!secret_.enabled()) return ::grpc::CreateCustomChannel(address, credentials_, args);
+  std::vector<std::unique_ptr<::grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<SecretInterceptorFactory>(secret_.value()));
+  return ::grpc::experimental::CreateCustomChannelWithInterceptors(address, credentials_, args,
+                                                                   std::move(interceptors));
 }
 
 }  // namespace mainstay

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/cluster_secret.h"
 #include "common/tls.h"
 
 namespace mainstay {
@@ -38,11 +39,17 @@ class ChannelSecurity {
 
   // A channel to `address` ("host:port") with these credentials and `args` (the server name
   // override is added to them when set).
+  // Every call on it carries the cluster secret when one is set (WithClusterSecret).
   std::shared_ptr<::grpc::Channel> CreateChannel(const std::string& address, ::grpc::ChannelArguments args) const;
   bool tls() const { return tls_; }
 
+  // The same security, presenting `secret` on every call of the channels made from it: for
+  // the servers' calls to each other (common/cluster_secret.h), never for trainers or admins.
+  ChannelSecurity WithClusterSecret(ClusterSecret secret) const;
+
  private:
   std::shared_ptr<::grpc::ChannelCredentials> credentials_;
+  ClusterSecret secret_;
   std::string server_name_;
   bool tls_ = false;
 };

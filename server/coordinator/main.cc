@@ -61,7 +61,8 @@ flags:
                             (default 0: off)
   --checkpoint-keep N       periodic checkpoints kept per job, the newest (default 3; 0: all)
   --config FILE             JSON object with the keys listen, state_dir, lease_ttl_ms, tick_ms,
-                            coordinator_id, max_message_bytes, checkpoint_dir; flags override it
+                            coordinator_id, max_message_bytes, checkpoint_dir, cluster_secret_file
+                            (and the other file and TLS flags' names); flags override it
   --port-file FILE          write the bound port to FILE once serving (for scripts and tests)
   --tls-cert-file FILE      PEM certificate to serve TLS with (also the client certificate of the
                             calls to daemons); without it the port is plaintext
@@ -74,6 +75,13 @@ flags:
   --tls-internal-name NAME  with mutual TLS: the certificate name (CN or SAN) only the cluster's
                             servers carry; daemons' calls (registration, heartbeats, the KV) from
                             other certificates (trainers', operators') are refused
+  --cluster-secret-file FILE  the cluster secret (made, mode 0600, if FILE does not exist): daemons'
+                            calls (registration, heartbeats, the KV) must present it, and the calls
+                            to daemons present it; give every daemon a copy (docs/operations.md,
+                            "Threat model")
+  --insecure                without a cluster secret or --tls-internal-name, listen on a
+                            non-loopback --listen anyway (anyone who reaches the port can then
+                            register as a daemon); without this flag that is refused
   --health-listen HOST:PORT a plaintext port serving only grpc.health.v1 (for probes that cannot
                             speak TLS, e.g. Kubernetes'); default none
   --admin-token-file FILE   file holding the admin token; admin calls and job reads without a
@@ -102,6 +110,8 @@ struct Settings {
   std::optional<std::string> tls_cert_file, tls_key_file, tls_ca_file, tls_client_auth, tls_server_name,
       tls_internal_name;
   std::optional<std::string> admin_token_file;
+  std::optional<std::string> cluster_secret_file;
+  bool insecure = false;
   std::optional<std::string> health_listen;
   std::optional<std::string> metrics_listen, metrics_port_file;
   bool help = false;
@@ -136,9 +146,13 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
         "--tls-cert-file",   "--tls-key-file",    "--tls-ca-file",     "--tls-client-auth",
         "--tls-server-name", "--admin-token-file", "--metrics-listen", "--metrics-port-file",
         "--health-listen",   "--tls-internal-name", "--checkpoint-dir", "--checkpoint-every-steps",
-        "--checkpoint-every-seconds", "--checkpoint-keep"};
+        "--checkpoint-every-seconds", "--checkpoint-keep", "--cluster-secret-file"};
     if (name == "--no-restore-on-loss") {
       s.no_restore_on_loss = true;
+      continue;
+    }
+    if (name == "--insecure") {
+      s.insecure = true;
       continue;
     }
     if (!kKnown.count(name)) return absl::InvalidArgumentError(absl::StrCat("unknown flag '", name, "'"));
@@ -158,6 +172,7 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
     if (name == "--tls-client-auth") s.tls_client_auth = *value;
     if (name == "--tls-server-name") s.tls_server_name = *value;
     if (name == "--tls-internal-name") s.tls_internal_name = *value;
+    if (name == "--cluster-secret-file") s.cluster_secret_file = *value;
     if (name == "--admin-token-file") s.admin_token_file = *value;
     if (name == "--health-listen") s.health_listen = *value;
     if (name == "--metrics-listen") s.metrics_listen = *value;
@@ -211,7 +226,7 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
       "listen",          "state_dir",       "lease_ttl_ms",    "tick_ms",          "coordinator_id",
       "max_message_bytes", "tls_cert_file", "tls_key_file",    "tls_ca_file",      "tls_client_auth",
       "tls_server_name", "admin_token_file", "metrics_listen", "health_listen", "tls_internal_name",
-      "checkpoint_dir"};
+      "checkpoint_dir", "cluster_secret_file"};
   for (const auto& [key, value] : j.items()) {
     if (!kKeys.count(key)) {
       return absl::InvalidArgumentError(
@@ -229,6 +244,7 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
   MAINSTAY_RETURN_IF_ERROR(get_string("tls_server_name", s.tls_server_name));
   MAINSTAY_RETURN_IF_ERROR(get_string("tls_internal_name", s.tls_internal_name));
   MAINSTAY_RETURN_IF_ERROR(get_string("admin_token_file", s.admin_token_file));
+  MAINSTAY_RETURN_IF_ERROR(get_string("cluster_secret_file", s.cluster_secret_file));
   MAINSTAY_RETURN_IF_ERROR(get_string("metrics_listen", s.metrics_listen));
   MAINSTAY_RETURN_IF_ERROR(get_string("health_listen", s.health_listen));
   MAINSTAY_RETURN_IF_ERROR(get_int("lease_ttl_ms", s.lease_ttl_ms));
@@ -283,6 +299,10 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
   if (s.admin_token_file) {
     MAINSTAY_ASSIGN_OR_RETURN(o.admin_token, AdminAuth::ReadTokenFile(*s.admin_token_file));
   }
+  if (s.cluster_secret_file) {  // made on first start: the daemons get a copy of it
+    MAINSTAY_ASSIGN_OR_RETURN(o.cluster_secret, ClusterSecret::Load(*s.cluster_secret_file, /*create=*/true));
+  }
+  o.insecure = s.insecure;
   if (const std::string m = s.metrics_listen.value_or("0.0.0.0:9464"); m != "off") {
     if (absl::Status st = metrics::SplitHostPort(m).status(); !st.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("--metrics-listen: ", st.message()));

@@ -13,6 +13,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
@@ -94,6 +95,14 @@ flags:
   --tls-internal-name NAME    with mutual TLS: the certificate name (CN or SAN) only the cluster's
                               servers carry; AssignShard, DropShard, FetchShardState and
                               WriteCheckpoint from other certificates (trainers') are refused
+  --cluster-secret-file FILE  the cluster secret, the same file as the coordinator's: presented on
+                              this daemon's calls to the coordinator and its peers, and required of
+                              the internal calls it serves (docs/operations.md, "Threat model").
+                              With --standalone it is made if missing (default DIR/cluster.secret
+                              of --state-dir); otherwise it must exist
+  --insecure                  without a cluster secret or --tls-internal-name, listen on a
+                              non-loopback --listen anyway (anyone who reaches the port can then
+                              assign, drop and read shards); without this flag that is refused
   --transports LIST           data-plane transports to offer trainers besides gRPC, comma-separated:
                               auto (default: every one this build has that starts here), grpc
                               (gRPC only), ucx (UCX; exit 1 if it cannot start), nccl (NCCL between
@@ -121,6 +130,7 @@ struct Flags {
   std::map<std::string, std::string> values;
   bool standalone = false;
   bool checkpoint_on_stop = false;
+  bool insecure = false;
   bool help = false;
   std::string Get(const std::string& name, const std::string& fallback = "") const {
     auto it = values.find(name);
@@ -136,7 +146,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       "--drain-timeout-ms", "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-client-auth",
       "--tls-server-name", "--admin-token-file", "--health-listen", "--tls-internal-name",
       "--checkpoint-dir", "--transports", "--ucx-dedicated-workers",
-      "--ucx-shared-workers", "--inject-fault"};
+      "--ucx-shared-workers", "--inject-fault", "--cluster-secret-file"};
   Flags f;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -150,6 +160,10 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     }
     if (arg == "--checkpoint-on-stop") {
       f.checkpoint_on_stop = true;
+      continue;
+    }
+    if (arg == "--insecure") {
+      f.insecure = true;
       continue;
     }
     std::string name = arg;
@@ -266,6 +280,19 @@ int Main(int argc, char** argv) {
   if (!tls.ok()) return Fail(tls.status(), 2);
   absl::StatusOr<ChannelSecurity> security = ChannelSecurity::Create(*tls);
   if (!security.ok()) return Fail(security.status(), 2);
+  // The cluster secret: required to exist, except that a standalone daemon makes its own (in
+  // its state directory unless told where), as the coordinator does.
+  absl::StatusOr<ClusterSecret> secret = ClusterSecret();
+  if (std::string path = flags->Get("--cluster-secret-file"); !path.empty() || flags->standalone) {
+    if (path.empty()) {
+      std::error_code error;  // the embedded coordinator makes it too; the secret goes in first
+      std::filesystem::create_directories(flags->Get("--state-dir"), error);
+      path = flags->Get("--state-dir") + "/cluster.secret";
+    }
+    secret = ClusterSecret::Load(path, /*create=*/flags->standalone);
+    if (!secret.ok()) return Fail(secret.status(), 2);
+  }
+  *security = security->WithClusterSecret(*secret);
   absl::StatusOr<StepFault> fault = ParseStepFault(flags->Get("--inject-fault"));
   if (!fault.ok()) return Fail(fault.status(), 2);
   if (fault->armed()) {
@@ -305,6 +332,8 @@ int Main(int argc, char** argv) {
     options.checkpoint_dir = flags->Get("--checkpoint-dir");
     options.tls = *tls;
     options.internal_peer_name = flags->Get("--tls-internal-name");
+    options.cluster_secret = *secret;
+    options.insecure = flags->insecure;
     options.admin_token = admin_token;
     options.metrics = registry.get();  // the coordinator's metrics on the daemon's endpoint
     absl::StatusOr<std::unique_ptr<coordinator::CoordinatorServer>> server =
@@ -399,8 +428,15 @@ int Main(int argc, char** argv) {
       Log(LogLevel::kInfo, "daemon", absl::StrCat("no NCCL data plane: ", started.status().message()));
     }
   }
-  ShardServer::Options server_options{listen, 64 << 20, &daemon, *tls, flags->Get("--tls-internal-name"), &drain,
-                                      flags->Get("--health-listen")};
+  ShardServer::Options server_options;
+  server_options.listen_address = listen;
+  server_options.daemon = &daemon;
+  server_options.tls = *tls;
+  server_options.internal_peer_name = flags->Get("--tls-internal-name");
+  server_options.cluster_secret = *secret;
+  server_options.insecure = flags->insecure;
+  server_options.drain = &drain;
+  server_options.health_listen_address = flags->Get("--health-listen");
   server_options.nccl = nccl_server.get();
   server_options.push_idle_timeout = absl::Milliseconds(*push_idle);
   absl::StatusOr<std::unique_ptr<ShardServer>> server = ShardServer::Start(server_options);

@@ -163,8 +163,8 @@ class WatchPlacementReactor final : public ::grpc::ServerWriteReactor<v1::WatchP
 class CoordinatorService final : public v1::Coordinator::CallbackService {
  public:
   // Daemons' calls (membership, the KV) need an internal peer (server/grpc/peer_identity.h).
-  CoordinatorService(Coordinator* core, Calls* calls, const AdminAuth* auth, std::string internal_peer_name)
-      : core_(core), calls_(calls), auth_(auth), internal_(std::move(internal_peer_name)) {}
+  CoordinatorService(Coordinator* core, Calls* calls, const AdminAuth* auth, grpc_server::InternalPeers internal)
+      : core_(core), calls_(calls), auth_(auth), internal_(std::move(internal)) {}
 
   ::grpc::ServerUnaryReactor* RegisterDaemon(::grpc::CallbackServerContext* context,
                                              const v1::RegisterDaemonRequest* request,
@@ -301,7 +301,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   absl::Status CheckJobRead(const ::grpc::CallbackServerContext* context, const std::string& job_token,
                             const std::string& admin_field, absl::string_view call) const {
     if (!job_token.empty()) return absl::OkStatus();
-    if (!internal_.empty() && grpc_server::IsInternalPeer(context, internal_)) return absl::OkStatus();
+    if (!internal_.open() && grpc_server::IsInternalPeer(context, internal_)) return absl::OkStatus();
     return auth_->Check(grpc_server::AdminTokenOf(context, admin_field), absl::StrCat(call, " without a job token"));
   }
 
@@ -320,7 +320,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   Coordinator* const core_;
   Calls* const calls_;
   const AdminAuth* const auth_;
-  const std::string internal_;  // empty: no internal-peer check
+  const grpc_server::InternalPeers internal_;
 };
 
 // Every Admin RPC needs the admin token when one is configured (read-only ones too: they
@@ -539,10 +539,15 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
         "--tls-internal-name needs mutual TLS (--tls-client-auth require): the name is read from client certificates");
   }
 
+  const grpc_server::InternalPeers internal{options.internal_peer_name, options.cluster_secret};
+  MAINSTAY_RETURN_IF_ERROR(
+      grpc_server::CheckListenerIsSafe(internal, options.listen_address, options.insecure, "mainstay-coordinator"));
+
   // TLS files first: a bad one is the operator's to fix (INVALID_ARGUMENT), before any state is touched.
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<::grpc::ServerCredentials> credentials, MakeServerCredentials(options.tls));
   GrpcShardAssignerOptions assigner_options;
-  MAINSTAY_ASSIGN_OR_RETURN(assigner_options.security, ChannelSecurity::Create(options.tls));
+  MAINSTAY_ASSIGN_OR_RETURN(ChannelSecurity security, ChannelSecurity::Create(options.tls));
+  assigner_options.security = security.WithClusterSecret(options.cluster_secret);
 
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -570,7 +575,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
   MAINSTAY_ASSIGN_OR_RETURN(impl->core, Coordinator::Create(core_options));
 
   impl->coordinator_service =
-      std::make_unique<CoordinatorService>(impl->core.get(), &impl->calls, &impl->auth, options.internal_peer_name);
+      std::make_unique<CoordinatorService>(impl->core.get(), &impl->calls, &impl->auth, internal);
   impl->admin_service = std::make_unique<AdminService>(impl->core.get(), &impl->calls, &impl->auth);
   ::grpc::EnableDefaultHealthCheckService(true);
   ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -620,7 +625,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
                    options.tls.ServerEnabled() ? (options.tls.require_client_cert ? " with mutual TLS" : " with TLS")
                                                : " in plaintext",
                    " (state ", options.state_dir, ", lease ", options.lease_ttl_ms, " ms, id ", options.coordinator_id,
-                   impl->auth.enabled() ? ", admin token required" : ", no admin token", ")"));
+                   impl->auth.enabled() ? ", admin token required" : ", no admin token", ", ",
+                   grpc_server::DescribeInternalPeers(internal), ")"));
   return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(std::move(impl)));
 }
 

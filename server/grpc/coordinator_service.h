@@ -19,8 +19,9 @@
 // GetJob / GetLayout / GetPlacement / WatchPlacement without a job token need the admin token
 // (server/coordinator/admin_auth.h: the request's admin_token field or `authorization: Bearer`
 // metadata), else PERMISSION_DENIED. Daemons' calls (RegisterDaemon, Heartbeat,
-// DeregisterDaemon, the KV) never need it: daemons authenticate by mutual TLS, and with
-// options.internal_peer_name only the servers' certificates may make them.
+// DeregisterDaemon, the KV) never need it: they need the cluster secret (options.cluster_secret)
+// and/or, with options.internal_peer_name, a server's certificate; with neither the server
+// listens on loopback only unless options.insecure (docs/operations.md, "Threat model").
 //
 // Health: "", "mainstay.v1.Coordinator" and "mainstay.v1.Admin" are SERVING from Start and
 // NOT_SERVING from the first moment of Shutdown. With options.metrics the server records the
@@ -38,6 +39,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/cluster_secret.h"
 #include "common/tls.h"
 
 namespace mainstay::metrics {
@@ -74,6 +76,12 @@ class CoordinatorServer {
     // from any other certificate are PERMISSION_DENIED (server/grpc/peer_identity.h). Empty: no
     // such check. Needs tls.require_client_cert.
     std::string internal_peer_name;
+    // Daemons' calls need it presented (common/cluster_secret.h), and the calls to daemons
+    // present it; disabled: no such check.
+    ClusterSecret cluster_secret;
+    // With neither internal_peer_name nor cluster_secret, Start refuses a listen_address that is
+    // not loopback (INVALID_ARGUMENT) unless this is set (--insecure).
+    bool insecure = false;
     // The admin token itself (read from --admin-token-file); empty: admin calls are open. Never
     // logged.
     std::string admin_token;

@@ -59,7 +59,7 @@ absl::StatusOr<T> WaitInSlices(::grpc::CallbackServerContext* context, Calls* ca
 // header is checked before any payload is kept; the payload is stored only once all of it came.
 class ForwardInputReactor final : public ::grpc::ServerReadReactor<v1::ForwardStepInputRequest> {
  public:
-  ForwardInputReactor(ShardDaemon* core, Calls* calls, const std::string& internal,
+  ForwardInputReactor(ShardDaemon* core, Calls* calls, const grpc_server::InternalPeers& internal,
                       ::grpc::CallbackServerContext* context, v1::ForwardStepInputResponse* response)
       : core_(core), calls_(calls), context_(context), response_(response) {
     if (absl::Status s = grpc_server::CheckInternalPeer(context, internal, "ForwardStepInput"); !s.ok()) {
@@ -354,9 +354,9 @@ absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& re
 
 class ShardService final : public v1::Shard::CallbackService {
  public:
-  ShardService(ShardDaemon* core, Calls* calls, StepDrain* drain, std::string internal_peer_name,
+  ShardService(ShardDaemon* core, Calls* calls, StepDrain* drain, grpc_server::InternalPeers internal,
                NcclChannelServer* nccl, PushStreams* streams)
-      : core_(core), calls_(calls), drain_(drain), internal_(std::move(internal_peer_name)), nccl_(nccl),
+      : core_(core), calls_(calls), drain_(drain), internal_(std::move(internal)), nccl_(nccl),
         streams_(streams) {
     if (metrics::DaemonMetrics* m = core->metrics(); m != nullptr) {
       pushed_bytes_ = m->PushedBytes(kTransport);
@@ -541,7 +541,7 @@ class ShardService final : public v1::Shard::CallbackService {
   ShardDaemon* const core_;
   Calls* const calls_;
   StepDrain* const drain_;
-  const std::string internal_;  // empty: no internal-peer check
+  const grpc_server::InternalPeers internal_;
   NcclChannelServer* const nccl_;  // null: no nccl transport
   PushStreams* const streams_;     // the open PushGrad streams
   std::shared_ptr<metrics::Counter> pushed_bytes_, pulled_bytes_;  // null: no metrics
@@ -606,9 +606,11 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options)
     return absl::InvalidArgumentError(
         "--tls-internal-name needs mutual TLS (--tls-client-auth require): the name is read from client certificates");
   }
+  const grpc_server::InternalPeers internal{options.internal_peer_name, options.cluster_secret};
+  MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckListenerIsSafe(internal, options.listen_address, options.insecure, "mainstayd"));
   impl->streams = std::make_unique<PushStreams>(options.push_idle_timeout);
-  impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls, options.drain, options.internal_peer_name,
-                                                 options.nccl, impl->streams.get());
+  impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls, options.drain, internal, options.nccl,
+                                                 impl->streams.get());
   ::grpc::EnableDefaultHealthCheckService(true);
   ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   ::grpc::ServerBuilder builder;
@@ -634,7 +636,8 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options)
   }
   Log(LogLevel::kInfo, kComponent,
       absl::StrCat("serving the Shard service on port ", impl->port,
-                   options.tls.ServerEnabled() ? (options.tls.require_client_cert ? " with mutual TLS" : " with TLS") : " in plaintext"));
+                   options.tls.ServerEnabled() ? (options.tls.require_client_cert ? " with mutual TLS" : " with TLS") : " in plaintext",
+                   " (", grpc_server::DescribeInternalPeers(internal), ")"));
   return std::unique_ptr<ShardServer>(new ShardServer(std::move(impl)));
 }
 

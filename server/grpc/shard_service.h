@@ -28,6 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/cluster_secret.h"
 #include "common/tls.h"
 #include "server/daemon/shard_daemon.h"
 #include "server/daemon/step_drain.h"
@@ -47,6 +48,13 @@ class ShardServer {
     // other certificate (a trainer's) are PERMISSION_DENIED (server/grpc/peer_identity.h).
     // Empty: no such check. Needs tls.require_client_cert.
     std::string internal_peer_name;
+    // The internal calls (AssignShard, DropShard, FetchShardState, WriteCheckpoint,
+    // ForwardStepInput, GetStepOutcome) need it presented (common/cluster_secret.h); disabled:
+    // no such check.
+    ClusterSecret cluster_secret;
+    // With neither internal_peer_name nor cluster_secret, Start refuses a listen_address that is
+    // not loopback (INVALID_ARGUMENT) unless this is set (mainstayd --insecure).
+    bool insecure = false;
     StepDrain* drain = nullptr;                   // not owned, must outlive the server; null: none
     // "host:port" of a plaintext port serving only grpc.health.v1 with the same statuses
     // (server/grpc/health_port.h), for probes that cannot speak TLS; empty: none.

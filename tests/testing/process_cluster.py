@@ -56,6 +56,9 @@ class Cluster:
         self.port = free_port()
         self.address = "%s:%d" % (host, self.port)
         self.listen = "0.0.0.0:%d" % self.port if host != "127.0.0.1" else self.address
+        # The internal calls need it (docs/operations.md, "Threat model"): the coordinator makes
+        # it on its first start, the daemons read it.
+        self.secret = os.path.join(self.dir, "cluster.secret")
         self.start_coordinator()
         for i in range(daemons):
             self.start_daemon(i)
@@ -68,7 +71,8 @@ class Cluster:
     def start_coordinator(self):
         self._start("coordinator", [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", self.listen,
                                     "--state-dir", os.path.join(self.dir, "state"),
-                                    "--checkpoint-dir", os.path.join(self.dir, "checkpoints"), "--tick-ms", "100"]
+                                    "--checkpoint-dir", os.path.join(self.dir, "checkpoints"), "--tick-ms", "100",
+                                    "--cluster-secret-file", self.secret]
                     + self.coordinator_flags)
         wait_for(lambda: self.ctl("health").returncode == 0, "the coordinator")
 
@@ -80,7 +84,8 @@ class Cluster:
         p = self._start("daemon%d" % i, prefix + [os.environ["MAINSTAYD_BIN"], "--coordinator", self.address, "--listen",
                                          host + ":0", "--node-name", "node%d" % i, "--threads", "1",
                                          "--memory-bytes", "2000000000", "--lease-ttl-ms", str(self.lease_ms),
-                                         "--peer-timeout-ms", "5000", "--metrics-listen", "off", "--port-file", pf]
+                                         "--peer-timeout-ms", "5000", "--metrics-listen", "off", "--port-file", pf,
+                                         "--cluster-secret-file", self.secret]
                     + self.daemon_flags + list(self.flags_of_daemon.get(i, [])))
         wait_for(lambda: os.path.exists(pf) and os.path.getsize(pf) > 0 or p.poll() is not None, "daemon%d" % i)
 
