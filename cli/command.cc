@@ -104,7 +104,8 @@ constexpr char kRemoteHelp[] =
     "\n  --tls-cert-file F   client certificate for mutual TLS (default $MAINSTAY_TLS_CERT_FILE)"
     "\n  --tls-key-file F    its private key (default $MAINSTAY_TLS_KEY_FILE)"
     "\n  --tls-server-name N verify the coordinator's certificate against N instead of its address"
-    "\n  --admin-token-file F  the coordinator's admin token (default $MAINSTAY_ADMIN_TOKEN_FILE)";
+    "\n  --admin-token-file F  the coordinator's admin token (default $MAINSTAY_ADMIN_TOKEN_FILE)"
+    "\n  --cluster-secret-file F  the cluster secret, for `kv get` (default $MAINSTAY_CLUSTER_SECRET_FILE)";
 
 const std::vector<Command>& Commands() {
   static const std::vector<Command>* commands = new std::vector<Command>{

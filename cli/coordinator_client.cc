@@ -49,6 +49,10 @@ absl::StatusOr<CoordinatorConnection> CoordinatorConnection::FromArgs(const Args
   tls.key_file = FlagOrEnv(args, "tls-key-file", "MAINSTAY_TLS_KEY_FILE");
   tls.server_name = args.Get("tls-server-name");
   MAINSTAY_ASSIGN_OR_RETURN(ChannelSecurity security, ChannelSecurity::Create(tls));
+  if (const std::string path = FlagOrEnv(args, "cluster-secret-file", "MAINSTAY_CLUSTER_SECRET_FILE"); !path.empty()) {
+    MAINSTAY_ASSIGN_OR_RETURN(ClusterSecret secret, ClusterSecret::Load(path, /*create=*/false));
+    security = security.WithClusterSecret(std::move(secret));
+  }
   if (const std::string path = FlagOrEnv(args, "admin-token-file", "MAINSTAY_ADMIN_TOKEN_FILE"); !path.empty()) {
     MAINSTAY_ASSIGN_OR_RETURN(c.admin_token_, ReadAdminToken(path));
   }

@@ -6,8 +6,10 @@
 // $MAINSTAY_TLS_CA_FILE, $MAINSTAY_TLS_CERT_FILE, $MAINSTAY_TLS_KEY_FILE) connect with TLS or
 // mutual TLS (common/grpc_tls.h); --admin-token-file (default $MAINSTAY_ADMIN_TOKEN_FILE) is
 // read once and sent with every call as `authorization: Bearer TOKEN` metadata, which the
-// coordinator accepts in place of the requests' admin_token fields. A file that cannot be read
-// is INVALID_ARGUMENT naming it (exit 2).
+// coordinator accepts in place of the requests' admin_token fields. --cluster-secret-file
+// (default $MAINSTAY_CLUSTER_SECRET_FILE) presents the cluster secret (common/cluster_secret.h),
+// which only `kv get` needs, on a coordinator that has one. A file that cannot be read is
+// INVALID_ARGUMENT naming it (exit 2).
 #ifndef MAINSTAY_CLI_COORDINATOR_CLIENT_H_
 #define MAINSTAY_CLI_COORDINATOR_CLIENT_H_
 
@@ -27,7 +29,8 @@ namespace mainstay::cli {
 // Flags every remote command takes.
 inline const std::vector<std::string> kRemoteFlags = {"coordinator",   "timeout-ms",   "json",
                                                       "yes",           "tls-ca-file",  "tls-cert-file",
-                                                      "tls-key-file",  "tls-server-name", "admin-token-file"};
+                                                      "tls-key-file",  "tls-server-name", "admin-token-file",
+                                                      "cluster-secret-file"};
 
 class CoordinatorConnection {
  public:

@@ -107,7 +107,7 @@ absl::StatusOr<ClusterSecret> ClusterSecret::Load(const std::string& path, bool 
     return Fail(path, absl::StrCat("the secret is ", value.size(), " bytes, at least ", kMinClusterSecretBytes,
                                     " are needed (e.g. `openssl rand -hex 32 > ", path, "`)"));
   }
-  if ((st.st_mode & 077) != 0) {
+  if ((st.st_mode & 007) != 0) {  // group-readable is a choice (Kubernetes' fsGroup, a mainstay group)
     Log(LogLevel::kWarning, "security",
         absl::StrFormat("cluster secret file %s may be read by other users (mode %04o): chmod 600 it", path,
                         static_cast<unsigned>(st.st_mode & 0777)));

@@ -33,7 +33,7 @@ class ClusterSecret {
   // written with mode 0600 to a temporary name, synced and renamed into place (a concurrent
   // creator's file wins; both then read the same one). Errors, all INVALID_ARGUMENT naming
   // the path and never the content: the file cannot be read or made, is empty, or is shorter
-  // than kMinClusterSecretBytes. A file that group or others may read is accepted with a
+  // than kMinClusterSecretBytes. A file that other users may read is accepted with a
   // warning (Kubernetes mounts secrets 0644 unless told otherwise).
   static absl::StatusOr<ClusterSecret> Load(const std::string& path, bool create);
 

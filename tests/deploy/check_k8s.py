@@ -7,7 +7,7 @@ Checks what a reader of the manifests would otherwise find out on a cluster: the
 kinds, one namespace, probes that hit the gRPC port each binary listens on (Kubernetes' native
 gRPC probe against grpc.health.v1), Services and the PodDisruptionBudget that select the pods
 they mean, every $(VAR) of the daemon's args defined, ConfigMap keys that exist, tagged images,
-Prometheus scrape annotations, the daemon's readiness on service mainstay.v1.Shard (ready once
+Prometheus scrape annotations, both binaries' --cluster-secret-file on a mounted Secret, the daemon's readiness on service mainstay.v1.Shard (ready once
 registered), GPU resources plus hostIPC in the gpu variant and neither in the cpu one, and with
 --tls: TLS flags whose files lie on mounted Secrets, mutual TLS, the coordinator's admin token
 from a Secret, and probes on the plaintext --health-listen port. Exit 77 (CTest: skipped) with the reason when kubectl or PyYAML is missing, or
@@ -171,6 +171,8 @@ def main():
     listen = listen or "0.0.0.0:7070"
     coordinator_port = port_of(listen)
     check_pod(c, "coordinator", template, container, coordinator_port, config_maps, health_port(cargs))
+    check_secret_file(c, "coordinator", template, container, flag_value(cargs, "--cluster-secret-file"),
+                      "--cluster-secret-file")
     if args.tls:
         check_tls(c, "coordinator", template, container)
         check_secret_file(c, "coordinator", template, container, flag_value(cargs, "--admin-token-file"), "--admin-token-file")
@@ -200,6 +202,8 @@ def main():
     dargs = container.get("args", [])
     daemon_port = port_of(flag_value(dargs, "--listen") or "0.0.0.0:7071")
     check_pod(c, "mainstayd", template, container, daemon_port, config_maps, health_port(dargs), "mainstay.v1.Shard")
+    check_secret_file(c, "mainstayd", template, container, flag_value(dargs, "--cluster-secret-file"),
+                      "--cluster-secret-file")
     if args.tls:
         check_tls(c, "mainstayd", template, container)
     c.check(spec.get("nodeSelector"), "mainstayd: no nodeSelector")

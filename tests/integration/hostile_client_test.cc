@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -257,6 +258,20 @@ TEST_F(HostileClientTest, InternalCallsWithoutTheSecretAreRefusedAndTheVictimTra
     }
     EXPECT_THAT(FromGrpcStatus(reader->Finish()), IsOk());
   }
+  // mainstayctl's `kv get` (the KV is the daemons'): refused without the secret (exit 6),
+  // served with it.
+  v1::KvPutRequest put;
+  put.set_key("hostile-test/key");
+  put.set_value("written-with-the-secret");
+  EXPECT_THAT(Call(*coordinator, &CoordinatorStub::KvPut, put, Secret()), IsOk());
+  const std::string ctl = absl::StrCat(MAINSTAY_CTL_BIN, " kv get hostile-test/key --coordinator ", *address_);
+  int status = std::system(absl::StrCat(ctl, " > ", dir_->File("kv-denied.out"), " 2>&1").c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 6) << ReadFileOrEmpty(dir_->File("kv-denied.out"));
+  EXPECT_THAT(ReadFileOrEmpty(dir_->File("kv-denied.out")), HasSubstr("PERMISSION_DENIED"));
+  status = std::system(absl::StrCat(ctl, " --cluster-secret-file ", dir_->File("cluster.secret"), " > ",
+                                    dir_->File("kv.out"), " 2>&1").c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << ReadFileOrEmpty(dir_->File("kv.out"));
+  EXPECT_THAT(ReadFileOrEmpty(dir_->File("kv.out")), HasSubstr("written-with-the-secret"));
   // The victim lost nothing: the daemon still holds it (no drop), and it trains on.
   Step(*victim, 1);
   // The secret never appears in either server's log.
