@@ -73,12 +73,37 @@ absl::StatusOr<v1::RegisterDaemonResponse> Coordinator::RegisterDaemon(const v1:
   std::string id = request.daemon_id();
   v1::DaemonInfo info;
   auto it = id.empty() ? s.state.daemons.end() : s.state.daemons.find(id);
+  // The id's key: issued at its first registration, proved at every later one. Only its digest
+  // is kept (and persisted, so that a coordinator restart keeps the binding).
+  std::string key;
   if (it != s.state.daemons.end()) {
-    info = it->second;  // a restart: same identity, placements kept
+    const std::string& stored = it->second.key_sha256();
+    const std::string presented = Sha256(request.daemon_key());
+    if (!stored.empty() &&
+        (request.daemon_key().empty() || CRYPTO_memcmp(stored.data(), presented.data(), presented.size()) != 0)) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "daemon id '", id, "' belongs to the daemon process it was issued to, and this registration ",
+          request.daemon_key().empty() ? "presents no daemon key" : "presents a wrong daemon key",
+          " (a restarted daemon registers with an empty id and gets a new one)"));
+    }
+    info = it->second;  // the same process again (a lost lease, a coordinator restart): placements kept
+    key = request.daemon_key();
   } else if (id.empty()) {
     counters.set_next_daemon(counters.next_daemon() + 1);
     id = absl::StrCat("daemon-", counters.next_daemon());
   }
+  // One live daemon per address: calls for the daemon on record there (AssignShard, DropShard
+  // of a job it should not hold) must never reach another one.
+  for (const auto& [other_id, other] : s.state.daemons) {
+    if (other_id == id || other.endpoint().address() != request.address()) continue;
+    if (other.state() != v1::DAEMON_STATE_DOWN && s.leases.count(other_id)) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "address ", request.address(), " is daemon ", other_id,
+          "'s, whose lease is live: a daemon restarted on the same address can register once that lease runs out"));
+    }
+  }
+  if (key.empty()) key = RandomHex(32);
+  info.set_key_sha256(Sha256(key));
   v1::DaemonEndpoint* e = info.mutable_endpoint();
   e->set_daemon_id(id);
   e->set_address(request.address());
@@ -112,6 +137,7 @@ absl::StatusOr<v1::RegisterDaemonResponse> Coordinator::RegisterDaemon(const v1:
   v1::RegisterDaemonResponse response;
   response.set_daemon_id(id);
   response.set_lease_id(lease.id);
+  response.set_daemon_key(key);
   response.set_lease_ttl_ms(ttl);
   response.set_heartbeat_interval_ms(std::max<int64_t>(ttl / 3, 1));
   response.set_coordinator_id(o.coordinator_id);

@@ -3,6 +3,7 @@
 #ifndef MAINSTAY_SERVER_COORDINATOR_COORDINATOR_IMPL_H_
 #define MAINSTAY_SERVER_COORDINATOR_COORDINATOR_IMPL_H_
 
+#include <openssl/crypto.h>
 #include <openssl/rand.h>
 #include <openssl/sha.h>
 
@@ -216,6 +217,7 @@ struct Coordinator::Impl {
 
   v1::DaemonInfo Decorated(const v1::DaemonInfo& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     v1::DaemonInfo out = d;
+    out.clear_key_sha256();  // the coordinator's alone
     auto it = leases.find(d.endpoint().daemon_id());
     if (it != leases.end()) {
       out.set_lease_expires_unix_ms(Now() + (it->second.expires_ms - Mono()));  // shown in wall time

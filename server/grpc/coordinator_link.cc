@@ -50,7 +50,11 @@ std::string CoordinatorLink::daemon_id() const {
 
 absl::Status CoordinatorLink::Register(absl::Time deadline) {
   v1::RegisterDaemonRequest request = options_.registration;
-  request.set_daemon_id(daemon_id());
+  {
+    absl::MutexLock lock(&mu_);
+    request.set_daemon_id(daemon_id_);
+    request.set_daemon_key(daemon_key_);
+  }
   absl::Duration backoff = absl::Milliseconds(100);
   while (true) {
     ::grpc::ClientContext context;
@@ -61,6 +65,7 @@ absl::Status CoordinatorLink::Register(absl::Time deadline) {
       {
         absl::MutexLock lock(&mu_);
         daemon_id_ = response.daemon_id();
+        daemon_key_ = response.daemon_key();
         lease_id_ = response.lease_id();
         heartbeat_ms_ = std::max<int64_t>(response.heartbeat_interval_ms(), 50);
         lease_renewed_ = absl::Now();
@@ -72,8 +77,11 @@ absl::Status CoordinatorLink::Register(absl::Time deadline) {
       if (options_.on_registered) options_.on_registered(response);
       return absl::OkStatus();
     }
+    // ALREADY_EXISTS: the address is still another daemon's (this one's previous process, whose
+    // lease has not run out yet).
     const bool retry = status.code() == absl::StatusCode::kUnavailable ||
-                       status.code() == absl::StatusCode::kDeadlineExceeded;
+                       status.code() == absl::StatusCode::kDeadlineExceeded ||
+                       status.code() == absl::StatusCode::kAlreadyExists;
     if (!retry) return Annotate(status, "registering with the coordinator");
     if (absl::Now() + backoff >= deadline) {
       return absl::UnavailableError(absl::StrCat("the coordinator at ", options_.coordinator_address,

@@ -76,6 +76,7 @@ class CoordinatorLink : public peer::KvClient {
   std::unique_ptr<v1::Admin::Stub> admin_;
   mutable absl::Mutex mu_;
   std::string daemon_id_ ABSL_GUARDED_BY(mu_);
+  std::string daemon_key_ ABSL_GUARDED_BY(mu_);  // proves daemon_id_ when registering again; never logged
   std::string lease_id_ ABSL_GUARDED_BY(mu_);
   int64_t heartbeat_ms_ ABSL_GUARDED_BY(mu_) = 1000;
   absl::Time lease_renewed_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

@@ -144,6 +144,7 @@ class FakeDaemon final : public v1::Shard::CallbackService {
   absl::StatusOr<v1::RegisterDaemonResponse> Register(CoordinatorStub& coordinator, int64_t lease_ms = kLongLeaseMs) {
     v1::RegisterDaemonRequest request;
     request.set_daemon_id(id_);
+    request.set_daemon_key(key_);
     request.set_address(address_);
     request.set_node_name(node_name_);
     request.add_transports(v1::TRANSPORT_GRPC);
@@ -154,6 +155,7 @@ class FakeDaemon final : public v1::Shard::CallbackService {
     absl::StatusOr<v1::RegisterDaemonResponse> response = Rpc(coordinator, &CoordinatorStub::RegisterDaemon, request);
     if (response.ok()) {
       id_ = response->daemon_id();
+      key_ = response->daemon_key();
       lease_ = response->lease_id();
     }
     return response;
@@ -216,6 +218,7 @@ class FakeDaemon final : public v1::Shard::CallbackService {
   std::unique_ptr<::grpc::Server> server_;
   std::string address_;
   std::string id_;
+  std::string key_;  // the daemon key of id_, from its first registration
   std::string lease_;
   absl::Mutex mu_;
   Received received_ ABSL_GUARDED_BY(mu_);

@@ -5,7 +5,8 @@
 // gRPC stubs: each is PERMISSION_DENIED naming --cluster-secret-file, nothing of the victim
 // job is read, stored or dropped, and the victim still trains. Also the start-up rule: with
 // neither a secret nor --tls-internal-name, a non-loopback listener is refused (exit 2) unless
-// --insecure, which starts with a warning; a missing or short secret file is exit 2.
+// --insecure, which starts with a warning; a missing or short secret file is exit 2. And an
+// insider holding the secret cannot register as the victim's daemon id or at its address.
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -245,6 +246,20 @@ TEST_F(HostileClientTest, InternalCallsWithoutTheSecretAreRefusedAndTheVictimTra
   }
   struct stat st;
   EXPECT_NE(::stat(dir_->File("stolen").c_str(), &st), 0) << "a checkpoint was written for the intruder";
+
+  // An insider (any holder of the secret: every daemon) still cannot take the victim's daemon
+  // over: its id is bound to the key its own registration got, and its address to it.
+  {
+    v1::RegisterDaemonRequest claim;
+    claim.set_daemon_id("daemon-1");
+    claim.set_address("127.0.0.1:1");
+    EXPECT_THAT(Call(*coordinator, &CoordinatorStub::RegisterDaemon, claim, Secret()),
+                StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("presents no daemon key")));
+    v1::RegisterDaemonRequest squat;
+    squat.set_address(*daemon_address_);
+    EXPECT_THAT(Call(*coordinator, &CoordinatorStub::RegisterDaemon, squat, Secret()),
+                StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("whose lease is live")));
+  }
 
   // The same calls with the secret reach their handlers: the state copy streams.
   {

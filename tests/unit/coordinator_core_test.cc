@@ -59,16 +59,20 @@ class CoordinatorCoreTest : public ::testing::Test {
     coordinator_ = *std::move(c);
   }
 
+  // A registration as mainstayd makes it: a known id presents the key its first one returned.
   v1::RegisterDaemonResponse Register(const std::string& node, int64_t memory, const std::string& id = "") {
     v1::RegisterDaemonRequest req;
     req.set_daemon_id(id);
+    if (auto k = keys_.find(id); k != keys_.end()) req.set_daemon_key(k->second);
     req.set_address(node + ":7000");
     req.set_node_name(node);
     req.mutable_resources()->set_host_memory_bytes(memory);
     auto r = coordinator_->RegisterDaemon(req);
     EXPECT_THAT(r, IsOk());
+    if (r.ok()) keys_[r->daemon_id()] = r->daemon_key();
     return r.ok() ? *r : v1::RegisterDaemonResponse();
   }
+  std::map<std::string, std::string> keys_;  // daemon id -> its key
 
   absl::StatusOr<v1::CreateJobResponse> Create(const v1::JobSpec& spec) {
     v1::CreateJobRequest req;
@@ -141,6 +145,60 @@ TEST_F(CoordinatorCoreTest, RegisterAssignsStableIdsAndRestartKeepsIdentity) {
   EXPECT_EQ(again.daemon_id(), a.daemon_id());
   EXPECT_NE(again.lease_id(), a.lease_id()) << "a new lease per registration";
   EXPECT_EQ(Daemons().size(), 2u);
+}
+
+TEST_F(CoordinatorCoreTest, ADaemonIdIsBoundToItsKeyAndAnAddressToOneLiveDaemon) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  ASSERT_EQ(a.daemon_key().size(), 64u);
+  EXPECT_NE(a.daemon_key(), b.daemon_key());
+  ASSERT_THAT(Create(SmallSpec("j", 2)), IsOk());
+  // Another process (any holder of the cluster secret) claiming daemon-1, without or with a wrong
+  // key, from its own address: refused, and daemon-1's record is untouched.
+  for (const std::string& key : {std::string(), b.daemon_key(), a.daemon_key().substr(1)}) {
+    v1::RegisterDaemonRequest claim;
+    claim.set_daemon_id(a.daemon_id());
+    claim.set_daemon_key(key);
+    claim.set_address("intruder:7000");
+    claim.mutable_resources()->set_host_memory_bytes(kGiB);
+    EXPECT_THAT(coordinator_->RegisterDaemon(claim),
+                StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("belongs to the daemon process")));
+  }
+  v1::ListDaemonsRequest list;
+  list.set_include_down(true);
+  const v1::ListDaemonsResponse listed = coordinator_->ListDaemons(list);
+  for (const v1::DaemonInfo& d : listed.daemons()) {
+    EXPECT_NE(d.endpoint().address(), "intruder:7000");
+    EXPECT_TRUE(d.key_sha256().empty()) << "the key's digest left the coordinator";
+  }
+  // A new daemon at daemon-1's address (to be sent its DropShards and AssignShards): refused
+  // while daemon-1's lease is live.
+  v1::RegisterDaemonRequest squat;
+  squat.set_address("n1:7000");
+  squat.mutable_resources()->set_host_memory_bytes(kGiB);
+  EXPECT_THAT(coordinator_->RegisterDaemon(squat),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("is daemon daemon-1's, whose lease is live")));
+  EXPECT_EQ(Daemons().size(), 2u);
+  // Hence a heartbeat claiming a job it is not placed on makes the coordinator send DropShard to
+  // the sender's own address only.
+  auto c = Register("n3", kGiB);
+  v1::HeartbeatRequest hb;
+  hb.set_daemon_id(c.daemon_id());
+  hb.set_lease_id(c.lease_id());
+  v1::JobProgress* p = hb.add_jobs();
+  p->set_job_id("job-1");
+  p->set_placement_epoch(0);
+  const size_t before = assigner_.calls().size();
+  ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  const std::vector<RecordingShardAssigner::Call> calls = assigner_.calls();
+  ASSERT_GT(calls.size(), before);
+  for (size_t i = before; i < calls.size(); ++i) EXPECT_EQ(calls[i].address, "n3:7000");
+  // daemon-1 itself, with its key, registers again (a lost lease) and keeps its id.
+  EXPECT_EQ(Register("n1", kGiB, a.daemon_id()).daemon_id(), a.daemon_id());
+  // Once daemon-1's lease ran out (DOWN), its address may be taken by a new process.
+  clock_.Advance(5000);
+  coordinator_->Tick();
+  EXPECT_THAT(coordinator_->RegisterDaemon(squat), IsOk());
 }
 
 TEST_F(CoordinatorCoreTest, LeaseExpiryMarksDaemonDownAndJobDegraded) {
