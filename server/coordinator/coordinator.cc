@@ -14,6 +14,11 @@ Coordinator::~Coordinator() {
   for (Impl::Background& b : threads) b.thread.join();  // background checkpoints end at their daemons' answers
 }
 
+void Coordinator::SetChangeListener(std::function<void()> listener) {
+  absl::MutexLock lock(&impl_->listener_mu);
+  impl_->listener = std::move(listener);
+}
+
 size_t Coordinator::background_threads_for_testing() const {
   absl::MutexLock lock(&impl_->mu);
   return impl_->checkpoint_threads.size();

@@ -103,6 +103,11 @@ class Coordinator {
   absl::StatusOr<v1::GetPlacementResponse> GetPlacement(const v1::GetPlacementRequest& request);
   // The job's placement once its epoch exceeds `known_epoch`; waits until `deadline`
   // (DEADLINE_EXCEEDED). NOT_FOUND when the job does not exist or is deleted while waiting.
+  // `listener()` is called after every change to the durable state (a job's placement, the
+  // KV), from under the coordinator's lock: it must not call into the Coordinator. Replaces the
+  // previous one; null removes it. For waiting calls (server/grpc/waiters.h).
+  void SetChangeListener(std::function<void()> listener);
+
   absl::StatusOr<v1::Placement> WaitPlacement(const std::string& job_id, const std::string& job_token,
                                               int64_t known_epoch, absl::Time deadline);
 

@@ -175,6 +175,10 @@ struct Coordinator::Impl {
   // Per job: (step, time) of the last periodic checkpoint, or of when the policy first saw it.
   std::map<std::string, std::pair<int64_t, int64_t>> policy_last ABSL_GUARDED_BY(mu);
 
+  // Coordinator::SetChangeListener's; its own lock, taken under mu.
+  absl::Mutex listener_mu ABSL_ACQUIRED_AFTER(mu);
+  std::function<void()> listener ABSL_GUARDED_BY(listener_mu);
+
   int64_t Now() const { return options.clock->NowUnixMs(); }
   // Leases run on this: a wall-clock step must not expire (or extend) them.
   int64_t Mono() const { return options.clock->MonotonicMs(); }
@@ -189,6 +193,10 @@ struct Coordinator::Impl {
     MAINSTAY_RETURN_IF_ERROR(appended);
     state.Apply(batch.proto);
     changed.SignalAll();
+    {
+      absl::MutexLock listener_lock(&listener_mu);
+      if (listener) listener();
+    }
     if (++batches_since_snapshot >= options.snapshot_every_batches) {
       const int64_t snapshot_start = Mono();
       absl::Status s = options.store->WriteSnapshot(state.ToProto());

@@ -102,6 +102,7 @@ Job::~Job() { Shutdown(); }
 void Job::RequestStop() {
   absl::MutexLock lock(&mu_);
   stopping_ = true;
+  Changed();
 }
 
 void Job::Shutdown() {
@@ -211,6 +212,7 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
     }
   }
   epoch_ = request.placement_epoch();
+  Changed();
   // Shards this placement gives to another daemon stop being served here; their state stays
   // for the new owner's copy until DropShard (a move). One given back is served again.
   for (auto it = shards_.begin(); it != shards_.end();) {
@@ -279,6 +281,7 @@ absl::StatusOr<bool> Job::Drop(const v1::DropShardRequest& request) {
                                                       request.placement_epoch(), " is older than ", epoch_));
   }
   epoch_ = request.placement_epoch();
+  Changed();
   if (request.shards().empty()) {
     shards_.clear();
     moving_out_.clear();

@@ -93,6 +93,11 @@ struct JobOptions {
   // peers (only safe for jobs on one daemon).
   PeerClient* peer_client = nullptr;
   StepFault fault;                             // tests only (mainstayd --inject-fault)
+  // Called with the job id, under the job's lock, whenever something a waiting PullParams or
+  // FinishStep may be waiting for changed (a step decided, the job stopped, a new epoch or
+  // fence): the gRPC adapter re-runs its parked calls (server/grpc/waiters.h). Must not call
+  // into the job. Null: none.
+  std::function<void(const std::string&)> on_change;
 };
 
 class Job;
@@ -322,6 +327,10 @@ class Job : public std::enable_shared_from_this<Job> {
   bool Decided(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool Ready(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool ShouldWake() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Tells options_.on_change (waiting calls may be answerable now).
+  void Changed() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (options_.on_change) options_.on_change(job_id_);
+  }
   absl::Status ErrorWithDetail(absl::Status status) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // ABORTED for a call about `step` right after a restore, when it is not the resume step.
   absl::Status RewoundError(const char* call, int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);

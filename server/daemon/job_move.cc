@@ -40,6 +40,7 @@ absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest
   const bool fence = request.placement_epoch() > epoch_;
   if (fence && request.placement_epoch() > fence_epoch_) {
     fence_epoch_ = request.placement_epoch();
+    Changed();
     Log(LogLevel::kInfo, "daemon",
         absl::StrCat("job ", job_id_, ": fenced at placement epoch ", fence_epoch_, " for the copy of ",
                      ShardName(key.first, key.second), " (no more steps at epoch ", epoch_, ")"));

@@ -467,6 +467,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
 void Job::RunSteps() {
   mu_.Lock();
   while (true) {
+    Changed();  // what the previous round decided (a step, a restore, a move)
     mu_.Await(absl::Condition(this, &Job::ShouldWake));
     if (stopping_) break;
     if (restore_ != nullptr) {

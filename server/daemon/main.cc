@@ -72,6 +72,12 @@ flags:
   --retained-versions N       published versions kept per shard (default 4)
   --peer-timeout-ms N         bound on one step's reductions among daemons (default 120000)
   --push-idle-timeout-ms N    a gRPC PushGrad stream silent this long is cancelled (default 60000)
+  --max-waiting-calls N       PullParams and FinishStep calls that may wait at once (default 16384;
+                              more are RESOURCE_EXHAUSTED); a waiting call holds no thread
+  --max-waiting-calls-per-job N     of those, for one job (default 8192)
+  --max-waiting-calls-per-peer N    of those, from one client host (default 8192)
+  --max-wait-ms N             longest wait of one call; then UNAVAILABLE, and the client calls
+                              again (default 600000)
   --lease-ttl-ms N            lease to ask the coordinator for (default: the coordinator's)
   --port-file FILE            write the Shard service's port to FILE once serving
   --coordinator-port-file F   write the embedded coordinator's port to F (with --standalone)
@@ -146,7 +152,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       "--drain-timeout-ms", "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-client-auth",
       "--tls-server-name", "--admin-token-file", "--health-listen", "--tls-internal-name",
       "--checkpoint-dir", "--transports", "--ucx-dedicated-workers",
-      "--ucx-shared-workers", "--inject-fault", "--cluster-secret-file"};
+      "--ucx-shared-workers", "--inject-fault", "--cluster-secret-file", "--max-waiting-calls",
+      "--max-waiting-calls-per-job", "--max-waiting-calls-per-peer", "--max-wait-ms"};
   Flags f;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -272,10 +279,26 @@ int Main(int argc, char** argv) {
   if (push_idle.ok() && *push_idle < 1) {
     push_idle = absl::InvalidArgumentError(absl::StrCat("--push-idle-timeout-ms: must be >= 1, got ", *push_idle));
   }
+  grpc_server::Waiters::Options waits;
+  absl::StatusOr<int64_t> max_waiting = IntFlag(*flags, "--max-waiting-calls", waits.max_total);
+  absl::StatusOr<int64_t> max_waiting_job = IntFlag(*flags, "--max-waiting-calls-per-job", waits.max_per_key);
+  absl::StatusOr<int64_t> max_waiting_peer = IntFlag(*flags, "--max-waiting-calls-per-peer", waits.max_per_peer);
+  absl::StatusOr<int64_t> max_wait = IntFlag(*flags, "--max-wait-ms", absl::ToInt64Milliseconds(waits.max_wait));
+  for (auto [flag, value] : {std::pair{"--max-waiting-calls", &max_waiting},
+                             std::pair{"--max-waiting-calls-per-job", &max_waiting_job},
+                             std::pair{"--max-waiting-calls-per-peer", &max_waiting_peer},
+                             std::pair{"--max-wait-ms", &max_wait}}) {
+    if (value->ok() && **value < 1) *value = absl::InvalidArgumentError(absl::StrCat(flag, ": must be >= 1, got ", **value));
+  }
   for (const absl::Status& s : {threads.status(), memory.status(), retained.status(), peer_timeout.status(),
-                                lease.status(), drain_timeout.status(), push_idle.status()}) {
+                                lease.status(), drain_timeout.status(), push_idle.status(), max_waiting.status(),
+                                max_waiting_job.status(), max_waiting_peer.status(), max_wait.status()}) {
     if (!s.ok()) return Fail(s, 2);
   }
+  waits.max_total = *max_waiting;
+  waits.max_per_key = *max_waiting_job;
+  waits.max_per_peer = *max_waiting_peer;
+  waits.max_wait = absl::Milliseconds(*max_wait);
   absl::StatusOr<TlsOptions> tls = TlsFromFlags(*flags);
   if (!tls.ok()) return Fail(tls.status(), 2);
   absl::StatusOr<ChannelSecurity> security = ChannelSecurity::Create(*tls);
@@ -439,6 +462,7 @@ int Main(int argc, char** argv) {
   server_options.health_listen_address = flags->Get("--health-listen");
   server_options.nccl = nccl_server.get();
   server_options.push_idle_timeout = absl::Milliseconds(*push_idle);
+  server_options.waits = waits;
   absl::StatusOr<std::unique_ptr<ShardServer>> server = ShardServer::Start(server_options);
   if (!server.ok()) return Fail(server.status(), server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
   // The UCX data plane next to gRPC: its worker address goes into the registration.

@@ -105,6 +105,10 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
     options.fs = options_.fs;
     options.peer_client = options_.peer_client;
     options.fault = options_.fault;
+    options.on_change = [this](const std::string& job_id) {
+      absl::MutexLock lock(&listener_mu_);
+      if (listener_) listener_(job_id);
+    };
     MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> created, Job::Create(request, std::move(options)));
     absl::MutexLock lock(&mu_);
     if (replace) {
@@ -268,6 +272,11 @@ std::vector<v1::JobProgress> ShardDaemon::Progress() const {
 int ShardDaemon::active_jobs() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(jobs_.size());
+}
+
+void ShardDaemon::SetChangeListener(std::function<void(const std::string&)> listener) {
+  absl::MutexLock lock(&listener_mu_);
+  listener_ = std::move(listener);
 }
 
 void ShardDaemon::Shutdown() {

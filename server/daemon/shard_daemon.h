@@ -16,6 +16,7 @@
 #define MAINSTAY_SERVER_DAEMON_SHARD_DAEMON_H_
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -101,6 +102,10 @@ class ShardDaemon {
   metrics::DaemonMetrics* metrics() const { return metrics_.get(); }
   // Trainers' data-plane connections, kept by the transport adapters; reported by heartbeat.
   ConnectionTable* connections() { return &connections_; }
+  // `listener(job_id)` is called whenever a job's waiting PullParams or FinishStep calls may be
+  // answerable (JobOptions::on_change), from under that job's lock: it must not call into the
+  // daemon. Replaces the previous listener; null removes it.
+  void SetChangeListener(std::function<void(const std::string&)> listener);
   // Stops every job's step thread and ends waits with UNAVAILABLE. Idempotent.
   void Shutdown();
   // Waits until the jobs dropped so far have stopped (tests).
@@ -129,6 +134,9 @@ class ShardDaemon {
   };
   std::vector<Reaper> reapers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  // Its own lock: taken under jobs' locks, never while holding mu_.
+  mutable absl::Mutex listener_mu_;
+  std::function<void(const std::string&)> listener_ ABSL_GUARDED_BY(listener_mu_);
 };
 
 }  // namespace mainstay::daemon

@@ -18,11 +18,13 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/error_detail.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "server/grpc/waiters.h"
 
 namespace mainstay::grpc_server {
 
@@ -42,10 +44,11 @@ inline absl::Time CallDeadline(const ::grpc::CallbackServerContext* context) {
 }
 
 // Calls in progress. Every handler Enters before it touches the core and Exits once it has
-// finished its call. Calls that wait (KvGet with wait_ms, WatchPlacement) run on a thread of
-// their own (Spawn), so gRPC's callback threads never block for long: one thread per waiting
-// call, since such calls are few (a watching trainer, a rendezvousing daemon) and long, and a
-// bounded pool could starve them.
+// finished its call. Calls that wait for the core's state (PullParams, FinishStep, KvGet with
+// wait_ms, WatchPlacement) hold no thread while they wait: they are parked in a Waiters
+// (AnswerWhenReady below). Calls that work for long (a checkpoint write, a state copy, an NCCL
+// transfer) run on a thread of their own (Spawn), so gRPC's callback threads never block for
+// long; those are internal or bounded by the transfers a trainer can have in flight.
 //
 // Shutdown drains here first: grpc::Server::Shutdown waits not only for calls but also for
 // every client connection to close, and idle ones (every daemon keeps one) stay open until
@@ -139,13 +142,63 @@ template <typename Response, typename Fn>
   return reactor;
 }
 
-// The common shutdown of a server: health NOT_SERVING, stop admitting calls and wait up to
-// `grace` for running ones (waiting calls end at their next slice), then shut the server down
-// with `close_grace` for its last answers, and join the helper threads. `component` names the
-// server in the log.
-inline void ShutdownServer(::grpc::Server* server, Calls& calls, absl::Duration grace, absl::Duration close_grace,
-                           absl::string_view component) {
+// Answers an entered call once `probe()` (the core, asked without waiting) has an answer for
+// which `not_yet` is false, parking the call in `waiters` under `key` meanwhile. `answer(result)`
+// answers the call and Exits it; it runs exactly once, on this thread or the waiter thread.
+// When `deadline` passes the call gets the last probe's answer; at the server's wait limit,
+// UNAVAILABLE (the client calls again); when the call is cancelled, CANCELLED; when the server
+// drains, `stopping`. A call the waiters refuse (over a limit) gets their RESOURCE_EXHAUSTED.
+template <typename T>
+void AnswerWhenReady(Calls* calls, Waiters* waiters, ::grpc::CallbackServerContext* context, const std::string& key,
+                     absl::Time deadline, std::function<absl::StatusOr<T>()> probe,
+                     std::function<bool(const absl::StatusOr<T>&)> not_yet,
+                     std::function<void(absl::StatusOr<T>)> answer, absl::Status stopping) {
+  absl::StatusOr<T> first = probe();
+  if (!not_yet(first) || absl::Now() >= deadline) {
+    answer(std::move(first));
+    return;
+  }
+  const absl::Duration limit = waiters->options().max_wait;
+  const std::string limit_flag = waiters->options().max_wait_flag;
+  auto attempt = [calls, context, probe, not_yet, answer, stopping, limit, limit_flag](Waiters::Why why) {
+    if (why == Waiters::Why::kStopping || calls->draining()) {
+      answer(stopping);
+      return true;
+    }
+    if (context->IsCancelled()) {
+      answer(absl::CancelledError("the call was cancelled"));
+      return true;
+    }
+    absl::StatusOr<T> result = probe();
+    if (!not_yet(result) || why == Waiters::Why::kDeadline) {
+      answer(std::move(result));
+      return true;
+    }
+    if (why == Waiters::Why::kChanged) return false;
+    answer(absl::UnavailableError(absl::StrCat("the call waited ", absl::FormatDuration(limit),
+                                               ", this server's limit (", limit_flag, "): call again")));
+    return true;
+  };
+  if (absl::Status parked = waiters->Park(key, context->peer(), deadline, std::move(attempt)); !parked.ok()) {
+    answer(parked);
+  }
+}
+
+// `probe` says "not yet" with DEADLINE_EXCEEDED (the core's waits, asked with a past deadline).
+template <typename T>
+bool DeadlinePassed(const absl::StatusOr<T>& result) {
+  return result.status().code() == absl::StatusCode::kDeadlineExceeded;
+}
+
+// The common shutdown of a server: health NOT_SERVING, stop admitting calls, answer the parked
+// ones (`waiters`, may be null) and wait up to `grace` for running ones, then shut the server
+// down with `close_grace` for its last answers, and join the helper threads. `component` names
+// the server in the log.
+inline void ShutdownServer(::grpc::Server* server, Calls& calls, Waiters* waiters, absl::Duration grace,
+                           absl::Duration close_grace, absl::string_view component) {
   if (server != nullptr && server->GetHealthCheckService() != nullptr) server->GetHealthCheckService()->Shutdown();
+  calls.Drain(absl::Now());  // admits no more calls
+  if (waiters != nullptr) waiters->Shutdown();
   if (!calls.Drain(absl::Now() + grace)) {
     Log(LogLevel::kWarning, component, "calls still running at the end of the grace period: cancelling them");
   }

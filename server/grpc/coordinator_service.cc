@@ -57,8 +57,8 @@ template <typename Response, typename Fn>
 }
 
 constexpr char kComponent[] = "coordinator-server";
-// A waiting call re-checks cancellation and shutdown this often.
-constexpr absl::Duration kWaitSlice = absl::Milliseconds(500);
+// Every KvGet with wait_ms is parked under this key (WatchPlacement under its job's id).
+constexpr char kKvWaitKey[] = "(the KV)";
 // Running calls get this long to finish at Shutdown before gRPC cancels them.
 constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
 // Then the server gets this long to answer the last calls (UNAVAILABLE, health checks) before
@@ -80,91 +80,73 @@ constexpr absl::Duration kCloseGrace = absl::Milliseconds(500);
   return reactor;
 }
 
-// WatchPlacement: a helper thread waits for the job's placement to pass the last epoch sent
-// (in kWaitSlice steps, to notice cancellation and shutdown), writes it, and waits for the
-// write to complete before the next. The reactor is deleted by whichever of OnDone and the
-// helper thread ends last.
+// WatchPlacement: parked (server/grpc/waiters.h: no thread while it waits) until the job's
+// placement passes the last epoch sent, then that placement is written; the next wait starts
+// once the write is done. The stream ends at the call's deadline, when the watcher goes, at the
+// server's wait limit (UNAVAILABLE: watch again) or at shutdown.
 class WatchPlacementReactor final : public ::grpc::ServerWriteReactor<v1::WatchPlacementResponse> {
  public:
-  WatchPlacementReactor(Coordinator* core, Calls* calls, const v1::WatchPlacementRequest& request)
-      : core_(core), calls_(calls), request_(request) {
+  WatchPlacementReactor(Coordinator* core, Calls* calls, grpc_server::Waiters* waiters,
+                        ::grpc::CallbackServerContext* context, const v1::WatchPlacementRequest& request)
+      : core_(core), calls_(calls), waiters_(waiters), context_(context), request_(request),
+        known_epoch_(request.known_epoch()) {
     if (!calls_->Enter()) {
-      refs_ = 1;  // no helper thread: OnDone alone deletes
       Finish(ShuttingDown());
-    } else if (!calls_->Spawn([this] { Run(); })) {
-      refs_ = 1;
-      Finish(ShuttingDown());
-      calls_->Exit();
+      return;
     }
+    entered_ = true;
+    WaitForNext();
   }
 
   void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    write_pending_ = false;
-    write_ok_ = ok;
+    if (!ok) {
+      Finish(::grpc::Status(::grpc::StatusCode::CANCELLED, "the watcher went away"));
+      return;
+    }
+    WaitForNext();
   }
-  void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    cancelled_ = true;
+  void OnDone() override {
+    if (entered_) calls_->Exit();
+    delete this;
   }
-  void OnDone() override { Unref(); }
 
  private:
-  void Run() {
-    Calls* const calls = calls_;
-    Finish(Watch());
-    calls->Exit();
-    Unref();
-  }
-
-  ::grpc::Status Watch() {
-    int64_t known_epoch = request_.known_epoch();
-    while (true) {
-      {
-        absl::MutexLock lock(&mu_);
-        if (cancelled_) return ::grpc::Status::CANCELLED;
-      }
-      if (calls_->draining()) return ShuttingDown();
-      absl::StatusOr<v1::Placement> placement =
-          core_->WaitPlacement(request_.job_id(), request_.job_token(), known_epoch, absl::Now() + kWaitSlice);
-      if (!placement.ok()) {
-        if (placement.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
-        return ToGrpcStatus(placement.status());
-      }
-      known_epoch = placement->epoch();
-      response_.mutable_placement()->Swap(&*placement);
-      {
-        absl::MutexLock lock(&mu_);
-        write_pending_ = true;
-      }
-      StartWrite(&response_);
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](bool* pending) { return !*pending; }, &write_pending_));
-      if (!write_ok_) return ::grpc::Status(::grpc::StatusCode::CANCELLED, "the watcher went away");
-    }
-  }
-
-  void Unref() {
-    if (refs_.fetch_sub(1) == 1) delete this;
+  void WaitForNext() {
+    grpc_server::AnswerWhenReady<v1::Placement>(
+        calls_, waiters_, context_, request_.job_id(), CallDeadline(context_),
+        [this] {
+          return core_->WaitPlacement(request_.job_id(), request_.job_token(), known_epoch_, absl::InfinitePast());
+        },
+        grpc_server::DeadlinePassed<v1::Placement>,
+        [this](absl::StatusOr<v1::Placement> placement) {
+          if (!placement.ok()) {
+            Finish(ToGrpcStatus(placement.status()));
+            return;
+          }
+          known_epoch_ = placement->epoch();
+          response_.mutable_placement()->Swap(&*placement);
+          StartWrite(&response_);
+        },
+        FromGrpcStatus(ShuttingDown()));
   }
 
   Coordinator* const core_;
   Calls* const calls_;
+  grpc_server::Waiters* const waiters_;
+  ::grpc::CallbackServerContext* const context_;
   const v1::WatchPlacementRequest request_;
-  v1::WatchPlacementResponse response_;  // the write in flight; touched by the helper thread only
-  std::atomic<int> refs_{2};              // OnDone + the helper thread
-  absl::Mutex mu_;
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  bool write_pending_ ABSL_GUARDED_BY(mu_) = false;
-  bool write_ok_ ABSL_GUARDED_BY(mu_) = true;
+  bool entered_ = false;
+  // Touched by one thread at a time (each answer, then its OnWriteDone).
+  int64_t known_epoch_;
+  v1::WatchPlacementResponse response_;  // the write in flight
 };
 
 class CoordinatorService final : public v1::Coordinator::CallbackService {
  public:
   // Daemons' calls (membership, the KV) need an internal peer (server/grpc/peer_identity.h).
-  CoordinatorService(Coordinator* core, Calls* calls, const AdminAuth* auth, grpc_server::InternalPeers internal)
-      : core_(core), calls_(calls), auth_(auth), internal_(std::move(internal)) {}
+  CoordinatorService(Coordinator* core, Calls* calls, grpc_server::Waiters* waiters, const AdminAuth* auth,
+                     grpc_server::InternalPeers internal)
+      : core_(core), calls_(calls), waiters_(waiters), auth_(auth), internal_(std::move(internal)) {}
 
   ::grpc::ServerUnaryReactor* RegisterDaemon(::grpc::CallbackServerContext* context,
                                              const v1::RegisterDaemonRequest* request,
@@ -246,7 +228,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     if (absl::Status s = CheckJobRead(context, request->job_token(), "", "WatchPlacement"); !s.ok()) {
       return new grpc_server::FinishedWriter<v1::WatchPlacementResponse>(ToGrpcStatus(s));
     }
-    return new WatchPlacementReactor(core_, calls_, *request);
+    return new WatchPlacementReactor(core_, calls_, waiters_, context, *request);
   }
 
   ::grpc::ServerUnaryReactor* KvPut(::grpc::CallbackServerContext* context, const v1::KvPutRequest* request,
@@ -269,16 +251,20 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
       reactor->Finish(ShuttingDown());
       return reactor;
     }
-    const bool spawned = calls_->Spawn([this, context, request, response, reactor] {
-      absl::StatusOr<v1::KvGetResponse> result = WaitForKv(context, *request);
-      if (result.ok()) *response = *std::move(result);
-      reactor->Finish(ToGrpcStatus(result.status()));
-      calls_->Exit();
-    });
-    if (!spawned) {
-      reactor->Finish(ShuttingDown());
-      calls_->Exit();
-    }
+    // Until the key (or a key under the prefix) exists, parked without a thread.
+    grpc_server::AnswerWhenReady<v1::KvGetResponse>(
+        calls_, waiters_, context, kKvWaitKey,
+        std::min(CallDeadline(context), absl::Now() + absl::Milliseconds(request->wait_ms())),
+        [this, request] { return core_->KvGet(*request, absl::InfinitePast()); },
+        [](const absl::StatusOr<v1::KvGetResponse>& r) {
+          return r.ok() ? r->entries_size() == 0 : r.status().code() == absl::StatusCode::kNotFound;
+        },
+        [this, response, reactor](absl::StatusOr<v1::KvGetResponse> result) {
+          if (result.ok()) *response = *std::move(result);
+          reactor->Finish(ToGrpcStatus(result.status()));
+          calls_->Exit();
+        },
+        FromGrpcStatus(ShuttingDown()));
     return reactor;
   }
   ::grpc::ServerUnaryReactor* KvDelete(::grpc::CallbackServerContext* context, const v1::KvDeleteRequest* request,
@@ -305,20 +291,9 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     return auth_->Check(grpc_server::AdminTokenOf(context, admin_field), absl::StrCat(call, " without a job token"));
   }
 
-  // KvGet with wait_ms, in kWaitSlice steps so that a cancelled call or a shutdown ends it.
-  absl::StatusOr<v1::KvGetResponse> WaitForKv(::grpc::CallbackServerContext* context, const v1::KvGetRequest& request) {
-    const absl::Time end = std::min(CallDeadline(context), absl::Now() + absl::Milliseconds(request.wait_ms()));
-    while (true) {
-      absl::StatusOr<v1::KvGetResponse> result = core_->KvGet(request, std::min(end, absl::Now() + kWaitSlice));
-      const bool missing = result.ok() ? result->entries_size() == 0 : result.status().code() == absl::StatusCode::kNotFound;
-      if (!missing || absl::Now() >= end) return result;
-      if (context->IsCancelled()) return absl::CancelledError("KvGet cancelled");
-      if (calls_->draining()) return FromGrpcStatus(ShuttingDown());
-    }
-  }
-
   Coordinator* const core_;
   Calls* const calls_;
+  grpc_server::Waiters* const waiters_;
   const AdminAuth* const auth_;
   const grpc_server::InternalPeers internal_;
 };
@@ -468,6 +443,7 @@ struct CoordinatorServer::Impl {
   std::unique_ptr<GrpcShardAssigner> assigner;
   std::unique_ptr<Coordinator> core;
   Calls calls;
+  std::unique_ptr<grpc_server::Waiters> waiters;  // the parked WatchPlacement and KvGet calls
   std::unique_ptr<CoordinatorService> coordinator_service;
   std::unique_ptr<AdminService> admin_service;
   std::unique_ptr<::grpc::Server> server;
@@ -500,7 +476,9 @@ struct CoordinatorServer::Impl {
     const absl::Time start = absl::Now();
     // New calls get UNAVAILABLE from here on; waiting ones end at their next slice.
     if (health_port != nullptr) health_port->SetServingStatus(false);
-    ::mainstay::grpc_server::ShutdownServer(server.get(), calls, kShutdownGrace, kCloseGrace, kComponent);
+    if (core != nullptr) core->SetChangeListener(nullptr);
+    ::mainstay::grpc_server::ShutdownServer(server.get(), calls, waiters.get(), kShutdownGrace, kCloseGrace,
+                                            kComponent);
     if (health_port != nullptr) health_port->Shutdown();
     if (collector != 0) options.metrics->RemoveCollector(collector);  // it reads the core
     collector = 0;
@@ -574,8 +552,12 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
   }
   MAINSTAY_ASSIGN_OR_RETURN(impl->core, Coordinator::Create(core_options));
 
-  impl->coordinator_service =
-      std::make_unique<CoordinatorService>(impl->core.get(), &impl->calls, &impl->auth, internal);
+  grpc_server::Waiters::Options waits;  // the defaults; no flags (few calls wait here)
+  waits.total_flag = waits.per_key_flag = waits.per_peer_flag = waits.max_wait_flag = "the coordinator's limit";
+  impl->waiters = std::make_unique<grpc_server::Waiters>(waits);
+  impl->core->SetChangeListener([waiters = impl->waiters.get()] { waiters->NotifyAll(); });
+  impl->coordinator_service = std::make_unique<CoordinatorService>(impl->core.get(), &impl->calls,
+                                                                   impl->waiters.get(), &impl->auth, internal);
   impl->admin_service = std::make_unique<AdminService>(impl->core.get(), &impl->calls, &impl->auth);
   ::grpc::EnableDefaultHealthCheckService(true);
   ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();

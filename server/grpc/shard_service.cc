@@ -298,46 +298,99 @@ int64_t ChunkBytes(int64_t requested) {
   return std::max<int64_t>(chunk - chunk % 8, 8);  // whole elements of every type
 }
 
-// PullParams: waits for the version, then header, data chunks, scale chunks. The payload bytes
-// written go to `pulled_bytes` (null: no metrics).
-absl::Status StreamParams(ShardDaemon* core, Calls* calls, metrics::Counter* pulled_bytes,
-                          ::grpc::CallbackServerContext* context, const v1::PullParamsRequest& request,
-                          const std::function<bool(const v1::PullParamsResponse&)>& write) {
-  absl::StatusOr<PullResult> result = WaitInSlices<PullResult>(
-      context, calls, [&](absl::Time deadline) { return core->PullParams(request, deadline); });
-  if (!result.ok()) return result.status();
-  const QuantizedShard& s = *result->shard;
-  v1::PullParamsResponse message;
-  *message.mutable_header() = PullHeaderOf(*result);
-  if (!write(message)) return absl::CancelledError("PullParams: the client went away");
-  if (result->unchanged) return absl::OkStatus();
-  const int64_t chunk = ChunkBytes(request.max_chunk_bytes());
-  const int bits = Describe(s.format).bits_per_element;
-  // Counts each chunk's payload once it is handed to gRPC.
-  const std::function<bool(const v1::PullParamsResponse&)> counted = [&](const v1::PullParamsResponse& m) {
-    if (!write(m)) return false;
-    if (pulled_bytes != nullptr) {
-      pulled_bytes->Increment(static_cast<double>(m.has_data() ? m.data().data().size() : m.scales().data().size()));
+// PullParams: parked until the version is decided (server/grpc/waiters.h: no thread while it
+// waits), then the header, data chunks and scale chunks, each written when the previous one is
+// done (no thread while it streams either). The payload bytes written go to `pulled_bytes`
+// (null: no metrics).
+class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsResponse> {
+ public:
+  PullWriter(ShardDaemon* core, Calls* calls, grpc_server::Waiters* waiters, metrics::Counter* pulled_bytes,
+             ::grpc::CallbackServerContext* context, const v1::PullParamsRequest& request)
+      : core_(core), calls_(calls), pulled_bytes_(pulled_bytes), context_(context), request_(request) {
+    if (!calls_->Enter()) {
+      Finish(ShuttingDown());
+      return;
     }
-    return true;
-  };
-  MAINSTAY_RETURN_IF_ERROR(WriteChunks<v1::PullParamsResponse>(
-      counted, s.data.data(), static_cast<int64_t>(s.data.size()), chunk,
-      [&](v1::PullParamsResponse& m, int64_t off, const uint8_t* p, int64_t n) {
-        m.mutable_data()->set_element_offset(off * 8 / bits);
-        m.mutable_data()->set_data(p, static_cast<size_t>(n));
-      }));
-  const int64_t entry = s.num_scales > 0 ? static_cast<int64_t>(s.scales.size()) / s.num_scales : 1;
-  MAINSTAY_RETURN_IF_ERROR(WriteChunks<v1::PullParamsResponse>(
-      counted, s.scales.data(), static_cast<int64_t>(s.scales.size()), chunk,
-      [&](v1::PullParamsResponse& m, int64_t off, const uint8_t* p, int64_t n) {
-        m.mutable_scales()->set_scale_offset(off / entry);
-        m.mutable_scales()->set_data(p, static_cast<size_t>(n));
-      }));
-  core->connections()->Record(request.job_id(), request.rank(), v1::TRANSPORT_GRPC, context->peer(), 0,
-                              static_cast<int64_t>(s.data.size() + s.scales.size()));
-  return absl::OkStatus();
-}
+    entered_ = true;
+    grpc_server::AnswerWhenReady<PullResult>(
+        calls_, waiters, context_, request_.job_id(), CallDeadline(context_),
+        [this] { return core_->PullParams(request_, absl::InfinitePast()); }, grpc_server::DeadlinePassed<PullResult>,
+        [this](absl::StatusOr<PullResult> result) { Begin(std::move(result)); }, FromGrpcStatus(ShuttingDown()));
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(::grpc::Status(::grpc::StatusCode::CANCELLED, "PullParams: the client went away"));
+      return;
+    }
+    if (pulled_bytes_ != nullptr && payload_ > 0) pulled_bytes_->Increment(static_cast<double>(payload_));
+    WriteNext();
+  }
+  void OnDone() override {
+    if (entered_) calls_->Exit();
+    delete this;
+  }
+
+ private:
+  void Begin(absl::StatusOr<PullResult> result) {
+    if (!result.ok()) {
+      Finish(ToGrpcWithDetail(context_, result.status()));
+      return;
+    }
+    result_ = *std::move(result);
+    const QuantizedShard& s = *result_.shard;
+    chunk_ = ChunkBytes(request_.max_chunk_bytes());
+    bits_ = Describe(s.format).bits_per_element;
+    scale_entry_ = s.num_scales > 0 ? static_cast<int64_t>(s.scales.size()) / s.num_scales : 1;
+    *message_.mutable_header() = PullHeaderOf(result_);
+    if (result_.unchanged) data_off_ = scale_off_ = INT64_MAX;  // the header says it all
+    StartWrite(&message_);
+  }
+
+  void WriteNext() {
+    const QuantizedShard& s = *result_.shard;
+    const auto data_size = static_cast<int64_t>(s.data.size());
+    const auto scales_size = static_cast<int64_t>(s.scales.size());
+    message_.Clear();
+    if (data_off_ < data_size) {
+      const int64_t n = std::min(chunk_, data_size - data_off_);
+      message_.mutable_data()->set_element_offset(data_off_ * 8 / bits_);
+      message_.mutable_data()->set_data(s.data.data() + data_off_, static_cast<size_t>(n));
+      data_off_ += n;
+      payload_ = n;
+    } else if (scale_off_ < scales_size) {
+      const int64_t n = std::min(chunk_, scales_size - scale_off_);
+      message_.mutable_scales()->set_scale_offset(scale_off_ / scale_entry_);
+      message_.mutable_scales()->set_data(s.scales.data() + scale_off_, static_cast<size_t>(n));
+      scale_off_ += n;
+      payload_ = n;
+    } else {
+      if (!result_.unchanged) {
+        core_->connections()->Record(request_.job_id(), request_.rank(), v1::TRANSPORT_GRPC, context_->peer(), 0,
+                                     data_size + scales_size);
+      }
+      Finish(::grpc::Status::OK);
+      return;
+    }
+    StartWrite(&message_);
+  }
+
+  ShardDaemon* const core_;
+  Calls* const calls_;
+  metrics::Counter* const pulled_bytes_;
+  ::grpc::CallbackServerContext* const context_;
+  const v1::PullParamsRequest request_;
+  bool entered_ = false;
+  // Touched by one thread at a time: the first answer, then each OnWriteDone in turn.
+  PullResult result_;
+  v1::PullParamsResponse message_;  // the write in flight
+  int64_t chunk_ = 0;
+  int bits_ = 8;
+  int64_t scale_entry_ = 1;
+  int64_t data_off_ = 0;   // bytes of the data written
+  int64_t scale_off_ = 0;  // bytes of the scales written
+  int64_t payload_ = 0;    // payload bytes of the write in flight
+};
 
 // FetchShardState: the move's copy (fenced when the request's epoch is newer), then its buffers
 // in chunks (server/daemon/shard_transfer.h).
@@ -354,9 +407,9 @@ absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& re
 
 class ShardService final : public v1::Shard::CallbackService {
  public:
-  ShardService(ShardDaemon* core, Calls* calls, StepDrain* drain, grpc_server::InternalPeers internal,
-               NcclChannelServer* nccl, PushStreams* streams)
-      : core_(core), calls_(calls), drain_(drain), internal_(std::move(internal)), nccl_(nccl),
+  ShardService(ShardDaemon* core, Calls* calls, grpc_server::Waiters* waiters, StepDrain* drain,
+               grpc_server::InternalPeers internal, NcclChannelServer* nccl, PushStreams* streams)
+      : core_(core), calls_(calls), waiters_(waiters), drain_(drain), internal_(std::move(internal)), nccl_(nccl),
         streams_(streams) {
     if (metrics::DaemonMetrics* m = core->metrics(); m != nullptr) {
       pushed_bytes_ = m->PushedBytes(kTransport);
@@ -389,11 +442,7 @@ class ShardService final : public v1::Shard::CallbackService {
   }
   ::grpc::ServerWriteReactor<v1::PullParamsResponse>* PullParams(::grpc::CallbackServerContext* context,
                                                                  const v1::PullParamsRequest* request) override {
-    const v1::PullParamsRequest copy = *request;
-    return new BlockingWriter<v1::PullParamsResponse>(
-        calls_, context, [core = core_, calls = calls_, pulled = pulled_bytes_, context, copy](const auto& write) {
-          return StreamParams(core, calls, pulled.get(), context, copy, write);
-        });
+    return new PullWriter(core_, calls_, waiters_, pulled_bytes_.get(), context, *request);
   }
   ::grpc::ServerUnaryReactor* FinishStep(::grpc::CallbackServerContext* context, const v1::FinishStepRequest* request,
                                          v1::FinishStepResponse* response) override {
@@ -402,17 +451,16 @@ class ShardService final : public v1::Shard::CallbackService {
       reactor->Finish(ShuttingDown());
       return reactor;
     }
-    const bool spawned = calls_->Spawn([this, context, request, response, reactor] {
-      absl::StatusOr<v1::StepStats> stats = WaitInSlices<v1::StepStats>(
-          context, calls_, [&](absl::Time deadline) { return core_->FinishStep(*request, deadline); });
-      if (stats.ok()) *response->mutable_stats() = *std::move(stats);
-      reactor->Finish(ToGrpcWithDetail(context, stats.status()));
-      calls_->Exit();
-    });
-    if (!spawned) {
-      reactor->Finish(ShuttingDown());
-      calls_->Exit();
-    }
+    grpc_server::AnswerWhenReady<v1::StepStats>(
+        calls_, waiters_, context, request->job_id(), CallDeadline(context),
+        [this, request] { return core_->FinishStep(*request, absl::InfinitePast()); },
+        grpc_server::DeadlinePassed<v1::StepStats>,
+        [this, context, response, reactor](absl::StatusOr<v1::StepStats> stats) {
+          if (stats.ok()) *response->mutable_stats() = *std::move(stats);
+          reactor->Finish(ToGrpcWithDetail(context, stats.status()));
+          calls_->Exit();
+        },
+        FromGrpcStatus(ShuttingDown()));
     return reactor;
   }
   ::grpc::ServerUnaryReactor* GetStepStats(::grpc::CallbackServerContext* context,
@@ -540,6 +588,7 @@ class ShardService final : public v1::Shard::CallbackService {
 
   ShardDaemon* const core_;
   Calls* const calls_;
+  grpc_server::Waiters* const waiters_;
   StepDrain* const drain_;
   const grpc_server::InternalPeers internal_;
   NcclChannelServer* const nccl_;  // null: no nccl transport
@@ -553,6 +602,7 @@ struct ShardServer::Impl {
   Options options;
   std::unique_ptr<PushStreams> streams;  // declared first: outlives the server and its reactors
   Calls calls;
+  std::unique_ptr<grpc_server::Waiters> waiters;  // the parked PullParams and FinishStep calls
   std::unique_ptr<ShardService> service;
   std::unique_ptr<::grpc::Server> server;
   std::unique_ptr<grpc_server::HealthPort> health_port;  // null: none
@@ -566,7 +616,8 @@ struct ShardServer::Impl {
   void Shutdown() {
     if (shut_down.exchange(true)) return;
     if (health_port != nullptr) health_port->SetServingStatus(false);
-    grpc_server::ShutdownServer(server.get(), calls, kShutdownGrace, kCloseGrace, kComponent);
+    if (waiters != nullptr) options.daemon->SetChangeListener(nullptr);
+    grpc_server::ShutdownServer(server.get(), calls, waiters.get(), kShutdownGrace, kCloseGrace, kComponent);
     if (health_port != nullptr) health_port->Shutdown();
   }
 };
@@ -609,8 +660,11 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options)
   const grpc_server::InternalPeers internal{options.internal_peer_name, options.cluster_secret};
   MAINSTAY_RETURN_IF_ERROR(grpc_server::CheckListenerIsSafe(internal, options.listen_address, options.insecure, "mainstayd"));
   impl->streams = std::make_unique<PushStreams>(options.push_idle_timeout);
-  impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls, options.drain, internal, options.nccl,
-                                                 impl->streams.get());
+  impl->waiters = std::make_unique<grpc_server::Waiters>(options.waits);
+  impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls, impl->waiters.get(), options.drain,
+                                                 internal, options.nccl, impl->streams.get());
+  options.daemon->SetChangeListener(
+      [waiters = impl->waiters.get()](const std::string& job_id) { waiters->Notify(job_id); });
   ::grpc::EnableDefaultHealthCheckService(true);
   ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   ::grpc::ServerBuilder builder;

@@ -10,9 +10,10 @@
 // PushGrad is a callback read reactor that validates the header before any data arrives and
 // stages chunks in the core's PushSession (nothing is stored until the stream ends well); an
 // idle stream, or one a newer stream of the same push replaces, is cancelled.
-// PullParams and FinishStep wait for a step, so they run on helper threads (server/grpc/calls.h),
-// in slices that notice a cancelled call or a shutdown; PullParams then streams the immutable
-// snapshot in chunks of at most max_chunk_bytes (default 1 MiB, capped at 4 MiB).
+// PullParams and FinishStep wait for a step without holding a thread: they are parked
+// (server/grpc/waiters.h) and re-tried when the job changes, within the limits of options.waits;
+// PullParams then streams the immutable snapshot in chunks of at most max_chunk_bytes (default
+// 1 MiB, capped at 4 MiB), each written when the previous one is done.
 // OpenNcclChannel, NcclPush, NcclPull and CloseNcclChannel go to options.nccl (the daemon's end
 // of the nccl transport) on helper threads; UNIMPLEMENTED without one.
 // FetchShardState streams a consistent copy of a shard's committed state (master, moments);
@@ -32,6 +33,7 @@
 #include "common/tls.h"
 #include "server/daemon/shard_daemon.h"
 #include "server/daemon/step_drain.h"
+#include "server/grpc/waiters.h"
 #include "server/nccl/nccl_channel_server.h"
 
 namespace mainstay::daemon {
@@ -66,6 +68,10 @@ class ShardServer {
     // stored), and a second stream of the same (job, bucket, shard, step, rank) cancels the
     // first (server/grpc/push_streams.h). mainstayd --push-idle-timeout-ms.
     absl::Duration push_idle_timeout = absl::Seconds(60);
+    // Limits of the waiting PullParams and FinishStep calls (total, per job, per client host,
+    // and the longest wait): mainstayd --max-waiting-calls, --max-waiting-calls-per-job,
+    // --max-waiting-calls-per-peer, --max-wait-ms.
+    grpc_server::Waiters::Options waits;
   };
 
   // INVALID_ARGUMENT for bad options (unreadable or mismatched TLS files included);

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -291,6 +292,110 @@ TEST_F(HostileClientTest, InternalCallsWithoutTheSecretAreRefusedAndTheVictimTra
   Step(*victim, 1);
   // The secret never appears in either server's log.
   EXPECT_FALSE(absl::StrContains(Logs(), Secret()));
+}
+
+// One PullParams read on gRPC's callback API (no thread of the test's per call).
+class WaitingPull final : public ::grpc::ClientReadReactor<v1::PullParamsResponse> {
+ public:
+  WaitingPull(v1::Shard::Stub* stub, const v1::PullParamsRequest& request) {
+    context_.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
+    stub->async()->PullParams(&context_, &request, this);
+    StartRead(&message_);
+    StartCall();
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    if (message_.has_data()) bytes_ += static_cast<int64_t>(message_.data().data().size());
+    StartRead(&message_);
+  }
+  void OnDone(const ::grpc::Status& status) override {
+    absl::MutexLock lock(&mu_);
+    status_ = FromGrpcStatus(status);
+    done_ = true;
+  }
+  // Waits for the call's end.
+  absl::Status Wait(absl::Time deadline) {
+    absl::MutexLock lock(&mu_);
+    if (!mu_.AwaitWithDeadline(absl::Condition(&done_), deadline)) return absl::DeadlineExceededError("still waiting");
+    return status_;
+  }
+  bool done() {
+    absl::MutexLock lock(&mu_);
+    return done_;
+  }
+  int64_t bytes() const { return bytes_; }
+  void Cancel() { context_.TryCancel(); }
+
+ private:
+  ::grpc::ClientContext context_;
+  v1::PullParamsResponse message_;
+  int64_t bytes_ = 0;  // data bytes received (read after done)
+  absl::Mutex mu_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+// The daemon's thread count, from /proc.
+int Threads(pid_t pid) {
+  const std::string status = ReadFileOrEmpty(absl::StrCat("/proc/", pid, "/status"));
+  const size_t at = status.find("Threads:");
+  return at == std::string::npos ? -1 : std::atoi(status.c_str() + at + 8);
+}
+
+// Waiting calls hold no thread (docs/operations.md, "Threat model"): 5,000 PullParams of a
+// version not yet published, with the job's valid token, wait at once; the daemon's thread count
+// stays within the documented bound (its threads before them plus 16), another job steps
+// meanwhile, and once the first job steps every one of them gets the new version.
+TEST_F(HostileClientTest, FiveThousandWaitingPullsHoldNoThreadsAndAnotherJobTrains) {
+  constexpr int kPulls = 5000;
+  constexpr int kChannels = 10;
+  std::unique_ptr<Client> waited = CreateJob("waited-on");
+  std::unique_ptr<Client> other = CreateJob("trains-meanwhile");
+  ASSERT_NE(waited, nullptr);
+  ASSERT_NE(other, nullptr);
+  Step(*waited, 0);
+  Step(*other, 0);
+  const int before = Threads(daemon_->pid());
+  ASSERT_GT(before, 0);
+  std::vector<std::unique_ptr<v1::Shard::Stub>> stubs;
+  for (int i = 0; i < kChannels; ++i) {
+    ::grpc::ChannelArguments args;
+    args.SetInt("mainstay.test.channel", i);  // a connection of its own
+    stubs.push_back(v1::Shard::NewStub(
+        ::grpc::CreateCustomChannel(*daemon_address_, ::grpc::InsecureChannelCredentials(), args)));
+  }
+  v1::PullParamsRequest request;
+  request.set_job_id(waited->job_id());
+  request.set_job_token(waited->job_token());
+  request.set_placement_epoch(waited->placement().epoch);
+  request.set_bucket(0);
+  request.set_shard(0);
+  request.set_version(2);  // step 1's: not run yet
+  std::vector<std::unique_ptr<WaitingPull>> pulls;
+  for (int i = 0; i < kPulls; ++i) pulls.push_back(std::make_unique<WaitingPull>(stubs[i % kChannels].get(), request));
+  // All of them reach the daemon and wait (none is answered: the version does not exist yet).
+  absl::SleepFor(absl::Seconds(3));
+  int answered = 0;
+  for (auto& p : pulls) answered += p->done();
+  EXPECT_EQ(answered, 0) << "pulls were answered before their version existed";
+  const int waiting_threads = Threads(daemon_->pid());
+  EXPECT_LE(waiting_threads, before + 16) << "threads before the pulls: " << before;
+  RecordProperty("threads_before", before);
+  RecordProperty("threads_waiting", waiting_threads);
+  // Another job trains meanwhile, and so does the daemon's own heartbeat.
+  Step(*other, 1);
+  Step(*other, 2);
+  EXPECT_TRUE(daemon_->Running());
+  // The version comes: every waiting pull gets it, whole.
+  Step(*waited, 1);
+  const int64_t expected = waited->layout().buckets[0].shard_numel * 2;  // bf16
+  int ok = 0;
+  for (auto& p : pulls) {
+    absl::Status s = p->Wait(absl::Now() + absl::Seconds(60));
+    if (s.ok() && p->bytes() == expected) ++ok;
+  }
+  EXPECT_EQ(ok, kPulls);
+  EXPECT_LE(Threads(daemon_->pid()), before + 16);
 }
 
 // The start-up rule, for each binary: exit 2 naming the fix, or the warning with --insecure.
