@@ -187,8 +187,10 @@ class Worker {
 // Operations posted together and waited for together.
 class OpGroup {
  public:
-  explicit OpGroup(Worker* worker) : worker_(worker) {}
-  // Waits for every operation (after cancelling what is left): buffers are free afterwards.
+  explicit OpGroup(Worker* worker) : worker_(worker), s_(std::make_unique<State>(worker)) {}
+  // Cancels what is outstanding and waits for it: buffers are free afterwards. Where UCX never
+  // completes an operation (a send queued to a shared-memory peer that died, after its endpoint
+  // was closed) the group gives it up after a few seconds, with a line on stderr.
   ~OpGroup();
 
   // Post one operation. A failure to post is remembered and returned by Wait.
@@ -197,8 +199,8 @@ class OpGroup {
 
   // Waits until every operation completed: OK, or the first error. Gives up at `deadline`
   // (DEADLINE_EXCEEDED) or when `abort` returns an error (checked every few milliseconds);
-  // then outstanding receives are cancelled, and the caller must close the endpoints its sends
-  // use before the group is destroyed.
+  // the group's destructor then cancels what is outstanding, and the caller must close the
+  // endpoints its sends use before the group is destroyed.
   absl::Status Wait(absl::Time deadline, const std::function<absl::Status()>& abort);
   // Waits, as Wait does, until only the receive posted `index`-th among receives completed (its
   // buffer then holds the message while later operations are still in flight). An error of any
@@ -206,31 +208,41 @@ class OpGroup {
   absl::Status WaitRecv(size_t index, absl::Time deadline, const std::function<absl::Status()>& abort);
   // Size of the message that completed the receive posted `index`-th among receives.
   size_t received_bytes(size_t index) const;
-  // Cancels outstanding receives and waits for every operation to complete.
-  void CancelAndDrain();
 
  private:
+  struct State;
   struct Slot {
-    OpGroup* group = nullptr;
+    State* state = nullptr;
     void* request = nullptr;  // UCP request, freed by the destructor
     bool is_recv = false;
     bool done = false;
     size_t length = 0;
   };
+  // What the callbacks write: on the heap, so that a group that gives operations up can leave
+  // it behind for them.
+  struct State {
+    explicit State(Worker* w) : worker(w) {}
+    Worker* const worker;
+    std::deque<Slot> slots;  // stable addresses: the callbacks' user data
+    std::vector<Slot*> recvs;
+    absl::Mutex mu;
+    int pending ABSL_GUARDED_BY(mu) = 0;
+    absl::Status error ABSL_GUARDED_BY(mu);
+  };
   static void OnSend(void* request, ucs_status_t status, void* user_data);
   static void OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data);
-  void Complete(Slot* slot, ucs_status_t status, size_t length);
+  static void Complete(Slot* slot, ucs_status_t status, size_t length);
+  Slot* NewSlot(bool is_recv);
   void Track(Slot* slot, ucs_status_ptr_t result, const char* what);
-  // `finished` is called under mu_.
+  // `finished` is called under s_->mu.
   absl::Status WaitFor(const std::function<bool()>& finished, absl::Time deadline,
                        const std::function<absl::Status()>& abort);
+  // Cancels outstanding operations (sends too) and waits for every one to complete: true, or
+  // false when some did not within a few seconds (they are given up).
+  bool CancelAndDrain();
 
   Worker* const worker_;
-  std::deque<Slot> slots_;  // stable addresses: the callbacks' user data
-  std::vector<Slot*> recvs_;
-  absl::Mutex mu_;
-  int pending_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<State> s_;
 };
 
 }  // namespace mainstay::ucx
