@@ -215,7 +215,7 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(absl::string_view json_text) {
   MAINSTAY_RETURN_IF_ERROR(CheckKeys(j, "",
                                      {"name", "recipe", "recipe_options", "overrides", "optimizer",
                                       "data_parallel_size", "layout_policy", "bucket_numel", "num_layers",
-                                      "tensors", "trainer_nodes", "replication_factor"}));
+                                      "tensors", "trainer_nodes", "replication_factor", "unreduced_pushes"}));
   JobSpec spec;
   if (!j.contains("name")) return InvalidArgumentError("name", "is required");
   MAINSTAY_ASSIGN_OR_RETURN(spec.name, GetString(j["name"], "name"));
@@ -253,6 +253,9 @@ absl::StatusOr<JobSpec> ParseJobSpecJson(absl::string_view json_text) {
   if (j.contains("replication_factor")) {
     MAINSTAY_ASSIGN_OR_RETURN(int64_t r, GetInt(j["replication_factor"], "replication_factor", 1, kMaxReplicationFactor));
     spec.replication_factor = static_cast<int>(r);
+  }
+  if (j.contains("unreduced_pushes")) {
+    MAINSTAY_ASSIGN_OR_RETURN(spec.unreduced_pushes, GetBool(j["unreduced_pushes"], "unreduced_pushes"));
   }
   if (j.contains("layout_policy")) {
     MAINSTAY_ASSIGN_OR_RETURN(std::string policy, GetString(j["layout_policy"], "layout_policy"));
@@ -334,7 +337,29 @@ std::string JobSpecToJson(const JobSpec& spec) {
   j["tensors"] = tensors;
   if (!spec.trainer_nodes.empty()) j["trainer_nodes"] = spec.trainer_nodes;
   if (spec.replication_factor != 1) j["replication_factor"] = spec.replication_factor;
+  if (spec.unreduced_pushes) j["unreduced_pushes"] = true;
   return j.dump(2);
+}
+
+MemoryPlan PlanMemory(const JobSpec& spec, int retained_versions) {
+  MemoryPlan plan;
+  const int64_t moment = spec.optimizer.moment_dtype == ElementType::kBFloat16 ? 2 : 4;
+  plan.moment_bytes = spec.optimizer.type == OptimizerType::kSGD ? moment : 2 * moment;
+  plan.contributors = spec.unreduced_pushes ? spec.data_parallel_size : 1;
+  plan.retained_versions = retained_versions;
+  return plan;
+}
+
+int64_t ShardMemoryBytes(const Bucket& bucket, const MemoryPlan& plan) {
+  const int64_t state = 2 * (4 + plan.moment_bytes);
+  const int64_t grads = 2 * plan.contributors * 4 + (plan.contributors > 1 ? 4 : 0);
+  return bucket.shard_numel * (state + grads) + plan.retained_versions * DataBytes(bucket.format, bucket.shard_numel);
+}
+
+int64_t RankMemoryBytes(const Layout& layout, const MemoryPlan& plan) {
+  int64_t bytes = 0;
+  for (const Bucket& b : layout.buckets) bytes += ShardMemoryBytes(b, plan);
+  return bytes;
 }
 
 absl::StatusOr<ResolvedJob> ResolveJob(const JobSpec& spec) {

@@ -52,6 +52,9 @@ struct JobSpec {
   std::vector<TensorSpec> tensors;        // registration order; formats are resolved later
   std::vector<std::string> trainer_nodes; // node of each trainer rank (D entries) or empty
   int replication_factor = 1;             // copies of each shard's state, 1..kMaxReplicationFactor
+  // Trainers push each rank's unreduced gradient (num_contributors = D) rather than a
+  // reduce-scattered shard: the daemons hold D buffers per shard and step, which placement counts.
+  bool unreduced_pushes = false;
 };
 
 inline constexpr int kMaxReplicationFactor = 3;
@@ -69,6 +72,22 @@ struct ResolvedJob {
   Layout layout;
 };
 absl::StatusOr<ResolvedJob> ResolveJob(const JobSpec& spec);
+
+// What a daemon holds for a job (docs/daemon.md, "Memory"), per element of a shard it holds as
+// primary or replica: the FP32 master and the moments, each twice (state and the scratch copy of
+// the atomic commit); the gradients of the two steps that may be open, `contributors` buffers
+// each (D with unreduced pushes, else 1; counted at 4 B, the widest push type) plus their FP32
+// sum when there are several; and `retained_versions` published snapshots. The coordinator's
+// placement and the daemon's admission of an assignment both use it.
+struct MemoryPlan {
+  int64_t moment_bytes = 8;     // per element, all moments: AdamW 2 x 4 (or 2 x 2 in BF16), SGD 1 x 4
+  int64_t contributors = 1;     // gradient buffers per shard and open step
+  int retained_versions = 4;    // mainstayd --retained-versions (the coordinator assumes the default)
+};
+MemoryPlan PlanMemory(const JobSpec& spec, int retained_versions = 4);
+// Bytes held for one shard of `bucket` / for one rank (its shard of every bucket).
+int64_t ShardMemoryBytes(const Bucket& bucket, const MemoryPlan& plan);
+int64_t RankMemoryBytes(const Layout& layout, const MemoryPlan& plan);
 
 }  // namespace mainstay
 

@@ -43,6 +43,7 @@ void JobSpecToProto(const JobSpec& spec, v1::JobSpec* out) {
   }
   for (const std::string& node : spec.trainer_nodes) out->add_trainer_nodes(node);
   out->set_replication_factor(spec.replication_factor);
+  out->set_unreduced_pushes(spec.unreduced_pushes);
 }
 
 absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& p) {
@@ -92,6 +93,7 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& p) {
     j["trainer_nodes"] = std::vector<std::string>(p.trainer_nodes().begin(), p.trainer_nodes().end());
   }
   if (p.replication_factor() != 0) j["replication_factor"] = p.replication_factor();
+  if (p.unreduced_pushes()) j["unreduced_pushes"] = true;
   return ParseJobSpecJson(j.dump());
 }
 

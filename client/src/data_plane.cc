@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <optional>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -110,26 +111,42 @@ absl::Status Client::Impl::StartTransports(Deadline deadline) {
     if (!nccl.ok()) return Annotate(nccl.status(), "transport nccl");
     nccl_transport = *std::move(nccl);
   }
-  v1::Placement p;
-  {
-    absl::MutexLock lock(&mu);
-    p = placement;
-  }
-  for (const v1::DaemonEndpoint& d : p.daemons()) {
-    MAINSTAY_ASSIGN_OR_RETURN(client_internal::DataTransport * t, TransportFor(d));
-    absl::Status attached = t->Attach(d, deadline);
-    if (!attached.ok() && want == "auto" && t->kind() == v1::TRANSPORT_UCX) {
-      // "auto" still works where UCX cannot reach a daemon (no transport in common): by gRPC.
+  // A daemon that does not have the job yet is asked again for a few seconds at a time, with the
+  // placement re-read in between: the job may have gone to another daemon meanwhile (one that
+  // had no room for it refused it), and the old one would never have it.
+  constexpr auto kAttachSlice = std::chrono::seconds(5);
+  std::set<std::string> attached_ids;
+  while (true) {
+    v1::Placement p;
+    {
       absl::MutexLock lock(&mu);
-      ucx_fallback[d.ucx_worker_address()] = std::string(attached.message());
-      continue;
+      p = placement;
     }
-    if (!attached.ok()) {
-      return Annotate(attached, absl::StrCat("attaching to daemon ", d.daemon_id(), " (", d.address(), ") over ",
-                                             client_internal::TransportName(t->kind())));
+    bool waiting = false;
+    for (const v1::DaemonEndpoint& d : p.daemons()) {
+      if (attached_ids.count(d.daemon_id())) continue;
+      MAINSTAY_ASSIGN_OR_RETURN(client_internal::DataTransport * t, TransportFor(d));
+      absl::Status attached = t->Attach(d, std::min(deadline, std::chrono::system_clock::now() + kAttachSlice));
+      if (!attached.ok() && attached.GetPayload(client_internal::kAttachNotYetPayload).has_value() &&
+          std::chrono::system_clock::now() < deadline) {
+        waiting = true;
+        continue;
+      }
+      attached_ids.insert(d.daemon_id());
+      if (!attached.ok() && want == "auto" && t->kind() == v1::TRANSPORT_UCX) {
+        // "auto" still works where UCX cannot reach a daemon (no transport in common): by gRPC.
+        absl::MutexLock lock(&mu);
+        ucx_fallback[d.ucx_worker_address()] = std::string(attached.message());
+        continue;
+      }
+      if (!attached.ok()) {
+        return Annotate(attached, absl::StrCat("attaching to daemon ", d.daemon_id(), " (", d.address(), ") over ",
+                                               client_internal::TransportName(t->kind())));
+      }
     }
+    if (!waiting) return absl::OkStatus();
+    RefreshPlacement(deadline, 0).IgnoreError();
   }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<client_internal::DataTransport*> Client::Impl::TransportFor(const v1::DaemonEndpoint& daemon,

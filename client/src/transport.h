@@ -28,6 +28,11 @@
 #include "client/src/pull_assembly.h"
 #include "mainstay/buffers.h"
 #include "mainstay/v1/common.pb.h"
+
+namespace mainstay::client_internal {
+// See DataTransport::Attach.
+inline constexpr char kAttachNotYetPayload[] = "mainstay.client/attach-not-yet";
+}  // namespace mainstay::client_internal
 #include "mainstay/v1/shard.grpc.pb.h"
 
 namespace mainstay::client_internal {
@@ -71,7 +76,10 @@ class DataTransport {
   // client computes it before the push and the header carries it.
   virtual bool ComputesPushCrc32c() const { return false; }
   // Pays this daemon's connection costs now (Client::Connect calls it for every daemon of the
-  // placement, so the first push does not). Idempotent; the grpc transport has none.
+  // placement, so the first push does not). Idempotent; the grpc transport has none. A daemon
+  // that has not received the job (yet) is asked again until `deadline`; then its UNAVAILABLE
+  // carries the payload kAttachNotYetPayload (the caller may re-read the placement: the job may
+  // have gone elsewhere).
   virtual absl::Status Attach(const v1::DaemonEndpoint& daemon, Deadline deadline) = 0;
   // One push attempt: `header` (placement epoch set), then `data` in chunks.
   virtual absl::StatusOr<v1::PushGradResponse> Push(const Route& route, const v1::PushGradHeader& header,

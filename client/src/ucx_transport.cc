@@ -78,7 +78,7 @@ constexpr absl::Duration kProbeTimeout = absl::Seconds(5);
 constexpr absl::Duration kHelloTimeout = absl::Seconds(10);
 // Marks a status as the daemon's answer to the hello (not a timeout): Attach retries an
 // UNAVAILABLE one.
-constexpr char kRefusedPayload[] = "mainstay.ucx/hello-refused";
+constexpr const char* kRefusedPayload = kAttachNotYetPayload;
 
 absl::StatusOr<std::unique_ptr<ucx::Worker>> NewTrainerWorker(int32_t rank) {
   ucx::Worker::Options options;

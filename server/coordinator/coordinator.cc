@@ -5,6 +5,7 @@
 namespace mainstay::coordinator {
 Coordinator::Coordinator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Coordinator::~Coordinator() {
+  if (impl_->options.assigner != nullptr) impl_->options.assigner->SetRefusedHandler(nullptr);  // waits for a call in it
   std::vector<Impl::Background> threads;
   {
     absl::MutexLock lock(&impl_->mu);
@@ -43,7 +44,13 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Coordinat
   Log(LogLevel::kInfo, "coordinator",
       absl::StrCat("state loaded: sequence ", impl->state.sequence, ", ", impl->state.daemons.size(), " daemon(s), ",
                    impl->state.jobs.size(), " job(s), ", impl->state.kv.size(), " key(s)"));
-  return std::unique_ptr<Coordinator>(new Coordinator(std::move(impl)));
+  std::unique_ptr<Coordinator> coordinator(new Coordinator(std::move(impl)));
+  if (options.assigner != nullptr) {
+    options.assigner->SetRefusedHandler(
+        [c = coordinator.get()](const std::string& address, const v1::AssignShardRequest& request,
+                                const absl::Status& status) { c->AssignmentRefused(address, request, status); });
+  }
+  return coordinator;
 }
 
 void Coordinator::Tick() {

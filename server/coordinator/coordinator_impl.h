@@ -175,6 +175,9 @@ struct Coordinator::Impl {
   // Per job: (step, time) of the last periodic checkpoint, or of when the policy first saw it.
   std::map<std::string, std::pair<int64_t, int64_t>> policy_last ABSL_GUARDED_BY(mu);
 
+  // Per job, the daemons that refused its shards for lack of memory (AssignmentRefused): not
+  // chosen again for the job's re-placed ranks. In memory only.
+  std::map<std::string, std::set<std::string>> refused ABSL_GUARDED_BY(mu);
   // Coordinator::SetChangeListener's; its own lock, taken under mu.
   absl::Mutex listener_mu ABSL_ACQUIRED_AFTER(mu);
   std::function<void()> listener ABSL_GUARDED_BY(listener_mu);

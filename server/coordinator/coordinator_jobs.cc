@@ -73,8 +73,9 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
       return absl::AlreadyExistsError(absl::StrCat("spec.name: a job named '", spec->name, "' exists (", id, ")"));
     }
   }
-  const int moment_bytes = spec->optimizer.moment_dtype == ElementType::kBFloat16 ? 2 : 4;
-  const int64_t bytes_per_rank = BytesPerRank(resolved->layout, moment_bytes);
+  // What each copy of a rank holds on a daemon (common/job_spec.h, MemoryPlan; the daemon's own
+  // --retained-versions may make it refuse the assignment, and the rank is then placed elsewhere).
+  const int64_t bytes_per_rank = RankMemoryBytes(resolved->layout, PlanMemory(*spec));
   MAINSTAY_ASSIGN_OR_RETURN(std::vector<std::string> owners,
                             PlaceRanks(spec->data_parallel_size, spec->trainer_nodes, s.Candidates(""), bytes_per_rank));
   MAINSTAY_ASSIGN_OR_RETURN(std::vector<std::vector<std::string>> replicas,

@@ -8,17 +8,6 @@
 
 namespace mainstay::coordinator {
 
-int64_t BytesPerRank(const Layout& layout, int moment_bytes) {
-  int64_t bytes = 0;
-  for (const Bucket& b : layout.buckets) {
-    // What mainstayd holds per shard (docs/daemon.md "Memory"): master and moments twice (the
-    // state and the scratch copies of the atomic commit), FP32 gradients of two open steps,
-    // and the published versions it retains (its default, 4).
-    bytes += b.shard_numel * (2 * (4 + 2 * moment_bytes) + 2 * 4) + 4 * DataBytes(b.format, b.shard_numel);
-  }
-  return bytes;
-}
-
 absl::StatusOr<std::vector<std::string>> PlaceRanks(int64_t data_parallel_size,
                                                     std::span<const std::string> trainer_nodes,
                                                     std::vector<DaemonCandidate> ready, int64_t bytes_per_rank) {

@@ -23,13 +23,6 @@ struct DaemonCandidate {
   int64_t free_bytes = 0;  // memory left for new shards
 };
 
-// Bytes a daemon holds for one rank's shards of `layout`, as mainstayd keeps them: per element
-// the FP32 master and two moments (`moment_bytes` each) twice (state and the scratch copies
-// of the atomic commit), FP32 gradients of two open steps, plus four published versions of
-// the quantized data (the daemon's default --retained-versions). Unreduced pushes
-// (num_contributors = D) hold D gradients per step and are not counted.
-int64_t BytesPerRank(const Layout& layout, int moment_bytes);
-
 // daemon id per rank (D entries). `trainer_nodes` has D entries or none. RESOURCE_EXHAUSTED
 // with the numbers when no ready daemon exists or a rank does not fit anywhere.
 absl::StatusOr<std::vector<std::string>> PlaceRanks(int64_t data_parallel_size,

@@ -72,6 +72,13 @@ absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHe
       return absl::InvalidArgumentError(
           absl::StrCat("PushGrad: num_contributors ", contributors, " must be 1 (reduced) or D = ", d));
     }
+    if (contributors > 1 && !job_.spec.unreduced_pushes) {
+      // The daemons' memory was planned for one gradient buffer per shard and step.
+      return absl::InvalidArgumentError(absl::StrCat(
+          "PushGrad: num_contributors ", contributors, ": job ", job_id_,
+          " takes reduced (reduce-scattered) pushes only; create it with \"unreduced_pushes\": true in its spec to "
+          "push every rank's unreduced gradient"));
+    }
     if (h.step() <= committed_step_ && committed_step_ >= 0) {
       return ErrorWithDetail(absl::FailedPreconditionError(
           absl::StrCat("PushGrad: step ", h.step(), " of job ", job_id_, " is already decided (committed step ",

@@ -68,7 +68,8 @@ flags:
                               (default: the --listen host, or the machine's host name for 0.0.0.0)
   --node-name NAME            node for locality (default: the host name)
   --threads N                 kernel threads (default: all hardware threads)
-  --memory-bytes N            host memory offered for shard state (default: 80% of physical memory)
+  --memory-bytes N            host memory offered for shard state (default: 80% of physical memory);
+                              an assignment whose shards would not fit is refused (RESOURCE_EXHAUSTED)
   --retained-versions N       published versions kept per shard (default 4)
   --peer-timeout-ms N         bound on one step's reductions among daemons (default 120000)
   --push-idle-timeout-ms N    a gRPC PushGrad stream silent this long is cancelled (default 60000)
@@ -400,6 +401,7 @@ int Main(int argc, char** argv) {
   daemon_options.device.executor = &executor;
   daemon_options.peers = &peers;
   daemon_options.retained_versions = static_cast<int>(*retained);
+  daemon_options.memory_bytes = *memory;
   daemon_options.peer_timeout = absl::Milliseconds(*peer_timeout);
   daemon_options.metrics = registry.get();
   GrpcPeerClient peer_client(*security);

@@ -1,8 +1,10 @@
 #include "server/daemon/shard_daemon.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_spec_proto.h"
 #include "common/layout_proto.h"
 #include "common/logging.h"
 #include "common/status.h"
@@ -78,19 +80,31 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
     MAINSTAY_RETURN_IF_ERROR(
         CheckCheckpointPath(request.from_checkpoint().manifest_uri(), "AssignShard: from_checkpoint.manifest_uri"));
   }
+  absl::MutexLock assign_lock(&assign_mu_);
   std::shared_ptr<Job> job;
+  int64_t planned = 0;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return absl::UnavailableError("the daemon is shutting down");
     if (daemon_id_.empty()) return absl::UnavailableError("the daemon has not finished registering; retry");
     auto it = jobs_.find(request.job_id());
     if (it != jobs_.end()) job = it->second;
+    MAINSTAY_ASSIGN_OR_RETURN(planned, AdmitLocked(request));
   }
   // A restore replaces the whole job (its state rewinds to the checkpoint), once per
   // (checkpoint, epoch): a retried AssignShard of the same restore is an ordinary Assign.
   const bool replace = job != nullptr && request.has_from_checkpoint() &&
                        job->restored_from() != std::make_pair(request.from_checkpoint().checkpoint_id(),
                                                               request.placement_epoch());
+  if (replace) {
+    // A stale message (the coordinator restores at a new epoch): it must not rewind the job.
+    const int64_t epoch = job->Progress().placement_epoch();
+    if (request.placement_epoch() < epoch) {
+      return absl::FailedPreconditionError(absl::StrCat("AssignShard for job ", request.job_id(), ": a restore at epoch ",
+                                                        request.placement_epoch(), " is older than the job's epoch ",
+                                                        epoch));
+    }
+  }
   if (job != nullptr && !replace) {
     MAINSTAY_RETURN_IF_ERROR(job->Assign(request));
   } else {
@@ -132,9 +146,51 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
     }
     job = it->second;
   }
+  {
+    absl::MutexLock lock(&mu_);
+    planned_[request.job_id()] = planned;
+  }
   v1::AssignShardResponse response;
   for (v1::ShardStatus& s : job->ShardStatuses()) *response.add_shards() = std::move(s);
   return response;
+}
+
+absl::StatusOr<int64_t> ShardDaemon::AdmitLocked(const v1::AssignShardRequest& request) const {
+  absl::StatusOr<JobSpec> spec = JobSpecFromProto(request.spec());
+  if (!spec.ok()) return Annotate(spec.status(), "AssignShard: spec");
+  absl::StatusOr<Layout> layout = LayoutFromProto(request.layout());
+  if (!layout.ok()) return Annotate(layout.status(), "AssignShard: layout");
+  const MemoryPlan plan = PlanMemory(*spec, options_.retained_versions);
+  int64_t need = 0;
+  int shards = 0;
+  for (const v1::ShardPlacement& p : request.placement().shards()) {
+    const bool here = p.daemon_id() == daemon_id_ || std::count(p.replica_daemon_ids().begin(),
+                                                                p.replica_daemon_ids().end(), daemon_id_) > 0;
+    const int32_t b = p.shard().bucket();
+    if (!here || b < 0 || b >= static_cast<int32_t>(layout->buckets.size())) continue;
+    need += ShardMemoryBytes(layout->buckets[static_cast<size_t>(b)], plan);
+    ++shards;
+  }
+  if (options_.memory_bytes <= 0) return need;
+  int64_t others = 0;
+  for (const auto& [job_id, bytes] : planned_) {
+    if (job_id != request.job_id()) others += bytes;
+  }
+  if (others + need > options_.memory_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "AssignShard: job ", request.job_id(), " needs ", need, " bytes on daemon ", daemon_id_, " for its ", shards,
+        " shard(s) at epoch ", request.placement_epoch(), " (masters, moments, gradients and ", plan.retained_versions,
+        " retained versions; docs/daemon.md, Memory), but ", others, " of its --memory-bytes ", options_.memory_bytes,
+        " are planned for other jobs; nothing was assigned"));
+  }
+  return need;
+}
+
+int64_t ShardDaemon::planned_bytes() const {
+  absl::MutexLock lock(&mu_);
+  int64_t total = 0;
+  for (const auto& [job_id, bytes] : planned_) total += bytes;
+  return total;
 }
 
 absl::Status ShardDaemon::DropShard(const v1::DropShardRequest& request) {
@@ -150,7 +206,10 @@ absl::Status ShardDaemon::DropShard(const v1::DropShardRequest& request) {
     {
       absl::MutexLock lock(&mu_);
       auto it = jobs_.find(request.job_id());
-      if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+      if (it != jobs_.end() && it->second == job) {
+        jobs_.erase(it);
+        planned_.erase(request.job_id());
+      }
       ReapLocked(job);
     }
     if (metrics_ != nullptr) metrics_->ForgetJob(request.job_id());

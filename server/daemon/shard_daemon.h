@@ -44,6 +44,10 @@ struct ShardDaemonOptions {
   kernels::Device device;                   // kernels' device; its executor is not owned
   peer::PeerGroupFactory* peers = nullptr;  // not owned; null: only jobs placed on this daemon alone
   int retained_versions = 4;                // published versions kept per shard
+  // Memory for shard state (mainstayd --memory-bytes): an AssignShard whose job would need more
+  // than what other jobs leave of it (MemoryPlan, common/job_spec.h) is RESOURCE_EXHAUSTED, and
+  // the coordinator places the shards elsewhere. 0: no limit.
+  int64_t memory_bytes = 0;
   absl::Duration peer_timeout = absl::Seconds(120);  // bound on one step's peer reductions
   Clock* clock = RealClock::Get();
   metrics::Registry* metrics = nullptr;     // not owned; null: no metrics
@@ -71,6 +75,8 @@ class ShardDaemon {
   // process, without a coordinator) paths are not confined.
   void set_checkpoint_root(const std::string& root);
 
+  // RESOURCE_EXHAUSTED (nothing changes) when the job's shards here at the request's placement
+  // need more than options.memory_bytes leaves after the other jobs' plans.
   absl::StatusOr<v1::AssignShardResponse> AssignShard(const v1::AssignShardRequest& request);
   absl::Status DropShard(const v1::DropShardRequest& request);
   absl::StatusOr<std::unique_ptr<PushSession>> BeginPush(const v1::PushGradHeader& header);
@@ -97,6 +103,9 @@ class ShardDaemon {
   // Progress of every job, for the heartbeat.
   std::vector<v1::JobProgress> Progress() const;
   int64_t used_bytes() const;
+  // What the jobs' plans reserve of options.memory_bytes (each job's MemoryPlan bytes for the
+  // shards its latest assignment gives this daemon).
+  int64_t planned_bytes() const;
   int active_jobs() const;
   // The daemon's metrics (for the transport adapters' byte counts); null without a registry.
   metrics::DaemonMetrics* metrics() const { return metrics_.get(); }
@@ -113,6 +122,9 @@ class ShardDaemon {
 
  private:
   absl::StatusOr<std::shared_ptr<Job>> FindJob(const std::string& job_id) const;
+  // The bytes the request's placement gives this daemon to hold for its job; RESOURCE_EXHAUSTED
+  // when they do not fit next to the other jobs' plans (options_.memory_bytes).
+  absl::StatusOr<int64_t> AdmitLocked(const v1::AssignShardRequest& request) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ShardDaemonOptions options_;
   ConnectionTable connections_;
@@ -134,6 +146,9 @@ class ShardDaemon {
   };
   std::vector<Reaper> reapers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  // AssignShard calls one at a time: admission (planned_) checks and reserves in one go.
+  absl::Mutex assign_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::map<std::string, int64_t> planned_ ABSL_GUARDED_BY(mu_);  // job id -> bytes planned here
   // Its own lock: taken under jobs' locks, never while holding mu_.
   mutable absl::Mutex listener_mu_;
   std::function<void(const std::string&)> listener_ ABSL_GUARDED_BY(listener_mu_);

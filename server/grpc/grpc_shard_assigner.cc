@@ -167,6 +167,26 @@ void GrpcShardAssigner::Deliver(Peer* peer, const Call& call) {
       v1::DropShardResponse response;
       status = peer->stub->DropShard(&context, call.drop_request, &response);
     }
+    if (call.assign && status.error_code() == ::grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      // The daemon has no room for the job: asking again changes nothing; the coordinator
+      // places the shards elsewhere.
+      RefusedHandler handler;
+      {
+        absl::MutexLock lock(&mu_);
+        peer->in_flight = nullptr;
+        if (stopping_) return;
+        handler = refused_;
+        if (handler) ++refused_calls_;
+      }
+      const absl::Status refused = FromGrpcStatus(status);
+      Log(LogLevel::kWarning, kComponent, absl::StrCat(call.Describe(peer->address), " refused: ", refused.ToString()));
+      if (handler) {
+        handler(peer->address, call.assign_request, refused);
+        absl::MutexLock lock(&mu_);
+        --refused_calls_;
+      }
+      return;
+    }
     absl::MutexLock lock(&mu_);
     peer->in_flight = nullptr;
     if (status.ok()) {
@@ -192,6 +212,13 @@ void GrpcShardAssigner::Deliver(Peer* peer, const Call& call) {
     if (stopping_) return;
     backoff = std::min(backoff * 2, options_.max_backoff);
   }
+}
+
+void GrpcShardAssigner::SetRefusedHandler(RefusedHandler handler) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return refused_calls_ == 0; };
+  mu_.Await(absl::Condition(&idle));
+  refused_ = std::move(handler);
 }
 
 void GrpcShardAssigner::JoinEnded() {

@@ -3,8 +3,9 @@
 //
 // Each daemon address gets one cached channel and one worker thread that sends that daemon's
 // calls in the order they were made (an AssignShard at epoch e must not overtake the DropShard
-// of epoch e-1). A call that fails with a retryable code (UNAVAILABLE, DEADLINE_EXCEEDED,
-// ABORTED, RESOURCE_EXHAUSTED, UNKNOWN, INTERNAL) is retried with exponential backoff until
+// of epoch e-1). An AssignShard refused with RESOURCE_EXHAUSTED (no room for the job's memory
+// plan) goes to the refused handler, not retried. A call that fails with a retryable code
+// (UNAVAILABLE, DEADLINE_EXCEEDED, ABORTED, RESOURCE_EXHAUSTED, UNKNOWN, INTERNAL) is retried with exponential backoff until
 // `give_up_after` has passed since it was made; then, or on any other code (for example
 // FAILED_PRECONDITION for an epoch the daemon has already passed), it is logged and dropped.
 // Delivery is best effort by design: a daemon that restarts asks for its placement anyway.
@@ -47,6 +48,7 @@ class GrpcShardAssigner : public ShardAssigner {
 
   void Assign(const std::string& daemon_address, const v1::AssignShardRequest& request) override;
   void Drop(const std::string& daemon_address, const v1::DropShardRequest& request) override;
+  void SetRefusedHandler(RefusedHandler handler) override;
   // Synchronous, on the daemon's cached channel; the ErrorDetail of a failure is kept.
   absl::StatusOr<v1::WriteCheckpointResponse> WriteCheckpoint(const std::string& daemon_address,
                                                               const v1::WriteCheckpointRequest& request,
@@ -69,6 +71,8 @@ class GrpcShardAssigner : public ShardAssigner {
   const GrpcShardAssignerOptions options_;
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  RefusedHandler refused_ ABSL_GUARDED_BY(mu_);
+  int refused_calls_ ABSL_GUARDED_BY(mu_) = 0;  // refused_ calls running (SetRefusedHandler waits)
   std::map<std::string, std::unique_ptr<Peer>> peers_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Peer>> ended_ ABSL_GUARDED_BY(mu_);  // idle workers, to join
 };

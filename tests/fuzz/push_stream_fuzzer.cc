@@ -89,6 +89,7 @@ const ResolvedJob& TheJob() {
     spec.name = "fuzz";
     spec.recipe = "bf16_with_fp8_current_scaling_mixed";
     spec.data_parallel_size = 2;
+    spec.unreduced_pushes = true;  // both push modes are fuzzed
     spec.bucket_numel = 64;
     spec.tensors = {{"layers.0.mlp.fc1.weight", {16, 4}}, {"layers.0.norm.weight", {6}}, {"layers.1.w", {4, 4}}};
     absl::StatusOr<ResolvedJob> resolved = ResolveJob(spec);

@@ -35,6 +35,7 @@ LR = 1e-2
 def spec(name, replication=1):
     return {
         "replication_factor": replication,
+        "unreduced_pushes": True,  # the trainers push whole buckets (push_bucket_unreduced)
         "name": name,
         "recipe": "bf16_with_fp8_delayed_scaling_mixed",
         "data_parallel_size": D,

@@ -105,6 +105,7 @@ std::string SpecJson(const std::string& recipe, const std::string& policy, int64
   spec.optimizer.max_grad_norm = 0.0f;  // no clipping: bit-exact comparison (see the file comment)
   spec.optimizer.weight_decay = 0.0f;
   spec.tensors = testing::TestTensors();
+  spec.unreduced_pushes = true;  // the unreduced cases push whole buckets
   return JobSpecToJson(spec);
 }
 

@@ -52,6 +52,7 @@ inline JobSpec MakeSpec(const std::string& recipe, LayoutPolicy policy, int64_t 
   spec.optimizer.max_grad_norm = 0.0f;  // see the file comment
   spec.optimizer.weight_decay = 0.0f;
   spec.tensors = TestTensors();
+  spec.unreduced_pushes = true;  // tests push reduced shards and unreduced contributions alike
   return spec;
 }
 

@@ -463,6 +463,95 @@ TEST_F(CoordinatorCoreTest, ADaemonHoldingAJobItIsNotPlacedOnIsToldToDropItAndIt
   EXPECT_EQ(assigner_.calls().size(), before + 1);
 }
 
+// Memory admission (issue 18, item 9): a daemon that refuses an assignment for lack of memory
+// (RESOURCE_EXHAUSTED, reported by the assigner) gets the ranks it was to gain placed elsewhere.
+class RefusalTest : public CoordinatorCoreTest {
+ protected:
+  // The newest AssignShard sent to `address` (only those copying from a peer: a move's).
+  v1::AssignShardRequest LastAssignmentTo(const std::string& address, bool from_peer = false) {
+    v1::AssignShardRequest last;
+    for (const auto& call : assigner_.calls()) {
+      if (call.assign && call.address == address && (!from_peer || call.assign_request.has_from_peer())) {
+        last = call.assign_request;
+      }
+    }
+    return last;
+  }
+  v1::Placement PlacementOf(const std::string& job_id) {
+    v1::GetPlacementRequest req;
+    req.set_job_id(job_id);
+    auto placement = coordinator_->GetPlacement(req);
+    EXPECT_THAT(placement, IsOk());
+    return placement.ok() ? placement->placement() : v1::Placement();
+  }
+  const absl::Status kNoRoom = absl::ResourceExhaustedError("AssignShard: job needs more than --memory-bytes");
+};
+
+TEST_F(RefusalTest, ANewJobsRanksThatADaemonRefusesGoToAnotherDaemon) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto created = Create(SmallSpec("j", 2, {"n1", "n2"}));
+  ASSERT_THAT(created, IsOk());
+  auto c = Register("n3", kGiB);
+  const v1::AssignShardRequest refused = LastAssignmentTo("n1:7000");
+  ASSERT_EQ(refused.placement_epoch(), 1);
+  assigner_.Refuse("n1:7000", refused, kNoRoom);
+  const v1::Placement placement = PlacementOf(created->job_id());
+  EXPECT_EQ(placement.epoch(), 2);
+  EXPECT_THAT(Owners(placement, 2), ElementsAre(c.daemon_id(), b.daemon_id()));
+  const v1::AssignShardRequest sent = LastAssignmentTo("n3:7000");
+  EXPECT_EQ(sent.placement_epoch(), 2);
+  EXPECT_TRUE(sent.has_from_trainer()) << "nothing of the rank exists yet: it starts from the trainers";
+  EXPECT_EQ(LastAssignmentTo("n2:7000").placement_epoch(), 2);
+  // The refusal of a request the job has moved past changes nothing.
+  assigner_.Refuse("n1:7000", refused, kNoRoom);
+  EXPECT_EQ(PlacementOf(created->job_id()).epoch(), 2);
+  // c refuses too: the rank goes to b, which has room; the refusers are not chosen again.
+  assigner_.Refuse("n3:7000", sent, kNoRoom);
+  EXPECT_EQ(PlacementOf(created->job_id()).epoch(), 3);
+  EXPECT_THAT(Owners(PlacementOf(created->job_id()), 2), ElementsAre(b.daemon_id(), b.daemon_id()));
+  // And when b refuses, no daemon is left: the ranks wait where they are (reconciliation asks b
+  // again; another daemon may come).
+  assigner_.Refuse("n2:7000", LastAssignmentTo("n2:7000"), kNoRoom);
+  EXPECT_EQ(PlacementOf(created->job_id()).epoch(), 3);
+  (void)a;
+}
+
+TEST_F(RefusalTest, AMoveTargetThatRefusesIsReplacedOrTheRankStaysWithItsSource) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto c = Register("n3", kGiB);
+  auto created = Create(SmallSpec("j", 2, {"n1", "n2"}));
+  ASSERT_THAT(created, IsOk());
+  for (const auto* d : {&a, &b}) {  // version 0 published: the job's state lives in its daemons
+    v1::HeartbeatRequest hb;
+    hb.set_daemon_id(d->daemon_id());
+    hb.set_lease_id(d->lease_id());
+    v1::JobProgress* p = hb.add_jobs();
+    p->set_job_id(created->job_id());
+    p->set_placement_epoch(1);
+    p->set_version(0);
+    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  }
+  v1::DrainDaemonRequest drain;  // a's rank 0 moves to c (the emptiest), epoch 2
+  drain.set_daemon_id(a.daemon_id());
+  ASSERT_THAT(coordinator_->DrainDaemon(drain), IsOk());
+  ASSERT_THAT(Owners(PlacementOf(created->job_id()), 2), ElementsAre(c.daemon_id(), b.daemon_id()));
+  // c has no room after all: the move goes to b, still from a's copy.
+  assigner_.Refuse("n3:7000", LastAssignmentTo("n3:7000"), kNoRoom);
+  EXPECT_EQ(PlacementOf(created->job_id()).epoch(), 3);
+  EXPECT_THAT(Owners(PlacementOf(created->job_id()), 2), ElementsAre(b.daemon_id(), b.daemon_id()));
+  v1::AssignShardRequest moved = LastAssignmentTo("n2:7000", /*from_peer=*/true);
+  EXPECT_EQ(moved.placement_epoch(), 3);
+  ASSERT_TRUE(moved.has_from_peer());
+  EXPECT_EQ(moved.from_peer().daemon().daemon_id(), a.daemon_id());
+  // b refuses too: no daemon is left with room, so rank 0 stays with its source, a.
+  assigner_.Refuse("n2:7000", moved, kNoRoom);
+  EXPECT_EQ(PlacementOf(created->job_id()).epoch(), 4);
+  EXPECT_THAT(Owners(PlacementOf(created->job_id()), 2), ElementsAre(a.daemon_id(), b.daemon_id()));
+  EXPECT_EQ(LastAssignmentTo("n1:7000").placement_epoch(), 4);
+}
+
 // Reconciliation: the coordinator re-sends what a live daemon lacks, for as long as it lives.
 TEST_F(CoordinatorCoreTest, AnAssignmentADaemonNeverGotIsSentAgainUntilItHoldsTheJob) {
   auto a = Register("n1", kGiB);

@@ -473,6 +473,88 @@ TEST(JobTokenTest, AnAssignmentWithoutAJobTokenHashIsRefusedAndCreatesNoJob) {
   EXPECT_THAT(daemon.CheckJobToken(kJob, "test-tokeN"), StatusIs(absl::StatusCode::kPermissionDenied));
 }
 
+// Memory admission (issue 18, item 9): an assignment whose memory plan does not fit next to
+// the other jobs' plans is RESOURCE_EXHAUSTED and changes nothing.
+v1::AssignShardRequest AssignmentOf(const JobSpec& spec, const std::string& job_id, const std::string& daemon) {
+  const ResolvedJob resolved = *ResolveJob(spec);
+  v1::AssignShardRequest assign;
+  assign.set_job_id(job_id);
+  assign.set_placement_epoch(1);
+  JobSpecToProto(spec, assign.mutable_spec());
+  LayoutToProto(resolved.layout, assign.mutable_layout());
+  assign.mutable_from_trainer();
+  assign.set_job_token_sha256(::mainstay::testing::TokenSha256());
+  for (const Bucket& b : resolved.layout.buckets) {
+    for (int32_t r = 0; r < spec.data_parallel_size; ++r) {
+      v1::ShardPlacement* p = assign.mutable_placement()->add_shards();
+      p->mutable_shard()->set_bucket(b.index);
+      p->mutable_shard()->set_shard(r);
+      p->set_daemon_id(daemon);
+      *assign.add_shards() = p->shard();
+    }
+  }
+  return assign;
+}
+
+TEST(MemoryAdmissionTest, AnAssignmentThatDoesNotFitBesideTheOtherJobsIsRefusedAndChangesNothing) {
+  JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
+  spec.unreduced_pushes = false;
+  const ResolvedJob resolved = *ResolveJob(spec);
+  const int64_t reduced = 2 * RankMemoryBytes(resolved.layout, PlanMemory(spec));  // both ranks on one daemon
+  spec.unreduced_pushes = true;
+  const int64_t unreduced = 2 * RankMemoryBytes(resolved.layout, PlanMemory(spec));
+  ASSERT_GT(unreduced, reduced);  // D gradient buffers per shard and step, and their sum
+  ShardDaemonOptions options;
+  options.memory_bytes = reduced + unreduced - 1;
+  ShardDaemon daemon(options);
+  daemon.set_daemon_id("d0");
+  spec.unreduced_pushes = false;
+  ASSERT_THAT(daemon.AssignShard(AssignmentOf(spec, "job-a", "d0")).status(), IsOk());
+  EXPECT_EQ(daemon.planned_bytes(), reduced);
+  // A second job whose plan does not fit beside the first: refused, naming the numbers.
+  spec.unreduced_pushes = true;
+  spec.name = "b";
+  const absl::Status refused = daemon.AssignShard(AssignmentOf(spec, "job-b", "d0")).status();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("--memory-bytes")));
+  EXPECT_THAT(refused.message(), ::testing::HasSubstr(absl::StrCat("needs ", unreduced, " bytes")));
+  EXPECT_EQ(daemon.active_jobs(), 1);
+  EXPECT_EQ(daemon.planned_bytes(), reduced);
+  // Once the first job is gone the second fits, and a new epoch of it is not counted twice.
+  v1::DropShardRequest drop;
+  drop.set_job_id("job-a");
+  drop.set_placement_epoch(2);
+  ASSERT_THAT(daemon.DropShard(drop), IsOk());
+  v1::AssignShardRequest b = AssignmentOf(spec, "job-b", "d0");
+  ASSERT_THAT(daemon.AssignShard(b).status(), IsOk());
+  b.set_placement_epoch(2);
+  b.mutable_placement()->set_epoch(2);
+  ASSERT_THAT(daemon.AssignShard(b).status(), IsOk());
+  EXPECT_EQ(daemon.planned_bytes(), unreduced);
+  daemon.Shutdown();
+}
+
+TEST(PushContributorsTest, UnreducedPushesNeedTheSpecToDeclareThem) {
+  JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
+  spec.unreduced_pushes = false;
+  Cluster cluster(spec, 1);
+  const Bucket& b = cluster.layout().buckets[0];
+  v1::PushGradHeader h;
+  h.set_job_id(kJob);
+  h.set_job_token(kToken);
+  h.set_placement_epoch(1);
+  h.set_bucket(0);
+  h.set_shard(0);
+  h.set_step(0);
+  h.set_kind(v1::PUSH_KIND_GRADIENT);
+  h.set_dtype(v1::ELEMENT_TYPE_FP32);
+  h.set_total_bytes(b.shard_numel * 4);
+  h.set_num_contributors(2);
+  EXPECT_THAT(cluster.daemon_of(0).BeginPush(h).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("\"unreduced_pushes\": true")));
+  h.set_num_contributors(1);
+  EXPECT_THAT(cluster.daemon_of(0).BeginPush(h).status(), IsOk());
+}
+
 // Moves (docs/daemon.md, "Moves"): a rank's shards go to another daemon between steps, state
 // and all, and the job goes on bit for bit.
 class MoveRecipeTest : public ::testing::TestWithParam<std::string> {};

@@ -255,7 +255,9 @@ class MAINSTAY_CLIENT_EXPORT Client {
   // after the trainers' own reduce-scatter) for `step` (>= 0), num_contributors = 1.
   PushHandle PushGrad(int32_t bucket, int64_t step, ElementSpan shard_data, const PushOptions& options = {});
   // Unreduced mode: the whole bucket (numel elements) of this rank's own gradient; every shard
-  // goes to its daemon with num_contributors = D, and the daemons sum the D ranks in FP32.
+  // goes to its daemon with num_contributors = D, and the daemons sum the D ranks in FP32. Only
+  // for jobs whose spec sets "unreduced_pushes": true (INVALID_ARGUMENT otherwise), as the
+  // daemons plan D gradient buffers per shard for them.
   PushHandle PushBucketUnreduced(int32_t bucket, int64_t step, ElementSpan bucket_data,
                                  const PushOptions& options = {});
   // General form: one shard, explicit contributor count (1 or D).

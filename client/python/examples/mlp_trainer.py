@@ -26,6 +26,7 @@ def spec(world, recipe):
         "name": "mlp-demo-%d" % int(time.time() * 1000),
         "recipe": recipe,
         "data_parallel_size": world,
+        "unreduced_pushes": True,  # each rank pushes its own whole gradient; the daemons sum them
         "optimizer": {"type": "adamw", "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.0, "max_grad_norm": 1.0},
         "tensors": [
             {"name": "layers.0.fc1.weight", "shape": [HIDDEN, IN]},

@@ -24,6 +24,7 @@ FAKE_SERVER = sys.argv.pop(1) if len(sys.argv) > 1 else None
 SPEC = {
     "name": "py-test",
     "data_parallel_size": 2,
+    "unreduced_pushes": True,  # step 1 pushes every rank's whole bucket
     "bucket_numel": 4096,
     "overrides": [
         {"pattern": "*.mx.weight", "format": "mxfp8"},
