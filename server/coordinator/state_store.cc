@@ -140,6 +140,8 @@ class FileStateStore : public StateStore {
       state = State::FromProto(proto);
     }
     MAINSTAY_ASSIGN_OR_RETURN(std::string wal, ReadFile(wal_path_, &exists));
+    // Per Load: a torn tail cut off by an earlier Load must not cut later appends again.
+    int64_t torn_tail_at = -1;
     size_t offset = 0;
     while (offset < wal.size()) {
       uint32_t header[3] = {0, 0, 0};
@@ -167,13 +169,13 @@ class FileStateStore : public StateStore {
               "); it is not a torn final append, so the coordinator refuses to start rather than lose "
               "acknowledged changes (restore the state directory from a backup)"));
         }
-        torn_tail_at_ = static_cast<int64_t>(offset);
+        torn_tail_at = static_cast<int64_t>(offset);
         break;
       }
       if (batch.sequence() > state.sequence) state.Apply(batch);
       offset += kHeader + header[1];
     }
-    MAINSTAY_RETURN_IF_ERROR(OpenWal(torn_tail_at_ >= 0 ? torn_tail_at_ : static_cast<int64_t>(wal.size())));
+    MAINSTAY_RETURN_IF_ERROR(OpenWal(torn_tail_at >= 0 ? torn_tail_at : static_cast<int64_t>(wal.size())));
     return state.ToProto();
   }
 
@@ -237,7 +239,6 @@ class FileStateStore : public StateStore {
   const std::string dir_, wal_path_, snapshot_path_;
   int wal_fd_ = -1;
   int64_t wal_size_ = 0;
-  int64_t torn_tail_at_ = -1;
   bool broken_ = false;
 };
 

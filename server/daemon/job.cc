@@ -53,6 +53,10 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::AssignShardRequest& a
   std::unique_ptr<Restore> restore;
   if (assign.has_from_checkpoint()) {
     const v1::SourceCheckpoint& source = assign.from_checkpoint();
+    // The id is how the job knows it was restored (no initial parameters, replaced once).
+    if (source.checkpoint_id().empty()) {
+      return absl::InvalidArgumentError("AssignShard: from_checkpoint.checkpoint_id is empty");
+    }
     restore = std::make_unique<Restore>();
     restore->checkpoint_id = source.checkpoint_id();
     const size_t slash = source.manifest_uri().rfind('/');
@@ -78,7 +82,8 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::AssignShardRequest& a
       job->restore_ = std::move(restore);
     }
     // A job that arrives by a move has no state until its shards are copied (job_move.cc).
-    if (assign.has_from_peer()) job->restoring_ = true;
+    // One that gains no shard has no copy to wait for (nothing would ever end the wait).
+    if (assign.has_from_peer() && assign.shards_size() > 0) job->restoring_ = true;
   }
   MAINSTAY_RETURN_IF_ERROR(job->Assign(assign));
   job->step_thread_ = std::thread([raw = job.get()] { raw->RunSteps(); });
@@ -251,7 +256,12 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
   MoveIn move_in{request.from_peer().daemon(), {}, request.placement_epoch()};
   for (const v1::ShardRef& ref : request.shards()) {
     const Key key{ref.bucket(), ref.shard()};
-    if (shards_.count(key)) continue;
+    if (auto held = shards_.find(key); held != shards_.end()) {
+      // Still waiting for its copy: a re-sent move (its earlier copy failed, or is superseded by
+      // this newer epoch) copies it from this request's source, or it would wait for ever.
+      if (request.has_from_peer() && held->second->incoming) move_in.keys.push_back(key);
+      continue;
+    }
     auto state = std::make_shared<ShardState>();
     state->bucket = key.first;
     state->shard = key.second;

@@ -90,7 +90,19 @@ absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest
 }
 
 void Job::RunMovesIn() {
-  const MoveIn move = moves_in_.front();
+  MoveIn& queued = moves_in_.front();
+  // Shards an earlier move of a re-sent placement filled meanwhile are not copied again.
+  queued.keys.erase(std::remove_if(queued.keys.begin(), queued.keys.end(),
+                                   [this](const Key& key) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                     auto it = shards_.find(key);
+                                     return it == shards_.end() || !it->second->incoming;
+                                   }),
+                    queued.keys.end());
+  if (queued.keys.empty()) {
+    moves_in_.erase(moves_in_.begin());
+    return;
+  }
+  const MoveIn move = queued;
   mu_.Unlock();
   std::vector<std::pair<Key, absl::StatusOr<ShardStateCopy>>> copies;
   absl::Status failed;

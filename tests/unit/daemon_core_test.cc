@@ -602,6 +602,25 @@ INSTANTIATE_TEST_SUITE_P(Recipes, MoveRecipeTest,
                          ::testing::Values("bf16_with_fp8_mixed", "bf16_with_fp8_current_scaling_mixed",
                                            "bf16_with_nvfp4_mixed"));
 
+// Found by assign_shard_fuzzer's author: a move re-sent at a newer epoch while its shards still
+// waited for their copy queued no copy for them, so the target reported itself loaded with the
+// shards still empty, and the source was told to drop them.
+TEST(MoveTest, AMoveReSentAfterAFailedCopyCopiesTheShardsAndTheJobGoesOnBitForBit) {
+  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 3);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  for (int64_t step = 0; step < 3; ++step) {
+    if (step == 1) {
+      ASSERT_THAT(cluster.MoveWithResend(1, 2), IsOk());
+    }
+    cluster.PushGrads(step);
+    for (const auto& stats : cluster.Finish(step, 1e-3)) ASSERT_THAT(stats.status(), IsOk()) << "step " << step;
+    ref.Step(step, 1e-3f);
+    ExpectMatchesReference(cluster, ref, step + 1);
+  }
+}
+
 TEST(MoveTest, TheSourceRefusesCallsOfTheOldEpochOnceFencedAndTheTargetServesTheNewOne) {
   const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
   Cluster cluster(spec, 3);
