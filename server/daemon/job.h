@@ -370,7 +370,8 @@ class Job : public std::enable_shared_from_this<Job> {
                                          const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of);
   // The job's peer group for `members` at `epoch` (job_outcome.cc): the current one, or a new
   // one at the generation the members agree on (PeerGroupFactory::Generation); true when new.
-  absl::StatusOr<bool> EnsureGroup(const std::vector<std::string>& members, int64_t epoch, absl::Time deadline);
+  absl::StatusOr<bool> EnsureGroup(const std::vector<std::string>& members, int64_t epoch, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Leaves a group that failed, so that peers still in its reductions fail at once, and raises
   // the shared generation past it, so that everyone rebuilds at the same key.
   void BreakGroup();

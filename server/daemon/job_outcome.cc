@@ -50,9 +50,29 @@ absl::StatusOr<bool> Job::EnsureGroup(const std::vector<std::string>& members, i
     if (!generation.ok()) return Annotate(generation.status(), "joining the job's peer group");
     group_base_ = base;
     group_generation_ = *generation;
+    // Waiting for members that will not come is how two daemons' attempts drift a whole peer
+    // timeout apart and then keep missing each other: leave as soon as the job moved to a newer
+    // placement epoch, or a member broke this generation.
+    const int64_t joined = *generation;
+    const peer::AbortCheck abort = [this, epoch, base, joined]() -> absl::Status {
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopping_) return absl::UnavailableError("the job is stopping on this daemon");
+        if (epoch_ > epoch) {
+          return absl::AbortedError(absl::StrCat("the job moved on to placement epoch ", epoch_, " (this attempt is at ",
+                                                 epoch, ")"));
+        }
+      }
+      absl::StatusOr<int64_t> now = options_.peers->Generation(base, 0, absl::Now() + absl::Seconds(1));
+      if (now.ok() && *now > joined) {
+        return absl::AbortedError(
+            absl::StrCat("a member left generation ", joined, " of the peer group for generation ", *now));
+      }
+      return absl::OkStatus();
+    };
     absl::StatusOr<std::unique_ptr<peer::PeerGroup>> group =
         options_.peers->Create(absl::StrCat(base, "/g", *generation), static_cast<int>(self - members.begin()),
-                               static_cast<int>(members.size()), deadline);
+                               static_cast<int>(members.size()), deadline, abort);
     if (!group.ok()) {
       BreakGroup();  // members that joined this generation must not wait in it for us again
       return Annotate(group.status(), "joining the job's peer group");

@@ -14,9 +14,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/status.h"
 
 namespace mainstay::peer {
 namespace {
+
+constexpr absl::Duration kAbortCheckEvery = absl::Milliseconds(50);
 
 enum class ReduceKind { kSum, kMax };
 
@@ -179,7 +183,8 @@ InProcessPeerGroupFactory::InProcessPeerGroupFactory() : registry_(std::make_sha
 InProcessPeerGroupFactory::~InProcessPeerGroupFactory() = default;
 
 absl::StatusOr<std::unique_ptr<PeerGroup>> InProcessPeerGroupFactory::Create(const std::string& group_key, int rank,
-                                                                             int size, absl::Time deadline) {
+                                                                             int size, absl::Time deadline,
+                                                                             const AbortCheck& abort) {
   if (group_key.empty()) return absl::InvalidArgumentError("peer group: empty group_key");
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(absl::StrCat("peer group '", group_key, "': rank ", rank, " of size ", size));
@@ -207,7 +212,20 @@ absl::StatusOr<std::unique_ptr<PeerGroup>> InProcessPeerGroupFactory::Create(con
   ++state->num_joined;
   GroupState* s = state.get();
   auto formed = [s]() ABSL_SHARED_LOCKS_REQUIRED(s->mu) { return s->num_joined == s->size || !s->broken.ok(); };
-  state->mu.AwaitWithDeadline(absl::Condition(&formed), deadline);
+  absl::Status aborted;
+  while (!state->mu.AwaitWithDeadline(absl::Condition(&formed), std::min(deadline, absl::Now() + kAbortCheckEvery)) &&
+         absl::Now() < deadline) {
+    if (!abort) continue;
+    state->mu.Unlock();  // (the check may read what other members hold)
+    aborted = abort();
+    state->mu.Lock();
+    if (!aborted.ok() && !formed()) break;
+  }
+  if (!aborted.ok() && state->num_joined < size && state->broken.ok()) {
+    state->joined[rank] = false;
+    --state->num_joined;
+    return Annotate(aborted, absl::StrCat("peer group '", group_key, "': member ", rank, " left before it formed"));
+  }
   // Once formed, the group is this member's even if a peer has died since: its first
   // reduction reports that, as it would over a network.
   if (state->num_joined < size && !state->broken.ok()) return state->broken;

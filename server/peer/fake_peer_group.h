@@ -43,7 +43,7 @@ class InProcessPeerGroupFactory : public PeerGroupFactory {
   // Size 1 gives a LocalPeerGroup at once. Group keys are single-use, like the generations
   // they name: a rank may join a key once.
   absl::StatusOr<std::unique_ptr<PeerGroup>> Create(const std::string& group_key, int rank, int size,
-                                                    absl::Time deadline) override;
+                                                    absl::Time deadline, const AbortCheck& abort = {}) override;
 
   // Test hook: member `rank` of `group_key` dies now, as a crashed daemon would. Its own group
   // object and every other member fail with UNAVAILABLE from now on, including calls that are

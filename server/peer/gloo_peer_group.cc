@@ -38,6 +38,9 @@
 namespace mainstay::peer {
 namespace {
 
+// While a member waits for the others' addresses, its abort check runs this often.
+constexpr absl::Duration kAbortCheckEvery = absl::Milliseconds(250);
+
 // Gloo's I/O errors do not say "timeout" with a type, only with words: "Timed out waiting
 // ...", "Connect timeout", "Read timeout", "Application timeout caused pair closure".
 bool IsTimeoutMessage(const std::string& message) {
@@ -148,8 +151,8 @@ class ScopedSigpipeBlock {
 // gloo::IoException, which Create() catches. Used by one thread, for one Create().
 class KvRendezvousStore : public gloo::rendezvous::Store {
  public:
-  KvRendezvousStore(KvClient* kv, std::string prefix, absl::Duration ttl, absl::Time deadline)
-      : kv_(kv), prefix_(std::move(prefix)), ttl_(ttl), deadline_(deadline) {}
+  KvRendezvousStore(KvClient* kv, std::string prefix, absl::Duration ttl, absl::Time deadline, const AbortCheck& abort)
+      : kv_(kv), prefix_(std::move(prefix)), ttl_(ttl), deadline_(deadline), abort_(abort) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
     const absl::Status status = kv_->Put(prefix_ + key, std::string(data.begin(), data.end()), ttl_);
@@ -185,7 +188,16 @@ class KvRendezvousStore : public gloo::rendezvous::Store {
   }
 
   void Fetch(const std::string& key, absl::Time deadline) {
-    absl::StatusOr<std::string> value = kv_->Get(prefix_ + key, deadline);
+    absl::StatusOr<std::string> value;
+    while (true) {
+      // In slices, with the caller's abort check between them (a member that will not come).
+      value = kv_->Get(prefix_ + key, abort_ ? std::min(deadline, absl::Now() + kAbortCheckEvery) : deadline);
+      const bool missing = absl::IsNotFound(value.status()) || absl::IsDeadlineExceeded(value.status());
+      if (!missing || absl::Now() >= deadline || !abort_) break;
+      if (absl::Status aborted = abort_(); !aborted.ok()) {
+        Fail(Annotate(aborted, absl::StrCat("rendezvous: left while waiting for '", prefix_, key, "'")));
+      }
+    }
     if (value.ok()) {
       values_[key] = *std::move(value);
       return;
@@ -208,6 +220,7 @@ class KvRendezvousStore : public gloo::rendezvous::Store {
   const std::string prefix_;
   const absl::Duration ttl_;
   const absl::Time deadline_;
+  const AbortCheck& abort_;
   std::map<std::string, std::string> values_;  // read by wait(), returned by get()
   absl::Status status_;
 };
@@ -328,7 +341,8 @@ GlooPeerGroupFactory::GlooPeerGroupFactory(KvClient* kv, GlooPeerGroupOptions op
     : kv_(kv), options_(std::move(options)) {}
 
 absl::StatusOr<std::unique_ptr<PeerGroup>> GlooPeerGroupFactory::Create(const std::string& group_key, int rank,
-                                                                        int size, absl::Time deadline) {
+                                                                        int size, absl::Time deadline,
+                                                                        const AbortCheck& abort) {
   if (group_key.empty()) return absl::InvalidArgumentError("peer group: empty group_key");
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(absl::StrCat("peer group '", group_key, "': rank ", rank, " of size ", size));
@@ -360,7 +374,7 @@ absl::StatusOr<std::unique_ptr<PeerGroup>> GlooPeerGroupFactory::Create(const st
                                                       "' / interface '", options_.interface, "': ", error.message()));
   }
 
-  KvRendezvousStore store(kv_, group_key + "/", options_.kv_ttl, deadline);
+  KvRendezvousStore store(kv_, group_key + "/", options_.kv_ttl, deadline, abort);
   std::shared_ptr<gloo::rendezvous::Context> context;
   try {
     context = std::make_shared<gloo::rendezvous::Context>(rank, size);

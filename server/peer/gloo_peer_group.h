@@ -64,7 +64,7 @@ class GlooPeerGroupFactory : public PeerGroupFactory {
   // member that stalls after publishing its address but before connecting can make the others
   // return up to (deadline - start) late.
   absl::StatusOr<std::unique_ptr<PeerGroup>> Create(const std::string& group_key, int rank, int size,
-                                                    absl::Time deadline) override;
+                                                    absl::Time deadline, const AbortCheck& abort = {}) override;
   // The counter `base_key`/generation in the KV (KvClient::RaiseCounter).
   absl::StatusOr<int64_t> Generation(const std::string& base_key, int64_t at_least, absl::Time deadline) override;
 

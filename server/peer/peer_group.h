@@ -20,6 +20,7 @@
 #define MAINSTAY_SERVER_PEER_PEER_GROUP_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -53,18 +54,24 @@ class LocalPeerGroup : public PeerGroup {
 
 // Builds the group of one job. `group_key` is unique per (job, placement epoch, generation)
 // and the same on every member; `rank` is the member's index among `size` members (daemons
-// sorted by daemon id). Blocks until every member has joined or `deadline` passes.
+// sorted by daemon id). Blocks until every member has joined or `deadline` passes, or until
+// `abort` (asked every few hundred milliseconds while waiting for members; may be empty)
+// returns an error, which Create then returns: a member that knows the others will not come
+// (they moved to a newer placement epoch or generation) leaves at once rather than at the
+// deadline, so that daemons whose attempts started apart do not keep missing each other.
 //
 // Generations: a broken group is replaced by the next generation of its base key, and the
 // members agree on which one through Generation(), never through a count of their own (a
 // daemon that failed twice and one that failed once would otherwise join different keys and
 // wait for each other forever). The counter is shared by every member (the coordinator's KV for
 // Gloo), and only ever rises.
+using AbortCheck = std::function<absl::Status()>;
+
 class PeerGroupFactory {
  public:
   virtual ~PeerGroupFactory() = default;
   virtual absl::StatusOr<std::unique_ptr<PeerGroup>> Create(const std::string& group_key, int rank, int size,
-                                                            absl::Time deadline) = 0;
+                                                            absl::Time deadline, const AbortCheck& abort = {}) = 0;
   // The generation of `base_key` to join now, after raising it to at least `at_least`
   // (0: only read it; a member whose group of generation g broke passes g + 1). Atomic against
   // the other members' calls; UNAVAILABLE / DEADLINE_EXCEEDED when the shared counter cannot be

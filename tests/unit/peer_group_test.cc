@@ -197,6 +197,29 @@ TEST_P(MultiMemberPeerGroupTest, MemberThatNeverJoinsFailsCreateByTheDeadline) {
   });
 }
 
+// A member that learns the others will not come (they moved to a newer epoch or generation)
+// leaves at once, with its abort check's error, instead of waiting until its deadline.
+TEST_P(MultiMemberPeerGroupTest, AMemberWhoseAbortCheckFailsLeavesLongBeforeTheDeadline) {
+  Members members(impl());
+  const std::string key = UniqueKey("aborted");
+  const absl::Duration wait = absl::Seconds(30);
+  std::atomic<bool> moved_on{false};
+  const AbortCheck abort = [&]() -> absl::Status {
+    return moved_on.load() ? absl::AbortedError("the job moved on") : absl::OkStatus();
+  };
+  std::thread later([&] {
+    absl::SleepFor(absl::Milliseconds(400));
+    moved_on = true;
+  });
+  RunMembers(size() - 1, [&](int rank) {  // the last rank never calls Create
+    const absl::Time start = absl::Now();
+    auto group = members.factory().Create(key, rank, size(), start + wait, abort);
+    EXPECT_THAT(group, StatusIs(absl::StatusCode::kAborted, ::testing::HasSubstr("the job moved on")));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  });
+  later.join();
+}
+
 TEST_P(MultiMemberPeerGroupTest, MemberThatDiesMidRunFailsTheSurvivorsWithinTheirDeadline) {
   Members members(impl());
   const std::string key = UniqueKey("dies");
