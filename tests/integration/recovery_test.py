@@ -333,7 +333,9 @@ class RecoveryTest(unittest.TestCase):
         wait_for(lambda: all(len(s.get("replica_daemon_ids", [])) == 1 and victim not in
                              [s["daemon_id"]] + s["replica_daemon_ids"] for s in self.placement(job)),
                  "re-replication", logs=self.cluster.logs)
-        self.assertIn("copies again", self.cluster.log("coordinator"))
+        # The placement names the new replicas at once; their copy completes (and is logged) after.
+        wait_for(lambda: "copies again" in self.cluster.log("coordinator"), "the new replicas' copies",
+                 logs=self.cluster.logs)
         log = self.cluster.log("run.rank")
         # (A step that failed is ABORTED with the committed step, which the trainer logs as
         # REWOUND or RETRYING; the step it then pushes again must be the one in flight.)
