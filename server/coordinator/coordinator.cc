@@ -20,6 +20,12 @@ void Coordinator::SetChangeListener(std::function<void()> listener) {
   impl_->listener = std::move(listener);
 }
 
+bool Coordinator::StateLockFreeForTesting() const {
+  if (!impl_->mu.TryLock()) return false;
+  impl_->mu.Unlock();
+  return true;
+}
+
 size_t Coordinator::background_threads_for_testing() const {
   absl::MutexLock lock(&impl_->mu);
   return impl_->checkpoint_threads.size();
@@ -34,9 +40,20 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Coordinat
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  if (options.assigner != nullptr) {
+    // Assignments leave only once the state they follow is durable (Impl::AwaitDurable).
+    impl->delivery = options.assigner;
+    impl->held_assigner = std::make_unique<Impl::HeldAssigner>(impl.get());
+    impl->options.assigner = impl->held_assigner.get();
+  }
   MAINSTAY_ASSIGN_OR_RETURN(v1::CoordinatorState loaded, options.store->Load());
   absl::MutexLock lock(&impl->mu);
   impl->state = State::FromProto(loaded);
+  impl->written_seq.store(impl->state.sequence);
+  {
+    absl::MutexLock synced(&impl->sync_mu);
+    impl->synced_seq = impl->state.sequence;
+  }
   const int64_t now = impl->Mono();
   for (const auto& [id, d] : impl->state.daemons) {
     if (d.state() != v1::DAEMON_STATE_DOWN) impl->leases[id] = {"", options.default_lease_ttl_ms, now + options.default_lease_ttl_ms, 0, {}};
@@ -55,7 +72,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Coordinat
 
 void Coordinator::Tick() {
   {
-    absl::MutexLock lock(&impl_->mu);
+    Impl::StateLock lock(*impl_);
     impl_->TickLocked();
   }
   impl_->RecoverJobs();
@@ -75,7 +92,7 @@ absl::StatusOr<v1::RegisterDaemonResponse> Coordinator::RegisterDaemon(const v1:
     return absl::InvalidArgumentError("resources: memory sizes must be >= 0");
   }
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   s.TickLocked();
   const CoordinatorOptions& o = s.options;
   const int64_t ttl = request.requested_lease_ttl_ms() == 0
@@ -159,7 +176,7 @@ absl::StatusOr<v1::RegisterDaemonResponse> Coordinator::RegisterDaemon(const v1:
 
 absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::HeartbeatRequest& request) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s, /*wait_durable=*/false);
   // Renew first: a heartbeat that waited for the lock must not see its own lease expire in the
   // tick below.
   if (auto l = s.leases.find(request.daemon_id()); l != s.leases.end() && l->second.id == request.lease_id()) {
@@ -323,7 +340,7 @@ void Coordinator::Impl::FinishMovesLocked(const v1::StoredJob& job, const std::s
 
 absl::Status Coordinator::DeregisterDaemon(const v1::DeregisterDaemonRequest& request) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   auto d = s.state.daemons.find(request.daemon_id());
   auto l = s.leases.find(request.daemon_id());
   if (d == s.state.daemons.end() || l == s.leases.end() || l->second.id != request.lease_id()) {
@@ -342,7 +359,7 @@ absl::Status Coordinator::DeregisterDaemon(const v1::DeregisterDaemonRequest& re
 
 v1::ListDaemonsResponse Coordinator::ListDaemons(const v1::ListDaemonsRequest& request) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   s.TickLocked();
   v1::ListDaemonsResponse response;
   for (const auto& [id, d] : s.state.daemons) {
@@ -354,7 +371,7 @@ v1::ListDaemonsResponse Coordinator::ListDaemons(const v1::ListDaemonsRequest& r
 
 absl::StatusOr<v1::CordonDaemonResponse> Coordinator::CordonDaemon(const v1::CordonDaemonRequest& request) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   s.TickLocked();
   auto d = s.state.daemons.find(request.daemon_id());
   if (d == s.state.daemons.end()) return absl::NotFoundError(absl::StrCat("no daemon '", request.daemon_id(), "'"));
@@ -373,7 +390,7 @@ absl::StatusOr<v1::CordonDaemonResponse> Coordinator::CordonDaemon(const v1::Cor
 
 absl::StatusOr<v1::DrainDaemonResponse> Coordinator::DrainDaemon(const v1::DrainDaemonRequest& request) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   s.TickLocked();
   auto d = s.state.daemons.find(request.daemon_id());
   if (d == s.state.daemons.end()) return absl::NotFoundError(absl::StrCat("no daemon '", request.daemon_id(), "'"));
@@ -425,7 +442,7 @@ absl::StatusOr<v1::DrainDaemonResponse> Coordinator::DrainDaemon(const v1::Drain
 
 absl::StatusOr<v1::MoveShardResponse> Coordinator::MoveShard(const v1::MoveShardRequest& request) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   s.TickLocked();
   MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(request.job_id()));
   const int32_t rank = request.shard().shard();

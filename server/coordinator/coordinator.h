@@ -91,6 +91,8 @@ class Coordinator {
   absl::StatusOr<v1::MoveShardResponse> MoveShard(const v1::MoveShardRequest& request);
 
   // Background checkpoint threads not yet joined (tests: finished ones are reaped).
+  // Whether the coordinator's lock is free now (tests: no sync runs under it).
+  bool StateLockFreeForTesting() const;
   size_t background_threads_for_testing() const;
 
   // ---- Jobs. INVALID_ARGUMENT (naming the spec field) for a bad spec, ALREADY_EXISTS for a

@@ -12,7 +12,7 @@ namespace mainstay::coordinator {
 void Coordinator::AssignmentRefused(const std::string& address, const v1::AssignShardRequest& request,
                                     const absl::Status& status) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   s.TickLocked();
   auto job_it = s.state.jobs.find(request.job_id());
   if (job_it == s.state.jobs.end()) return;

@@ -64,7 +64,7 @@ v1::CheckpointInfo Coordinator::Impl::RunCheckpoint(v1::CheckpointInfo info, int
   for (int attempt = 0; attempt < kCheckpointAttempts; ++attempt) {
     v1::StoredJob job;
     {
-      absl::MutexLock lock(&mu);
+      StateLock lock(*this);
       const v1::StoredJob* found = FindJob(info.job_id());
       if (found == nullptr) {
         failure = absl::NotFoundError(absl::StrCat("job ", info.job_id(), " was deleted"));
@@ -189,7 +189,7 @@ absl::StatusOr<std::pair<v1::CheckpointInfo, int64_t>> Coordinator::Impl::BeginC
 
 void Coordinator::Impl::EndCheckpoint(const v1::CheckpointInfo& done) {
   {
-    absl::MutexLock lock(&mu);
+    StateLock lock(*this);
     if (done.state() == v1::CHECKPOINT_STATE_COMMITTED) {
       checkpoints_in_flight.erase(done.checkpoint_id());
     } else {
@@ -217,7 +217,7 @@ absl::StatusOr<v1::CreateCheckpointResponse> Coordinator::CreateCheckpoint(const
   v1::CheckpointInfo info;
   int64_t step = -1;
   {
-    absl::MutexLock lock(&s.mu);
+    Impl::StateLock lock(s);
     s.TickLocked();
     MAINSTAY_ASSIGN_OR_RETURN(std::tie(info, step), s.BeginCheckpointLocked(request.job_id(), /*periodic=*/false));
     if (!request.wait()) {
@@ -244,7 +244,7 @@ void Coordinator::Impl::RunCheckpointPolicy() {
       (options.checkpoint_every_steps <= 0 && options.checkpoint_every_ms <= 0)) {
     return;
   }
-  absl::MutexLock lock(&mu);
+  StateLock lock(*this);
   if (stopping) return;
   const int64_t now = Now();
   for (const auto& [job_id, job] : state.jobs) {
@@ -281,7 +281,7 @@ std::vector<v1::CheckpointInfo> Coordinator::Impl::ScanCheckpoints(const std::st
   checkpoint::CheckpointFs& fs = Fs();
   std::map<std::string, v1::CheckpointInfo> in_flight;
   {
-    absl::MutexLock lock(&mu);
+    StateLock lock(*this);
     in_flight = checkpoints_in_flight;
   }
   std::vector<v1::CheckpointInfo> out;
@@ -328,7 +328,7 @@ absl::Status Coordinator::DeleteCheckpoint(const v1::DeleteCheckpointRequest& re
   MAINSTAY_RETURN_IF_ERROR(ValidCheckpointId(request.checkpoint_id()));
   const std::string dir = checkpoint::JoinPath(s.options.checkpoint_dir, request.checkpoint_id());
   {
-    absl::MutexLock lock(&s.mu);
+    Impl::StateLock lock(s);
     auto it = s.checkpoints_in_flight.find(request.checkpoint_id());
     if (it != s.checkpoints_in_flight.end() && it->second.state() == v1::CHECKPOINT_STATE_WRITING) {
       return absl::FailedPreconditionError(absl::StrCat("checkpoint ", request.checkpoint_id(),
@@ -444,7 +444,7 @@ absl::StatusOr<v1::RestoreCheckpointResponse> Coordinator::RestoreCheckpoint(
   // Every byte is checked before anything changes: a damaged checkpoint is refused whole.
   MAINSTAY_RETURN_IF_ERROR(checkpoint::VerifyDataFiles(s.Fs(), dir, *manifest).status());
   const std::string job_id = request.job_id().empty() ? manifest->job_id() : request.job_id();
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   s.TickLocked();
   MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobOrNotFound(job_id));
   MAINSTAY_ASSIGN_OR_RETURN(JobSpec spec, JobSpecFromProto(job->info().spec()));
@@ -456,7 +456,7 @@ absl::StatusOr<v1::RestoreCheckpointResponse> Coordinator::RestoreCheckpoint(
 void Coordinator::Impl::RecoverJobs() {
   std::set<std::string> jobs;
   {
-    absl::MutexLock lock(&mu);
+    StateLock lock(*this);
     jobs.swap(jobs_to_recover);
     if (stopping) return;
     // Jobs with replicas go on from their surviving copies; the rest are restored. Jobs short
@@ -481,7 +481,7 @@ void Coordinator::Impl::RecoverJobs() {
                          " does not verify (", status.ToString(), "): trying the next older one"));
         continue;
       }
-      absl::MutexLock lock(&mu);
+      StateLock lock(*this);
       const v1::StoredJob* job = FindJob(job_id);
       if (job == nullptr) break;
       status = RestoreLocked(*job, *manifest, dir).status();

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <deque>
+#include <optional>
 #include <cstdlib>
 #include <functional>
 #include <map>
@@ -186,27 +188,25 @@ struct Coordinator::Impl {
   // Leases run on this: a wall-clock step must not expire (or extend) them.
   int64_t Mono() const { return options.clock->MonotonicMs(); }
 
-  // Writes ahead, then applies. Nothing changes when the store fails.
+  // Writes ahead, then applies. Nothing changes when the store fails. The batch is durable
+  // only once a Sync covered it: the StateLock this runs under waits for that before the call
+  // answers, and assignments made meanwhile wait in the outbox (group commit, state_store.h).
   absl::Status Commit(Batch& batch, const v1::StateCounters& counters) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     batch.proto.set_sequence(state.sequence + 1);
     *batch.proto.mutable_counters() = counters;
     const int64_t before = Mono();
-    absl::Status appended = options.store->Append(batch.proto);
+    absl::Status written = options.store->Write(batch.proto);
     ExtendLeasesAfterStall(Mono() - before, "a state store write");
-    MAINSTAY_RETURN_IF_ERROR(appended);
+    MAINSTAY_RETURN_IF_ERROR(written);
     state.Apply(batch.proto);
+    written_seq.store(state.sequence);
     changed.SignalAll();
-    {
-      absl::MutexLock listener_lock(&listener_mu);
-      if (listener) listener();
-    }
     if (++batches_since_snapshot >= options.snapshot_every_batches) {
-      const int64_t snapshot_start = Mono();
-      absl::Status s = options.store->WriteSnapshot(state.ToProto());
-      ExtendLeasesAfterStall(Mono() - snapshot_start, "a state snapshot");
+      // The state is taken here; the snapshot is written by the next Sync, without the lock.
+      absl::Status s = options.store->StartSnapshot(state.ToProto());
       if (s.ok()) {
         batches_since_snapshot = 0;
-      } else {
+      } else if (!absl::IsFailedPrecondition(s)) {  // (one still being written: later)
         Log(LogLevel::kWarning, "coordinator", absl::StrCat("snapshot failed (the log keeps growing): ", s.message()));
       }
     }
@@ -214,9 +214,9 @@ struct Coordinator::Impl {
   }
   absl::Status Commit(Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return Commit(batch, state.counters); }
 
-  // The store's writes run under the coordinator's lock, so no heartbeat could renew a lease
-  // while one was stuck (a slow disk's fdatasync): a stall longer than a heartbeat's worth is
-  // added to every lease, rather than declaring live daemons DOWN for the coordinator's own delay.
+  // A Write (not its sync: that runs without the lock) that blocks this long under the lock
+  // (write(2) to a stalled disk) extends every lease by as much, rather than declaring live
+  // daemons DOWN for the coordinator's own delay.
   void ExtendLeasesAfterStall(int64_t stalled_ms, const char* what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (stalled_ms < kStallMs) return;
     for (auto& [id, lease] : leases) lease.expires_ms += stalled_ms;
@@ -225,6 +225,144 @@ struct Coordinator::Impl {
                      "much (a slow disk under --state-dir?)"));
   }
   static constexpr int64_t kStallMs = 500;
+
+  // ---- Group commit.
+  std::atomic<int64_t> written_seq{0};  // the last batch written to the store (set under mu)
+  absl::Mutex deliver_mu ABSL_ACQUIRED_BEFORE(sync_mu);  // orders the outbox's deliveries
+  absl::Mutex sync_mu ABSL_ACQUIRED_AFTER(mu);
+  absl::CondVar synced_cv;
+  int64_t synced_seq ABSL_GUARDED_BY(sync_mu) = 0;  // the last batch a Sync covered
+  bool syncing ABSL_GUARDED_BY(sync_mu) = false;
+  // Assignments and drops made under mu, held until the batch written before them is durable.
+  struct Outgoing {
+    int64_t after_seq = 0;
+    std::string address;
+    std::optional<v1::AssignShardRequest> assign;
+    v1::DropShardRequest drop;
+  };
+  std::deque<Outgoing> outbox ABSL_GUARDED_BY(sync_mu);
+  ShardAssigner* delivery = nullptr;  // the real assigner (options.assigner is the outbox's)
+
+  // Waits (without mu) until every batch written so far is durable: the first caller to find
+  // no Sync running runs one for everybody's batches, the others wait for it. Then sends what
+  // waited in the outbox, in order. A failed Sync stops the coordinator (what is on disk is
+  // unknown, so nothing may go on from memory); a restart replays what is.
+  void AwaitDurable() ABSL_LOCKS_EXCLUDED(mu) {
+    const int64_t target = written_seq.load();
+    bool ran = false;
+    {
+      absl::MutexLock lock(&sync_mu);
+      while (synced_seq < target) {
+        if (syncing) {
+          synced_cv.Wait(&sync_mu);
+          continue;
+        }
+        syncing = true;
+        const int64_t covering = written_seq.load();  // every batch written by now
+        sync_mu.Unlock();
+        const int64_t start = Mono();
+        const absl::Status synced = options.store->Sync();
+        const int64_t took = Mono() - start;
+        sync_mu.Lock();
+        syncing = false;
+        if (!synced.ok()) {
+          Log(LogLevel::kError, "coordinator",
+              absl::StrCat("the state store could not make its log durable: ", synced.ToString(),
+                           "; stopping (a restart replays what reached the disk)"));
+          std::abort();
+        }
+        synced_seq = std::max(synced_seq, covering);
+        synced_cv.SignalAll();
+        ran = true;
+        if (took >= kStallMs) {
+          Log(LogLevel::kWarning, "coordinator",
+              absl::StrCat("a state store sync took ", took, " ms (a slow disk under --state-dir?); the coordinator "
+                           "went on meanwhile, answering what did not wait for it"));
+        }
+      }
+    }
+    DeliverDurable();
+    if (ran) {  // parked calls (WatchPlacement, KvGet) may be answerable, from durable state
+      absl::MutexLock listener_lock(&listener_mu);
+      if (listener) listener();
+    }
+  }
+
+  // Sends, in order, what waits in the outbox behind batches that are durable already.
+  void DeliverDurable() ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock order(&deliver_mu);
+    std::deque<Outgoing> due;
+    {
+      absl::MutexLock lock(&sync_mu);
+      while (!outbox.empty() && outbox.front().after_seq <= synced_seq) {
+        due.push_back(std::move(outbox.front()));
+        outbox.pop_front();
+      }
+    }
+    for (Outgoing& o : due) {
+      if (o.assign.has_value()) {
+        delivery->Assign(o.address, *o.assign);
+      } else {
+        delivery->Drop(o.address, o.drop);
+      }
+    }
+  }
+
+  // The coordinator's lock for a call or a background task: releasing it waits, without it,
+  // until what was written is durable (AwaitDurable). So nothing leaves the coordinator (an
+  // answer, an AssignShard) before the state it reflects is on disk, and no fdatasync runs
+  // under mu. A heartbeat that wrote nothing does not wait (`wait_durable` false): it has
+  // renewed its lease in memory, its answer is advisory, and a daemon must keep its lease
+  // through a stalled disk; what it sends to daemons still waits in the outbox behind any
+  // batch not yet durable (the ticker's next round syncs it).
+  class ABSL_SCOPED_LOCKABLE StateLock {
+   public:
+    explicit StateLock(Impl& s, bool wait_durable = true) ABSL_EXCLUSIVE_LOCK_FUNCTION(s.mu)
+        : s_(s), wait_durable_(wait_durable) {
+      s_.mu.Lock();
+      written_before_ = s_.written_seq.load();
+    }
+    ~StateLock() ABSL_UNLOCK_FUNCTION() {
+      const bool wrote = s_.written_seq.load() != written_before_;
+      s_.mu.Unlock();
+      if (wait_durable_ || wrote) {
+        s_.AwaitDurable();
+      } else {
+        s_.DeliverDurable();
+      }
+    }
+    StateLock(const StateLock&) = delete;
+    StateLock& operator=(const StateLock&) = delete;
+
+   private:
+    Impl& s_;
+    const bool wait_durable_;
+    int64_t written_before_ = 0;
+  };
+
+  // The ShardAssigner the coordinator's code calls (under mu): it queues into the outbox.
+  class HeldAssigner : public ShardAssigner {
+   public:
+    explicit HeldAssigner(Impl* s) : s_(s) {}
+    void Assign(const std::string& address, const v1::AssignShardRequest& request) override {
+      absl::MutexLock lock(&s_->sync_mu);
+      s_->outbox.push_back({s_->written_seq.load(), address, request, {}});
+    }
+    void Drop(const std::string& address, const v1::DropShardRequest& request) override {
+      absl::MutexLock lock(&s_->sync_mu);
+      s_->outbox.push_back({s_->written_seq.load(), address, std::nullopt, request});
+    }
+    absl::StatusOr<v1::WriteCheckpointResponse> WriteCheckpoint(const std::string& address,
+                                                                const v1::WriteCheckpointRequest& request,
+                                                                absl::Time deadline) override {
+      return s_->delivery->WriteCheckpoint(address, request, deadline);
+    }
+    void SetRefusedHandler(RefusedHandler handler) override { s_->delivery->SetRefusedHandler(std::move(handler)); }
+
+   private:
+    Impl* const s_;
+  };
+  std::unique_ptr<HeldAssigner> held_assigner;
 
   v1::DaemonInfo Decorated(const v1::DaemonInfo& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     v1::DaemonInfo out = d;

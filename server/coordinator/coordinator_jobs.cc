@@ -53,7 +53,7 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
   if (!resolved.ok()) return absl::Status(resolved.status().code(), absl::StrCat("spec.", resolved.status().message()));
 
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   s.TickLocked();
   for (const auto& [id, job] : s.state.jobs) {
     if (!request.request_id().empty() && job.request_id() == request.request_id()) {
@@ -124,7 +124,7 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
 
 absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(const v1::GetJobRequest& request) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   s.TickLocked();
   MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobForCaller(request.job_id(), request.job_token()));
   v1::GetJobResponse response;
@@ -136,7 +136,7 @@ absl::StatusOr<v1::GetJobResponse> Coordinator::GetJob(const v1::GetJobRequest& 
 
 v1::ListJobsResponse Coordinator::ListJobs(const v1::ListJobsRequest& request) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   s.TickLocked();
   std::vector<v1::JobInfo> jobs;
   for (const auto& [id, job] : s.state.jobs) jobs.push_back(s.InfoWithProgress(job));
@@ -151,7 +151,7 @@ v1::ListJobsResponse Coordinator::ListJobs(const v1::ListJobsRequest& request) {
 
 absl::Status Coordinator::DeleteJob(const v1::DeleteJobRequest& request) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* found, s.JobOrNotFound(request.job_id()));
   const v1::StoredJob job = *found;
   Batch batch;
@@ -173,7 +173,7 @@ absl::Status Coordinator::DeleteJob(const v1::DeleteJobRequest& request) {
 
 absl::StatusOr<v1::GetLayoutResponse> Coordinator::GetLayout(const v1::GetLayoutRequest& request) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobForCaller(request.job_id(), request.job_token()));
   v1::GetLayoutResponse response;
   *response.mutable_layout() = job->layout();
@@ -183,7 +183,7 @@ absl::StatusOr<v1::GetLayoutResponse> Coordinator::GetLayout(const v1::GetLayout
 
 absl::StatusOr<v1::GetPlacementResponse> Coordinator::GetPlacement(const v1::GetPlacementRequest& request) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobForCaller(request.job_id(), request.job_token()));
   v1::GetPlacementResponse response;
   *response.mutable_placement() = job->placement();
@@ -193,7 +193,7 @@ absl::StatusOr<v1::GetPlacementResponse> Coordinator::GetPlacement(const v1::Get
 absl::StatusOr<v1::Placement> Coordinator::WaitPlacement(const std::string& job_id, const std::string& job_token,
                                                           int64_t known_epoch, absl::Time deadline) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   while (true) {
     MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobForCaller(job_id, job_token));
     if (job->placement().epoch() > known_epoch) return job->placement();

@@ -28,7 +28,7 @@ absl::StatusOr<v1::KvPutResponse> Coordinator::KvPut(const v1::KvPutRequest& req
     return absl::InvalidArgumentError(
         absl::StrCat("expected_version: must be >= 0, got ", request.expected_version()));
   }
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   s.TickLocked();
   auto it = s.state.kv.find(request.key());
   const int64_t current_version = it == s.state.kv.end() ? 0 : it->second.version();
@@ -61,7 +61,7 @@ absl::StatusOr<v1::KvGetResponse> Coordinator::KvGet(const v1::KvGetRequest& req
   if (request.wait_ms() < 0) return absl::InvalidArgumentError(absl::StrCat("wait_ms: must be >= 0, got ", request.wait_ms()));
   Impl& s = *impl_;
   const absl::Time wait_until = std::min(deadline, absl::Now() + absl::Milliseconds(request.wait_ms()));
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   while (true) {
     s.TickLocked();
     v1::KvGetResponse response;
@@ -91,7 +91,7 @@ absl::StatusOr<v1::KvDeleteResponse> Coordinator::KvDelete(const v1::KvDeleteReq
     return absl::InvalidArgumentError("expected_version: only for a single key, not a prefix");
   }
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  Impl::StateLock lock(s);
   s.TickLocked();
   Batch batch;
   if (request.prefix()) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status.h"
 #include "server/coordinator/state.h"
 
@@ -101,29 +102,80 @@ absl::Status FsyncDir(const std::string& dir) {
 
 class MemoryStateStore : public StateStore {
  public:
-  absl::StatusOr<v1::CoordinatorState> Load() override { return state_.ToProto(); }
-  absl::Status Append(const v1::StateBatch& batch) override {
+  absl::StatusOr<v1::CoordinatorState> Load() override {
+    absl::MutexLock lock(&mu_);
+    return state_.ToProto();
+  }
+  absl::Status Write(const v1::StateBatch& batch) override {
+    absl::MutexLock lock(&mu_);
     state_.Apply(batch);
     return absl::OkStatus();
   }
-  absl::Status WriteSnapshot(const v1::CoordinatorState& state) override {
+  absl::Status Sync() override { return absl::OkStatus(); }
+  absl::Status StartSnapshot(const v1::CoordinatorState& state) override {
+    absl::MutexLock lock(&mu_);
     state_ = State::FromProto(state);
     return absl::OkStatus();
   }
 
  private:
-  State state_;
+  absl::Mutex mu_;
+  State state_ ABSL_GUARDED_BY(mu_);
 };
+
+// Replays the frames of one log file onto `state`. Sets `*valid_end` to the end of the last
+// whole frame; a torn final frame sets `*torn`. Any other bad frame is DATA_LOSS.
+absl::Status ReplayLog(const std::string& path, const std::string& wal, State& state, int64_t* valid_end, bool* torn) {
+  *torn = false;
+  size_t offset = 0;
+  while (offset < wal.size()) {
+    uint32_t header[3] = {0, 0, 0};
+    const bool header_ok = wal.size() - offset >= kHeader;
+    if (header_ok) std::memcpy(header, wal.data() + offset, kHeader);
+    const bool fits =
+        header_ok && header[0] == kWalMagic && header[1] <= kMaxFrame && wal.size() - offset - kHeader >= header[1];
+    v1::StateBatch batch;
+    const bool valid = fits && header[2] == Crc32(wal.data() + offset + kHeader, header[1]) &&
+                       batch.ParseFromArray(wal.data() + offset + kHeader, static_cast<int>(header[1]));
+    if (!valid) {
+      // Only an append cut short by a crash is a torn tail (never acknowledged: appends are
+      // synced before they are answered): the final record's header or payload runs past the
+      // end of the file, or the file was extended with zeros that were never written. Anything
+      // else (a bad magic, length or checksum of a complete record) is corruption of
+      // acknowledged data: refuse to start rather than drop it silently.
+      const bool short_header = !header_ok;
+      const bool short_payload = header_ok && header[0] == kWalMagic && header[1] <= kMaxFrame && !fits;
+      const bool zero_tail =
+          std::all_of(wal.begin() + static_cast<std::ptrdiff_t>(offset), wal.end(), [](char c) { return c == 0; });
+      if (!short_header && !short_payload && !zero_tail) {
+        return absl::DataLossError(absl::StrCat(
+            path, ": corrupt record at byte ", offset, " of ", wal.size(), " (",
+            header[0] != kWalMagic ? "bad magic" : header[1] > kMaxFrame ? "bad length" : "bad checksum",
+            "); it is not a torn final append, so the coordinator refuses to start rather than lose "
+            "acknowledged changes (restore the state directory from a backup)"));
+      }
+      *torn = true;
+      break;
+    }
+    if (batch.sequence() > state.sequence) state.Apply(batch);
+    offset += kHeader + header[1];
+  }
+  *valid_end = static_cast<int64_t>(offset);
+  return absl::OkStatus();
+}
 
 class FileStateStore : public StateStore {
  public:
   explicit FileStateStore(std::string dir)
-      : dir_(std::move(dir)), wal_path_(dir_ + "/wal"), snapshot_path_(dir_ + "/snapshot") {}
+      : dir_(std::move(dir)), wal_path_(dir_ + "/wal"), next_path_(dir_ + "/wal.next"),
+        snapshot_path_(dir_ + "/snapshot") {}
   ~FileStateStore() override {
     if (wal_fd_ >= 0) ::close(wal_fd_);
+    if (next_fd_ >= 0) ::close(next_fd_);
   }
 
   absl::StatusOr<v1::CoordinatorState> Load() override {
+    absl::MutexLock lock(&mu_);
     State state;
     bool exists = false;
     MAINSTAY_ASSIGN_OR_RETURN(std::string snap, ReadFile(snapshot_path_, &exists));
@@ -140,77 +192,101 @@ class FileStateStore : public StateStore {
       state = State::FromProto(proto);
     }
     MAINSTAY_ASSIGN_OR_RETURN(std::string wal, ReadFile(wal_path_, &exists));
-    // Per Load: a torn tail cut off by an earlier Load must not cut later appends again.
-    int64_t torn_tail_at = -1;
-    size_t offset = 0;
-    while (offset < wal.size()) {
-      uint32_t header[3] = {0, 0, 0};
-      const bool header_ok = wal.size() - offset >= kHeader;
-      if (header_ok) std::memcpy(header, wal.data() + offset, kHeader);
-      const bool fits = header_ok && header[0] == kWalMagic && header[1] <= kMaxFrame &&
-                        wal.size() - offset - kHeader >= header[1];
-      v1::StateBatch batch;
-      const bool valid = fits && header[2] == Crc32(wal.data() + offset + kHeader, header[1]) &&
-                         batch.ParseFromArray(wal.data() + offset + kHeader, static_cast<int>(header[1]));
-      if (!valid) {
-        // Only an append cut short by a crash is a torn tail (never acknowledged: appends are
-        // fdatasync'ed before they are answered): the final record's header or payload runs
-        // past the end of the file, or the file was extended with zeros that were never
-        // written. Anything else (a bad magic, length or checksum of a complete record) is
-        // corruption of acknowledged data: refuse to start rather than drop it silently.
-        const bool short_header = !header_ok;
-        const bool short_payload = header_ok && header[0] == kWalMagic && header[1] <= kMaxFrame && !fits;
-        const bool zero_tail = std::all_of(wal.begin() + static_cast<std::ptrdiff_t>(offset), wal.end(),
-                                           [](char c) { return c == 0; });
-        if (!short_header && !short_payload && !zero_tail) {
-          return absl::DataLossError(absl::StrCat(
-              wal_path_, ": corrupt record at byte ", offset, " of ", wal.size(), " (",
-              header[0] != kWalMagic ? "bad magic" : header[1] > kMaxFrame ? "bad length" : "bad checksum",
-              "); it is not a torn final append, so the coordinator refuses to start rather than lose "
-              "acknowledged changes (restore the state directory from a backup)"));
-        }
-        torn_tail_at = static_cast<int64_t>(offset);
-        break;
+    int64_t wal_end = 0;
+    bool wal_torn = false;
+    MAINSTAY_RETURN_IF_ERROR(ReplayLog(wal_path_, wal, state, &wal_end, &wal_torn));
+    bool next_exists = false;
+    MAINSTAY_ASSIGN_OR_RETURN(std::string next, ReadFile(next_path_, &next_exists));
+    if (next_exists) {
+      // A crash while a snapshot was written: the log after it continues this one, unless this
+      // one was cut short (then nothing in the next one was ever synced: a Sync covers both).
+      if (!wal_torn) {
+        int64_t next_end = 0;
+        bool next_torn = false;
+        MAINSTAY_RETURN_IF_ERROR(ReplayLog(next_path_, next, state, &next_end, &next_torn));
       }
-      if (batch.sequence() > state.sequence) state.Apply(batch);
-      offset += kHeader + header[1];
+      // Start again from one snapshot and an empty log.
+      MAINSTAY_RETURN_IF_ERROR(WriteSnapshotFile(state.ToProto().SerializeAsString()));
+      MAINSTAY_RETURN_IF_ERROR(OpenWal(0));
+      if (::unlink(next_path_.c_str()) != 0) return Errno("unlink", next_path_);
+      MAINSTAY_RETURN_IF_ERROR(FsyncDir(dir_));
+      return state.ToProto();
     }
-    MAINSTAY_RETURN_IF_ERROR(OpenWal(torn_tail_at >= 0 ? torn_tail_at : static_cast<int64_t>(wal.size())));
+    MAINSTAY_RETURN_IF_ERROR(OpenWal(wal_torn ? wal_end : -1));
     return state.ToProto();
   }
 
-  absl::Status Append(const v1::StateBatch& batch) override {
-    if (broken_) return absl::FailedPreconditionError("state store failed earlier; restart the coordinator");
+  absl::Status Write(const v1::StateBatch& batch) override {
+    absl::MutexLock lock(&mu_);
+    if (broken_) return Broken();
     if (wal_fd_ < 0) MAINSTAY_RETURN_IF_ERROR(OpenWal(-1));
+    const bool next = next_fd_ >= 0;
+    const int fd = next ? next_fd_ : wal_fd_;
+    int64_t& size = next ? next_size_ : wal_size_;
+    const std::string& path = next ? next_path_ : wal_path_;
     const std::string frame = Frame(kWalMagic, batch.SerializeAsString());
-    absl::Status status = WriteAll(wal_fd_, frame, wal_path_);
-    if (status.ok() && ::fdatasync(wal_fd_) != 0) status = Errno("fdatasync", wal_path_);
-    if (!status.ok()) {
+    if (absl::Status status = WriteAll(fd, frame, path); !status.ok()) {
       // Take the partial frame back so a later Load cannot replay a batch we reported failed.
-      if (::ftruncate(wal_fd_, wal_size_) != 0 || ::lseek(wal_fd_, wal_size_, SEEK_SET) < 0) broken_ = true;
+      if (::ftruncate(fd, size) != 0 || ::lseek(fd, size, SEEK_SET) < 0) broken_ = true;
       return absl::UnavailableError(absl::StrCat("state store: ", status.message()));
     }
-    wal_size_ += static_cast<int64_t>(frame.size());
+    size += static_cast<int64_t>(frame.size());
     return absl::OkStatus();
   }
 
-  absl::Status WriteSnapshot(const v1::CoordinatorState& state) override {
-    const std::string tmp = snapshot_path_ + ".tmp";
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0) return Errno("open", tmp);
-    absl::Status status = WriteAll(fd, Frame(kSnapMagic, state.SerializeAsString()), tmp);
-    if (status.ok() && ::fsync(fd) != 0) status = Errno("fsync", tmp);
-    ::close(fd);
-    if (status.ok() && ::rename(tmp.c_str(), snapshot_path_.c_str()) != 0) status = Errno("rename", tmp);
-    if (status.ok()) status = FsyncDir(dir_);
-    if (!status.ok()) return status;
-    // Batches up to state.sequence() are in the snapshot; Load skips them, so a crash before
-    // this truncation is harmless.
-    if (wal_fd_ >= 0 && (::ftruncate(wal_fd_, 0) != 0 || ::lseek(wal_fd_, 0, SEEK_SET) < 0 || ::fsync(wal_fd_) != 0)) {
-      broken_ = true;
-      return Errno("truncate", wal_path_);
+  absl::Status StartSnapshot(const v1::CoordinatorState& state) override {
+    absl::MutexLock lock(&mu_);
+    if (broken_) return Broken();
+    if (next_fd_ >= 0) return absl::FailedPreconditionError("state store: a snapshot is being written already");
+    if (wal_fd_ < 0) MAINSTAY_RETURN_IF_ERROR(OpenWal(-1));
+    const int fd = ::open(next_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return Errno("open", next_path_);
+    next_fd_ = fd;
+    next_size_ = 0;
+    snapshot_ = state.SerializeAsString();
+    return absl::OkStatus();
+  }
+
+  absl::Status Sync() override {
+    int wal_fd, next_fd;
+    std::string snapshot;
+    {
+      absl::MutexLock lock(&mu_);
+      if (broken_) return Broken();
+      wal_fd = wal_fd_;
+      next_fd = next_fd_;
+      snapshot = snapshot_;  // (a copy: Writes go on meanwhile, and the snapshot is rare)
     }
-    wal_size_ = 0;
+    // Without the lock: Writes go on into the log while this one is synced; they are synced by
+    // the next Sync.
+    for (const auto& [fd, path] : {std::pair{wal_fd, &wal_path_}, std::pair{next_fd, &next_path_}}) {
+      if (fd >= 0 && ::fdatasync(fd) != 0) {
+        const absl::Status error = Errno("fdatasync", *path);
+        absl::MutexLock lock(&mu_);
+        broken_ = true;
+        return absl::UnavailableError(absl::StrCat("state store: ", error.message()));
+      }
+    }
+    if (next_fd < 0) return absl::OkStatus();
+    // The snapshot, then the next log in place of the old one (both renames atomic; Load
+    // handles a crash between them).
+    absl::Status written = WriteSnapshotFile(snapshot);
+    if (written.ok() && ::rename(next_path_.c_str(), wal_path_.c_str()) != 0) written = Errno("rename", next_path_);
+    if (written.ok()) written = FsyncDir(dir_);
+    absl::MutexLock lock(&mu_);
+    if (!written.ok()) {
+      // The log before the snapshot stays; the next one's records go back into it, so that a
+      // later snapshot can start over.
+      absl::Status merged = MergeNextBackLocked();
+      if (!merged.ok()) broken_ = true;
+      return absl::UnavailableError(absl::StrCat("state store: snapshot: ", written.message()));
+    }
+    ::close(wal_fd_);
+    wal_fd_ = next_fd_;
+    wal_size_ = next_size_;
+    next_fd_ = -1;
+    next_size_ = 0;
+    snapshot_.clear();
     return absl::OkStatus();
   }
 
@@ -224,22 +300,61 @@ class FileStateStore : public StateStore {
   }
 
  private:
-  // Opens the log for appending; `truncate_to` >= 0 cuts a torn tail first.
-  absl::Status OpenWal(int64_t truncate_to) {
+  static absl::Status Broken() {
+    return absl::FailedPreconditionError("state store failed earlier; restart the coordinator");
+  }
+
+  // Opens the log for appending; `truncate_to` >= 0 cuts it there first (a torn tail, or 0).
+  absl::Status OpenWal(int64_t truncate_to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (wal_fd_ >= 0) ::close(wal_fd_);
     wal_fd_ = ::open(wal_path_.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
     if (wal_fd_ < 0) return Errno("open", wal_path_);
-    if (truncate_to >= 0 && ::ftruncate(wal_fd_, truncate_to) != 0) return Errno("ftruncate", wal_path_);
+    if (truncate_to >= 0 && (::ftruncate(wal_fd_, truncate_to) != 0 || ::fdatasync(wal_fd_) != 0)) {
+      return Errno("ftruncate", wal_path_);
+    }
     const off_t end = ::lseek(wal_fd_, 0, SEEK_END);
     if (end < 0) return Errno("lseek", wal_path_);
     wal_size_ = end;
     return FsyncDir(dir_);
   }
 
-  const std::string dir_, wal_path_, snapshot_path_;
-  int wal_fd_ = -1;
-  int64_t wal_size_ = 0;
-  bool broken_ = false;
+  // snapshot.tmp, fsync, renamed over snapshot, the directory fsynced.
+  absl::Status WriteSnapshotFile(const std::string& payload) {
+    const std::string tmp = snapshot_path_ + ".tmp";
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return Errno("open", tmp);
+    absl::Status status = WriteAll(fd, Frame(kSnapMagic, payload), tmp);
+    if (status.ok() && ::fsync(fd) != 0) status = Errno("fsync", tmp);
+    ::close(fd);
+    if (status.ok() && ::rename(tmp.c_str(), snapshot_path_.c_str()) != 0) status = Errno("rename", tmp);
+    if (status.ok()) status = FsyncDir(dir_);
+    return status;
+  }
+
+  // A snapshot failed: the next log's frames are appended to the log and the next log goes.
+  absl::Status MergeNextBackLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    bool exists = false;
+    MAINSTAY_ASSIGN_OR_RETURN(std::string next, ReadFile(next_path_, &exists));
+    next.resize(static_cast<size_t>(std::min<int64_t>(next_size_, static_cast<int64_t>(next.size()))));
+    MAINSTAY_RETURN_IF_ERROR(WriteAll(wal_fd_, next, wal_path_));
+    if (::fdatasync(wal_fd_) != 0) return Errno("fdatasync", wal_path_);
+    wal_size_ += static_cast<int64_t>(next.size());
+    ::close(next_fd_);
+    next_fd_ = -1;
+    next_size_ = 0;
+    snapshot_.clear();
+    if (::unlink(next_path_.c_str()) != 0) return Errno("unlink", next_path_);
+    return FsyncDir(dir_);
+  }
+
+  const std::string dir_, wal_path_, next_path_, snapshot_path_;
+  absl::Mutex mu_;  // the fds and sizes; never held across an fdatasync of the logs
+  int wal_fd_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t wal_size_ ABSL_GUARDED_BY(mu_) = 0;
+  int next_fd_ ABSL_GUARDED_BY(mu_) = -1;  // >= 0 while a snapshot is being written
+  int64_t next_size_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string snapshot_ ABSL_GUARDED_BY(mu_);  // the started snapshot, serialized
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace

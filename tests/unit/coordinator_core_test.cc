@@ -8,7 +8,10 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <thread>
 
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "common/job_spec.h"
 #include "common/job_spec_proto.h"
 #include "server/coordinator/coordinator.h"
@@ -227,41 +230,77 @@ TEST_F(CoordinatorCoreTest, LeaseExpiryMarksDaemonDownAndJobDegraded) {
   EXPECT_EQ(coordinator_->ListJobs({}).jobs(0).state(), v1::JOB_STATE_READY);
 }
 
-// A store whose writes can be made to take `stall_ms` of (fake) time, like an fdatasync on a
-// slow disk.
+// A store whose Sync can be held (an fdatasync on a stalled disk) until released.
 class StallingStore : public StateStore {
  public:
-  StallingStore(std::unique_ptr<StateStore> inner, FakeClock* clock) : inner_(std::move(inner)), clock_(clock) {}
+  explicit StallingStore(std::unique_ptr<StateStore> inner) : inner_(std::move(inner)) {}
   absl::StatusOr<v1::CoordinatorState> Load() override { return inner_->Load(); }
-  absl::Status Append(const v1::StateBatch& batch) override {
-    clock_->Advance(stall_ms);
-    return inner_->Append(batch);
+  absl::Status Write(const v1::StateBatch& batch) override { return inner_->Write(batch); }
+  absl::Status StartSnapshot(const v1::CoordinatorState& state) override { return inner_->StartSnapshot(state); }
+  absl::Status Sync() override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (held_) {
+        ++stalled_;
+        mu_.Await(absl::Condition(+[](bool* held) { return !*held; }, &held_));
+      }
+    }
+    return inner_->Sync();
   }
-  absl::Status WriteSnapshot(const v1::CoordinatorState& state) override { return inner_->WriteSnapshot(state); }
-  int64_t stall_ms = 0;
+  void Hold() {
+    absl::MutexLock lock(&mu_);
+    held_ = true;
+  }
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    held_ = false;
+  }
+  // Waits until a Sync is held.
+  void AwaitStalled() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(+[](int* n) { return *n > 0; }, &stalled_));
+  }
 
  private:
   std::unique_ptr<StateStore> inner_;
-  FakeClock* clock_;
+  absl::Mutex mu_;
+  bool held_ ABSL_GUARDED_BY(mu_) = false;
+  int stalled_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-TEST_F(CoordinatorCoreTest, AStallInTheStoresSyncDoesNotMarkLiveDaemonsDown) {
-  auto stalling = std::make_unique<StallingStore>(NewMemoryStateStore(), &clock_);
+// Group commit (state_store.h): the sync runs without the coordinator's lock, so daemons renew
+// their leases through a stalled disk, and nothing that depends on an unsynced batch (the
+// CreateJob's answer, its AssignShard calls) leaves the coordinator until the sync completes.
+TEST_F(CoordinatorCoreTest, AStalledSyncHoldsNoLockAndMarksNoLiveDaemonDown) {
+  auto stalling = std::make_unique<StallingStore>(NewMemoryStateStore());
   StallingStore* store = stalling.get();
   Restart(std::move(stalling));
   auto a = Register("n1", kGiB);
   auto b = Register("n2", kGiB);
-  // A write that takes 10 s (leases are 1 s): nobody could heartbeat meanwhile.
-  store->stall_ms = 10'000;
-  ASSERT_THAT(Create(SmallSpec("j", 2)), IsOk());
-  store->stall_ms = 0;
-  coordinator_->Tick();
-  for (const auto* d : {&a, &b}) {
-    v1::HeartbeatRequest hb;
-    hb.set_daemon_id(d->daemon_id());
-    hb.set_lease_id(d->lease_id());
-    EXPECT_THAT(coordinator_->Heartbeat(hb), IsOk()) << d->daemon_id();
+  const size_t calls_before = assigner_.calls().size();
+  store->Hold();
+  absl::StatusOr<v1::CreateJobResponse> created;
+  std::thread create([&] { created = Create(SmallSpec("j", 2)); });
+  store->AwaitStalled();
+  EXPECT_TRUE(coordinator_->StateLockFreeForTesting()) << "the sync holds the coordinator's lock";
+  // Ten seconds of a stalled disk (leases are 1 s): the daemons' heartbeats are answered at once.
+  for (int i = 0; i < 11; ++i) {
+    clock_.Advance(900);
+    for (const auto* d : {&a, &b}) {
+      v1::HeartbeatRequest hb;
+      hb.set_daemon_id(d->daemon_id());
+      hb.set_lease_id(d->lease_id());
+      EXPECT_THAT(coordinator_->Heartbeat(hb), IsOk()) << d->daemon_id();
+    }
   }
+  std::thread tick([&] { coordinator_->Tick(); });  // (its own return waits for the sync)
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(assigner_.calls().size(), calls_before) << "a daemon got shards of a job that is not durable yet";
+  store->Release();
+  create.join();
+  tick.join();
+  ASSERT_THAT(created, IsOk());
+  EXPECT_GE(assigner_.calls().size(), calls_before + 2);  // (and re-sends: these daemons report no job)
   for (const auto& [id, d] : Daemons()) EXPECT_EQ(d.state(), v1::DAEMON_STATE_READY) << id;
   EXPECT_EQ(coordinator_->ListJobs({}).jobs(0).state(), v1::JOB_STATE_READY);
   // Real silence still expires a lease.
@@ -1120,6 +1159,66 @@ TEST_F(FileStoreTest, ReplaysLogOntoSnapshot) {
   ASSERT_THAT(state, IsOk());
   EXPECT_EQ(state->sequence(), 3);
   EXPECT_EQ(state->kv_size(), 3);
+}
+
+// A snapshot is written by the Sync after StartSnapshot, while Writes go on into the next log
+// (wal.next): a crash at any point in between loses nothing that was written in order, and a
+// torn end of the old log also drops the next one (nothing in it can have been synced).
+TEST_F(FileStoreTest, ACrashWhileASnapshotIsWrittenLosesNothingWrittenBeforeIt) {
+  v1::CoordinatorState at2;
+  at2.set_sequence(2);
+  *at2.add_kv() = KvBatch(1, "a").records(0).put_kv();
+  *at2.add_kv() = KvBatch(2, "b").records(0).put_kv();
+  {  // the crash comes after the next log got batch 3, before any Sync
+    auto store = OpenFileStateStore(dir_);
+    ASSERT_THAT((*store)->Load(), IsOk());
+    ASSERT_THAT((*store)->Append(KvBatch(1, "a")), IsOk());
+    ASSERT_THAT((*store)->Append(KvBatch(2, "b")), IsOk());
+    ASSERT_THAT((*store)->StartSnapshot(at2), IsOk());
+    EXPECT_THAT((*store)->StartSnapshot(at2), StatusIs(absl::StatusCode::kFailedPrecondition)) << "one at a time";
+    ASSERT_THAT((*store)->Write(KvBatch(3, "c")), IsOk());
+    EXPECT_TRUE(std::filesystem::exists(dir_ / "wal.next"));
+  }
+  {
+    auto store = OpenFileStateStore(dir_);
+    auto state = (*store)->Load();
+    ASSERT_THAT(state, IsOk());
+    EXPECT_EQ(state->sequence(), 3);
+    EXPECT_EQ(state->kv_size(), 3);
+    EXPECT_FALSE(std::filesystem::exists(dir_ / "wal.next")) << "Load starts over from one snapshot and one log";
+    // Later, a snapshot completes while writes continue: both land.
+    ASSERT_THAT((*store)->Append(KvBatch(4, "d")), IsOk());
+    v1::CoordinatorState at4 = *state;
+    at4.set_sequence(4);
+    *at4.add_kv() = KvBatch(4, "d").records(0).put_kv();
+    ASSERT_THAT((*store)->StartSnapshot(at4), IsOk());
+    ASSERT_THAT((*store)->Write(KvBatch(5, "e")), IsOk());
+    ASSERT_THAT((*store)->Sync(), IsOk());
+    EXPECT_FALSE(std::filesystem::exists(dir_ / "wal.next"));
+    ASSERT_THAT((*store)->Append(KvBatch(6, "f")), IsOk());
+  }
+  {
+    auto store = OpenFileStateStore(dir_);
+    auto state = (*store)->Load();
+    ASSERT_THAT(state, IsOk());
+    EXPECT_EQ(state->sequence(), 6);
+    EXPECT_EQ(state->kv_size(), 6);
+  }
+  // The old log cut short while a next log exists: the next log's records were never synced.
+  std::filesystem::remove_all(dir_);
+  {
+    auto store = OpenFileStateStore(dir_);
+    ASSERT_THAT((*store)->Load(), IsOk());
+    ASSERT_THAT((*store)->Append(KvBatch(1, "a")), IsOk());
+    ASSERT_THAT((*store)->Write(KvBatch(2, "b")), IsOk());
+    ASSERT_THAT((*store)->StartSnapshot(at2), IsOk());
+    ASSERT_THAT((*store)->Write(KvBatch(3, "c")), IsOk());
+  }
+  std::filesystem::resize_file(dir_ / "wal", std::filesystem::file_size(dir_ / "wal") - 3);
+  auto store = OpenFileStateStore(dir_);
+  auto state = (*store)->Load();
+  ASSERT_THAT(state, IsOk());
+  EXPECT_EQ(state->sequence(), 1) << "batch 3 follows a torn batch 2: never acknowledged";
 }
 
 TEST_F(FileStoreTest, TornTailIsCutAndCorruptMiddleIsRefused) {
