@@ -217,45 +217,11 @@ class Cluster {
   // What the coordinator does for a move (MoveShard): rank `rank`'s shards go to daemon `to` at
   // the next epoch; `to` copies them from their owner, the others learn the new placement; once
   // `to` has loaded them, the old owner drops them. Returns the first failed call.
-  absl::Status Move(int32_t rank, int to) {
-    const int from = Owner(rank);
-    if (owners_.empty()) {
-      for (int32_t r = 0; r < layout().data_parallel_size; ++r) owners_.push_back(Owner(r));
-    }
-    owners_[static_cast<size_t>(rank)] = to;
-    ++epoch_;
-    MAINSTAY_RETURN_IF_ERROR(SendPlacement({{to, {rank, from}}}));
-    MAINSTAY_RETURN_IF_ERROR(WaitLoaded(to));
-    v1::DropShardRequest drop;
-    drop.set_job_id(kJob);
-    drop.set_placement_epoch(epoch_);
-    for (const Bucket& b : resolved_.layout.buckets) *drop.add_shards() = ShardRef(b.index, rank);
-    return daemons_[static_cast<size_t>(from)]->DropShard(drop);
-  }
+  absl::Status Move(int32_t rank, int to) { return MoveAndResend(rank, to, /*resend=*/false); }
 
   // A move whose first copy fails (its source cannot be reached for a while): the coordinator
   // re-sends it at the next epoch (reconciliation), after which the copy succeeds.
-  absl::Status MoveWithResend(int32_t rank, int to) {
-    const int from = Owner(rank);
-    if (owners_.empty()) {
-      for (int32_t r = 0; r < layout().data_parallel_size; ++r) owners_.push_back(Owner(r));
-    }
-    owners_[static_cast<size_t>(rank)] = to;
-    peer_client_.SetCopiesFail(absl::StrCat("d", from), true);
-    ++epoch_;
-    MAINSTAY_RETURN_IF_ERROR(SendPlacement({{to, {rank, from}}}));
-    absl::SleepFor(absl::Milliseconds(200));  // the first copy fails meanwhile
-    ++epoch_;
-    MAINSTAY_RETURN_IF_ERROR(SendPlacement({{to, {rank, from}}}));
-    absl::SleepFor(absl::Milliseconds(800));  // the first move's retry fails too, superseded
-    peer_client_.SetCopiesFail(absl::StrCat("d", from), false);
-    MAINSTAY_RETURN_IF_ERROR(WaitLoaded(to));
-    v1::DropShardRequest drop;
-    drop.set_job_id(kJob);
-    drop.set_placement_epoch(epoch_);
-    for (const Bucket& b : resolved_.layout.buckets) *drop.add_shards() = ShardRef(b.index, rank);
-    return daemons_[static_cast<size_t>(from)]->DropShard(drop);
-  }
+  absl::Status MoveWithResend(int32_t rank, int to) { return MoveAndResend(rank, to, /*resend=*/true); }
 
   // What the coordinator does to re-replicate: daemon `to` becomes one more replica of rank
   // `rank` at the next epoch and copies it from the rank's primary, which keeps its copy.
@@ -458,6 +424,30 @@ class Cluster {
       if (req.shards_size() > 0) MAINSTAY_RETURN_IF_ERROR(daemons_[static_cast<size_t>(i)]->AssignShard(req).status());
     }
     return absl::OkStatus();
+  }
+
+  absl::Status MoveAndResend(int32_t rank, int to, bool resend) {
+    const int from = Owner(rank);
+    if (owners_.empty()) {
+      for (int32_t r = 0; r < layout().data_parallel_size; ++r) owners_.push_back(Owner(r));
+    }
+    owners_[static_cast<size_t>(rank)] = to;
+    if (resend) peer_client_.SetCopiesFail(absl::StrCat("d", from), true);
+    ++epoch_;
+    MAINSTAY_RETURN_IF_ERROR(SendPlacement({{to, {rank, from}}}));
+    if (resend) {
+      absl::SleepFor(absl::Milliseconds(200));  // the first copy fails meanwhile
+      ++epoch_;
+      MAINSTAY_RETURN_IF_ERROR(SendPlacement({{to, {rank, from}}}));
+      absl::SleepFor(absl::Milliseconds(800));  // the first move's retry fails too, superseded
+      peer_client_.SetCopiesFail(absl::StrCat("d", from), false);
+    }
+    MAINSTAY_RETURN_IF_ERROR(WaitLoaded(to));
+    v1::DropShardRequest drop;
+    drop.set_job_id(kJob);
+    drop.set_placement_epoch(epoch_);
+    for (const Bucket& b : resolved_.layout.buckets) *drop.add_shards() = ShardRef(b.index, rank);
+    return daemons_[static_cast<size_t>(from)]->DropShard(drop);
   }
 
   // What the coordinator waits for after a copy: the target's progress says it loaded epoch_.
