@@ -341,8 +341,8 @@ void OpGroup::OnRecv(void*, ucs_status_t status, const ucp_tag_recv_info_t* info
 
 void OpGroup::Complete(Slot* slot, ucs_status_t status, size_t length) {
   State& s = *slot->state;
-  s.worker->AddActive(-1);
   absl::MutexLock lock(&s.mu);
+  if (!s.abandoned) s.worker->AddActive(-1);  // (a given-up operation was counted out already)
   slot->done = true;
   slot->length = length;
   --s.pending;
@@ -471,6 +471,8 @@ bool OpGroup::CancelAndDrain() {
   // more for them; the group gives them up, and its state stays allocated for good.
   int receives = 0;
   for (const Slot* slot : s.recvs) receives += slot->done ? 0 : 1;
+  s.abandoned = true;
+  worker_->AddActive(-s.pending);  // the progress thread goes back to its idle rhythm
   std::fprintf(stderr,
                "mainstay ucx: gave up %d operation(s) (%d receive(s)) still in flight %s after their cancellation; "
                "their bookkeeping is leaked\n",

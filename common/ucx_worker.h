@@ -190,7 +190,8 @@ class OpGroup {
   explicit OpGroup(Worker* worker) : worker_(worker), s_(std::make_unique<State>(worker)) {}
   // Cancels what is outstanding and waits for it: buffers are free afterwards. Where UCX never
   // completes an operation (a send queued to a shared-memory peer that died, after its endpoint
-  // was closed) the group gives it up after a few seconds, with a line on stderr.
+  // was closed) the group gives it up after a few seconds, with a line on stderr; UCX is not
+  // expected to touch its buffer again (the endpoint is gone), but nothing guarantees it.
   ~OpGroup();
 
   // Post one operation. A failure to post is remembered and returned by Wait.
@@ -228,6 +229,7 @@ class OpGroup {
     absl::Mutex mu;
     int pending ABSL_GUARDED_BY(mu) = 0;
     absl::Status error ABSL_GUARDED_BY(mu);
+    bool abandoned ABSL_GUARDED_BY(mu) = false;  // the group gave its outstanding operations up
   };
   static void OnSend(void* request, ucs_status_t status, void* user_data);
   static void OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data);
