@@ -86,6 +86,11 @@ class TransportFaultTest(unittest.TestCase):
         client.push_initial_params(0, np.zeros(SHAPE[0] * SHAPE[1], dtype=np.float32), wait=True)
         return client
 
+    def delete_job(self, job_id):
+        """The next attempt's job needs the daemon's memory (1.2 GB of its 2 GB)."""
+        r = self.cluster.ctl("jobs", "delete", job_id, "--yes")
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
     def test_a_trainer_killed_mid_push_leaves_nothing_stored(self):
         # Shared memory can move the whole push before the kill lands: then the daemon rightly
         # stored it in full (the step's norm proves it was not cut), but the kill proved nothing,
@@ -108,7 +113,8 @@ class TransportFaultTest(unittest.TestCase):
             p.kill()
             p.wait()
             if "PUSHED" in read(log):
-                continue  # acknowledged before the kill
+                self.delete_job(client.job_id)  # acknowledged before the kill
+                continue
             time.sleep(1.0)
             # The same push again, in full: stored as new, and the step uses exactly it.
             result = client.push_grad(0, 0, grad, wait=True)
@@ -119,6 +125,7 @@ class TransportFaultTest(unittest.TestCase):
             self.assertEqual(client.pull_bucket(0, 1).version, 1)
             if not result["duplicate"]:
                 return  # the kill landed mid-push, and nothing of it was kept
+            self.delete_job(client.job_id)
         self.skipTest("every push completed before its kill landed, even with no delay: nothing was cut short")
 
     def test_a_daemon_killed_mid_push_is_unavailable(self):
