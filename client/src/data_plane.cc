@@ -127,7 +127,7 @@ absl::Status Client::Impl::StartTransports(Deadline deadline) {
       if (attached_ids.count(d.daemon_id())) continue;
       MAINSTAY_ASSIGN_OR_RETURN(client_internal::DataTransport * t, TransportFor(d));
       absl::Status attached = t->Attach(d, std::min(deadline, std::chrono::system_clock::now() + kAttachSlice));
-      if (!attached.ok() && attached.GetPayload(client_internal::kAttachNotYetPayload).has_value() &&
+      if (absl::IsUnavailable(attached) && attached.GetPayload(client_internal::kAttachNotYetPayload).has_value() &&
           std::chrono::system_clock::now() < deadline) {
         waiting = true;
         continue;

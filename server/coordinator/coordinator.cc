@@ -238,6 +238,7 @@ void Coordinator::Impl::ReconcileLocked(const v1::HeartbeatRequest& request) {
   std::map<std::string, const v1::JobProgress*> held;
   for (const v1::JobProgress& p : request.jobs()) held[p.job_id()] = &p;
   Batch batch;
+  std::vector<std::pair<std::string, v1::DropShardRequest>> drops;  // sent once the batch is saved
   bool health_changed = false;
   for (const auto& [job_id, job] : state.jobs) {
     bool placed = false;
@@ -252,7 +253,7 @@ void Coordinator::Impl::ReconcileLocked(const v1::HeartbeatRequest& request) {
     }
     if (h != held.end() && h->second->placement_epoch() >= job.placement().epoch()) {
       resends.erase(key);
-      FinishMovesLocked(job, daemon_id, *h->second, batch);
+      FinishMovesLocked(job, daemon_id, *h->second, batch, drops);
       continue;
     }
     if (jobs_to_recover.count(job_id)) continue;  // the restore sends assignments of its own
@@ -292,11 +293,15 @@ void Coordinator::Impl::ReconcileLocked(const v1::HeartbeatRequest& request) {
   if (batch.empty()) return;
   if (absl::Status saved = Commit(batch); !saved.ok()) {
     Log(LogLevel::kError, "coordinator", absl::StrCat("reconciliation not saved: ", saved.message()));
+    return;
   }
+  // After the batch that ends the moves: the outbox sends them once it is durable.
+  for (const auto& [address, drop] : drops) options.assigner->Drop(address, drop);
 }
 
 void Coordinator::Impl::FinishMovesLocked(const v1::StoredJob& job, const std::string& daemon_id,
-                                          const v1::JobProgress& progress, Batch& batch) {
+                                          const v1::JobProgress& progress, Batch& batch,
+                                          std::vector<std::pair<std::string, v1::DropShardRequest>>& drops) {
   if (progress.loading() || job.moves().empty()) return;
   v1::StoredJob updated = job;
   updated.clear_moves();
@@ -333,7 +338,7 @@ void Coordinator::Impl::FinishMovesLocked(const v1::StoredJob& job, const std::s
         ref->set_shard(m.rank());
       }
     }
-    options.assigner->Drop(source->second.endpoint().address(), drop);
+    drops.emplace_back(source->second.endpoint().address(), std::move(drop));
   }
   if (finished) batch.PutJob(updated);
 }

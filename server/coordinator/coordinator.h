@@ -103,20 +103,21 @@ class Coordinator {
   absl::Status DeleteJob(const v1::DeleteJobRequest& request);
   absl::StatusOr<v1::GetLayoutResponse> GetLayout(const v1::GetLayoutRequest& request);
   absl::StatusOr<v1::GetPlacementResponse> GetPlacement(const v1::GetPlacementRequest& request);
-  // The job's placement once its epoch exceeds `known_epoch`; waits until `deadline`
-  // (DEADLINE_EXCEEDED). NOT_FOUND when the job does not exist or is deleted while waiting.
   // The daemon at `address` refused `request` with `status` (RESOURCE_EXHAUSTED: the job's
   // memory plan does not fit there). The ranks it was to gain (all of them before the job has
-  // started; else those a pending move brings it) go to other ready daemons with room at a new
-  // placement epoch, a move back to its source when none has room. A stale request (an older
-  // epoch) changes nothing. Called by the ShardAssigner (its refused handler), without locks.
+  // started or in a restore; else those a pending move brings it) go to other ready daemons
+  // with room at a new placement epoch (a restore's at that epoch from the checkpoint), a move
+  // back to its source when none has room. A stale request (an older epoch) changes nothing.
+  // Called by the ShardAssigner (its refused handler), without locks.
   void AssignmentRefused(const std::string& address, const v1::AssignShardRequest& request, const absl::Status& status);
 
-  // `listener()` is called after every change to the durable state (a job's placement, the
-  // KV), from under the coordinator's lock: it must not call into the Coordinator. Replaces the
-  // previous one; null removes it. For waiting calls (server/grpc/waiters.h).
+  // `listener()` is called after changes to the durable state (a job's placement, the KV) are
+  // synced, with no lock of the coordinator's held; it must not block. Replaces the previous
+  // one; null removes it. For waiting calls (server/grpc/waiters.h).
   void SetChangeListener(std::function<void()> listener);
 
+  // The job's placement once its epoch exceeds `known_epoch`; waits until `deadline`
+  // (DEADLINE_EXCEEDED). NOT_FOUND when the job does not exist or is deleted while waiting.
   absl::StatusOr<v1::Placement> WaitPlacement(const std::string& job_id, const std::string& job_token,
                                               int64_t known_epoch, absl::Time deadline);
 

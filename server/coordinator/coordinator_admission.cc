@@ -25,12 +25,16 @@ void Coordinator::AssignmentRefused(const std::string& address, const v1::Assign
   if (refuser.empty()) return;
   s.refused[job.info().job_id()].insert(refuser);
 
-  // The ranks the refuser was to gain: all of its ranks before the job started (nothing of it
-  // exists anywhere yet), else those a pending move brings to it (their source still has them).
+  // The ranks the refuser was to gain: all of its ranks before the job started, or in a restore
+  // (nothing of them exists on any daemon but the checkpoint), else those a pending move brings
+  // to it (their source still has them).
+  const bool restore = request.has_from_checkpoint();
   const std::vector<std::vector<std::string>> holders = Impl::HoldersByRank(job);
   std::map<int, std::string> gained;  // rank -> the move's source ("" for a fresh rank)
   for (size_t r = 0; r < holders.size(); ++r) {
-    if (!job.started() && std::count(holders[r].begin(), holders[r].end(), refuser)) gained[static_cast<int>(r)] = "";
+    if ((!job.started() || restore) && std::count(holders[r].begin(), holders[r].end(), refuser)) {
+      gained[static_cast<int>(r)] = "";
+    }
   }
   for (const v1::PendingMove& m : job.moves()) {
     if (m.target_daemon_id() == refuser) gained[m.rank()] = m.source_daemon_id();
@@ -105,6 +109,7 @@ void Coordinator::AssignmentRefused(const std::string& address, const v1::Assign
   placement.set_epoch(epoch);
   s.SetDaemons(placement);
   updated.mutable_info()->set_placement_epoch(epoch);
+  if (restore) updated.set_restored_epoch(epoch);  // every daemon loads the checkpoint at this epoch
   Batch batch;
   batch.PutJob(updated);
   if (absl::Status committed = s.Commit(batch); !committed.ok()) {
@@ -115,7 +120,11 @@ void Coordinator::AssignmentRefused(const std::string& address, const v1::Assign
   Log(LogLevel::kWarning, "coordinator",
       absl::StrCat("daemon ", refuser, " has no room for job ", job.info().job_id(), " (", status.message(),
                    "): at placement epoch ", epoch, " ", summary));
-  s.SendMoves(updated);
+  if (restore) {
+    s.SendAssignments(updated, {}, "", &updated.restored_from());
+  } else {
+    s.SendMoves(updated);
+  }
 }
 
 }  // namespace mainstay::coordinator

@@ -161,10 +161,12 @@ struct Coordinator::Impl {
   // coordinator.cc: compares the jobs a daemon's heartbeat reports with the placements that
   // name it; re-sends what it lacks, marks jobs started, and recovers jobs it lost.
   void ReconcileLocked(const v1::HeartbeatRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // A move's target reports `job` at the move's epoch with nothing loading: the move is done, the
-  // source is told to drop the rank (`batch` gets the job without the move).
+  // A move's target reports `job` at the move's epoch with nothing loading: the move is done
+  // (`batch` gets the job without the move), and the source is to drop the rank: `drops` gets
+  // (address, request), which the caller sends once `batch` is saved.
   void FinishMovesLocked(const v1::StoredJob& job, const std::string& daemon_id, const v1::JobProgress& progress,
-                         Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+                         Batch& batch, std::vector<std::pair<std::string, v1::DropShardRequest>>& drops)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Registers a checkpoint of the job as WRITING; returns it and the step to write.
   absl::StatusOr<std::pair<v1::CheckpointInfo, int64_t>> BeginCheckpointLocked(const std::string& job_id,
                                                                                 bool periodic)

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/logging.h"
 #include "common/status.h"
 #include "server/coordinator/state.h"
 
@@ -197,22 +198,23 @@ class FileStateStore : public StateStore {
     MAINSTAY_RETURN_IF_ERROR(ReplayLog(wal_path_, wal, state, &wal_end, &wal_torn));
     bool next_exists = false;
     MAINSTAY_ASSIGN_OR_RETURN(std::string next, ReadFile(next_path_, &next_exists));
+    MAINSTAY_RETURN_IF_ERROR(OpenWal(wal_torn ? wal_end : -1));
     if (next_exists) {
       // A crash while a snapshot was written: the log after it continues this one, unless this
       // one was cut short (then nothing in the next one was ever synced: a Sync covers both).
+      // Its whole records go back into this one, and it goes.
       if (!wal_torn) {
         int64_t next_end = 0;
         bool next_torn = false;
         MAINSTAY_RETURN_IF_ERROR(ReplayLog(next_path_, next, state, &next_end, &next_torn));
+        next.resize(static_cast<size_t>(next_end));
+        MAINSTAY_RETURN_IF_ERROR(WriteAll(wal_fd_, next, wal_path_));
+        if (::fdatasync(wal_fd_) != 0) return Errno("fdatasync", wal_path_);
+        wal_size_ += next_end;
       }
-      // Start again from one snapshot and an empty log.
-      MAINSTAY_RETURN_IF_ERROR(WriteSnapshotFile(state.ToProto().SerializeAsString()));
-      MAINSTAY_RETURN_IF_ERROR(OpenWal(0));
       if (::unlink(next_path_.c_str()) != 0) return Errno("unlink", next_path_);
       MAINSTAY_RETURN_IF_ERROR(FsyncDir(dir_));
-      return state.ToProto();
     }
-    MAINSTAY_RETURN_IF_ERROR(OpenWal(wal_torn ? wal_end : -1));
     return state.ToProto();
   }
 
@@ -269,24 +271,32 @@ class FileStateStore : public StateStore {
     }
     if (next_fd < 0) return absl::OkStatus();
     // The snapshot, then the next log in place of the old one (both renames atomic; Load
-    // handles a crash between them).
+    // handles a crash between them, and a directory whose fsync has not landed yet).
     absl::Status written = WriteSnapshotFile(snapshot);
     if (written.ok() && ::rename(next_path_.c_str(), wal_path_.c_str()) != 0) written = Errno("rename", next_path_);
-    if (written.ok()) written = FsyncDir(dir_);
-    absl::MutexLock lock(&mu_);
-    if (!written.ok()) {
-      // The log before the snapshot stays; the next one's records go back into it, so that a
-      // later snapshot can start over.
-      absl::Status merged = MergeNextBackLocked();
-      if (!merged.ok()) broken_ = true;
-      return absl::UnavailableError(absl::StrCat("state store: snapshot: ", written.message()));
+    if (written.ok()) {
+      const absl::Status dir = FsyncDir(dir_);
+      if (!dir.ok()) Log(LogLevel::kWarning, "state-store", absl::StrCat("after a snapshot: ", dir.message()));
+      absl::MutexLock lock(&mu_);
+      ::close(wal_fd_);
+      wal_fd_ = next_fd_;
+      wal_size_ = next_size_;
+      next_fd_ = -1;
+      next_size_ = 0;
+      snapshot_.clear();
+      return absl::OkStatus();
     }
-    ::close(wal_fd_);
-    wal_fd_ = next_fd_;
-    wal_size_ = next_size_;
-    next_fd_ = -1;
-    next_size_ = 0;
-    snapshot_.clear();
+    // The snapshot could not be written (a full disk?): the log is durable all the same. The
+    // next log's records go back into the old one, so that a later snapshot can start over.
+    absl::MutexLock lock(&mu_);
+    if (absl::Status merged = MergeNextBackLocked(); !merged.ok()) {
+      broken_ = true;
+      return absl::UnavailableError(absl::StrCat("state store: after a failed snapshot (", written.message(),
+                                                 "), the log could not be put back together: ", merged.message()));
+    }
+    Log(LogLevel::kWarning, "state-store",
+        absl::StrCat("snapshot not written (", written.message(), "); the log keeps growing and a later snapshot "
+                     "tries again"));
     return absl::OkStatus();
   }
 

@@ -40,10 +40,10 @@ class StateStore {
   virtual absl::StatusOr<v1::CoordinatorState> Load() = 0;
   // Adds `batch` to the log (durable at the next Sync). On error nothing of it is stored.
   virtual absl::Status Write(const v1::StateBatch& batch) = 0;
-  // Makes every batch written so far durable, and completes a started snapshot. An error of the
-  // log's fdatasync leaves the store broken (every later call FAILED_PRECONDITION): what was
-  // written may or may not survive, so the coordinator must stop; a snapshot that cannot be
-  // written is an error that leaves the log as it was (the snapshot is dropped).
+  // Makes every batch written so far durable, and completes a started snapshot. An error means
+  // the log's durability is unknown and leaves the store broken (every later call
+  // FAILED_PRECONDITION): the coordinator must stop. A snapshot that cannot be written is not
+  // an error: it is dropped with a warning, the log stays whole, and a later one tries again.
   virtual absl::Status Sync() = 0;
   // `state` (as of the last batch written) becomes the new base at the next Sync, which drops
   // the log before it. FAILED_PRECONDITION while an earlier snapshot is not complete.

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/error_detail.h"
 #include "common/job_spec_proto.h"
 #include "common/layout_proto.h"
 #include "common/logging.h"
@@ -148,7 +149,8 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
   }
   {
     absl::MutexLock lock(&mu_);
-    planned_[request.job_id()] = planned;
+    // (Unless a DropShard took the job away meanwhile: it would reserve for a job gone.)
+    if (auto it = jobs_.find(request.job_id()); it != jobs_.end() && it->second == job) planned_[request.job_id()] = planned;
   }
   v1::AssignShardResponse response;
   for (v1::ShardStatus& s : job->ShardStatuses()) *response.add_shards() = std::move(s);
@@ -177,11 +179,13 @@ absl::StatusOr<int64_t> ShardDaemon::AdmitLocked(const v1::AssignShardRequest& r
     if (job_id != request.job_id()) others += bytes;
   }
   if (others + need > options_.memory_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    v1::ErrorDetail detail;
+    detail.set_memory_needed_bytes(need);
+    return AttachErrorDetail(absl::ResourceExhaustedError(absl::StrCat(
         "AssignShard: job ", request.job_id(), " needs ", need, " bytes on daemon ", daemon_id_, " for its ", shards,
         " shard(s) at epoch ", request.placement_epoch(), " (masters, moments, gradients and ", plan.retained_versions,
         " retained versions; docs/daemon.md, Memory), but ", others, " of its --memory-bytes ", options_.memory_bytes,
-        " are planned for other jobs; nothing was assigned"));
+        " are planned for other jobs; nothing was assigned")), detail);
   }
   return need;
 }

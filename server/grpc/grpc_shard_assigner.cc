@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -167,9 +168,13 @@ void GrpcShardAssigner::Deliver(Peer* peer, const Call& call) {
       v1::DropShardResponse response;
       status = peer->stub->DropShard(&context, call.drop_request, &response);
     }
-    if (call.assign && status.error_code() == ::grpc::StatusCode::RESOURCE_EXHAUSTED) {
+    const absl::Status answered = FromGrpcCall(status, context.GetServerTrailingMetadata());
+    std::optional<v1::ErrorDetail> detail = GetErrorDetail(answered);
+    if (call.assign && status.error_code() == ::grpc::StatusCode::RESOURCE_EXHAUSTED && detail.has_value() &&
+        detail->memory_needed_bytes() > 0) {
       // The daemon has no room for the job: asking again changes nothing; the coordinator
-      // places the shards elsewhere.
+      // places the shards elsewhere. (gRPC's own RESOURCE_EXHAUSTED, e.g. a message over the
+      // size limit, carries no such detail and is retried as before.)
       RefusedHandler handler;
       {
         absl::MutexLock lock(&mu_);
@@ -178,10 +183,9 @@ void GrpcShardAssigner::Deliver(Peer* peer, const Call& call) {
         handler = refused_;
         if (handler) ++refused_calls_;
       }
-      const absl::Status refused = FromGrpcStatus(status);
-      Log(LogLevel::kWarning, kComponent, absl::StrCat(call.Describe(peer->address), " refused: ", refused.ToString()));
+      Log(LogLevel::kWarning, kComponent, absl::StrCat(call.Describe(peer->address), " refused: ", answered.ToString()));
       if (handler) {
-        handler(peer->address, call.assign_request, refused);
+        handler(peer->address, call.assign_request, answered);
         absl::MutexLock lock(&mu_);
         --refused_calls_;
       }

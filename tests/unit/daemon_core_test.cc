@@ -517,6 +517,8 @@ TEST(MemoryAdmissionTest, AnAssignmentThatDoesNotFitBesideTheOtherJobsIsRefusedA
   const absl::Status refused = daemon.AssignShard(AssignmentOf(spec, "job-b", "d0")).status();
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("--memory-bytes")));
   EXPECT_THAT(refused.message(), ::testing::HasSubstr(absl::StrCat("needs ", unreduced, " bytes")));
+  ASSERT_TRUE(GetErrorDetail(refused).has_value()) << "the coordinator tells this refusal by its detail";
+  EXPECT_EQ(GetErrorDetail(refused)->memory_needed_bytes(), unreduced);
   EXPECT_EQ(daemon.active_jobs(), 1);
   EXPECT_EQ(daemon.planned_bytes(), reduced);
   // Once the first job is gone the second fits, and a new epoch of it is not counted twice.
