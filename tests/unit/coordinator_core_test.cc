@@ -1009,6 +1009,60 @@ TEST_F(CoordinatorCoreTest, RecoverySkipsACheckpointWhoseFilesDoNotVerify) {
   EXPECT_THAT(restored_from, ElementsAre("ckpt-1"));
 }
 
+// A daemon that refuses a restore's assignment for lack of memory: its ranks go to another
+// daemon, and every daemon of the job loads the checkpoint at the new epoch.
+TEST_F(RefusalTest, ARestoresRanksThatADaemonRefusesAreRestoredOnAnotherDaemon) {
+  checkpoint_dir_ = "/ckpt";
+  Restart(NewMemoryStateStore());
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto created = Create(SmallSpec("j", 2, {"n1", "n2"}));
+  ASSERT_THAT(created, IsOk());
+  ASSERT_THAT(fs_.CreateDirs("/ckpt/ckpt-1"), IsOk());
+  absl::StatusOr<v1::CheckpointFile> file = checkpoint::WriteDataFile(
+      fs_, "/ckpt/ckpt-1", 0, 0, {{"layers.0.fc1.bias", 0, 8, std::vector<float>(8, 1.0f), std::vector<uint8_t>(32, 0),
+                                   std::vector<uint8_t>(32, 0)}});
+  ASSERT_THAT(file.status(), IsOk());
+  v1::CheckpointManifest m;
+  m.set_checkpoint_id("ckpt-1");
+  m.set_job_id(created->job_id());
+  m.set_version(10);
+  m.set_committed_step(9);
+  m.set_created_unix_ms(clock_.NowUnixMs());
+  *m.add_files() = *file;
+  ASSERT_THAT(checkpoint::WriteManifest(fs_, "/ckpt/ckpt-1", m), IsOk());
+  auto c = Register("n3", kGiB);
+  // b goes silent: DOWN, and the job is restored from ckpt-1 on a and c.
+  for (int round = 0; round < 2; ++round) {
+    clock_.Advance(600);
+    for (const auto* d : {&a, &c}) {
+      v1::HeartbeatRequest hb;
+      hb.set_daemon_id(d->daemon_id());
+      hb.set_lease_id(d->lease_id());
+      ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+    }
+  }
+  coordinator_->Tick();
+  const v1::Placement restored = PlacementOf(created->job_id());
+  const std::string lost_rank_holder = Owners(restored, 2)[1];
+  ASSERT_NE(lost_rank_holder, b.daemon_id());
+  const std::string address = lost_rank_holder == a.daemon_id() ? "n1:7000" : "n3:7000";
+  const v1::AssignShardRequest refused = LastAssignmentTo(address);
+  ASSERT_TRUE(refused.has_from_checkpoint());
+  ASSERT_EQ(refused.placement_epoch(), restored.epoch());
+  assigner_.Refuse(address, refused, kNoRoom);
+  const v1::Placement moved = PlacementOf(created->job_id());
+  EXPECT_EQ(moved.epoch(), restored.epoch() + 1);
+  for (const std::string& owner : Owners(moved, 2)) EXPECT_NE(owner, lost_rank_holder);
+  for (const std::string& to : {std::string("n1:7000"), std::string("n3:7000")}) {
+    if (to == address) continue;
+    const v1::AssignShardRequest sent = LastAssignmentTo(to);
+    EXPECT_EQ(sent.placement_epoch(), moved.epoch()) << to;
+    EXPECT_TRUE(sent.has_from_checkpoint()) << to << " loads the checkpoint at the new epoch";
+    EXPECT_EQ(sent.from_checkpoint().checkpoint_id(), "ckpt-1");
+  }
+}
+
 TEST_F(CoordinatorCoreTest, FinishedBackgroundCheckpointThreadsAreReaped) {
   checkpoint_dir_ = "/ckpt";
   Restart(NewMemoryStateStore());
@@ -1219,6 +1273,39 @@ TEST_F(FileStoreTest, ACrashWhileASnapshotIsWrittenLosesNothingWrittenBeforeIt) 
   auto state = (*store)->Load();
   ASSERT_THAT(state, IsOk());
   EXPECT_EQ(state->sequence(), 1) << "batch 3 follows a torn batch 2: never acknowledged";
+}
+
+// A snapshot the store cannot write (here: snapshot.tmp is a directory) is dropped: Sync still
+// succeeds, the log stays whole (the next log's records go back into it), and a later snapshot
+// works once the obstacle is gone.
+TEST_F(FileStoreTest, ASnapshotThatCannotBeWrittenIsDroppedAndTheLogStaysWhole) {
+  v1::CoordinatorState at1;
+  at1.set_sequence(1);
+  *at1.add_kv() = KvBatch(1, "a").records(0).put_kv();
+  {
+    auto store = OpenFileStateStore(dir_);
+    ASSERT_THAT((*store)->Load(), IsOk());
+    ASSERT_THAT((*store)->Append(KvBatch(1, "a")), IsOk());
+    std::filesystem::create_directory(dir_ / "snapshot.tmp");
+    ASSERT_THAT((*store)->StartSnapshot(at1), IsOk());
+    ASSERT_THAT((*store)->Write(KvBatch(2, "b")), IsOk());
+    EXPECT_THAT((*store)->Sync(), IsOk()) << "the log is durable: a failed snapshot is no reason to stop";
+    EXPECT_FALSE(std::filesystem::exists(dir_ / "wal.next"));
+    EXPECT_FALSE(std::filesystem::exists(dir_ / "snapshot"));
+    ASSERT_THAT((*store)->Append(KvBatch(3, "c")), IsOk());
+    std::filesystem::remove(dir_ / "snapshot.tmp");
+    v1::CoordinatorState at3 = at1;
+    at3.set_sequence(3);
+    *at3.add_kv() = KvBatch(2, "b").records(0).put_kv();
+    *at3.add_kv() = KvBatch(3, "c").records(0).put_kv();
+    ASSERT_THAT((*store)->WriteSnapshot(at3), IsOk());
+    EXPECT_TRUE(std::filesystem::exists(dir_ / "snapshot"));
+  }
+  auto store = OpenFileStateStore(dir_);
+  auto state = (*store)->Load();
+  ASSERT_THAT(state, IsOk());
+  EXPECT_EQ(state->sequence(), 3);
+  EXPECT_EQ(state->kv_size(), 3);
 }
 
 TEST_F(FileStoreTest, TornTailIsCutAndCorruptMiddleIsRefused) {
