@@ -72,7 +72,7 @@ class Cluster:
         self._start("coordinator", [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", self.listen,
                                     "--state-dir", os.path.join(self.dir, "state"),
                                     "--checkpoint-dir", os.path.join(self.dir, "checkpoints"), "--tick-ms", "100",
-                                    "--cluster-secret-file", self.secret]
+                                    "--cluster-secret-file", self.secret, "--metrics-listen", "off"]
                     + self.coordinator_flags)
         wait_for(lambda: self.ctl("health").returncode == 0, "the coordinator")
 
