@@ -421,9 +421,10 @@ struct Coordinator::Impl {
     return lost == lost_state.end() || !lost->second.count(daemon_id);
   }
 
-  // Failover (coordinator_checkpoints.cc): a job with replicas that lost daemons continues on
-  // their surviving copies at the next epoch. False, with nothing changed, when some shard has
-  // no copy left (or the job has no replicas): the job is then restored from a checkpoint.
+  // Failover (coordinator_replicas.cc): a job with replicas that lost daemons continues on
+  // their surviving copies at the next epoch; a move whose source was lost copies from another
+  // copy of its rank. False, with nothing changed, when some shard has no copy left (or the job
+  // has no replicas): the job is then restored from a checkpoint.
   bool FailoverLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Re-replication (coordinator_replicas.cc): every started job with fewer than R copies of a
   // rank, no move pending and every daemon at its placement epoch gets new replicas on ready
@@ -433,11 +434,15 @@ struct Coordinator::Impl {
   void ReReplicateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   std::map<std::string, int64_t> rereplication_waiting ABSL_GUARDED_BY(mu);  // job -> epoch logged
 
-  // Queues every job placed on the daemon for RecoverJobs (the next Tick).
+  // Queues every job placed on the daemon, or copying a rank from it (a move's source, out of
+  // the placement already), for RecoverJobs (the next Tick).
   void MarkJobsToRecover(const std::string& daemon_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (const auto& [job_id, job] : state.jobs) {
       for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
         if (e.daemon_id() == daemon_id) jobs_to_recover.insert(job_id);
+      }
+      for (const v1::PendingMove& m : job.moves()) {
+        if (m.source_daemon_id() == daemon_id) jobs_to_recover.insert(job_id);
       }
     }
   }

@@ -35,11 +35,45 @@ bool Coordinator::Impl::FailoverLocked(const std::string& job_id) {
     p.clear_replica_daemon_ids();
     for (size_t i = 1; i < live.size(); ++i) p.add_replica_daemon_ids(live[i]);
   }
+  for (const v1::PendingMove& m : job->moves()) {  // a source may be out of the placement already
+    if (!HoldsJob(job_id, m.source_daemon_id())) lost.insert(m.source_daemon_id());
+  }
   if (lost.empty()) return true;  // nothing to do: every copy is live
-  updated.mutable_placement()->set_epoch(job->placement().epoch() + 1);
+  const int64_t epoch = job->placement().epoch() + 1;
+  updated.mutable_placement()->set_epoch(epoch);
   SetDaemons(*updated.mutable_placement());
-  updated.mutable_info()->set_placement_epoch(updated.placement().epoch());
-  updated.clear_moves();  // a move to or from a lost daemon is over; re-replication starts afresh
+  updated.mutable_info()->set_placement_epoch(epoch);
+  // Moves in progress go on at the new epoch: one whose target was lost is over (its target is
+  // out of the placement); one whose source was lost copies from another copy of the rank that
+  // holds its state (a move's target may be in the placement with nothing loaded yet).
+  const std::vector<std::vector<std::string>> holders = HoldersByRank(updated);
+  std::set<std::pair<int, std::string>> targets;  // (rank, daemon) still waiting for a copy
+  for (const v1::PendingMove& m : job->moves()) targets.insert({m.rank(), m.target_daemon_id()});
+  updated.clear_moves();
+  for (const v1::PendingMove& m : job->moves()) {
+    if (lost.count(m.target_daemon_id())) continue;
+    v1::PendingMove& next = *updated.add_moves();
+    next = m;
+    next.set_epoch(epoch);
+    if (!lost.count(m.source_daemon_id())) continue;
+    std::string from;
+    for (const std::string& id : holders.at(static_cast<size_t>(m.rank()))) {
+      if (!targets.count({m.rank(), id})) {
+        from = id;
+        break;
+      }
+    }
+    if (from.empty()) {
+      Log(LogLevel::kError, "coordinator",
+          absl::StrCat("job ", job_id, ": rank ", m.rank(), " was being copied from ", m.source_daemon_id(), " to ",
+                       m.target_daemon_id(), ", and no other copy of it is left: failover is impossible"));
+      return false;
+    }
+    Log(LogLevel::kWarning, "coordinator",
+        absl::StrCat("job ", job_id, ": the copy of rank ", m.rank(), " to ", m.target_daemon_id(), " lost its source ",
+                     m.source_daemon_id(), "; it copies from ", from, " at placement epoch ", epoch));
+    next.set_source_daemon_id(from);
+  }
   auto lost_it = lost_state.find(job_id);
   if (lost_it != lost_state.end()) {
     for (const std::string& id : lost) lost_it->second.erase(id);
@@ -62,7 +96,7 @@ bool Coordinator::Impl::FailoverLocked(const std::string& job_id) {
       absl::StrCat("job ", job_id, ": lost ", absl::StrJoin(lost_list, ", "), "; ", promoted,
                    " shard(s) fail over to their replicas at placement epoch ", updated.placement().epoch(),
                    " (nothing rewound; the job runs with fewer copies until re-replication)"));
-  SendAssignments(updated, {}, "");
+  SendMoves(updated);  // a move's target gets its ranks from their (new) source
   return true;
 }
 

@@ -856,6 +856,82 @@ TEST_F(CoordinatorCoreTest, ReplicasArePlacedOnOtherNodesAndTooFewDaemonsAreRefu
 // A replicated job loses a daemon: the survivors' copies take over at the next epoch (no
 // restore: there is no checkpoint at all), then the job is re-replicated back to R copies from
 // its primaries, which keep their copies.
+// A move's source dies while its target copies: the failover keeps the move, at the new epoch,
+// with the rank's surviving replica as its source.
+TEST_F(CoordinatorCoreTest, AMoveWhoseSourceIsLostCopiesFromAnotherCopyOfTheRank) {
+  std::map<std::string, v1::RegisterDaemonResponse> daemons;
+  for (const char* node : {"n1", "n2", "n3", "n4"}) daemons[node] = Register(node, kGiB);
+  v1::JobSpec spec = SmallSpec("j", 2, {"n1", "n2"});
+  spec.set_replication_factor(2);
+  auto created = Create(spec);
+  ASSERT_THAT(created, IsOk());
+  const std::string job = created->job_id();
+  auto placement = [&] {
+    v1::GetPlacementRequest req;
+    req.set_job_id(job);
+    auto p = coordinator_->GetPlacement(req);
+    EXPECT_THAT(p, IsOk());
+    return p.ok() ? p->placement() : v1::Placement();
+  };
+  const std::vector<std::string> first = HoldersOf(placement(), 0);
+  ASSERT_EQ(first.size(), 2u);
+  const std::string source = first[0], replica = first[1];
+  const std::vector<std::string> holders1 = HoldersOf(placement(), 1);
+  const std::set<std::string> rank1(holders1.begin(), holders1.end());
+  std::string target;
+  for (const auto& [node, d] : daemons) {
+    if (d.daemon_id() != source && d.daemon_id() != replica && !rank1.count(d.daemon_id())) target = d.daemon_id();
+  }
+  if (target.empty()) {  // every spare daemon holds rank 1: any that holds no copy of rank 0
+    for (const auto& [node, d] : daemons) {
+      if (d.daemon_id() != source && d.daemon_id() != replica) target = d.daemon_id();
+    }
+  }
+  v1::MoveShardRequest move;
+  move.set_job_id(job);
+  move.mutable_shard()->set_shard(0);
+  move.set_to_daemon_id(target);
+  ASSERT_THAT(coordinator_->MoveShard(move), IsOk());
+  ASSERT_EQ(HoldersOf(placement(), 0).front(), target);
+  // The job has started (version 0 is out) and runs epoch 2, the target still loading. Then the
+  // source dies before its copy reached the target: every other daemon renews its lease.
+  auto beat = [&](const v1::RegisterDaemonResponse& d) {
+    v1::HeartbeatRequest hb;
+    hb.set_daemon_id(d.daemon_id());
+    hb.set_lease_id(d.lease_id());
+    v1::JobProgress* p = hb.add_jobs();
+    p->set_job_id(job);
+    p->set_placement_epoch(2);
+    p->set_version(d.daemon_id() == target ? -1 : 3);
+    p->set_committed_step(d.daemon_id() == target ? -1 : 2);
+    p->set_loading(d.daemon_id() == target);
+    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  };
+  for (const auto& [node, d] : daemons) beat(d);
+  clock_.Advance(900);
+  for (const auto& [node, d] : daemons) {
+    if (d.daemon_id() != source) beat(d);
+  }
+  clock_.Advance(200);
+  const size_t before = assigner_.calls().size();
+  coordinator_->Tick();
+  const v1::Placement after = placement();
+  EXPECT_EQ(after.epoch(), 3);
+  EXPECT_EQ(HoldersOf(after, 0), (std::vector<std::string>{target, replica}));
+  bool copied_from_replica = false;
+  const auto calls = assigner_.calls();
+  for (size_t i = before; i < calls.size(); ++i) {
+    if (!calls[i].assign) continue;
+    EXPECT_FALSE(calls[i].assign_request.has_from_checkpoint()) << "a restore, although a replica lives";
+    if (!calls[i].assign_request.has_from_peer()) continue;
+    EXPECT_EQ(calls[i].address, Daemons()[target].endpoint().address());
+    EXPECT_EQ(calls[i].assign_request.placement_epoch(), 3);
+    EXPECT_EQ(calls[i].assign_request.from_peer().daemon().daemon_id(), replica);
+    copied_from_replica = true;
+  }
+  EXPECT_TRUE(copied_from_replica) << "the target was never told to copy from the surviving replica";
+}
+
 TEST_F(CoordinatorCoreTest, ALostDaemonFailsOverToReplicasThenTheJobIsReReplicated) {
   auto a = Register("n1", kGiB);
   auto b = Register("n2", kGiB);
