@@ -432,22 +432,27 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
   }
   if (step >= 0 && rewound_ && step > next_step_) return RewoundError("FinishStep", step);
   if (request.redirected() && step >= 0 && !Decided(step) && executing_step_ != step && !failures_.count(step)) {
-    // Only a move brings this rank's pushes here: without them the step cannot run.
-    bool incoming = false, pushed = false;
+    // Only a move brings this rank's pushes here: without them the step cannot run. In a step of
+    // unreduced pushes the rank pushed every shard, so one primary lacking its push means that
+    // push was lost (with a move's source that died before its copy, which then came from a
+    // replica: replicas hold no trainers' pushes), and the step would wait for it for ever.
+    bool incoming = false, pushed = false, unreduced = false, lacking = false;
     auto in = pending_.find(step);
     for (const auto& [key, state] : shards_) {
       incoming |= state->incoming;
-      if (in != pending_.end()) {
-        auto sit = in->second.shards.find(key);
-        pushed |= sit != in->second.shards.end() && sit->second.by_rank.count(request.rank()) > 0;
-      }
+      if (in == pending_.end()) continue;
+      auto sit = in->second.shards.find(key);
+      const bool has = sit != in->second.shards.end() && sit->second.by_rank.count(request.rank()) > 0;
+      pushed |= has;
+      unreduced |= sit != in->second.shards.end() && sit->second.num_contributors > 1;
+      lacking |= !state->replica && !has;
     }
     if (incoming) {
       return absl::UnavailableError(absl::StrCat("FinishStep: job ", job_id_,
                                                  ": shards are being copied to this daemon; retry"));
     }
-    if (!pushed) {
-      return absl::AbortedError(absl::StrCat("FinishStep: this daemon holds no push of rank ", request.rank(),
+    if (!pushed || (unreduced && lacking)) {
+      return absl::AbortedError(absl::StrCat("FinishStep: this daemon lacks pushes of rank ", request.rank(),
                                              " for step ", step, " of job ", job_id_, " (they were lost with the "
                                              "daemon they went to): push step ", step, " again"));
     }

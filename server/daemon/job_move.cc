@@ -6,6 +6,9 @@
 // later steps; the target installs it and serves from the step after (the trainers send their
 // FinishStep to the new owner: the step goes on). The source keeps its copy until the
 // coordinator drops it, once the target reports the job loaded.
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -37,6 +40,12 @@ absl::Status Job::FencedError(const char* call) const {
 absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest& request, absl::Time deadline) {
   const Key key{request.shard().bucket(), request.shard().shard()};
   absl::MutexLock lock(&mu_);
+  if (options_.fault.armed() && options_.fault.kind == StepFault::Kind::kCrashOnCopy &&
+      committed_step_ >= options_.fault.step) {
+    Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": injected fault: SIGKILL when asked for a copy of ",
+                                                   ShardName(key.first, key.second), " (--inject-fault)"));
+    ::kill(::getpid(), SIGKILL);
+  }
   const bool fence = request.placement_epoch() > epoch_;
   if (fence && request.placement_epoch() > fence_epoch_) {
     fence_epoch_ = request.placement_epoch();
@@ -200,6 +209,32 @@ void Job::RunMovesIn() {
       StepInputs& step = pending_[p.step];
       if (step.first_push_ms == 0) step.first_push_ms = options_.clock->NowUnixMs();
       carried += step.shards[key].Add(p.rank, p.num_contributors, p.dtype, p.loss_scale, std::move(p.payload)) ? 1 : 0;
+    }
+  }
+  // Pushes of the open step that reached a source which died before its copy (the copy then came
+  // from a replica, which holds no trainers' pushes) are gone: a rank that called FinishStep
+  // has pushed everything it will, so a copied primary shard missing its push would keep the
+  // step waiting for ever. The step fails; its waiters push it again.
+  if (auto open = pending_.find(next_step_); open != pending_.end() && !open->second.finished.empty()) {
+    bool unreduced = false;
+    for (const auto& [key, in] : open->second.shards) unreduced |= in.num_contributors > 1;
+    std::string lost;
+    for (const auto& [key, copy] : copies) {
+      if (shards_.at(key)->replica) continue;
+      auto in = open->second.shards.find(key);
+      for (const auto& [rank, hyper] : open->second.finished) {
+        if ((unreduced || rank == key.second) && (in == open->second.shards.end() || !in->second.by_rank.count(rank))) {
+          lost = absl::StrCat(ShardName(key.first, key.second), "'s push of rank ", rank);
+        }
+      }
+    }
+    if (!lost.empty()) {
+      const int64_t step = next_step_;
+      failures_[step] = ErrorWithDetail(absl::AbortedError(
+          absl::StrCat("step ", step, " of job ", job_id_, " lost ", lost, " with the daemon it went to (",
+                       move.source.daemon_id(), " or an earlier source); push step ", step, " again")));
+      pending_.erase(open);
+      Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": ", failures_[step].message()));
     }
   }
   moves_in_.erase(moves_in_.begin());

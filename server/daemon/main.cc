@@ -129,7 +129,9 @@ flags:
                               if it had timed out (docs/architecture.md, agreed outcome);
                               drop-replica-input:STEP makes its replicas update STEP with a zero
                               gradient (the replication mutation check); crash-after-decision:STEP
-                              SIGKILLs it once it has decided STEP, before the commit; default none
+                              SIGKILLs it once it has decided STEP, before the commit;
+                              crash-on-copy:STEP SIGKILLs it when a move's target asks it for a
+                              shard's copy once STEP is committed; default none
   --help                      this text
 )";
 

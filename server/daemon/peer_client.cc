@@ -19,16 +19,19 @@ absl::StatusOr<StepFault> ParseStepFault(absl::string_view spec) {
     fault.reduction = parts[2] == "stats" ? 0 : 1;
     return fault;
   }
-  if (parts.size() == 2 && (parts[0] == "drop-replica-input" || parts[0] == "crash-after-decision") &&
+  if (parts.size() == 2 &&
+      (parts[0] == "drop-replica-input" || parts[0] == "crash-after-decision" || parts[0] == "crash-on-copy") &&
       absl::SimpleAtoi(parts[1], &step) && step >= 0) {
-    fault.kind = parts[0] == "drop-replica-input" ? StepFault::Kind::kDropReplicaInput
-                                                  : StepFault::Kind::kCrashAfterDecision;
+    fault.kind = parts[0] == "drop-replica-input"     ? StepFault::Kind::kDropReplicaInput
+                 : parts[0] == "crash-after-decision" ? StepFault::Kind::kCrashAfterDecision
+                                                      : StepFault::Kind::kCrashOnCopy;
     fault.step = step;
     return fault;
   }
-  return absl::InvalidArgumentError(absl::StrCat("--inject-fault: '", spec,
-                                                 "' is not 'lose-reduction:STEP:stats', 'lose-reduction:STEP:amax' "
-                                                 "(STEP >= -1), 'drop-replica-input:STEP', 'crash-after-decision:STEP' (STEP >= 0) or 'none'"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--inject-fault: '", spec,
+                   "' is not 'lose-reduction:STEP:stats', 'lose-reduction:STEP:amax' (STEP >= -1), "
+                   "'drop-replica-input:STEP', 'crash-after-decision:STEP', 'crash-on-copy:STEP' (STEP >= 0) or 'none'"));
 }
 
 }  // namespace mainstay::daemon

@@ -59,9 +59,11 @@ class PeerClient {
 // - kCrashAfterDecision: the daemon SIGKILLs itself right after its deciding reduction of
 //   `step` returned (the decision is recorded, nothing is committed or acknowledged yet): a
 //   daemon lost between the last reduction and the commit.
+// - kCrashOnCopy: the daemon SIGKILLs itself when a move's target asks it for a copy of a shard
+//   (FetchShardState) once the job has committed `step`: a move's source lost mid-move.
 struct StepFault {
   static constexpr int64_t kNever = std::numeric_limits<int64_t>::min();
-  enum class Kind { kLoseReduction, kDropReplicaInput, kCrashAfterDecision };
+  enum class Kind { kLoseReduction, kDropReplicaInput, kCrashAfterDecision, kCrashOnCopy };
   Kind kind = Kind::kLoseReduction;
   int64_t step = kNever;
   int reduction = 1;
@@ -69,8 +71,8 @@ struct StepFault {
   bool Is(Kind k, int64_t s) const { return armed() && kind == k && step == s; }
 };
 
-// Parses "lose-reduction:STEP:stats", "lose-reduction:STEP:amax", "drop-replica-input:STEP" or
-// "crash-after-decision:STEP" ("" or "none": no fault). INVALID_ARGUMENT naming the accepted forms otherwise.
+// Parses "lose-reduction:STEP:stats", "lose-reduction:STEP:amax", "drop-replica-input:STEP",
+// "crash-after-decision:STEP" or "crash-on-copy:STEP" ("" or "none": no fault). INVALID_ARGUMENT naming the accepted forms otherwise.
 absl::StatusOr<StepFault> ParseStepFault(absl::string_view spec);
 
 }  // namespace mainstay::daemon

@@ -386,6 +386,38 @@ class RecoveryTest(unittest.TestCase):
         self.cluster = Cluster()
         self.assertEqual(final, self.run_reference())
 
+    def test_with_replicas_a_drained_daemon_that_dies_mid_move_is_copied_from_the_replicas(self):
+        # replication_factor 2 on three daemons. Daemon 0 is drained while the trainers run, and
+        # SIGKILLs itself when the first target asks it for a shard's copy (mainstayd
+        # --inject-fault crash-on-copy:2): every move from it loses its source. The failover
+        # keeps the moves at the new epoch, each copying from another copy of its rank, so
+        # nothing rewinds and the run ends with an uninterrupted run's bytes.
+        self.cluster.stop()
+        self.cluster = Cluster(daemons=3, flags_of_daemon={0: ["--inject-fault", "crash-on-copy:2"]})
+        ps = [self.cluster.trainer(r, "run", "--replication", "2", "--steps", "16", "--step-sleep", "0.05")
+              for r in range(D)]
+        self.wait_step("run", 0, 4)
+        victim = [d["endpoint"]["daemon_id"] for d in json.loads(self.cluster.ctl("daemons", "list", "--json").stdout)
+                  ["daemons"] if d["endpoint"]["node_name"] == "node0"][0]
+        r = self.cluster.ctl("daemons", "drain", victim, "--yes")
+        self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
+        for p in ps:
+            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+        self.assertIn("SIGKILL when asked for a copy", self.cluster.log("daemon0"))
+        self.assertIn("lost its source " + victim, self.cluster.log("coordinator"))
+        self.assertNotIn("restoring from checkpoint", self.cluster.log("coordinator"))
+        # (The step in flight at the new epoch may fail and be pushed again: each step still
+        # commits once, in order.)
+        for rank in range(D):
+            steps = [int(l.split()[3]) for l in self.cluster.log("run.rank%d" % rank).splitlines()
+                     if l.startswith("rank %d step " % rank)]
+            self.assertEqual(steps, list(range(16)), self.cluster.log("run.rank"))
+        final = final_of(self.cluster.log("run.rank0"))
+        self.assertEqual(final, final_of(self.cluster.log("run.rank1")))
+        self.cluster.stop()
+        self.cluster = Cluster()
+        self.assertEqual(final, self.run_reference("--steps", "16"))
+
     def test_the_failover_test_catches_a_replica_that_drops_a_step(self):
         # The mutation check: every daemon's replicas update step 2 with a zero gradient
         # (mainstayd --inject-fault drop-replica-input:2). Training goes on as before (the

@@ -192,9 +192,10 @@ class Cluster {
 
   // What the coordinator does when daemon `dead` is lost with replicas: at the next epoch each
   // of its primaries goes to its first replica, and it leaves every replica list. The others
-  // get the new placement (they hold every shard they are given already). Calls to the dead
-  // daemon fail from now on.
-  absl::Status Failover(int dead) {
+  // get the new placement (they hold every shard they are given already), except that
+  // `copies` (per daemon, a rank and the daemon it copies it from) continue moves whose source
+  // died. Calls to the dead daemon fail from now on.
+  absl::Status Failover(int dead, const std::map<int, std::pair<int32_t, int>>& copies = {}) {
     peer_client_.SetDown(absl::StrCat("d", dead));
     if (owners_.empty()) {
       for (int32_t r = 0; r < layout().data_parallel_size; ++r) owners_.push_back(Owner(r));
@@ -209,9 +210,28 @@ class Cluster {
       }
     }
     ++epoch_;
-    MAINSTAY_RETURN_IF_ERROR(SendPlacement({}));
+    MAINSTAY_RETURN_IF_ERROR(SendPlacement(copies));
     daemons_[static_cast<size_t>(dead)]->Shutdown();
     return absl::OkStatus();
+  }
+
+  // A move of rank `rank` to daemon `to` whose source (its primary) dies before any copy got
+  // through: the failover has `to` copy the rank from its surviving replica instead. Returns
+  // once `to` has loaded it.
+  absl::Status MoveAndLoseTheSource(int32_t rank, int to) {
+    const int from = Owner(rank);
+    const std::vector<int> replicas = Replicas(rank);
+    if (replicas.empty()) return absl::FailedPreconditionError("the rank has no replica to copy from");
+    if (owners_.empty()) {
+      for (int32_t r = 0; r < layout().data_parallel_size; ++r) owners_.push_back(Owner(r));
+    }
+    owners_[static_cast<size_t>(rank)] = to;
+    peer_client_.SetCopiesFail(absl::StrCat("d", from), true);
+    ++epoch_;
+    MAINSTAY_RETURN_IF_ERROR(SendPlacement({{to, {rank, from}}}));
+    absl::SleepFor(absl::Milliseconds(200));  // the copy from the source fails meanwhile
+    MAINSTAY_RETURN_IF_ERROR(Failover(from, {{to, {rank, replicas.front()}}}));
+    return WaitLoaded(to);
   }
 
   // What the coordinator does for a move (MoveShard): rank `rank`'s shards go to daemon `to` at

@@ -672,7 +672,7 @@ TEST(MoveTest, PushesStoredOnTheSourceGoWithTheMoveAndTheStepGoesOnAtTheTarget) 
   // A redirected FinishStep where none of the rank's pushes are (they were lost with a daemon)
   // is ABORTED at once, instead of waiting for pushes that will never come.
   auto lost = cluster.Finish(2, 1e-3, /*redirected=*/true);
-  EXPECT_THAT(lost[1].status(), StatusIs(absl::StatusCode::kAborted, ::testing::HasSubstr("holds no push of rank 1")));
+  EXPECT_THAT(lost[1].status(), StatusIs(absl::StatusCode::kAborted, ::testing::HasSubstr("lacks pushes of rank 1")));
 }
 
 }  // namespace

@@ -260,6 +260,30 @@ TEST(FailoverTest, ANewReplicaCopiedFromItsPrimaryKeepsUpAndSurvivesTheNextLoss)
   run(2);  // (delayed scaling: the copy carried the amax histories, or these casts would differ)
 }
 
+// A move whose source dies before its copy got through (docs/architecture.md, "Replicas"): the
+// target copies the rank from its surviving replica, and the job goes on bit for bit.
+TEST(FailoverTest, AMoveWhoseSourceDiesCopiesFromTheReplicaAndTheJobGoesOnBitForBit) {
+  JobSpec spec = MakeSpec("bf16_with_fp8_mixed", LayoutPolicy::kFlat, 2);
+  spec.replication_factor = 2;
+  Cluster cluster(spec, 3);  // rank 0 on d0 with its replica on d1; d2 holds rank 1's replica
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  ExpectMatchesReference(cluster, ref, 0);
+  for (int64_t step = 0; step < 4; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    if (step == 2) {
+      ASSERT_THAT(cluster.MoveAndLoseTheSource(0, 2), IsOk());
+      EXPECT_EQ(cluster.Owner(0), 2);
+      ExpectReplicasEqualPrimaries(cluster);
+    }
+    cluster.PushGrads(step);
+    for (const auto& stats : cluster.Finish(step, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(step, 1e-3f);
+    ExpectMatchesReference(cluster, ref, step + 1);
+  }
+  ExpectReplicasEqualPrimaries(cluster);
+}
+
 // The mutation check: a replica that does not apply one step's input (the fault) diverges from
 // its primary, and once it is promoted the job no longer matches the reference. The
 // equality checks above would fail on it.
