@@ -312,6 +312,9 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
 }
 
 int Main(int argc, char** argv) {
+  // First: any thread started later (gRPC's and UCX's own ones, started by credentials and
+  // contexts as the flags are read) inherits the mask, so only Wait below takes SIGTERM.
+  const StopSignals stop_signals = StopSignals::Block();
   absl::StatusOr<Settings> settings = ParseFlags(argc, argv);
   if (settings.ok() && settings->help) {
     std::fputs(kUsage, stdout);
@@ -329,7 +332,6 @@ int Main(int argc, char** argv) {
   }
 
   // Before any thread starts (gRPC's threads inherit the mask).
-  const StopSignals stop_signals = StopSignals::Block();
 
   const std::string metrics_listen = settings->metrics_listen.value_or("0.0.0.0:9464");
   std::unique_ptr<metrics::Registry> registry;  // null: --metrics-listen off

@@ -262,6 +262,9 @@ int Fail(const absl::Status& status, int code) {
 }
 
 int Main(int argc, char** argv) {
+  // First: any thread started later (gRPC's and UCX's own ones, started by credentials and
+  // contexts as the flags are read) inherits the mask, so only Wait below takes SIGTERM.
+  const StopSignals stop_signals = StopSignals::Block();
   absl::StatusOr<Flags> flags = ParseFlags(argc, argv);
   if (flags.ok() && flags->help) {
     std::fputs(kUsage, stdout);
@@ -346,7 +349,6 @@ int Main(int argc, char** argv) {
   const std::string advertise =
       flags->Get("--advertise", listen_host == "0.0.0.0" || listen_host == "[::]" ? HostName() : listen_host);
 
-  const StopSignals stop_signals = StopSignals::Block();
 
   // The embedded coordinator, when asked for.
   std::unique_ptr<coordinator::CoordinatorServer> embedded;
