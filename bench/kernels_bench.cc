@@ -369,6 +369,31 @@ int Main(int argc, char** argv) {
          return Quantize(device, Format::kFP8E4M3Current, bf16, whole, master.cspan(), scales,
                          outputs(Format::kFP8E4M3Current, q8.span()));
        }},
+      {"fused adamw + amax (in place)", 28.0,
+       [&] {
+         StepOutputs out;
+         out.amax.tensor_amax = &amax_out;
+         return FusedAdamW(device, Format::kFP8E4M3Current, bf16, whole, g, state, hyper, out);
+       }},
+      {"adamw dry run, amax only (reads state, writes nothing)", 16.0,
+       [&] {
+         StepOutputs out;
+         out.amax.tensor_amax = &amax_out;
+         out.dry_run = true;
+         return FusedAdamW(device, Format::kFP8E4M3Current, bf16, whole, g, state, hyper, out);
+       }},
+      {"adamw dry run + fp8 current quantize in one pass (the daemon's step)", 16.0 + 29.0,
+       [&] {
+         StepOutputs out;
+         out.amax.tensor_amax = &amax_out;
+         out.dry_run = true;
+         absl::Status s = FusedAdamW(device, Format::kFP8E4M3Current, bf16, whole, g, state, hyper, out);
+         if (!s.ok()) return s;
+         ScaleInputs scales;
+         scales.tensor_amax = amax_out;
+         return FusedAdamWQuantize(device, Format::kFP8E4M3Current, bf16, whole, g, state, hyper, scales,
+                                   StepOutputs{}, outputs(Format::kFP8E4M3Current, q8.span()));
+       }},
       {"adamw + mxfp8 quantize (1 pass)", 29.0 + block_bytes(Format::kMXFP8, 0, 1),
        [&] {
          return FusedAdamWQuantize(device, Format::kMXFP8, bf16, whole, g, state, hyper, ScaleInputs{},

@@ -347,7 +347,7 @@ int Main(int argc, char** argv) {
       for (const Bucket& b : layout.buckets) g.emplace_back(static_cast<size_t>(b.shard_numel), 0.001f);
     }
     std::printf("%6s %9s %9s %9s %9s | daemon: %8s %8s %8s %8s %8s %8s\n", "step", "total_s", "push_s", "finish_s",
-                "pull_s", "wait_ms", "stats_ms", "rstat_ms", "upd_ms", "ramax_ms", "quant_ms");
+                "pull_s", "wait_ms", "stats_ms", "rstat_ms", "probe_ms", "ramax_ms", "apply_ms");
     std::vector<double> totals;
     std::thread mover;
     double move_s = -1;

@@ -263,8 +263,8 @@ absl::Status RunJobsShow(const Args& args, Output& output) {
     t.AddRow({"last step", absl::StrCat(st.step(), st.skipped() ? " (skipped: non-finite gradients)" : "")});
     t.AddRow({"grad norm", absl::StrFormat("%.6g (clip factor %.4g)", st.grad_norm(), st.clip_factor())});
     t.AddRow({"lr, weight decay", absl::StrFormat("%.6g, %.6g", st.lr(), st.weight_decay())});
-    t.AddRow({"step time", absl::StrCat(st.step_time_ms(), " ms (update ", absl::StrFormat("%.1f", st.phases().update_ms()),
-                                        " ms, quantize ", absl::StrFormat("%.1f", st.phases().quantize_ms()), " ms)")});
+    t.AddRow({"step time", absl::StrCat(st.step_time_ms(), " ms (amax probe ", absl::StrFormat("%.1f", st.phases().update_ms()),
+                                        " ms, update and cast ", absl::StrFormat("%.1f", st.phases().quantize_ms()), " ms)")});
   }
   t.AddRow({"created", Time(j.created_unix_ms())});
   t.Print(output.out);

@@ -351,7 +351,7 @@ MemoryPlan PlanMemory(const JobSpec& spec, int retained_versions) {
 }
 
 int64_t ShardMemoryBytes(const Bucket& bucket, const MemoryPlan& plan) {
-  const int64_t state = 2 * (4 + plan.moment_bytes);
+  const int64_t state = 4 + plan.moment_bytes;
   const int64_t grads = 2 * plan.contributors * 4 + (plan.contributors > 1 ? 4 : 0);
   return bucket.shard_numel * (state + grads) + plan.retained_versions * DataBytes(bucket.format, bucket.shard_numel);
 }

@@ -151,7 +151,9 @@ absl::Status FusedAdamWQuantize(const Device& device, Format format, Format mode
   MAINSTAY_RETURN_IF_ERROR(CheckOptimizer(format, model_dtype, fragment, grad, state, out, /*needs_v=*/true));
   MAINSTAY_RETURN_IF_ERROR(CheckAdamW(hyper));
   const ScalingMode mode = Describe(format).scaling;
-  if (!(mode == ScalingMode::kNone || mode == ScalingMode::kDelayed || format == Format::kMXFP8)) {
+  if (out.dry_run) return InvalidArgumentError("out.dry_run", "cannot be set with a cast (FusedAdamWQuantize)");
+  if (!(mode == ScalingMode::kNone || mode == ScalingMode::kDelayed || mode == ScalingMode::kCurrent ||
+        format == Format::kMXFP8)) {
     return InvalidArgumentError("format", FormatName(format),
                                 " needs a reduced amax before the cast: use FusedAdamW, reduce, then Quantize");
   }

@@ -57,6 +57,13 @@ struct Fragment {
   int64_t size() const { return elements.size(); }
 };
 
+// Whether every mxfp8 1x32 block that the fragment touches lies wholly inside it (rows a
+// multiple of 32 wide, fragment bounds on multiples of 32): the condition for casting mxfp8
+// in the optimizer pass (FusedAdamWQuantize).
+inline bool MxfpBlocksInFragment(const Fragment& f) {
+  return f.view.cols % 32 == 0 && f.elements.begin % 32 == 0 && f.elements.end % 32 == 0;
+}
+
 // ---- Amax.
 
 struct AmaxOutputs {
@@ -148,6 +155,10 @@ struct StepOutputs {
   // Of the gradient as used (after grad_multiplier): sum of squares and non-finite count.
   double* grad_sum_squares = nullptr;
   int64_t* grad_nonfinite = nullptr;
+  // Computes every output above from the values the update would produce, and writes nothing
+  // of the optimizer state (the daemon learns the amaxes a step will publish before it
+  // decides the step, then updates in place: server/daemon/job_step.cc). Not with a cast.
+  bool dry_run = false;
 };
 
 // One AdamW step over the fragment, in one pass (grad + master + m + v read, master + m + v
@@ -157,9 +168,11 @@ absl::Status FusedAdamW(const Device& device, Format format, Format model_dtype,
                         const StepOutputs& out);
 
 // FusedAdamW plus the cast of the updated values, in the same pass. Only for formats whose
-// scales are known before the pass: bf16/fp16, fp8 delayed (scales.tensor_scale) and mxfp8
-// (its 1x32 blocks never straddle fragments: the block amax is computed in the pass).
-// Other formats: INVALID_ARGUMENT (use FusedAdamW, reduce, Quantize).
+// scales are known before the pass: bf16/fp16, fp8 delayed (scales.tensor_scale), fp8
+// current scaling with the tensor amax already reduced (scales.tensor_amax and pow2_scales,
+// e.g. from a dry run of the same update) and mxfp8 (its 1x32 blocks never straddle
+// fragments: the block amax is computed in the pass). Other formats, and out.dry_run:
+// INVALID_ARGUMENT (use FusedAdamW, reduce, Quantize).
 absl::Status FusedAdamWQuantize(const Device& device, Format format, Format model_dtype, const Fragment& fragment,
                                 GradView grad, const OptimizerState& state, const AdamWHyper& hyper,
                                 const ScaleInputs& scales, const StepOutputs& out, const QuantizedOutputs& quantized);

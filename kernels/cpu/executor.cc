@@ -1,10 +1,52 @@
 #include "kernels/cpu/executor.h"
 
+#include <sched.h>
+
+#include <algorithm>
+#include <fstream>
+#include <cstdlib>
+#include <string>
+
 namespace mainstay::kernels {
 
+namespace {
+
+// The cgroup v2 CPU quota of this process in cores (rounded up), or 0 for none: the
+// process's cgroup from /proc/self/cgroup ("0::/path"), then its cpu.max.
+int CgroupQuotaCores() {
+  std::ifstream cgroup("/proc/self/cgroup");
+  std::string line, path;
+  while (std::getline(cgroup, line)) {
+    if (line.rfind("0::", 0) == 0) path = line.substr(3);
+  }
+  if (path.empty()) return 0;
+  // Inside a container the cgroup namespace makes the path "/"; its limit is at the root.
+  for (const std::string& dir : {"/sys/fs/cgroup" + path, std::string("/sys/fs/cgroup")}) {
+    std::ifstream max(dir + "/cpu.max");
+    std::string quota;
+    long long period = 0;
+    if (!(max >> quota >> period)) continue;
+    if (quota == "max" || period <= 0) return 0;
+    const long long q = std::atoll(quota.c_str());
+    if (q <= 0) return 0;
+    return static_cast<int>((q + period - 1) / period);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int AvailableCores() {
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
+  if (const int quota = CgroupQuotaCores(); quota > 0) cores = std::min(cores, quota);
+  return std::max(cores, 1);
+}
+
 CpuExecutor::CpuExecutor(int threads) {
-  if (threads <= 0) threads = static_cast<int>(std::thread::hardware_concurrency());
-  if (threads <= 0) threads = 1;
+  if (threads <= 0) threads = AvailableCores();
   workers_.reserve(threads - 1);
   for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }

@@ -19,9 +19,14 @@
 
 namespace mainstay::kernels {
 
+// The cores this process may use: the CPUs of its affinity mask (sched_getaffinity, e.g.
+// taskset or a cpuset cgroup), capped by a cgroup v2 CPU quota (cpu.max "quota period",
+// rounded up; Kubernetes' CPU limit). At least 1.
+int AvailableCores();
+
 class CpuExecutor {
  public:
-  // `threads` = total threads used by ParallelFor, the caller included; 0 = all hardware threads.
+  // `threads` = total threads used by ParallelFor, the caller included; 0 = AvailableCores().
   explicit CpuExecutor(int threads = 0);
   ~CpuExecutor();
   CpuExecutor(const CpuExecutor&) = delete;

@@ -27,37 +27,43 @@
 namespace mainstay::kernels::cpu {
 namespace {
 
-// The update loop of each (gradient type, moment type) pair, picked once per call.
-template <ElementType kGrad, ElementType kMoment>
+// The update loop of each (gradient type, moment type, in place or dry) triple, picked once
+// per call.
+template <ElementType kGrad, ElementType kMoment, bool kInPlace>
 struct AdamWKernel {
   using Args = AdamWArgs;
-  static void Run(const Args& args, const void* grad, int64_t begin, int64_t n) {
-    AdamWSpan<kGrad, kMoment>(args, grad, begin, n);
+  static void Run(const Args& args, const void* grad, int64_t begin, int64_t n, const SpanOut& out) {
+    AdamWSpan<kGrad, kMoment, kInPlace>(args, grad, begin, n, out);
   }
 };
 
-template <ElementType kGrad, ElementType kMoment>
+template <ElementType kGrad, ElementType kMoment, bool kInPlace>
 struct SgdKernel {
   using Args = SgdArgs;
-  static void Run(const Args& args, const void* grad, int64_t begin, int64_t n) {
-    SgdSpan<kGrad, kMoment>(args, grad, begin, n);
+  static void Run(const Args& args, const void* grad, int64_t begin, int64_t n, const SpanOut& out) {
+    SgdSpan<kGrad, kMoment, kInPlace>(args, grad, begin, n, out);
   }
 };
 
 template <typename Args>
-using UpdateFn = void (*)(const Args&, const void*, int64_t, int64_t);
+using UpdateFn = void (*)(const Args&, const void*, int64_t, int64_t, const SpanOut&);
 
-template <template <ElementType, ElementType> class K, ElementType kGrad>
-auto PickForGrad(ElementType moment) {
-  return moment == ElementType::kBFloat16 ? &K<kGrad, ElementType::kBFloat16>::Run
-                                          : &K<kGrad, ElementType::kFloat32>::Run;
+template <template <ElementType, ElementType, bool> class K, ElementType kGrad, ElementType kMoment>
+auto PickPlace(bool dry_run) {
+  return dry_run ? &K<kGrad, kMoment, false>::Run : &K<kGrad, kMoment, true>::Run;
+}
+
+template <template <ElementType, ElementType, bool> class K, ElementType kGrad>
+auto PickForGrad(ElementType moment, bool dry_run) {
+  return moment == ElementType::kBFloat16 ? PickPlace<K, kGrad, ElementType::kBFloat16>(dry_run)
+                                          : PickPlace<K, kGrad, ElementType::kFloat32>(dry_run);
 }
 
 // FP16 gradients reach the loops widened to FP32 (GradSpan), so they use the FP32 loops.
-template <template <ElementType, ElementType> class K>
-auto PickUpdate(ElementType grad, ElementType moment) {
-  return grad == ElementType::kBFloat16 ? PickForGrad<K, ElementType::kBFloat16>(moment)
-                                        : PickForGrad<K, ElementType::kFloat32>(moment);
+template <template <ElementType, ElementType, bool> class K>
+auto PickUpdate(ElementType grad, ElementType moment, bool dry_run) {
+  return grad == ElementType::kBFloat16 ? PickForGrad<K, ElementType::kBFloat16>(moment, dry_run)
+                                        : PickForGrad<K, ElementType::kFloat32>(moment, dry_run);
 }
 
 using StatsFn = int64_t (*)(const void*, int64_t, float, double*);
@@ -103,6 +109,7 @@ struct Pass {
   GradView grad;
   float multiplier = 1.0f;
   const float* master = nullptr;  // updated in place by the update loop before it is read here
+  bool dry_run = false;           // the update writes to per-sub-block scratch instead
   StepOutputs out;
   bool want_stats = false;
   bool want_bits = false;
@@ -171,14 +178,16 @@ void ProcessChunk(const Pass& p, UpdateFn<Args> update, const Args& args, int64_
   float amax = 0.0f;
   uint16_t scratch[kSubBlockElements];
   float widened[kSubBlockElements];
+  // A dry run's updated values (moments as FP32 or bf16; the widest is 4 bytes).
+  float dry_master[kSubBlockElements], dry_m[kSubBlockElements], dry_v[kSubBlockElements];
   for (int64_t s = lo; s < hi; s += kSubBlockElements) {
     const int64_t n = std::min(kSubBlockElements, hi - s);
     const void* grad = GradSpan(p.grad, s, n, widened);
     if (p.want_stats) nonfinite += p.k.stats(grad, n, p.multiplier, lanes);
-    update(args, grad, s, n);
+    update(args, grad, s, n, SpanOut{dry_master, dry_m, dry_v});
     if (!p.want_bits) continue;
     uint16_t* bits = p.out.model_values.empty() ? scratch : p.out.model_values.data() + s;
-    p.k.model_bits(p.master + s, n, bits);
+    p.k.model_bits(p.dry_run ? dry_master : p.master + s, n, bits);
     if (p.k.walk != nullptr) {
       amax = std::max(amax, p.k.walk(p.blocks, bits, base + s, n, base + lo, base + hi));
     } else if (p.out.amax.tensor_amax != nullptr) {
@@ -216,6 +225,7 @@ Pass MakePass(Format format, Format model_dtype, const Fragment& fragment, GradV
   p.grad = grad;
   p.multiplier = multiplier;
   p.master = state.master;
+  p.dry_run = out.dry_run;
   p.out = out;
   p.want_stats = out.grad_sum_squares != nullptr || out.grad_nonfinite != nullptr;
   p.k.stats = PickStats(grad.type);
@@ -266,7 +276,7 @@ void RunPass(const Device& device, const Pass& pass, UpdateFn<Args> update, cons
 void RunAdamW(const Device& device, const Pass& pass, const OptimizerState& state, GradView grad,
               const AdamWHyper& hyper) {
   const AdamWArgs args{hyper, MakeAdamWConstants(hyper), state.master, state.m, state.v};
-  RunPass(device, pass, PickUpdate<AdamWKernel>(grad.type, state.moment_type), args);
+  RunPass(device, pass, PickUpdate<AdamWKernel>(grad.type, state.moment_type, pass.dry_run), args);
 }
 
 }  // namespace
@@ -298,10 +308,18 @@ absl::Status FusedAdamWQuantize(const Device& device, Format format, Format mode
     case Format::kFP8E5M2Delayed:
       pass.cast = CastKind::kFP8E5M2;
       break;
+    case Format::kFP8E4M3Current:
+      pass.cast = CastKind::kFP8E4M3;
+      pass.tensor_scale = CurrentScalingScale(scales.tensor_amax, kE4M3Max, scales.pow2_scales);
+      break;
+    case Format::kFP8E5M2Current:
+      pass.cast = CastKind::kFP8E5M2;
+      pass.tensor_scale = CurrentScalingScale(scales.tensor_amax, kE5M2Max, scales.pow2_scales);
+      break;
     case Format::kMXFP8:
       // The block amax is computed in the pass (scales.block_amax is not read), so no block
       // may reach outside the fragment.
-      if (fragment.view.cols % 32 != 0 || fragment.elements.begin % 32 != 0 || fragment.elements.end % 32 != 0) {
+      if (!MxfpBlocksInFragment(fragment)) {
         return InvalidArgumentError("fragment", "mxfp8 in one pass needs cols and fragment bounds that are ",
                                     "multiples of 32, got cols ", fragment.view.cols, " and [", fragment.elements.begin,
                                     ", ", fragment.elements.end, ")");
@@ -314,7 +332,7 @@ absl::Status FusedAdamWQuantize(const Device& device, Format format, Format mode
   FinishPass(pass);
   RunAdamW(device, pass, state, grad, hyper);
   if ((pass.cast == CastKind::kFP8E4M3 || pass.cast == CastKind::kFP8E5M2) && quantized.tensor_scale_inv != nullptr) {
-    *quantized.tensor_scale_inv = ScaleInv(scales.tensor_scale);
+    *quantized.tensor_scale_inv = ScaleInv(pass.tensor_scale);
   }
   return absl::OkStatus();
 }
@@ -324,7 +342,7 @@ absl::Status FusedSgd(const Device& device, Format format, Format model_dtype, c
   Pass pass = MakePass(format, model_dtype, fragment, grad, hyper.grad_multiplier, state, out);
   FinishPass(pass);
   const SgdArgs args{hyper, state.master, state.m};
-  RunPass(device, pass, PickUpdate<SgdKernel>(grad.type, state.moment_type), args);
+  RunPass(device, pass, PickUpdate<SgdKernel>(grad.type, state.moment_type, pass.dry_run), args);
   return absl::OkStatus();
 }
 

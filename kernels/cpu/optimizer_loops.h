@@ -81,62 +81,119 @@ inline double CombineLanes(const double* lanes) {
 // bound by the divide/sqrt unit, and folding the FP64 lanes or the bf16 packing into it
 // costs more (register pressure) than re-reading the sub-block from L1.
 
-// Optimizer state of the fragment; a span [begin, begin + n) of it is updated per call, with
-// `grad` pointing at the span's first gradient.
+// Optimizer state of the fragment; a span [begin, begin + n) of it is read per call, with
+// `grad` pointing at the span's first gradient, and the span's updated values are written
+// to the state itself (kInPlace) or to `out` (L1 scratch, for a dry run). In place, the
+// loops read and write through the same pointers, so the vectorizer sees a distance of 0
+// (distinct pointers to the same memory would fail its run-time overlap check).
+struct SpanOut {
+  float* master;
+  void* m;
+  void* v;  // AdamW only
+};
+
 struct AdamWArgs {
   AdamWHyper hyper;
   AdamWConstants consts;
-  float* master;
-  void* m;
-  void* v;
+  const float* master;
+  const void* m;
+  const void* v;
 };
 
 template <ElementType kMoment>
-void* MomentAt(void* base, int64_t begin) {
-  if constexpr (kMoment == ElementType::kBFloat16) return static_cast<uint16_t*>(base) + begin;
-  return static_cast<float*>(base) + begin;
+const void* MomentAt(const void* base, int64_t begin) {
+  if constexpr (kMoment == ElementType::kBFloat16) return static_cast<const uint16_t*>(base) + begin;
+  return static_cast<const float*>(base) + begin;
 }
 
+// The dry run's loop: the outputs go to scratch that never aliases the state, and say so
+// (__restrict parameters): otherwise the vectorizer's run-time overlap checks, one per pair
+// of arrays, exceed its limit and the loop stays scalar.
 template <ElementType kGrad, ElementType kMoment>
-MAINSTAY_VECTOR_CLONES void AdamWSpan(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n) {
-  // Copies held by value: no store through master[] can alias them, so they stay in registers.
-  const AdamWHyper h = args.hyper;
-  const AdamWConstants c = args.consts;
+MAINSTAY_VECTOR_CLONES void AdamWSpanOut(const AdamWHyper h, const AdamWConstants c, const void* __restrict grad,
+                                         const float* __restrict master, const void* __restrict m,
+                                         const void* __restrict v, int64_t n, float* __restrict master_out,
+                                         void* __restrict m_out, void* __restrict v_out) {
   const float multiplier = h.grad_multiplier;
-  float* master = args.master + begin;
-  void* m = MomentAt<kMoment>(args.m, begin);
-  void* v = MomentAt<kMoment>(args.v, begin);
   for (int64_t i = 0; i < n; ++i) {
     const float g = LoadGrad(grad, kGrad, i) * multiplier;
     float p = master[i];
     float mi = LoadMoment(m, kMoment, i);
     float vi = LoadMoment(v, kMoment, i);
     AdamWElement(h, c, g, p, mi, vi);
-    master[i] = p;
-    StoreMoment(m, kMoment, i, mi);
-    StoreMoment(v, kMoment, i, vi);
+    master_out[i] = p;
+    StoreMoment(m_out, kMoment, i, mi);
+    StoreMoment(v_out, kMoment, i, vi);
+  }
+}
+
+template <ElementType kGrad, ElementType kMoment, bool kInPlace>
+MAINSTAY_VECTOR_CLONES void AdamWSpan(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n,
+                                      const SpanOut& out) {
+  if constexpr (!kInPlace) {
+    AdamWSpanOut<kGrad, kMoment>(args.hyper, args.consts, grad, args.master + begin, MomentAt<kMoment>(args.m, begin),
+                                 MomentAt<kMoment>(args.v, begin), n, out.master, out.m, out.v);
+  } else {
+    // Copies held by value: no store through master[] can alias them, so they stay in registers.
+    const AdamWHyper h = args.hyper;
+    const AdamWConstants c = args.consts;
+    const float multiplier = h.grad_multiplier;
+    float* master = const_cast<float*>(args.master) + begin;
+    void* m = const_cast<void*>(MomentAt<kMoment>(args.m, begin));
+    void* v = const_cast<void*>(MomentAt<kMoment>(args.v, begin));
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = LoadGrad(grad, kGrad, i) * multiplier;
+      float p = master[i];
+      float mi = LoadMoment(m, kMoment, i);
+      float vi = LoadMoment(v, kMoment, i);
+      AdamWElement(h, c, g, p, mi, vi);
+      master[i] = p;
+      StoreMoment(m, kMoment, i, mi);
+      StoreMoment(v, kMoment, i, vi);
+    }
   }
 }
 
 struct SgdArgs {
   SgdHyper hyper;
-  float* master;
-  void* buf;
+  const float* master;
+  const void* buf;
 };
 
 template <ElementType kGrad, ElementType kMoment>
-MAINSTAY_VECTOR_CLONES void SgdSpan(const SgdArgs& args, const void* grad, int64_t begin, int64_t n) {
-  const SgdHyper h = args.hyper;
+MAINSTAY_VECTOR_CLONES void SgdSpanOut(const SgdHyper h, const void* __restrict grad, const float* __restrict master,
+                                       const void* __restrict buf, int64_t n, float* __restrict master_out,
+                                       void* __restrict buf_out) {
   const float multiplier = h.grad_multiplier;
-  float* master = args.master + begin;
-  void* buf = MomentAt<kMoment>(args.buf, begin);
   for (int64_t i = 0; i < n; ++i) {
     const float g = LoadGrad(grad, kGrad, i) * multiplier;
     float p = master[i];
     float b = LoadMoment(buf, kMoment, i);
     SgdElement(h, g, p, b);
-    master[i] = p;
-    StoreMoment(buf, kMoment, i, b);
+    master_out[i] = p;
+    StoreMoment(buf_out, kMoment, i, b);
+  }
+}
+
+template <ElementType kGrad, ElementType kMoment, bool kInPlace>
+MAINSTAY_VECTOR_CLONES void SgdSpan(const SgdArgs& args, const void* grad, int64_t begin, int64_t n,
+                                    const SpanOut& out) {
+  if constexpr (!kInPlace) {
+    SgdSpanOut<kGrad, kMoment>(args.hyper, grad, args.master + begin, MomentAt<kMoment>(args.buf, begin), n,
+                               out.master, out.m);
+  } else {
+    const SgdHyper h = args.hyper;
+    const float multiplier = h.grad_multiplier;
+    float* master = const_cast<float*>(args.master) + begin;
+    void* buf = const_cast<void*>(MomentAt<kMoment>(args.buf, begin));
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = LoadGrad(grad, kGrad, i) * multiplier;
+      float p = master[i];
+      float b = LoadMoment(buf, kMoment, i);
+      SgdElement(h, g, p, b);
+      master[i] = p;
+      StoreMoment(buf, kMoment, i, b);
+    }
   }
 }
 

@@ -28,7 +28,7 @@
 // do not depend on the CPU. Building with -DMAINSTAY_VECTOR_CLONES= keeps the baseline only.
 #if !defined(MAINSTAY_VECTOR_CLONES)
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
-#define MAINSTAY_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#define MAINSTAY_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define MAINSTAY_VECTOR_CLONES
 #endif

@@ -94,8 +94,9 @@ struct OptimizerOp {
   Format model_dtype;
   uint16_t* model_values;  // nullptr = not written
   FlatCast cast;
-  bool stats;   // accumulate gradient stats
-  bool vec_ok;  // every array aligned for vector access
+  bool stats;    // accumulate gradient stats
+  bool dry_run;  // StepOutputs::dry_run: the state is read, not written
+  bool vec_ok;   // every array aligned for vector access
 
   __device__ __forceinline__ void operator()(int64_t j, int cnt, bool vec, float (&x)[4], GradAccum& acc) const {
     vec = vec && vec_ok;
@@ -121,9 +122,11 @@ struct OptimizerOp {
         }
       }
     }
-    StoreF32x4(master, j, cnt, vec, p);
-    StoreMoments(m, moment_type, j, cnt, vec, mm);
-    if constexpr (kAdam) StoreMoments(v, moment_type, j, cnt, vec, vv);
+    if (!dry_run) {
+      StoreF32x4(master, j, cnt, vec, p);
+      StoreMoments(m, moment_type, j, cnt, vec, mm);
+      if constexpr (kAdam) StoreMoments(v, moment_type, j, cnt, vec, vv);
+    }
     uint16_t bits[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -229,6 +232,7 @@ OptimizerOp<kAdam> MakeOp(Format model_dtype, GradView grad, float multiplier, c
   op.model_dtype = model_dtype;
   op.model_values = out.model_values.empty() ? nullptr : out.model_values.data();
   op.stats = out.grad_sum_squares != nullptr || out.grad_nonfinite != nullptr;
+  op.dry_run = out.dry_run;
   const uintptr_t moment_align = state.moment_type == ElementType::kBFloat16 ? 8 : 16;
   op.vec_ok = GradAligned(grad) && Aligned(state.master, 16) && Aligned(state.m, moment_align) &&
               (!kAdam || Aligned(state.v, moment_align)) &&
@@ -302,7 +306,7 @@ absl::Status FusedAdamWQuantize(const Device& device, Format format, Format mode
   if (format == Format::kMXFP8) {
     // The block amax is computed in the pass, so no block may reach outside the fragment
     // (the CPU backend refuses the same fragments).
-    if (fragment.view.cols % 32 != 0 || fragment.elements.begin % 32 != 0 || fragment.elements.end % 32 != 0) {
+    if (!MxfpBlocksInFragment(fragment)) {
       return InvalidArgumentError("fragment", "mxfp8 in one pass needs cols and fragment bounds that are ",
                                   "multiples of 32, got cols ", fragment.view.cols, " and [",
                                   fragment.elements.begin, ", ", fragment.elements.end, ")");
@@ -316,11 +320,15 @@ absl::Status FusedAdamWQuantize(const Device& device, Format format, Format mode
   if (d.scaling == ScalingMode::kNone) {  // bf16 / fp16
     op.cast = FlatCast{PassCast::k16Bit, format, false, 1.0f, data};
     op.vec_ok = op.vec_ok && Aligned(data, 8);
-  } else {  // fp8 delayed (kernels.cc admits nothing else here)
-    op.cast = FlatCast{PassCast::kFp8, format, d.element == ElementType::kE5M2, scales.tensor_scale, data};
+  } else {  // fp8 delayed or current (kernels.cc admits nothing else here)
+    const bool e5m2 = d.element == ElementType::kE5M2;
+    const float scale = d.scaling == ScalingMode::kCurrent
+                            ? CurrentScalingScale(scales.tensor_amax, e5m2 ? kE5M2Max : kE4M3Max, scales.pow2_scales)
+                            : scales.tensor_scale;
+    op.cast = FlatCast{PassCast::kFp8, format, e5m2, scale, data};
     op.vec_ok = op.vec_ok && Aligned(data, 4);
     scale_inv_out = quantized.tensor_scale_inv;
-    scale_inv = ScaleInv(scales.tensor_scale);
+    scale_inv = ScaleInv(scale);
   }
   return RunOptimizer(device, format, fragment, op, out, nullptr, scale_inv_out, scale_inv);
 }

@@ -513,6 +513,8 @@ absl::StatusOr<v1::StepStats> Job::GetStepStats(const v1::GetStepStatsRequest& r
 
 absl::StatusOr<ShardStateCopy> Job::ReadShardState(int32_t bucket, int32_t shard) const {
   absl::MutexLock lock(&mu_);
+  auto not_applying = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !applying_; };
+  mu_.Await(absl::Condition(&not_applying));  // the state, as of a committed step
   auto it = shards_.find({bucket, shard});
   if (it == shards_.end()) {
     return ErrorWithDetail(absl::FailedPreconditionError(

@@ -235,16 +235,34 @@ class Job : public std::enable_shared_from_this<Job> {
     std::vector<uint8_t> m, v, scratch_m, scratch_v;
     std::vector<float> grad_sum;  // for num_contributors > 1
     std::map<int64_t, std::shared_ptr<const QuantizedShard>> versions;
+    // The data buffer of the last version evicted while nobody else held it: the next version
+    // is cast into it (no allocation and no page faults in the step). Step thread and commit.
+    std::vector<uint8_t> spare_data;
 
-    // The commit of a step or a restore: the scratch state becomes the state and `published`
-    // its newest version (keeping at most `retained` versions). Under the job's lock.
-    void Commit(std::shared_ptr<const QuantizedShard> published, int retained) {
-      master.swap(scratch_master);
-      m.swap(scratch_m);
-      v.swap(scratch_v);
+    // The commit of a step, version 0 or a restore: `published` becomes the newest version
+    // (keeping at most `retained` versions). Version 0 and restores built the state in the
+    // scratch buffers, which become the state (and are then freed); a step updated the state
+    // in place (`in_place`). Under the job's lock.
+    void Commit(std::shared_ptr<const QuantizedShard> published, int retained, bool in_place) {
+      if (!in_place) {
+        master.swap(scratch_master);
+        m.swap(scratch_m);
+        v.swap(scratch_v);
+        std::vector<float>().swap(scratch_master);
+        std::vector<uint8_t>().swap(scratch_m);
+        std::vector<uint8_t>().swap(scratch_v);
+      }
       initialized = true;
       versions[published->version] = std::move(published);
-      while (static_cast<int>(versions.size()) > std::max(retained, 1)) versions.erase(versions.begin());
+      while (static_cast<int>(versions.size()) > std::max(retained, 1)) {
+        std::shared_ptr<const QuantizedShard>& oldest = versions.begin()->second;
+        if (oldest.use_count() == 1) {
+          // Ours alone (a pull still sending it holds another reference), and made mutable by
+          // CastShard (std::make_shared<QuantizedShard>): its buffer is reused.
+          spare_data = std::move(const_cast<QuantizedShard&>(*oldest).data);
+        }
+        versions.erase(versions.begin());
+      }
     }
   };
   struct ShardInputs {
@@ -284,10 +302,32 @@ class Job : public std::enable_shared_from_this<Job> {
     double lr = 0.0, weight_decay = 0.0;
     std::vector<uint8_t> data;
   };
+  // What one fragment's cast needs once the step is decided.
+  struct FragmentCast {
+    const TensorFragment* f = nullptr;
+    kernels::Fragment frag;       // the tensor's 2D view and the fragment's element range
+    int64_t offset = 0;           // of the fragment inside the shard, elements
+    IndexRange blocks;            // its scale blocks (FragmentScaleBlocks)
+    std::vector<float> block_amax;  // reduced, per block of `blocks` (block-scaled formats)
+    float tensor_scale = 1.0f;    // fp8 delayed: the scale to cast with
+    float tensor_amax = 0.0f;     // reduced whole-tensor amax
+  };
+  // A decided step's update, applied in place after the decision (ApplyStep): the state is
+  // written only once nothing can fail any more, so the job keeps one copy of it.
+  struct StepUpdate {
+    std::vector<kernels::GradView> grads;   // per shard
+    std::vector<float> multipliers;         // per shard: clip factor / loss scale
+    double lr = 0.0, weight_decay = 0.0;
+    std::vector<std::vector<FragmentCast>> casts;  // per shard, per fragment
+    std::map<Key, ReplicaInput> replica_in;        // owns the replica shards' gradients
+  };
   struct StepResult {
     bool skipped = false;
     v1::StepStats stats;
-    std::vector<std::shared_ptr<const QuantizedShard>> published;  // one per shard, when not skipped
+    // One per shard when not skipped: the new version (version 0 and restores), or empty
+    // until ApplyStep has run `update` (every step >= 0).
+    std::vector<std::shared_ptr<const QuantizedShard>> published;
+    std::optional<StepUpdate> update;
   };
 
   Job(std::string job_id, ResolvedJob resolved, std::string token_sha256, JobOptions options);
@@ -368,6 +408,18 @@ class Job : public std::enable_shared_from_this<Job> {
                                          const std::vector<std::shared_ptr<ShardState>>& shards,
                                          const std::vector<std::string>& members, int64_t epoch,
                                          const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of);
+  // The new version `version` of `s` from its fragments' casts: quantized from the scratch
+  // state (version 0, restores: `update` null) or, for step version - 1, with `update`
+  // (shard index `i` of it) applied to the state in place, in the cast's pass where the
+  // format allows.
+  absl::StatusOr<std::shared_ptr<QuantizedShard>> CastShard(ShardState& s, const std::vector<FragmentCast>& casts,
+                                                            int64_t version, const StepUpdate* update, size_t i);
+  // Applies a decided step (ExecuteStep's result.update) to `shards` in place and quantizes
+  // their new versions into result.published: the update and the cast in one pass where the
+  // format allows. Runs with applying_ set, so that nothing copies the state meanwhile. It
+  // cannot fail: its arguments are the ones the decision's dry run accepted (a kernel error
+  // here is a bug, and the process aborts rather than keep a half-updated shard).
+  void ApplyStep(int64_t step, StepResult& result, const std::vector<std::shared_ptr<ShardState>>& shards);
   // The job's peer group for `members` at `epoch` (job_outcome.cc): the current one, or a new
   // one at the generation the members agree on (PeerGroupFactory::Generation); true when new.
   absl::StatusOr<bool> EnsureGroup(const std::vector<std::string>& members, int64_t epoch, absl::Time deadline)
@@ -442,6 +494,9 @@ class Job : public std::enable_shared_from_this<Job> {
   std::unique_ptr<Restore> restore_ ABSL_GUARDED_BY(mu_);  // taken by the step thread
   absl::Status restore_error_ ABSL_GUARDED_BY(mu_);         // a restore that failed
   bool restoring_ ABSL_GUARDED_BY(mu_) = false;             // from Create until the restore ends
+  // The step thread is writing the shards' state in place (ApplyStep): readers of master and
+  // moments (ReadShardState, SnapshotAt, CopyForMove) wait until it has committed.
+  bool applying_ ABSL_GUARDED_BY(mu_) = false;
   std::string restored_from_ ABSL_GUARDED_BY(mu_);
   int64_t restored_epoch_ ABSL_GUARDED_BY(mu_) = -1;
   int64_t restored_version_ ABSL_GUARDED_BY(mu_) = -1;  // the version the restore publishes

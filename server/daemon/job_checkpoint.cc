@@ -69,7 +69,8 @@ absl::StatusOr<JobSnapshot> Job::SnapshotAt(int64_t committed_step, absl::Time d
   }
   absl::MutexLock lock(&mu_);
   auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return stopping_ || !restore_error_.ok() || (version_ >= 0 && !restoring_ && committed_step_ >= committed_step);
+    return stopping_ || !restore_error_.ok() ||
+           (version_ >= 0 && !restoring_ && !applying_ && committed_step_ >= committed_step);
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
     return absl::DeadlineExceededError(absl::StrCat("WriteCheckpoint: job ", job_id_, " did not decide step ",
@@ -242,7 +243,7 @@ void Job::RunRestore() {
     }
     return;
   }
-  for (size_t i = 0; i < shards.size(); ++i) shards[i]->Commit(result->published[i], options_.retained_versions);
+  for (size_t i = 0; i < shards.size(); ++i) shards[i]->Commit(result->published[i], options_.retained_versions, /*in_place=*/false);
   version_ = inputs.publish_version;
   restoring_ = false;
   restore_attempts_ = 0;

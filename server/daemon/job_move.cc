@@ -64,6 +64,8 @@ absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest
                                                       ": the step in flight was not decided before the deadline"));
     }
   }
+  auto not_applying = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !applying_; };
+  mu_.Await(absl::Condition(&not_applying));  // the state, as of a committed step
   if (stopping_) return absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
   if (!restore_error_.ok()) return absl::FailedPreconditionError(restore_error_.message());
   std::shared_ptr<ShardState> state;

@@ -71,22 +71,26 @@ float Fp8Max(Format format) {
                                                                                  : kernels::kE4M3Max;
 }
 
-// What a step needs of each fragment of a shard, derived once from the layout.
-struct FragmentWork {
-  const TensorFragment* f;
-  kernels::Fragment frag;  // the tensor's 2D view and the fragment's element range
-  int64_t offset;          // of the fragment inside the shard, elements
-  IndexRange blocks;       // its scale blocks (FragmentScaleBlocks)
-};
+// Whether the cast of `format` needs the amax of the new values before it runs, so that a
+// step learns it by a dry run of the update before it is decided. Delayed scaling casts with
+// the history's scale, but its amax goes into the history through the step's MAX.
+bool NeedsAmaxBeforeCast(Format format, const kernels::Fragment& frag) {
+  const ScalingMode mode = Describe(format).scaling;
+  if (mode == ScalingMode::kCurrent || mode == ScalingMode::kDelayed) return true;
+  if (format == Format::kNVFP4 || format == Format::kFP8Block) return true;
+  return format == Format::kMXFP8 && !kernels::MxfpBlocksInFragment(frag);
+}
 
-std::vector<FragmentWork> FragmentsOf(const Layout& layout, const Shard& shard) {
-  std::vector<FragmentWork> out;
-  for (const TensorFragment& f : shard.fragments) {
-    const LayoutTensor& tensor = layout.tensors[static_cast<size_t>(f.tensor)];
-    out.push_back({&f, kernels::Fragment{View2D(tensor.shape), f.elements}, f.bucket_offset - shard.elements.begin,
-                   FragmentScaleBlocks(layout, f)});
-  }
-  return out;
+kernels::AdamWHyper AdamWHyperOf(const OptimizerSpec& opt, double lr, double weight_decay, int64_t step,
+                                 float multiplier) {
+  return kernels::AdamWHyper{static_cast<float>(lr), opt.beta1, opt.beta2, opt.eps, static_cast<float>(weight_decay),
+                             step + 1, multiplier};
+}
+
+kernels::SgdHyper SgdHyperOf(const OptimizerSpec& opt, double lr, double weight_decay, int64_t step,
+                             float multiplier) {
+  return kernels::SgdHyper{static_cast<float>(lr), opt.momentum, static_cast<float>(weight_decay), step + 1,
+                           multiplier};
 }
 
 }  // namespace
@@ -271,7 +275,11 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     stats.set_weight_decay(weight_decay);
   }
 
-  // 2. The update into scratch buffers (version 0: the initial values), with partial amaxes.
+  // 2. The amaxes the new version's casts need before they can run (version 0: of the initial
+  // values, built in the scratch buffers). A step writes no state here: formats whose scales
+  // depend on the new values' amax (fp8 current and delayed, nvfp4, fp8_block, mxfp8 with
+  // blocks that straddle fragments) get a dry run of the update (StepOutputs::dry_run); the
+  // update itself runs in place once the step is decided (ApplyStep).
   t = absl::Now();
   const int moment_bytes = ElementBytes(opt.moment_dtype);
   const bool adamw = opt.type == OptimizerType::kAdamW;
@@ -289,8 +297,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     reduced[hyper_at + 2] = std::max(reduced[hyper_at + 2], static_cast<float>(wd));
     reduced[hyper_at + 3] = std::max(reduced[hyper_at + 3], -static_cast<float>(wd));
   }
-  std::vector<std::vector<std::vector<float>>> block_amax(shards.size());
-  std::vector<std::vector<FragmentWork>> work(shards.size());  // per shard, reused by the cast
+  std::vector<std::vector<FragmentCast>> casts(shards.size());  // per shard, per fragment
   for (size_t i = 0; i < shards.size(); ++i) {
     ShardState& s = *shards[i];
     const Bucket& bucket = layout.buckets[static_cast<size_t>(s.bucket)];
@@ -305,46 +312,42 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       std::memcpy(s.scratch_master.data(), initial.data(), n * 4);
       s.scratch_m.assign(n * static_cast<size_t>(moment_bytes), 0);
       s.scratch_v.assign(adamw ? n * static_cast<size_t>(moment_bytes) : 0, 0);
-    } else {
-      s.scratch_master = s.master;
-      s.scratch_m = s.m;
-      s.scratch_v = s.v;
     }
-    work[i] = FragmentsOf(layout, shard);
-    block_amax[i].resize(work[i].size());
-    for (size_t j = 0; j < work[i].size(); ++j) {
-      const TensorFragment& f = *work[i][j].f;
-      const kernels::Fragment& frag = work[i][j].frag;
-      const int64_t off = work[i][j].offset;
-      const IndexRange blocks = work[i][j].blocks;
-      std::vector<float>& bamax = block_amax[i][j];
-      bamax.assign(static_cast<size_t>(blocks.size()), 0.0f);
+    for (const TensorFragment& f : shard.fragments) {
+      const LayoutTensor& tensor = layout.tensors[static_cast<size_t>(f.tensor)];
+      FragmentCast c;
+      c.f = &f;
+      c.frag = kernels::Fragment{View2D(tensor.shape), f.elements};
+      c.offset = f.bucket_offset - shard.elements.begin;
+      c.blocks = FragmentScaleBlocks(layout, f);
+      c.block_amax.assign(static_cast<size_t>(c.blocks.size()), 0.0f);
       float tensor_amax = 0.0f;
-      kernels::AmaxOutputs amax{&tensor_amax, std::span<float>(bamax)};
-      float* master = s.scratch_master.data() + off;
+      kernels::AmaxOutputs amax{&tensor_amax, std::span<float>(c.block_amax)};
+      const kernels::Fragment& frag = c.frag;
       if (step < 0) {
+        const float* master = s.scratch_master.data() + c.offset;
         MAINSTAY_RETURN_IF_ERROR(kernels::ComputePartialAmax(
             device, bucket.format, model, frag, std::span<const float>(master, static_cast<size_t>(frag.size())), amax));
-      } else {
-        const kernels::GradView g{static_cast<const uint8_t*>(grads[i].data) + off * ElementBytes(grads[i].type),
+      } else if (NeedsAmaxBeforeCast(bucket.format, frag)) {
+        const kernels::GradView g{static_cast<const uint8_t*>(grads[i].data) + c.offset * ElementBytes(grads[i].type),
                                   grads[i].type};
-        kernels::OptimizerState state{master, s.scratch_m.data() + off * moment_bytes,
-                                      adamw ? s.scratch_v.data() + off * moment_bytes : nullptr, opt.moment_dtype};
+        kernels::OptimizerState state{s.master.data() + c.offset, s.m.data() + c.offset * moment_bytes,
+                                      adamw ? s.v.data() + c.offset * moment_bytes : nullptr, opt.moment_dtype};
         kernels::StepOutputs out;
         out.amax = amax;
+        out.dry_run = true;
         if (adamw) {
-          kernels::AdamWHyper h{static_cast<float>(lr), opt.beta1, opt.beta2, opt.eps, static_cast<float>(weight_decay),
-                                step + 1, multipliers[i]};
-          MAINSTAY_RETURN_IF_ERROR(kernels::FusedAdamW(device, bucket.format, model, frag, g, state, h, out));
+          MAINSTAY_RETURN_IF_ERROR(kernels::FusedAdamW(device, bucket.format, model, frag, g, state,
+                                                       AdamWHyperOf(opt, lr, weight_decay, step, multipliers[i]), out));
         } else {
-          kernels::SgdHyper h{static_cast<float>(lr), opt.momentum, static_cast<float>(weight_decay), step + 1,
-                              multipliers[i]};
-          MAINSTAY_RETURN_IF_ERROR(kernels::FusedSgd(device, bucket.format, model, frag, g, state, h, out));
+          MAINSTAY_RETURN_IF_ERROR(kernels::FusedSgd(device, bucket.format, model, frag, g, state,
+                                                     SgdHyperOf(opt, lr, weight_decay, step, multipliers[i]), out));
         }
       }
       float& r = reduced[static_cast<size_t>(f.tensor)];
       r = std::max(r, tensor_amax);
-      plan_.Contribute(f.tensor, blocks, bamax, std::span<float>(reduced));
+      plan_.Contribute(f.tensor, c.blocks, c.block_amax, std::span<float>(reduced));
+      casts[i].push_back(std::move(c));
     }
   }
   phases.set_update_ms(MsSince(t));
@@ -386,67 +389,36 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
         reduced[hyper_at], ", weight_decay from ", -reduced[hyper_at + 3], " to ", reduced[hyper_at + 2],
         " across daemons"));
   }
-
-  // 4. Quantize each shard into its new version.
-  t = absl::Now();
+  // The casts' scales, from the reduced amaxes (and, for delayed scaling, the history as it
+  // stands before this step records its amax).
   for (size_t i = 0; i < shards.size(); ++i) {
-    ShardState& s = *shards[i];
-    const Bucket& bucket = layout.buckets[static_cast<size_t>(s.bucket)];
-    const Shard& shard = bucket.shards[static_cast<size_t>(s.shard)];
-    const FormatDescriptor& d = Describe(bucket.format);
-    auto snap = std::make_shared<QuantizedShard>();
-    snap->version = restoring ? inputs.publish_version : step + 1;
-    snap->bucket = s.bucket;
-    snap->shard = s.shard;
-    snap->format = bucket.format;
-    snap->elements = shard.elements;
-    snap->data.assign(static_cast<size_t>(DataBytes(bucket.format, s.numel)), 0);
-    snap->has_scales = d.has_block_scales();
-    snap->scale_type = d.block_scale;
-    const int scale_bytes = d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0;
-    for (const std::vector<float>& b : block_amax[i]) snap->num_scales += static_cast<int64_t>(b.size());
-    snap->scales.assign(static_cast<size_t>(snap->num_scales * scale_bytes), 0);
-    int64_t scale_offset = 0;
-    for (size_t j = 0; j < work[i].size(); ++j) {
-      const TensorFragment& f = *work[i][j].f;
-      const kernels::Fragment& frag = work[i][j].frag;
-      const int64_t off = work[i][j].offset;
-      const IndexRange blocks = work[i][j].blocks;
-      std::vector<float>& bamax = block_amax[i][j];
-      plan_.Apply(f.tensor, blocks, std::span<float>(bamax), std::span<const float>(reduced));
-      const float amax = reduced[static_cast<size_t>(f.tensor)];
-      kernels::ScaleInputs in;
+    for (FragmentCast& c : casts[i]) {
+      plan_.Apply(c.f->tensor, c.blocks, std::span<float>(c.block_amax), std::span<const float>(reduced));
+      c.tensor_amax = reduced[static_cast<size_t>(c.f->tensor)];
       // A restore republishes the saved version with the scale it was cast with.
-      in.tensor_scale = restoring ? cast_scale_[static_cast<size_t>(f.tensor)] : delayed_[static_cast<size_t>(f.tensor)].scale;
-      in.tensor_amax = amax;
-      in.block_amax = bamax;
-      const IndexRange bytes = FragmentShardByteRange(bucket, shard, f);
-      float scale_inv = 0.0f;
-      kernels::QuantizedOutputs out;
-      out.data = std::span<uint8_t>(snap->data.data() + bytes.begin, static_cast<size_t>(bytes.size()));
-      out.block_scales = std::span<uint8_t>(snap->scales.data() + scale_offset * scale_bytes,
-                                            static_cast<size_t>(blocks.size() * scale_bytes));
-      out.tensor_scale_inv = d.tensor_scale ? &scale_inv : nullptr;
-      MAINSTAY_RETURN_IF_ERROR(kernels::Quantize(
-          device, bucket.format, model, frag,
-          std::span<const float>(s.scratch_master.data() + off, static_cast<size_t>(frag.size())), in, out));
-      scale_offset += blocks.size();
-      FragmentMeta meta;
-      meta.tensor = f.tensor;
-      meta.elements = f.elements;
-      meta.format = bucket.format;
-      if (d.scaling == ScalingMode::kDelayed) {
-        meta.scale = in.tensor_scale;
-      } else if (d.scaling == ScalingMode::kCurrent) {
-        meta.scale = kernels::CurrentScalingScale(amax, Fp8Max(bucket.format), in.pow2_scales);
-      } else if (bucket.format == Format::kNVFP4) {
-        meta.scale = kernels::Nvfp4GlobalEncodeScale(amax);
-      }
-      meta.scale_inv = scale_inv;
-      meta.amax = HasTensorAmax(bucket.format) ? amax : 0.0f;
-      snap->fragments.push_back(meta);
+      c.tensor_scale = restoring ? cast_scale_[static_cast<size_t>(c.f->tensor)]
+                                 : delayed_[static_cast<size_t>(c.f->tensor)].scale;
     }
-    result.published.push_back(std::move(snap));
+  }
+
+  // 4. Version 0 and restores: quantize the scratch state into the new version now. A step
+  // hands its update to ApplyStep, which runs once the step is decided everywhere it must be.
+  t = absl::Now();
+  if (step >= 0 && !restoring) {
+    StepUpdate& u = result.update.emplace();
+    u.grads = std::move(grads);
+    u.multipliers = std::move(multipliers);
+    u.lr = lr;
+    u.weight_decay = weight_decay;
+    u.casts = std::move(casts);
+    u.replica_in = std::move(replica_in);  // the replicas' gradient views point into these
+  } else {
+    for (size_t i = 0; i < shards.size(); ++i) {
+      MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<QuantizedShard> snap,
+                                CastShard(*shards[i], casts[i], restoring ? inputs.publish_version : step + 1,
+                                          /*update=*/nullptr, 0));
+      result.published.push_back(std::move(snap));
+    }
   }
   phases.set_quantize_ms(MsSince(t));
 
@@ -462,6 +434,114 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   if (step >= 0) loss_scale_.Update(/*overflow=*/false);
   stats.set_loss_scale(loss_scale_.scale);
   return result;
+}
+
+absl::StatusOr<std::shared_ptr<QuantizedShard>> Job::CastShard(ShardState& s, const std::vector<FragmentCast>& casts,
+                                                               int64_t version, const StepUpdate* update, size_t i) {
+  const Layout& layout = job_.layout;
+  const OptimizerSpec& opt = job_.spec.optimizer;
+  const Format model = job_.recipe.model_dtype;
+  const kernels::Device& device = options_.device;
+  const Bucket& bucket = layout.buckets[static_cast<size_t>(s.bucket)];
+  const Shard& shard = bucket.shards[static_cast<size_t>(s.shard)];
+  const FormatDescriptor& d = Describe(bucket.format);
+  const int moment_bytes = ElementBytes(opt.moment_dtype);
+  const bool adamw = opt.type == OptimizerType::kAdamW;
+  auto snap = std::make_shared<QuantizedShard>();
+  snap->version = version;
+  snap->bucket = s.bucket;
+  snap->shard = s.shard;
+  snap->format = bucket.format;
+  snap->elements = shard.elements;
+  snap->data = std::move(s.spare_data);  // reused when the size fits (assign keeps the memory)
+  s.spare_data.clear();
+  snap->data.assign(static_cast<size_t>(DataBytes(bucket.format, s.numel)), 0);
+  snap->has_scales = d.has_block_scales();
+  snap->scale_type = d.block_scale;
+  const int scale_bytes = d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0;
+  for (const FragmentCast& c : casts) snap->num_scales += c.blocks.size();
+  snap->scales.assign(static_cast<size_t>(snap->num_scales * scale_bytes), 0);
+  float* masters = update != nullptr ? s.master.data() : s.scratch_master.data();
+  int64_t scale_offset = 0;
+  for (const FragmentCast& c : casts) {
+    const kernels::Fragment& frag = c.frag;
+    kernels::ScaleInputs in;
+    in.tensor_scale = c.tensor_scale;
+    in.tensor_amax = c.tensor_amax;
+    in.block_amax = c.block_amax;
+    const IndexRange bytes = FragmentShardByteRange(bucket, shard, *c.f);
+    float scale_inv = 0.0f;
+    kernels::QuantizedOutputs out;
+    out.data = std::span<uint8_t>(snap->data.data() + bytes.begin, static_cast<size_t>(bytes.size()));
+    out.block_scales = std::span<uint8_t>(snap->scales.data() + scale_offset * scale_bytes,
+                                          static_cast<size_t>(c.blocks.size() * scale_bytes));
+    out.tensor_scale_inv = d.tensor_scale ? &scale_inv : nullptr;
+    const std::span<const float> master(masters + c.offset, static_cast<size_t>(frag.size()));
+    bool cast = false;  // done in the update's pass
+    if (update != nullptr) {
+      const int64_t step = version - 1;
+      const kernels::GradView g{
+          static_cast<const uint8_t*>(update->grads[i].data) + c.offset * ElementBytes(update->grads[i].type),
+          update->grads[i].type};
+      const kernels::OptimizerState state{s.master.data() + c.offset, s.m.data() + c.offset * moment_bytes,
+                                          adamw ? s.v.data() + c.offset * moment_bytes : nullptr, opt.moment_dtype};
+      const float multiplier = update->multipliers[i];
+      if (!adamw) {
+        MAINSTAY_RETURN_IF_ERROR(kernels::FusedSgd(device, bucket.format, model, frag, g, state,
+                                                   SgdHyperOf(opt, update->lr, update->weight_decay, step, multiplier),
+                                                   kernels::StepOutputs{}));
+      } else if (d.scaling == ScalingMode::kNone || d.scaling == ScalingMode::kDelayed ||
+                 d.scaling == ScalingMode::kCurrent ||
+                 (bucket.format == Format::kMXFP8 && kernels::MxfpBlocksInFragment(frag))) {
+        MAINSTAY_RETURN_IF_ERROR(kernels::FusedAdamWQuantize(
+            device, bucket.format, model, frag, g, state,
+            AdamWHyperOf(opt, update->lr, update->weight_decay, step, multiplier), in, kernels::StepOutputs{}, out));
+        cast = true;
+      } else {
+        MAINSTAY_RETURN_IF_ERROR(kernels::FusedAdamW(
+            device, bucket.format, model, frag, g, state,
+            AdamWHyperOf(opt, update->lr, update->weight_decay, step, multiplier), kernels::StepOutputs{}));
+      }
+    }
+    if (!cast) MAINSTAY_RETURN_IF_ERROR(kernels::Quantize(device, bucket.format, model, frag, master, in, out));
+    scale_offset += c.blocks.size();
+    FragmentMeta meta;
+    meta.tensor = c.f->tensor;
+    meta.elements = c.f->elements;
+    meta.format = bucket.format;
+    if (d.scaling == ScalingMode::kDelayed) {
+      meta.scale = in.tensor_scale;
+    } else if (d.scaling == ScalingMode::kCurrent) {
+      meta.scale = kernels::CurrentScalingScale(c.tensor_amax, Fp8Max(bucket.format), in.pow2_scales);
+    } else if (bucket.format == Format::kNVFP4) {
+      meta.scale = kernels::Nvfp4GlobalEncodeScale(c.tensor_amax);
+    }
+    meta.scale_inv = scale_inv;
+    meta.amax = HasTensorAmax(bucket.format) ? c.tensor_amax : 0.0f;
+    snap->fragments.push_back(meta);
+  }
+  return snap;
+}
+
+void Job::ApplyStep(int64_t step, StepResult& result, const std::vector<std::shared_ptr<ShardState>>& shards) {
+  const absl::Time t = absl::Now();
+  StepUpdate& update = *result.update;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    absl::StatusOr<std::shared_ptr<QuantizedShard>> snap = CastShard(*shards[i], update.casts[i], step + 1, &update, i);
+    if (!snap.ok()) {
+      // The same fragments and buffers passed the decision's dry run: a failure here is a bug,
+      // and the shards may be half updated. Better no daemon (its replicas or checkpoint take
+      // over) than a torn shard.
+      Log(LogLevel::kError, "daemon",
+          absl::StrCat("job ", job_id_, ": step ", step, " was decided but its update of ",
+                       ShardName(shards[i]->bucket, shards[i]->shard), " failed (", snap.status().ToString(),
+                       "); aborting rather than keep a half-updated shard"));
+      std::abort();
+    }
+    result.published.push_back(*std::move(snap));
+  }
+  result.update.reset();  // the replicas' inputs are no longer needed
+  result.stats.mutable_phases()->set_quantize_ms(MsSince(t));
 }
 
 void Job::RunSteps() {
@@ -513,8 +593,17 @@ void Job::RunSteps() {
       // Decided: but it is committed and acknowledged only once every replica holds the decision.
       if (absl::Status held = ConfirmDecisionHeld(step); !held.ok()) result = held;
     }
+    if (result.ok() && result->update.has_value()) {
+      // Nothing can fail from here: the state is updated in place.
+      {
+        absl::MutexLock lock(&mu_);
+        applying_ = true;
+      }
+      ApplyStep(step, *result, shards);
+    }
 
     mu_.Lock();
+    applying_ = false;
     executing_step_ = -2;
     executing_keys_.clear();
     if (!result.ok() && fence_epoch_ > epoch && result.status().code() != absl::StatusCode::kInvalidArgument) {
@@ -555,7 +644,9 @@ void Job::RunSteps() {
     }
     v1::StepStats& stats = result->stats;
     if (!result->skipped) {
-      for (size_t i = 0; i < shards.size(); ++i) shards[i]->Commit(result->published[i], options_.retained_versions);
+      for (size_t i = 0; i < shards.size(); ++i) {
+        shards[i]->Commit(result->published[i], options_.retained_versions, /*in_place=*/step >= 0);
+      }
       version_ = step + 1;
     }
     if (step >= 0) committed_step_ = step;

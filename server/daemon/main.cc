@@ -67,7 +67,8 @@ flags:
   --advertise HOST            host name or IP that trainers and peers use to reach this daemon
                               (default: the --listen host, or the machine's host name for 0.0.0.0)
   --node-name NAME            node for locality (default: the host name)
-  --threads N                 kernel threads (default: all hardware threads)
+  --threads N                 kernel threads (default: the cores this process may use: its CPU
+                              affinity, capped by its cgroup's CPU quota)
   --memory-bytes N            host memory offered for shard state (default: 80% of physical memory);
                               an assignment whose shards would not fit is refused (RESOURCE_EXHAUSTED)
   --retained-versions N       published versions kept per shard (default 4)
@@ -275,7 +276,7 @@ int Main(int argc, char** argv) {
     return 2;
   }
   const int64_t physical = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
-  absl::StatusOr<int64_t> threads = IntFlag(*flags, "--threads", std::thread::hardware_concurrency());
+  absl::StatusOr<int64_t> threads = IntFlag(*flags, "--threads", kernels::AvailableCores());
   absl::StatusOr<int64_t> memory = IntFlag(*flags, "--memory-bytes", physical / 10 * 8);
   absl::StatusOr<int64_t> retained = IntFlag(*flags, "--retained-versions", 4);
   absl::StatusOr<int64_t> peer_timeout = IntFlag(*flags, "--peer-timeout-ms", 120000);

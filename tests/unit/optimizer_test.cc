@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/format.h"
 #include "kernels/casts.h"
 #include "kernels/cpu/executor.h"
@@ -30,6 +33,7 @@ namespace {
 
 using ::mainstay::testing::IsOk;
 using ::mainstay::testing::StatusIs;
+using ::testing::HasSubstr;
 
 constexpr double kU = 0x1p-24;  // FP32 unit roundoff (round to nearest)
 
@@ -835,6 +839,136 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(FormatName(info.param.format)) + "_from_" + std::string(FormatName(info.param.model));
     });
 
+// ---- Dry runs (StepOutputs::dry_run) and the one-pass cast with current scaling: how the
+// daemon learns a step's amaxes before deciding it, then updates in place.
+
+// Every output of a dry run equals the same pass in place, and the state is left untouched.
+TEST_P(AmaxTest, DryRunGivesTheOutputsOfTheUpdateAndWritesNoState) {
+  const AmaxCase c = GetParam();
+  const Fragment f = MakeFragment(c.rows, c.cols, c.begin, c.end);
+  for (ElementType moments : {ElementType::kFloat32, ElementType::kBFloat16}) {
+    for (ElementType grad_type : {ElementType::kFloat32, ElementType::kBFloat16, ElementType::kFloat16}) {
+      for (bool sgd : {false, true}) {
+        const State start = [&] {
+          State s = AmaxState(f.size(), 61);
+          State t(moments, s.master);
+          for (int64_t i = 0; i < f.size(); ++i) {
+            t.set_m(i, 0.01f * static_cast<float>(i % 13) - 0.05f);
+            t.set_v(i, 0.001f * static_cast<float>(i % 7));
+          }
+          return t;
+        }();
+        std::mt19937_64 rng(62);
+        const Grad grad = MakeGrad(grad_type, RandomVaried(rng, f.size()));
+        const size_t nblocks = static_cast<size_t>(ScaleBlockRange(c.format, f.view, f.elements).size());
+        struct Run {
+          std::vector<float> blocks;
+          std::vector<uint16_t> bits;
+          float tensor = -1;
+          double sum = -1;
+          int64_t bad = -1;
+        };
+        auto run = [&](State& s, bool dry, Run& r) {
+          r.blocks.assign(nblocks, -1.0f);
+          r.bits.assign(static_cast<size_t>(f.size()), 0xFFFF);
+          StepOutputs out;
+          out.amax = {&r.tensor, r.blocks};
+          out.model_values = r.bits;
+          out.grad_sum_squares = &r.sum;
+          out.grad_nonfinite = &r.bad;
+          out.dry_run = dry;
+          if (sgd) {
+            SgdHyper h;
+            h.lr = 0.1f;
+            h.weight_decay = 0.01f;
+            h.step = 3;
+            return FusedSgd(Device{}, c.format, Format::kBF16, f, grad.view(), s.view(), h, out);
+          }
+          AdamWHyper h;
+          h.lr = 0.05f;
+          h.weight_decay = 0.01f;
+          h.step = 3;
+          h.grad_multiplier = 0.5f;
+          return FusedAdamW(Device{}, c.format, Format::kBF16, f, grad.view(), s.view(), h, out);
+        };
+        State dry = start, wet = start;
+        Run d, w;
+        ASSERT_THAT(run(dry, true, d), IsOk());
+        ASSERT_THAT(run(wet, false, w), IsOk());
+        const std::string what = absl::StrCat(sgd ? "sgd" : "adamw", ", grads ", ElementTypeName(grad_type),
+                                              ", moments ", ElementTypeName(moments));
+        EXPECT_TRUE(SameState(dry, start)) << what << ": a dry run wrote the state";
+        EXPECT_FALSE(SameState(wet, start)) << what << ": the update in place changed nothing";
+        EXPECT_TRUE(SameBits(d.blocks, w.blocks)) << what;
+        EXPECT_TRUE(SameBits(d.bits, w.bits)) << what;
+        EXPECT_EQ(FloatBits(d.tensor), FloatBits(w.tensor)) << what;
+        EXPECT_EQ(d.sum, w.sum) << what;
+        EXPECT_EQ(d.bad, w.bad) << what;
+      }
+    }
+  }
+}
+
+TEST(DryRunTest, RefusedWithACast) {
+  const Fragment f = MakeFragment(4, 64, 0, 256);
+  State s(ElementType::kFloat32, std::vector<float>(256, 1.0f));
+  const Grad grad = MakeGrad(ElementType::kFloat32, std::vector<float>(256, 0.5f));
+  std::vector<uint8_t> data(256);
+  StepOutputs out;
+  out.dry_run = true;
+  EXPECT_THAT(FusedAdamWQuantize(Device{}, Format::kFP8E4M3Delayed, Format::kBF16, f, grad.view(), s.view(),
+                                 AdamWHyper{}, ScaleInputs{}, out, {data, {}, nullptr}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dry_run")));
+  EXPECT_TRUE(SameState(s, State(ElementType::kFloat32, std::vector<float>(256, 1.0f))));
+}
+
+// Current scaling in one pass, with the amax a dry run found: the bytes and scale_inv of
+// FusedAdamW then Quantize with that amax (and the state of FusedAdamW).
+TEST(CurrentScalingOnePassTest, EqualsFusedAdamWThenQuantizeWithTheDryRunAmax) {
+  const Fragment f = MakeFragment(64, 320, 320 * 3 + 64, 320 * 60 + 128);
+  for (Format format : {Format::kFP8E4M3Current, Format::kFP8E5M2Current}) {
+    for (Format model : {Format::kBF16, Format::kFP16}) {
+      for (bool pow2 : {false, true}) {
+        const std::string what = absl::StrCat(FormatName(format), " from ", FormatName(model),
+                                              pow2 ? ", pow2 scales" : "");
+        std::mt19937_64 rng(71);
+        const State start = AmaxState(f.size(), 71);
+        const Grad grad = MakeGrad(ElementType::kFloat32, RandomVaried(rng, f.size()));
+        AdamWHyper h;
+        h.lr = 0.05f;
+        h.weight_decay = 0.01f;
+        State probe = start;
+        float amax = -1;
+        StepOutputs dry;
+        dry.amax.tensor_amax = &amax;
+        dry.dry_run = true;
+        ASSERT_THAT(FusedAdamW(Device{}, format, model, f, grad.view(), probe.view(), h, dry), IsOk());
+        ScaleInputs scales;
+        scales.tensor_amax = amax;
+        scales.pow2_scales = pow2;
+        State one = start;
+        std::vector<uint8_t> one_data(static_cast<size_t>(f.size()), 0xAB);
+        float one_inv = -1;
+        ASSERT_THAT(FusedAdamWQuantize(Device{}, format, model, f, grad.view(), one.view(), h, scales, StepOutputs{},
+                                       {one_data, {}, &one_inv}),
+                    IsOk());
+        State two = start;
+        float two_amax = -1;
+        StepOutputs out;
+        out.amax.tensor_amax = &two_amax;
+        ASSERT_THAT(FusedAdamW(Device{}, format, model, f, grad.view(), two.view(), h, out), IsOk());
+        EXPECT_EQ(FloatBits(two_amax), FloatBits(amax)) << what;
+        std::vector<uint8_t> two_data(static_cast<size_t>(f.size()), 0xCD);
+        float two_inv = -2;
+        ASSERT_THAT(Quantize(Device{}, format, model, f, two.master, scales, {two_data, {}, &two_inv}), IsOk());
+        EXPECT_TRUE(SameState(one, two)) << what;
+        EXPECT_TRUE(SameBits(one_data, two_data)) << what;
+        EXPECT_EQ(FloatBits(one_inv), FloatBits(two_inv)) << what;
+      }
+    }
+  }
+}
+
 // ---- Thread-count independence.
 
 struct AllOutputs {
@@ -901,6 +1035,25 @@ AllOutputs RunAll(int kind, Format format, const Fragment& f, const std::vector<
   return o;
 }
 
+// The daemon's default --threads: the affinity mask counts (a cgroup quota can only lower it).
+TEST(ThreadTest, AvailableCoresFollowsTheAffinityMask) {
+  cpu_set_t saved;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(saved), &saved), 0);
+  EXPECT_GE(AvailableCores(), 1);
+  EXPECT_LE(AvailableCores(), CPU_COUNT(&saved));
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &saved)) {
+      CPU_SET(cpu, &one);
+      break;
+    }
+  }
+  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+  EXPECT_EQ(AvailableCores(), 1);
+  ASSERT_EQ(sched_setaffinity(0, sizeof(saved), &saved), 0);
+}
+
 TEST(ThreadTest, AllOutputsAreBitIdenticalFor1And2And4Threads) {
   struct Case {
     int kind;
@@ -964,9 +1117,10 @@ TEST(ArgumentTest, BadArgumentsAreInvalidArgumentAndWriteNothing) {
   EXPECT_THAT(FusedSgd(Device{}, Format::kBF16, Format::kBF16, f, grad.view(), s.view(), sh, {}),
               StatusIs(absl::StatusCode::kInvalidArgument));
 
-  // FusedAdamWQuantize only for formats whose scales are known before the pass.
+  // FusedAdamWQuantize only for formats whose scales are known before the pass (fp8 current
+  // scaling with its reduced amax is).
   std::vector<uint8_t> data(f.size()), scales_bytes(4096);
-  for (Format format : {Format::kFP8Block, Format::kNVFP4, Format::kFP8E4M3Current}) {
+  for (Format format : {Format::kFP8Block, Format::kNVFP4}) {
     const FormatDescriptor& d = Describe(format);
     const int64_t nblocks = ScaleBlockRange(format, f.view, f.elements).size();
     std::vector<uint8_t> q(static_cast<size_t>(DataBytes(format, f.size())));
