@@ -1,6 +1,8 @@
 """Memory admission through the real binaries (issue 18, item 9; docs/daemon.md, "Memory"): a
 daemon refuses an assignment whose memory plan does not fit its --memory-bytes, and the
-coordinator places the rank on another daemon, where the job trains.
+coordinator places the rank on another daemon, where the job trains. And what a daemon really
+holds (issue 21): its peak RSS over a few steps of a large job stays within one copy of the
+optimizer state plus the gradients and versions of the plan.
 
 daemon0 keeps 1000 published versions per shard (--retained-versions 1000), which the
 coordinator's plan (4 versions) does not know about: the job's rank 0 is placed on daemon0 (its
@@ -79,6 +81,53 @@ class MemoryAdmissionTest(unittest.TestCase):
         self.assertIn("RESOURCE_EXHAUSTED", refused)
         self.assertIn("--memory-bytes", refused)
         self.assertIn("has no room for job %s" % client.job_id, read(os.path.join(self.cluster.dir, "coordinator.log")))
+
+
+def vm_kib(pid, field):
+    """A field of /proc/PID/status in KiB (VmRSS, VmHWM)."""
+    for line in read("/proc/%d/status" % pid).splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError("no %s in /proc/%d/status" % (field, pid))
+
+
+class DaemonMemoryTest(unittest.TestCase):
+    """One copy of the optimizer state: the daemon decides a step before it writes the state, then
+    updates in place (docs/daemon.md, "A step"). An update into scratch copies would hold 12 more
+    bytes per element (AdamW, FP32 moments) at its peak, which this bound leaves no room for."""
+
+    SHAPE = [4096, 6144]  # 25.2M elements: 302 MB of optimizer state
+
+    def setUp(self):
+        self.cluster = process_cluster.Cluster(daemons=1, lease_ms=3000)
+
+    def tearDown(self):
+        result = getattr(self._outcome, "result", None)
+        if result is not None and any(t is self for t, _ in result.errors + result.failures):
+            print(self.cluster.logs())
+        self.cluster.stop()
+
+    def test_peak_rss_is_one_copy_of_the_state_plus_gradients_and_versions(self):
+        n = self.SHAPE[0] * self.SHAPE[1]
+        daemon = self.cluster.procs["daemon0"].pid
+        idle_kib = vm_kib(daemon, "VmRSS")
+        job = dict(spec("rss"), bucket_numel=n, tensors=[{"name": "w", "shape": self.SHAPE}])
+        client = mainstay.Client(self.cluster.address, spec_json=json.dumps(job), rank=0, timeout_s=120)
+        client.push_initial_params(0, np.full(n, 0.5, dtype=np.float32), wait=True)
+        grad = np.full(n, 0.25, dtype=np.float32)
+        for step in range(6):  # past the 4 retained versions, so evictions and reuse happen
+            client.push_grad(0, step, grad, wait=True)
+            self.assertFalse(client.finish_step(step, lr=1e-3, weight_decay=0.0)["skipped"])
+            client.pull_bucket(0, step + 1)
+        peak = (vm_kib(daemon, "VmHWM") - idle_kib) * 1024
+        state = n * (4 + 8)          # FP32 master, FP32 m and v
+        grads = 2 * n * 4            # two open steps of FP32 gradients
+        versions = (4 + 1) * n * 2   # 4 retained bf16 versions and the one being cast
+        allowance = 96 << 20         # gRPC buffers, allocator slack
+        print("daemon peak RSS over idle: %.0f MB; one state %.0f MB + gradients %.0f MB + versions %.0f MB "
+              "+ allowance %.0f MB = %.0f MB" % (peak / 1e6, state / 1e6, grads / 1e6, versions / 1e6,
+                                                 allowance / 1e6, (state + grads + versions + allowance) / 1e6))
+        self.assertLessEqual(peak, state + grads + versions + allowance)
 
 
 if __name__ == "__main__":
