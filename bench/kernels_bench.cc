@@ -349,6 +349,12 @@ int Main(int argc, char** argv) {
          in.tensor_scale_inv = 1.0f / Nvfp4GlobalEncodeScale(tensor_amax);
          return Dequantize(device, Format::kNVFP4, whole, in, deq.span());
        }},
+      {"grad stats (fp32: sum of squares, non-finite count)", 4.0,
+       [&] {
+         double sum = 0;
+         int64_t bad = 0;
+         return GradStats(device, g, n, 1.0f, &sum, &bad);
+       }},
       {"fused adamw (fp32 grad/master/m/v)", 28.0,
        [&] { return FusedAdamW(device, Format::kFP8E4M3Current, bf16, whole, g, state, hyper, StepOutputs{}); }},
       {"adamw + fp8 delayed quantize (1 pass)", 29.0,
@@ -357,6 +363,11 @@ int Main(int argc, char** argv) {
          out.amax.tensor_amax = &amax_out;  // recorded into the amax history
          return FusedAdamWQuantize(device, Format::kFP8E4M3Delayed, bf16, whole, g, state, hyper, delayed, out,
                                    outputs(Format::kFP8E4M3Delayed, q8.span()));
+       }},
+      {"adamw + fp8 cast in one loop (no amax output: the daemon's apply)", 29.0,
+       [&] {
+         return FusedAdamWQuantize(device, Format::kFP8E4M3Delayed, bf16, whole, g, state, hyper, delayed,
+                                   StepOutputs{}, outputs(Format::kFP8E4M3Delayed, q8.span()));
        }},
       {"adamw + fp8 current quantize (2 passes)", 33.0,
        [&] {

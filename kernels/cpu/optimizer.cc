@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common/format.h"
@@ -91,6 +92,7 @@ const void* GradSpan(GradView grad, int64_t begin, int64_t n, float* scratch) {
 enum class CastKind { kNone, kBF16, kFP16, kFP8E4M3, kFP8E5M2, kMXFP8 };
 
 using WalkFn = float (*)(const BlockAmaxTarget&, const uint16_t*, int64_t, int64_t, int64_t, int64_t);
+using AdamWFp8Fn = void (*)(const AdamWArgs&, const void*, int64_t, int64_t, float, uint8_t*);
 
 struct PassKernels {
   StatsFn stats = nullptr;
@@ -100,6 +102,8 @@ struct PassKernels {
   void (*cast16)(const uint16_t*, int64_t, uint8_t*) = nullptr;
   void (*cast_fp8)(const uint16_t*, int64_t, float, uint8_t*) = nullptr;
   void (*cast_mxfp8)(const uint16_t*, int64_t, uint8_t*, uint8_t*) = nullptr;
+  // AdamW in place + fp8 cast as one loop, when the pass wants nothing else (PickAdamWFp8).
+  AdamWFp8Fn adamw_fp8 = nullptr;
 };
 
 struct Pass {
@@ -183,6 +187,12 @@ void ProcessChunk(const Pass& p, UpdateFn<Args> update, const Args& args, int64_
   for (int64_t s = lo; s < hi; s += kSubBlockElements) {
     const int64_t n = std::min(kSubBlockElements, hi - s);
     const void* grad = GradSpan(p.grad, s, n, widened);
+    if constexpr (std::is_same_v<Args, AdamWArgs>) {
+      if (p.k.adamw_fp8 != nullptr) {
+        p.k.adamw_fp8(args, grad, s, n, p.tensor_scale, p.quantized.data.data() + s);
+        continue;
+      }
+    }
     if (p.want_stats) nonfinite += p.k.stats(grad, n, p.multiplier, lanes);
     update(args, grad, s, n, SpanOut{dry_master, dry_m, dry_v});
     if (!p.want_bits) continue;
@@ -273,8 +283,39 @@ void RunPass(const Device& device, const Pass& pass, UpdateFn<Args> update, cons
   if (pass.out.amax.tensor_amax != nullptr) *pass.out.amax.tensor_amax = amax;
 }
 
-void RunAdamW(const Device& device, const Pass& pass, const OptimizerState& state, GradView grad,
+template <ElementType kGrad, ElementType kMoment, Format kModel>
+AdamWFp8Fn PickFp8Width(bool e5m2) {
+  return e5m2 ? &AdamWFp8Span<kGrad, kMoment, kModel, true> : &AdamWFp8Span<kGrad, kMoment, kModel, false>;
+}
+
+template <ElementType kGrad, ElementType kMoment>
+AdamWFp8Fn PickFp8Model(Format model, bool e5m2) {
+  return model == Format::kFP16 ? PickFp8Width<kGrad, kMoment, Format::kFP16>(e5m2)
+                                : PickFp8Width<kGrad, kMoment, Format::kBF16>(e5m2);
+}
+
+template <ElementType kGrad>
+AdamWFp8Fn PickFp8Moment(ElementType moment, Format model, bool e5m2) {
+  return moment == ElementType::kBFloat16 ? PickFp8Model<kGrad, ElementType::kBFloat16>(model, e5m2)
+                                          : PickFp8Model<kGrad, ElementType::kFloat32>(model, e5m2);
+}
+
+// The one-loop AdamW + fp8 cast, for a pass that updates in place and wants nothing but the
+// cast (no stats, amaxes or model values: the daemon's apply); else nullptr.
+AdamWFp8Fn PickAdamWFp8(const Pass& p, ElementType grad, ElementType moment) {
+  if (p.dry_run || p.want_stats || p.blocks.slots != nullptr || p.out.amax.tensor_amax != nullptr ||
+      !p.out.model_values.empty() || (p.cast != CastKind::kFP8E4M3 && p.cast != CastKind::kFP8E5M2)) {
+    return nullptr;
+  }
+  const bool e5m2 = p.cast == CastKind::kFP8E5M2;
+  // FP16 gradients reach the loops widened to FP32 (GradSpan).
+  return grad == ElementType::kBFloat16 ? PickFp8Moment<ElementType::kBFloat16>(moment, p.model_dtype, e5m2)
+                                        : PickFp8Moment<ElementType::kFloat32>(moment, p.model_dtype, e5m2);
+}
+
+void RunAdamW(const Device& device, Pass& pass, const OptimizerState& state, GradView grad,
               const AdamWHyper& hyper) {
+  pass.k.adamw_fp8 = PickAdamWFp8(pass, grad.type, state.moment_type);
   const AdamWArgs args{hyper, MakeAdamWConstants(hyper), state.master, state.m, state.v};
   RunPass(device, pass, PickUpdate<AdamWKernel>(grad.type, state.moment_type, pass.dry_run), args);
 }

@@ -45,8 +45,10 @@ inline int64_t ChunkCount(int64_t n) { return (n + kChunkElements - 1) / kChunkE
 // Adds (g * g) of g = grad[i] * multiplier, i in [0, n), to lanes[i % kSumLanes] and returns
 // how many g are not finite. `grad` starts at a chunk offset that is a multiple of kSumLanes
 // (the lane of an element depends only on its chunk offset). n <= kChunkElements.
+// The lanes are independent accumulators, so a vector of them (any width) adds in the same
+// order as one lane at a time: the clones give the same bits.
 template <ElementType kGrad>
-int64_t AccumulateGradStats(const void* grad, int64_t n, float multiplier, double* lanes) {
+MAINSTAY_VECTOR_CLONES int64_t AccumulateGradStats(const void* grad, int64_t n, float multiplier, double* lanes) {
   double acc[kSumLanes];
   for (int l = 0; l < kSumLanes; ++l) acc[l] = lanes[l];
   int32_t bad = 0;
@@ -214,7 +216,7 @@ uint16_t ModelBits(float x) {
 
 // FP16 gradients are widened once per sub-block and the FP32 loops run on the copy: the
 // values are LoadGrad's, so the results are too.
-inline void WidenFp16Grad(const void* grad, int64_t begin, int64_t n, float* out) {
+MAINSTAY_VECTOR_CLONES inline void WidenFp16Grad(const void* grad, int64_t begin, int64_t n, float* out) {
   const uint16_t* h = static_cast<const uint16_t*>(grad) + begin;
   for (int64_t i = 0; i < n; ++i) out[i] = Fp16Value(h[i]);
 }
@@ -331,6 +333,35 @@ MAINSTAY_VECTOR_CLONES void CastFp8Span(const uint16_t* bits, int64_t n, float s
   for (int64_t i = 0; i < n; ++i) {
     const float y = ModelValue<kModel>(bits[i]) * scale;
     out[i] = kE5M2 ? E5M2Bits(y) : E4M3Bits(y);  // FloatToE5M2 / FloatToE4M3, branch-free
+  }
+}
+
+// The optimizer pass of the daemon's apply for fp8 with a per-tensor scale, as ONE loop: the
+// AdamW update in place and the cast of the new model value, q = cvt(fl(model(p) * scale)).
+// The update is bound by the divide/sqrt unit and the cast by the integer ALUs; in one loop
+// body they run side by side (AVX-512 has the registers for it), where two loops over the
+// sub-block would run one after the other. The same operations as AdamWSpan + ModelBitsSpan
+// + CastFp8Span, so the same bits.
+template <ElementType kGrad, ElementType kMoment, Format kModel, bool kE5M2>
+MAINSTAY_VECTOR_CLONES void AdamWFp8Span(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n,
+                                         float scale, uint8_t* out) {
+  const AdamWHyper h = args.hyper;
+  const AdamWConstants c = args.consts;
+  const float multiplier = h.grad_multiplier;
+  float* master = const_cast<float*>(args.master) + begin;
+  void* m = const_cast<void*>(MomentAt<kMoment>(args.m, begin));
+  void* v = const_cast<void*>(MomentAt<kMoment>(args.v, begin));
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = LoadGrad(grad, kGrad, i) * multiplier;
+    float p = master[i];
+    float mi = LoadMoment(m, kMoment, i);
+    float vi = LoadMoment(v, kMoment, i);
+    AdamWElement(h, c, g, p, mi, vi);
+    master[i] = p;
+    StoreMoment(m, kMoment, i, mi);
+    StoreMoment(v, kMoment, i, vi);
+    const float y = ModelValue<kModel>(ModelBits<kModel>(p)) * scale;
+    out[i] = kE5M2 ? E5M2Bits(y) : E4M3Bits(y);
   }
 }
 

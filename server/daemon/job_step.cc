@@ -405,7 +405,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   // hands its update to ApplyStep, which runs once the step is decided everywhere it must be.
   t = absl::Now();
   if (step >= 0 && !restoring) {
-    StepUpdate& u = result.update.emplace();
+    StepUpdate& u = result.update.emplace(StepUpdate{});  // clang: no emplace() of it inside Job
     u.grads = std::move(grads);
     u.multipliers = std::move(multipliers);
     u.lr = lr;

@@ -922,48 +922,66 @@ TEST(DryRunTest, RefusedWithACast) {
   EXPECT_TRUE(SameState(s, State(ElementType::kFloat32, std::vector<float>(256, 1.0f))));
 }
 
-// Current scaling in one pass, with the amax a dry run found: the bytes and scale_inv of
-// FusedAdamW then Quantize with that amax (and the state of FusedAdamW).
-TEST(CurrentScalingOnePassTest, EqualsFusedAdamWThenQuantizeWithTheDryRunAmax) {
+// fp8 in one pass (with the cast in the update's loop when nothing else is wanted: the
+// daemon's apply), with the amax a dry run found for current scaling: the bytes and scale_inv
+// of FusedAdamW then Quantize (and the state of FusedAdamW), for every gradient, moment and
+// model type.
+TEST(Fp8OnePassTest, EqualsFusedAdamWThenQuantizeWithTheDryRunAmax) {
   const Fragment f = MakeFragment(64, 320, 320 * 3 + 64, 320 * 60 + 128);
-  for (Format format : {Format::kFP8E4M3Current, Format::kFP8E5M2Current}) {
+  for (Format format : {Format::kFP8E4M3Current, Format::kFP8E5M2Current, Format::kFP8E4M3Delayed,
+                        Format::kFP8E5M2Delayed}) {
     for (Format model : {Format::kBF16, Format::kFP16}) {
-      for (bool pow2 : {false, true}) {
-        const std::string what = absl::StrCat(FormatName(format), " from ", FormatName(model),
-                                              pow2 ? ", pow2 scales" : "");
-        std::mt19937_64 rng(71);
-        const State start = AmaxState(f.size(), 71);
-        const Grad grad = MakeGrad(ElementType::kFloat32, RandomVaried(rng, f.size()));
-        AdamWHyper h;
-        h.lr = 0.05f;
-        h.weight_decay = 0.01f;
-        State probe = start;
-        float amax = -1;
-        StepOutputs dry;
-        dry.amax.tensor_amax = &amax;
-        dry.dry_run = true;
-        ASSERT_THAT(FusedAdamW(Device{}, format, model, f, grad.view(), probe.view(), h, dry), IsOk());
-        ScaleInputs scales;
-        scales.tensor_amax = amax;
-        scales.pow2_scales = pow2;
-        State one = start;
-        std::vector<uint8_t> one_data(static_cast<size_t>(f.size()), 0xAB);
-        float one_inv = -1;
-        ASSERT_THAT(FusedAdamWQuantize(Device{}, format, model, f, grad.view(), one.view(), h, scales, StepOutputs{},
-                                       {one_data, {}, &one_inv}),
-                    IsOk());
-        State two = start;
-        float two_amax = -1;
-        StepOutputs out;
-        out.amax.tensor_amax = &two_amax;
-        ASSERT_THAT(FusedAdamW(Device{}, format, model, f, grad.view(), two.view(), h, out), IsOk());
-        EXPECT_EQ(FloatBits(two_amax), FloatBits(amax)) << what;
-        std::vector<uint8_t> two_data(static_cast<size_t>(f.size()), 0xCD);
-        float two_inv = -2;
-        ASSERT_THAT(Quantize(Device{}, format, model, f, two.master, scales, {two_data, {}, &two_inv}), IsOk());
-        EXPECT_TRUE(SameState(one, two)) << what;
-        EXPECT_TRUE(SameBits(one_data, two_data)) << what;
-        EXPECT_EQ(FloatBits(one_inv), FloatBits(two_inv)) << what;
+      for (ElementType grad_type : {ElementType::kFloat32, ElementType::kBFloat16, ElementType::kFloat16}) {
+        for (ElementType moments : {ElementType::kFloat32, ElementType::kBFloat16}) {
+          for (bool pow2 : {false, true}) {
+            const std::string what = absl::StrCat(FormatName(format), " from ", FormatName(model), ", grads ",
+                                                  ElementTypeName(grad_type), ", moments ", ElementTypeName(moments),
+                                                  pow2 ? ", pow2 scales" : "");
+            std::mt19937_64 rng(71);
+            const State start = [&] {
+              State t(moments, AmaxState(f.size(), 71).master);
+              for (int64_t i = 0; i < f.size(); ++i) {
+                t.set_m(i, 0.01f * static_cast<float>(i % 13) - 0.05f);
+                t.set_v(i, 0.001f * static_cast<float>(i % 7));
+              }
+              return t;
+            }();
+            const Grad grad = MakeGrad(grad_type, RandomVaried(rng, f.size()));
+            AdamWHyper h;
+            h.lr = 0.05f;
+            h.weight_decay = 0.01f;
+            h.step = 4;
+            h.grad_multiplier = 0.75f;
+            State probe = start;
+            float amax = -1;
+            StepOutputs dry;
+            dry.amax.tensor_amax = &amax;
+            dry.dry_run = true;
+            ASSERT_THAT(FusedAdamW(Device{}, format, model, f, grad.view(), probe.view(), h, dry), IsOk());
+            ScaleInputs scales;
+            scales.tensor_amax = amax;
+            scales.pow2_scales = pow2;
+            scales.tensor_scale = 3.0f;  // delayed
+            State one = start;
+            std::vector<uint8_t> one_data(static_cast<size_t>(f.size()), 0xAB);
+            float one_inv = -1;
+            ASSERT_THAT(FusedAdamWQuantize(Device{}, format, model, f, grad.view(), one.view(), h, scales,
+                                           StepOutputs{}, {one_data, {}, &one_inv}),
+                        IsOk());
+            State two = start;
+            float two_amax = -1;
+            StepOutputs out;
+            out.amax.tensor_amax = &two_amax;
+            ASSERT_THAT(FusedAdamW(Device{}, format, model, f, grad.view(), two.view(), h, out), IsOk());
+            EXPECT_EQ(FloatBits(two_amax), FloatBits(amax)) << what;
+            std::vector<uint8_t> two_data(static_cast<size_t>(f.size()), 0xCD);
+            float two_inv = -2;
+            ASSERT_THAT(Quantize(Device{}, format, model, f, two.master, scales, {two_data, {}, &two_inv}), IsOk());
+            EXPECT_TRUE(SameState(one, two)) << what;
+            EXPECT_TRUE(SameBits(one_data, two_data)) << what;
+            EXPECT_EQ(FloatBits(one_inv), FloatBits(two_inv)) << what;
+          }
+        }
       }
     }
   }
