@@ -369,6 +369,11 @@ int Main(int argc, char** argv) {
          return FusedAdamWQuantize(device, Format::kFP8E4M3Delayed, bf16, whole, g, state, hyper, delayed,
                                    StepOutputs{}, outputs(Format::kFP8E4M3Delayed, q8.span()));
        }},
+      {"adamw + bf16 cast in one loop (no amax output: the daemon's apply)", 30.0,
+       [&] {
+         return FusedAdamWQuantize(device, Format::kBF16, bf16, whole, g, state, hyper, ScaleInputs{}, StepOutputs{},
+                                   outputs(Format::kBF16, q16_bytes));
+       }},
       {"adamw + fp8 current quantize (2 passes)", 33.0,
        [&] {
          StepOutputs out;

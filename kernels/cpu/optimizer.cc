@@ -92,7 +92,7 @@ const void* GradSpan(GradView grad, int64_t begin, int64_t n, float* scratch) {
 enum class CastKind { kNone, kBF16, kFP16, kFP8E4M3, kFP8E5M2, kMXFP8 };
 
 using WalkFn = float (*)(const BlockAmaxTarget&, const uint16_t*, int64_t, int64_t, int64_t, int64_t);
-using AdamWFp8Fn = void (*)(const AdamWArgs&, const void*, int64_t, int64_t, float, uint8_t*);
+using AdamWCastFn = void (*)(const AdamWArgs&, const void*, int64_t, int64_t, float, uint8_t*);
 
 struct PassKernels {
   StatsFn stats = nullptr;
@@ -102,8 +102,10 @@ struct PassKernels {
   void (*cast16)(const uint16_t*, int64_t, uint8_t*) = nullptr;
   void (*cast_fp8)(const uint16_t*, int64_t, float, uint8_t*) = nullptr;
   void (*cast_mxfp8)(const uint16_t*, int64_t, uint8_t*, uint8_t*) = nullptr;
-  // AdamW in place + fp8 cast as one loop, when the pass wants nothing else (PickAdamWFp8).
-  AdamWFp8Fn adamw_fp8 = nullptr;
+  // AdamW in place + the cast as one loop, when the pass wants nothing else (PickAdamWCast),
+  // writing `adamw_cast_bytes` per element.
+  AdamWCastFn adamw_cast = nullptr;
+  int adamw_cast_bytes = 1;
 };
 
 struct Pass {
@@ -188,8 +190,8 @@ void ProcessChunk(const Pass& p, UpdateFn<Args> update, const Args& args, int64_
     const int64_t n = std::min(kSubBlockElements, hi - s);
     const void* grad = GradSpan(p.grad, s, n, widened);
     if constexpr (std::is_same_v<Args, AdamWArgs>) {
-      if (p.k.adamw_fp8 != nullptr) {
-        p.k.adamw_fp8(args, grad, s, n, p.tensor_scale, p.quantized.data.data() + s);
+      if (p.k.adamw_cast != nullptr) {
+        p.k.adamw_cast(args, grad, s, n, p.tensor_scale, p.quantized.data.data() + s * p.k.adamw_cast_bytes);
         continue;
       }
     }
@@ -284,38 +286,67 @@ void RunPass(const Device& device, const Pass& pass, UpdateFn<Args> update, cons
 }
 
 template <ElementType kGrad, ElementType kMoment, Format kModel>
-AdamWFp8Fn PickFp8Width(bool e5m2) {
-  return e5m2 ? &AdamWFp8Span<kGrad, kMoment, kModel, true> : &AdamWFp8Span<kGrad, kMoment, kModel, false>;
+AdamWCastFn PickCastOut(OneLoopCast out) {
+  switch (out) {
+    case OneLoopCast::kE4M3:
+      return &AdamWCastSpan<kGrad, kMoment, kModel, OneLoopCast::kE4M3>;
+    case OneLoopCast::kE5M2:
+      return &AdamWCastSpan<kGrad, kMoment, kModel, OneLoopCast::kE5M2>;
+    case OneLoopCast::kFP16:
+      return &AdamWCastSpan<kGrad, kMoment, kModel, OneLoopCast::kFP16>;
+    case OneLoopCast::kBF16:
+      break;
+  }
+  return &AdamWCastSpan<kGrad, kMoment, kModel, OneLoopCast::kBF16>;
 }
 
 template <ElementType kGrad, ElementType kMoment>
-AdamWFp8Fn PickFp8Model(Format model, bool e5m2) {
-  return model == Format::kFP16 ? PickFp8Width<kGrad, kMoment, Format::kFP16>(e5m2)
-                                : PickFp8Width<kGrad, kMoment, Format::kBF16>(e5m2);
+AdamWCastFn PickCastModel(Format model, OneLoopCast out) {
+  return model == Format::kFP16 ? PickCastOut<kGrad, kMoment, Format::kFP16>(out)
+                                : PickCastOut<kGrad, kMoment, Format::kBF16>(out);
 }
 
 template <ElementType kGrad>
-AdamWFp8Fn PickFp8Moment(ElementType moment, Format model, bool e5m2) {
-  return moment == ElementType::kBFloat16 ? PickFp8Model<kGrad, ElementType::kBFloat16>(model, e5m2)
-                                          : PickFp8Model<kGrad, ElementType::kFloat32>(model, e5m2);
+AdamWCastFn PickCastMoment(ElementType moment, Format model, OneLoopCast out) {
+  return moment == ElementType::kBFloat16 ? PickCastModel<kGrad, ElementType::kBFloat16>(model, out)
+                                          : PickCastModel<kGrad, ElementType::kFloat32>(model, out);
 }
 
-// The one-loop AdamW + fp8 cast, for a pass that updates in place and wants nothing but the
-// cast (no stats, amaxes or model values: the daemon's apply); else nullptr.
-AdamWFp8Fn PickAdamWFp8(const Pass& p, ElementType grad, ElementType moment) {
+// The one-loop AdamW + cast, for a pass that updates in place and wants nothing but the cast
+// (no stats, amaxes or model values: the daemon's apply) of a per-tensor-scaled or 16-bit
+// format; else nullptr.
+void PickAdamWCast(Pass& p, ElementType grad, ElementType moment) {
+  p.k.adamw_cast = nullptr;
   if (p.dry_run || p.want_stats || p.blocks.slots != nullptr || p.out.amax.tensor_amax != nullptr ||
-      !p.out.model_values.empty() || (p.cast != CastKind::kFP8E4M3 && p.cast != CastKind::kFP8E5M2)) {
-    return nullptr;
+      !p.out.model_values.empty()) {
+    return;
   }
-  const bool e5m2 = p.cast == CastKind::kFP8E5M2;
+  OneLoopCast out;
+  switch (p.cast) {
+    case CastKind::kFP8E4M3:
+      out = OneLoopCast::kE4M3;
+      break;
+    case CastKind::kFP8E5M2:
+      out = OneLoopCast::kE5M2;
+      break;
+    case CastKind::kBF16:
+      out = OneLoopCast::kBF16;
+      break;
+    case CastKind::kFP16:
+      out = OneLoopCast::kFP16;
+      break;
+    default:
+      return;
+  }
+  p.k.adamw_cast_bytes = out == OneLoopCast::kBF16 || out == OneLoopCast::kFP16 ? 2 : 1;
   // FP16 gradients reach the loops widened to FP32 (GradSpan).
-  return grad == ElementType::kBFloat16 ? PickFp8Moment<ElementType::kBFloat16>(moment, p.model_dtype, e5m2)
-                                        : PickFp8Moment<ElementType::kFloat32>(moment, p.model_dtype, e5m2);
+  p.k.adamw_cast = grad == ElementType::kBFloat16 ? PickCastMoment<ElementType::kBFloat16>(moment, p.model_dtype, out)
+                                                  : PickCastMoment<ElementType::kFloat32>(moment, p.model_dtype, out);
 }
 
 void RunAdamW(const Device& device, Pass& pass, const OptimizerState& state, GradView grad,
               const AdamWHyper& hyper) {
-  pass.k.adamw_fp8 = PickAdamWFp8(pass, grad.type, state.moment_type);
+  PickAdamWCast(pass, grad.type, state.moment_type);
   const AdamWArgs args{hyper, MakeAdamWConstants(hyper), state.master, state.m, state.v};
   RunPass(device, pass, PickUpdate<AdamWKernel>(grad.type, state.moment_type, pass.dry_run), args);
 }

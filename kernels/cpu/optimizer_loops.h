@@ -336,15 +336,19 @@ MAINSTAY_VECTOR_CLONES void CastFp8Span(const uint16_t* bits, int64_t n, float s
   }
 }
 
-// The optimizer pass of the daemon's apply for fp8 with a per-tensor scale, as ONE loop: the
-// AdamW update in place and the cast of the new model value, q = cvt(fl(model(p) * scale)).
-// The update is bound by the divide/sqrt unit and the cast by the integer ALUs; in one loop
-// body they run side by side (AVX-512 has the registers for it), where two loops over the
-// sub-block would run one after the other. The same operations as AdamWSpan + ModelBitsSpan
-// + CastFp8Span, so the same bits.
-template <ElementType kGrad, ElementType kMoment, Format kModel, bool kE5M2>
-MAINSTAY_VECTOR_CLONES void AdamWFp8Span(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n,
-                                         float scale, uint8_t* out) {
+// What the one-loop pass (AdamWCastSpan) writes per element.
+enum class OneLoopCast { kE4M3, kE5M2, kBF16, kFP16 };
+
+// The optimizer pass of the daemon's apply for the formats cast with a per-tensor scale (fp8)
+// or none (bf16/fp16), as ONE loop: the AdamW update in place and the cast of the new model
+// value (fp8: q = cvt(fl(model(p) * scale)); 16-bit: the model value in the output format,
+// little-endian). The update is bound by the divide/sqrt unit and the cast by the integer
+// ALUs; in one loop body they run side by side (AVX-512 has the registers for it), where two
+// loops over the sub-block would run one after the other. The same operations as AdamWSpan +
+// ModelBitsSpan + CastFp8Span / Cast16Span, so the same bits.
+template <ElementType kGrad, ElementType kMoment, Format kModel, OneLoopCast kOut>
+MAINSTAY_VECTOR_CLONES void AdamWCastSpan(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n,
+                                          float scale, uint8_t* out) {
   const AdamWHyper h = args.hyper;
   const AdamWConstants c = args.consts;
   const float multiplier = h.grad_multiplier;
@@ -360,8 +364,17 @@ MAINSTAY_VECTOR_CLONES void AdamWFp8Span(const AdamWArgs& args, const void* grad
     master[i] = p;
     StoreMoment(m, kMoment, i, mi);
     StoreMoment(v, kMoment, i, vi);
-    const float y = ModelValue<kModel>(ModelBits<kModel>(p)) * scale;
-    out[i] = kE5M2 ? E5M2Bits(y) : E4M3Bits(y);
+    const uint16_t bits = ModelBits<kModel>(p);
+    if constexpr (kOut == OneLoopCast::kE4M3 || kOut == OneLoopCast::kE5M2) {
+      const float y = ModelValue<kModel>(bits) * scale;
+      out[i] = kOut == OneLoopCast::kE5M2 ? E5M2Bits(y) : E4M3Bits(y);
+    } else {
+      constexpr Format kOutFormat = kOut == OneLoopCast::kFP16 ? Format::kFP16 : Format::kBF16;
+      uint16_t q = bits;
+      if constexpr (kOutFormat != kModel) q = ModelBits<kOutFormat>(ModelValue<kModel>(bits));
+      out[2 * i] = static_cast<uint8_t>(q);
+      out[2 * i + 1] = static_cast<uint8_t>(q >> 8);
+    }
   }
 }
 

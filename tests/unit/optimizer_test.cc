@@ -922,14 +922,14 @@ TEST(DryRunTest, RefusedWithACast) {
   EXPECT_TRUE(SameState(s, State(ElementType::kFloat32, std::vector<float>(256, 1.0f))));
 }
 
-// fp8 in one pass (with the cast in the update's loop when nothing else is wanted: the
-// daemon's apply), with the amax a dry run found for current scaling: the bytes and scale_inv
-// of FusedAdamW then Quantize (and the state of FusedAdamW), for every gradient, moment and
-// model type.
-TEST(Fp8OnePassTest, EqualsFusedAdamWThenQuantizeWithTheDryRunAmax) {
+// fp8, bf16 and fp16 in one pass (with the cast in the update's loop when nothing else is
+// wanted: the daemon's apply), with the amax a dry run found for current scaling: the bytes and
+// scale_inv of FusedAdamW then Quantize (and the state of FusedAdamW), for every gradient,
+// moment and model type.
+TEST(OneLoopCastTest, EqualsFusedAdamWThenQuantizeWithTheDryRunAmax) {
   const Fragment f = MakeFragment(64, 320, 320 * 3 + 64, 320 * 60 + 128);
   for (Format format : {Format::kFP8E4M3Current, Format::kFP8E5M2Current, Format::kFP8E4M3Delayed,
-                        Format::kFP8E5M2Delayed}) {
+                        Format::kFP8E5M2Delayed, Format::kBF16, Format::kFP16}) {
     for (Format model : {Format::kBF16, Format::kFP16}) {
       for (ElementType grad_type : {ElementType::kFloat32, ElementType::kBFloat16, ElementType::kFloat16}) {
         for (ElementType moments : {ElementType::kFloat32, ElementType::kBFloat16}) {
@@ -963,7 +963,7 @@ TEST(Fp8OnePassTest, EqualsFusedAdamWThenQuantizeWithTheDryRunAmax) {
             scales.pow2_scales = pow2;
             scales.tensor_scale = 3.0f;  // delayed
             State one = start;
-            std::vector<uint8_t> one_data(static_cast<size_t>(f.size()), 0xAB);
+            std::vector<uint8_t> one_data(static_cast<size_t>(DataBytes(format, f.size())), 0xAB);
             float one_inv = -1;
             ASSERT_THAT(FusedAdamWQuantize(Device{}, format, model, f, grad.view(), one.view(), h, scales,
                                            StepOutputs{}, {one_data, {}, &one_inv}),
@@ -974,8 +974,8 @@ TEST(Fp8OnePassTest, EqualsFusedAdamWThenQuantizeWithTheDryRunAmax) {
             out.amax.tensor_amax = &two_amax;
             ASSERT_THAT(FusedAdamW(Device{}, format, model, f, grad.view(), two.view(), h, out), IsOk());
             EXPECT_EQ(FloatBits(two_amax), FloatBits(amax)) << what;
-            std::vector<uint8_t> two_data(static_cast<size_t>(f.size()), 0xCD);
-            float two_inv = -2;
+            std::vector<uint8_t> two_data(static_cast<size_t>(DataBytes(format, f.size())), 0xCD);
+            float two_inv = -1;
             ASSERT_THAT(Quantize(Device{}, format, model, f, two.master, scales, {two_data, {}, &two_inv}), IsOk());
             EXPECT_TRUE(SameState(one, two)) << what;
             EXPECT_TRUE(SameBits(one_data, two_data)) << what;
