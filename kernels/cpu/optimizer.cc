@@ -93,6 +93,7 @@ enum class CastKind { kNone, kBF16, kFP16, kFP8E4M3, kFP8E5M2, kMXFP8 };
 
 using WalkFn = float (*)(const BlockAmaxTarget&, const uint16_t*, int64_t, int64_t, int64_t, int64_t);
 using AdamWCastFn = void (*)(const AdamWArgs&, const void*, int64_t, int64_t, float, uint8_t*);
+using AdamWMxfp8Fn = void (*)(const AdamWArgs&, const void*, int64_t, int64_t, uint8_t*, uint8_t*);
 
 struct PassKernels {
   StatsFn stats = nullptr;
@@ -106,6 +107,7 @@ struct PassKernels {
   // writing `adamw_cast_bytes` per element.
   AdamWCastFn adamw_cast = nullptr;
   int adamw_cast_bytes = 1;
+  AdamWMxfp8Fn adamw_mxfp8 = nullptr;  // the same for mxfp8
 };
 
 struct Pass {
@@ -192,6 +194,11 @@ void ProcessChunk(const Pass& p, UpdateFn<Args> update, const Args& args, int64_
     if constexpr (std::is_same_v<Args, AdamWArgs>) {
       if (p.k.adamw_cast != nullptr) {
         p.k.adamw_cast(args, grad, s, n, p.tensor_scale, p.quantized.data.data() + s * p.k.adamw_cast_bytes);
+        continue;
+      }
+      if (p.k.adamw_mxfp8 != nullptr) {
+        // The fragment starts on a block boundary of a row (checked), so local block = s / 32.
+        p.k.adamw_mxfp8(args, grad, s, n, p.quantized.data.data() + s, p.quantized.block_scales.data() + s / 32);
         continue;
       }
     }
@@ -301,6 +308,12 @@ AdamWCastFn PickCastOut(OneLoopCast out) {
 }
 
 template <ElementType kGrad, ElementType kMoment>
+AdamWMxfp8Fn PickMxfp8Model(Format model) {
+  return model == Format::kFP16 ? &AdamWMxfp8Span<kGrad, kMoment, Format::kFP16>
+                                : &AdamWMxfp8Span<kGrad, kMoment, Format::kBF16>;
+}
+
+template <ElementType kGrad, ElementType kMoment>
 AdamWCastFn PickCastModel(Format model, OneLoopCast out) {
   return model == Format::kFP16 ? PickCastOut<kGrad, kMoment, Format::kFP16>(out)
                                 : PickCastOut<kGrad, kMoment, Format::kBF16>(out);
@@ -317,8 +330,20 @@ AdamWCastFn PickCastMoment(ElementType moment, Format model, OneLoopCast out) {
 // format; else nullptr.
 void PickAdamWCast(Pass& p, ElementType grad, ElementType moment) {
   p.k.adamw_cast = nullptr;
+  p.k.adamw_mxfp8 = nullptr;
   if (p.dry_run || p.want_stats || p.blocks.slots != nullptr || p.out.amax.tensor_amax != nullptr ||
       !p.out.model_values.empty()) {
+    return;
+  }
+  if (p.cast == CastKind::kMXFP8) {
+    const bool bf16_moments = moment == ElementType::kBFloat16;
+    if (grad == ElementType::kBFloat16) {
+      p.k.adamw_mxfp8 = bf16_moments ? PickMxfp8Model<ElementType::kBFloat16, ElementType::kBFloat16>(p.model_dtype)
+                                     : PickMxfp8Model<ElementType::kBFloat16, ElementType::kFloat32>(p.model_dtype);
+    } else {
+      p.k.adamw_mxfp8 = bf16_moments ? PickMxfp8Model<ElementType::kFloat32, ElementType::kBFloat16>(p.model_dtype)
+                                     : PickMxfp8Model<ElementType::kFloat32, ElementType::kFloat32>(p.model_dtype);
+    }
     return;
   }
   OneLoopCast out;

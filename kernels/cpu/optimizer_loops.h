@@ -378,6 +378,42 @@ MAINSTAY_VECTOR_CLONES void AdamWCastSpan(const AdamWArgs& args, const void* gra
   }
 }
 
+// The same one loop for mxfp8 (the daemon's apply of an aligned fragment): per 32-element
+// block, the update in place, then the block's scale from the amax of its new model values and
+// the cast, q = cvt_e4m3(fl(x * 2^(127 - e))). n is a multiple of 32. The same operations as
+// AdamWSpan + ModelBitsSpan + CastMxfp8Span.
+template <ElementType kGrad, ElementType kMoment, Format kModel>
+MAINSTAY_VECTOR_CLONES void AdamWMxfp8Span(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n,
+                                           uint8_t* out, uint8_t* scales) {
+  constexpr int64_t kBlock = 32;
+  const AdamWHyper h = args.hyper;
+  const AdamWConstants c = args.consts;
+  const float multiplier = h.grad_multiplier;
+  float* master = const_cast<float*>(args.master) + begin;
+  void* m = const_cast<void*>(MomentAt<kMoment>(args.m, begin));
+  void* v = const_cast<void*>(MomentAt<kMoment>(args.v, begin));
+  for (int64_t b = 0; b * kBlock < n; ++b) {
+    uint16_t bits[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int64_t i = b * kBlock + j;
+      const float g = LoadGrad(grad, kGrad, i) * multiplier;
+      float p = master[i];
+      float mi = LoadMoment(m, kMoment, i);
+      float vi = LoadMoment(v, kMoment, i);
+      AdamWElement(h, c, g, p, mi, vi);
+      master[i] = p;
+      StoreMoment(m, kMoment, i, mi);
+      StoreMoment(v, kMoment, i, vi);
+      bits[j] = ModelBits<kModel>(p);
+    }
+    const uint8_t e = MxfpBlockScale(ModelBitsToFloat(MaxMagnitudeBits<kModel>(bits, kBlock), kModel), kE4M3Max);
+    const float mult = MxfpMultiplier(e);
+    uint8_t* q = out + b * kBlock;
+    for (int64_t j = 0; j < kBlock; ++j) q[j] = E4M3Bits(ModelValue<kModel>(bits[j]) * mult);
+    scales[b] = e;
+  }
+}
+
 // MXFP8 over n elements made of whole 32-element blocks: per block e = MxfpBlockScale(amax,
 // 448), q = cvt_e4m3(fl(x * 2^(127 - e))).
 template <Format kModel>

@@ -35,25 +35,34 @@
 #endif
 #endif
 
+// The casts below are the bodies of vectorized loops: a call left out of line keeps the whole
+// loop scalar (GCC's inliner gave up on MinifloatSatBits once a translation unit had enough
+// callers, and the one-loop fp8 pass fell from 0.70 to 0.12 G elem/s), so they always inline.
+#if defined(__GNUC__)
+#define MAINSTAY_CAST_INLINE inline __attribute__((always_inline))
+#else
+#define MAINSTAY_CAST_INLINE inline
+#endif
+
 namespace mainstay::kernels::cpu {
 
 // c ? a : b as mask arithmetic, for selects that follow an FP operation: from a plain ?:
 // GCC sinks the FP operation into a branch that it then cannot if-convert under
 // -ftrapping-math (the default), and the loop no longer vectorizes.
-inline uint32_t SelectBits(bool c, uint32_t a, uint32_t b) {
+MAINSTAY_CAST_INLINE uint32_t SelectBits(bool c, uint32_t a, uint32_t b) {
   const uint32_t mask = 0u - static_cast<uint32_t>(c);
   return b + ((a - b) & mask);
 }
 
 // For |x| bits `a` (sign cleared): a NaN? As an int32 compare, which SSE2 has.
-inline bool IsNanBits(uint32_t a) { return static_cast<int32_t>(a) > 0x7F800000; }
+MAINSTAY_CAST_INLINE bool IsNanBits(uint32_t a) { return static_cast<int32_t>(a) > 0x7F800000; }
 // a < b for |x| bits (both below 2^31).
-inline bool LessBits(uint32_t a, uint32_t b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b); }
+MAINSTAY_CAST_INLINE bool LessBits(uint32_t a, uint32_t b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b); }
 
 // FP32 bits of float(model_dtype(master)), master given as bits `u`: the value every kernel
 // quantizes. kFp16 = false: bf16 (FloatToBf16 then Bf16ToFloat); true: fp16.
 template <bool kFp16>
-inline uint32_t ModelValueBits(uint32_t u) {
+MAINSTAY_CAST_INLINE uint32_t ModelValueBits(uint32_t u) {
   const uint32_t a = u & 0x7FFFFFFFu;
   if constexpr (!kFp16) {
     const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
@@ -74,19 +83,19 @@ inline uint32_t ModelValueBits(uint32_t u) {
 
 // |x| as ordered integer bits, NaN -> 0: max over these is the fmax-semantics amax
 // (AmaxUpdate) of the values, as FP32 bits. Fits in int32 (at most 0x7F800000 = +inf).
-inline int32_t AmaxBits(uint32_t value_bits) {
+MAINSTAY_CAST_INLINE int32_t AmaxBits(uint32_t value_bits) {
   const uint32_t a = value_bits & 0x7FFFFFFFu;
   return static_cast<int32_t>(IsNanBits(a) ? 0u : a);
 }
 
 // FloatToBf16 / FloatToFp16 of a value given as FP32 bits.
-inline uint16_t Bf16Bits(uint32_t u) {
+MAINSTAY_CAST_INLINE uint16_t Bf16Bits(uint32_t u) {
   const uint32_t a = u & 0x7FFFFFFFu;
   const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return static_cast<uint16_t>(IsNanBits(a) ? 0x7FFFu : r);
 }
 
-inline uint16_t Fp16Bits(uint32_t u) {
+MAINSTAY_CAST_INLINE uint16_t Fp16Bits(uint32_t u) {
   const uint32_t a = u & 0x7FFFFFFFu;
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t normal = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
@@ -102,7 +111,7 @@ inline uint16_t Fp16Bits(uint32_t u) {
 // fl(|y| + M), where M is the power of two whose ulp is the smallest subnormal
 // 2^(1 - bias - mant_bits), rounds |y| onto the subnormal grid; bits(sum) - bits(M) is the code.
 template <int kExpBits, int kMantBits, int kBias, uint32_t kMaxCode, uint32_t kNanCode>
-inline uint8_t MinifloatSatBits(float y) {
+MAINSTAY_CAST_INLINE uint8_t MinifloatSatBits(float y) {
   constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(127 + 1 - kBias) << 23;
   constexpr int kDrop = 23 - kMantBits;
   constexpr uint32_t kMagicBits = static_cast<uint32_t>(127 + 1 - kBias - kMantBits + 23) << 23;
@@ -118,10 +127,10 @@ inline uint8_t MinifloatSatBits(float y) {
   return static_cast<uint8_t>(SelectBits(IsNanBits(a), kNanCode, clamped | sign));
 }
 
-inline uint8_t E4M3Bits(float y) { return MinifloatSatBits<4, 3, 7, 0x7E, 0x7F>(y); }
-inline uint8_t E5M2Bits(float y) { return MinifloatSatBits<5, 2, 15, 0x7B, 0x7F>(y); }
+MAINSTAY_CAST_INLINE uint8_t E4M3Bits(float y) { return MinifloatSatBits<4, 3, 7, 0x7E, 0x7F>(y); }
+MAINSTAY_CAST_INLINE uint8_t E5M2Bits(float y) { return MinifloatSatBits<5, 2, 15, 0x7B, 0x7F>(y); }
 // A 4-bit code in the low nibble (NaN -> +6 = 0x7).
-inline uint8_t E2M1Bits(float y) { return MinifloatSatBits<2, 1, 1, 0x7, 0x7>(y); }
+MAINSTAY_CAST_INLINE uint8_t E2M1Bits(float y) { return MinifloatSatBits<2, 1, 1, 0x7, 0x7>(y); }
 
 // Minifloat decoding (E4M3ToFloat, E5M2ToFloat, E2M1ToFloat). Normal codes: the exponent is
 // rebased by an integer add on the code's bits placed at the top of the FP32 mantissa.
@@ -131,7 +140,7 @@ inline uint8_t E2M1Bits(float y) { return MinifloatSatBits<2, 1, 1, 0x7, 0x7>(y)
 // earlier decoding (the code's bits as a subnormal-range FP32, times 2^k) run at a fifth of the
 // speed of memory whenever the data held small codes (E2M1's 0.5 is one).
 template <int kMantBits, int kBias>
-inline uint32_t MinifloatMagnitudeBits(uint32_t mag) {
+MAINSTAY_CAST_INLINE uint32_t MinifloatMagnitudeBits(uint32_t mag) {
   constexpr int kShift = 23 - kMantBits;
   const uint32_t normal = (mag << kShift) + (static_cast<uint32_t>(127 - kBias) << 23);
   // The smallest subnormal is 2^(1 - kBias - kMantBits).
@@ -140,13 +149,13 @@ inline uint32_t MinifloatMagnitudeBits(uint32_t mag) {
   return SelectBits(mag < (1u << kMantBits), FloatBits(sub), normal);
 }
 
-inline float E4M3Value(uint8_t q) {
+MAINSTAY_CAST_INLINE float E4M3Value(uint8_t q) {
   const uint32_t mag = static_cast<uint32_t>(q & 0x7F);
   const uint32_t bits = MinifloatMagnitudeBits<3, 7>(mag) | (static_cast<uint32_t>(q & 0x80) << 24);
   return BitsFloat(SelectBits(mag == 0x7F, 0x7FC00000u, bits));
 }
 
-inline float E5M2Value(uint8_t q) {
+MAINSTAY_CAST_INLINE float E5M2Value(uint8_t q) {
   const uint32_t mag = static_cast<uint32_t>(q & 0x7F);
   const uint32_t sign = static_cast<uint32_t>(q & 0x80) << 24;
   uint32_t bits = MinifloatMagnitudeBits<2, 15>(mag) | sign;
@@ -154,13 +163,13 @@ inline float E5M2Value(uint8_t q) {
   return BitsFloat(SelectBits(mag > 0x7C, 0x7FC00000u, bits));
 }
 
-inline float E2M1Value(uint8_t q) {
+MAINSTAY_CAST_INLINE float E2M1Value(uint8_t q) {
   const uint32_t mag = static_cast<uint32_t>(q & 0x7);
   return BitsFloat(MinifloatMagnitudeBits<1, 1>(mag) | (static_cast<uint32_t>(q & 0x8) << 28));
 }
 
 // E8M0RoundUp of a value given as FP32 bits.
-inline uint8_t E8M0RoundUpBits(uint32_t x_bits) {
+MAINSTAY_CAST_INLINE uint8_t E8M0RoundUpBits(uint32_t x_bits) {
   const uint32_t a = x_bits & 0x7FFFFFFFu;
   const uint32_t e = a >> 23;
   const uint32_t up = static_cast<uint32_t>((a & 0x7FFFFFu) != 0u) & static_cast<uint32_t>(e < 0xFEu);
@@ -171,7 +180,7 @@ inline uint8_t E8M0RoundUpBits(uint32_t x_bits) {
 }
 
 // MxfpMultiplier: 2^(127 - e); 2^-127 for e = 254; NaN for e = 255.
-inline float MxfpMultiplierValue(uint8_t e) {
+MAINSTAY_CAST_INLINE float MxfpMultiplierValue(uint8_t e) {
   const uint32_t x = e;
   uint32_t bits = (254u - x) << 23;
   bits = x == 0xFEu ? 0x00400000u : bits;
@@ -179,7 +188,7 @@ inline float MxfpMultiplierValue(uint8_t e) {
 }
 
 // E8M0ToFloat: 2^(e - 127); 0 -> 2^-127; 0xFF -> NaN.
-inline float E8M0Value(uint8_t e) {
+MAINSTAY_CAST_INLINE float E8M0Value(uint8_t e) {
   const uint32_t x = e;
   uint32_t bits = x << 23;
   bits = x == 0u ? 0x00400000u : bits;
@@ -187,7 +196,7 @@ inline float E8M0Value(uint8_t e) {
 }
 
 // Fp16ToFloat (subnormal halves without FP32 subnormal arithmetic, as above).
-inline float Fp16Value(uint16_t h) {
+MAINSTAY_CAST_INLINE float Fp16Value(uint16_t h) {
   const uint32_t mag = static_cast<uint32_t>(h & 0x7FFFu);
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t bits = SelectBits(mag >= 0x7C00u, 0x7F800000u | (mag << 13), MinifloatMagnitudeBits<10, 15>(mag));
@@ -195,7 +204,9 @@ inline float Fp16Value(uint16_t h) {
 }
 
 // fminf(x, FLT_MAX) (MinFltMax): NaN and +inf -> FLT_MAX.
-inline float MinFltMaxValue(float x) { return BitsFloat(SelectBits(x <= FLT_MAX, FloatBits(x), FloatBits(FLT_MAX))); }
+MAINSTAY_CAST_INLINE float MinFltMaxValue(float x) {
+  return BitsFloat(SelectBits(x <= FLT_MAX, FloatBits(x), FloatBits(FLT_MAX)));
+}
 
 }  // namespace mainstay::kernels::cpu
 

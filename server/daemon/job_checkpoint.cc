@@ -243,7 +243,9 @@ void Job::RunRestore() {
     }
     return;
   }
-  for (size_t i = 0; i < shards.size(); ++i) shards[i]->Commit(result->published[i], options_.retained_versions, /*in_place=*/false);
+  for (size_t i = 0; i < shards.size(); ++i) {
+    shards[i]->Commit(result->published[i], options_.retained_versions, /*in_place=*/false);
+  }
   version_ = inputs.publish_version;
   restoring_ = false;
   restore_attempts_ = 0;

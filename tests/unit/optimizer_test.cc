@@ -922,14 +922,14 @@ TEST(DryRunTest, RefusedWithACast) {
   EXPECT_TRUE(SameState(s, State(ElementType::kFloat32, std::vector<float>(256, 1.0f))));
 }
 
-// fp8, bf16 and fp16 in one pass (with the cast in the update's loop when nothing else is
+// fp8, bf16, fp16 and mxfp8 in one pass (with the cast in the update's loop when nothing else is
 // wanted: the daemon's apply), with the amax a dry run found for current scaling: the bytes and
 // scale_inv of FusedAdamW then Quantize (and the state of FusedAdamW), for every gradient,
 // moment and model type.
 TEST(OneLoopCastTest, EqualsFusedAdamWThenQuantizeWithTheDryRunAmax) {
   const Fragment f = MakeFragment(64, 320, 320 * 3 + 64, 320 * 60 + 128);
   for (Format format : {Format::kFP8E4M3Current, Format::kFP8E5M2Current, Format::kFP8E4M3Delayed,
-                        Format::kFP8E5M2Delayed, Format::kBF16, Format::kFP16}) {
+                        Format::kFP8E5M2Delayed, Format::kBF16, Format::kFP16, Format::kMXFP8}) {
     for (Format model : {Format::kBF16, Format::kFP16}) {
       for (ElementType grad_type : {ElementType::kFloat32, ElementType::kBFloat16, ElementType::kFloat16}) {
         for (ElementType moments : {ElementType::kFloat32, ElementType::kBFloat16}) {
@@ -952,21 +952,27 @@ TEST(OneLoopCastTest, EqualsFusedAdamWThenQuantizeWithTheDryRunAmax) {
             h.weight_decay = 0.01f;
             h.step = 4;
             h.grad_multiplier = 0.75f;
+            const size_t nblocks = Describe(format).has_block_scales()
+                                       ? static_cast<size_t>(ScaleBlockRange(format, f.view, f.elements).size())
+                                       : 0;
             State probe = start;
             float amax = -1;
+            std::vector<float> block_amax(nblocks);
             StepOutputs dry;
-            dry.amax.tensor_amax = &amax;
+            dry.amax = {&amax, block_amax};
             dry.dry_run = true;
             ASSERT_THAT(FusedAdamW(Device{}, format, model, f, grad.view(), probe.view(), h, dry), IsOk());
             ScaleInputs scales;
             scales.tensor_amax = amax;
+            scales.block_amax = block_amax;  // mxfp8: Quantize's input (the one pass finds its own)
             scales.pow2_scales = pow2;
             scales.tensor_scale = 3.0f;  // delayed
             State one = start;
             std::vector<uint8_t> one_data(static_cast<size_t>(DataBytes(format, f.size())), 0xAB);
+            std::vector<uint8_t> one_scales(nblocks, 0xAB);
             float one_inv = -1;
             ASSERT_THAT(FusedAdamWQuantize(Device{}, format, model, f, grad.view(), one.view(), h, scales,
-                                           StepOutputs{}, {one_data, {}, &one_inv}),
+                                           StepOutputs{}, {one_data, one_scales, &one_inv}),
                         IsOk());
             State two = start;
             float two_amax = -1;
@@ -975,10 +981,13 @@ TEST(OneLoopCastTest, EqualsFusedAdamWThenQuantizeWithTheDryRunAmax) {
             ASSERT_THAT(FusedAdamW(Device{}, format, model, f, grad.view(), two.view(), h, out), IsOk());
             EXPECT_EQ(FloatBits(two_amax), FloatBits(amax)) << what;
             std::vector<uint8_t> two_data(static_cast<size_t>(DataBytes(format, f.size())), 0xCD);
+            std::vector<uint8_t> two_scales(nblocks, 0xCD);
             float two_inv = -1;
-            ASSERT_THAT(Quantize(Device{}, format, model, f, two.master, scales, {two_data, {}, &two_inv}), IsOk());
+            ASSERT_THAT(Quantize(Device{}, format, model, f, two.master, scales, {two_data, two_scales, &two_inv}),
+                        IsOk());
             EXPECT_TRUE(SameState(one, two)) << what;
             EXPECT_TRUE(SameBits(one_data, two_data)) << what;
+            EXPECT_TRUE(SameBits(one_scales, two_scales)) << what;
             EXPECT_EQ(FloatBits(one_inv), FloatBits(two_inv)) << what;
           }
         }
