@@ -91,6 +91,35 @@ class OfflineTest(unittest.TestCase):
             mainstay.Client("127.0.0.1:1", job_id="j", job_token="t", timeout_s=0.3)
 
 
+class WrongInterpreterTest(unittest.TestCase):
+    """A Python the extension was not built for (another version from pyenv, a venv) gets an
+    ImportError naming the interpreter the package was built for and how to run it."""
+
+    def test_the_error_names_the_interpreter_and_the_command(self):
+        import glob
+        import os
+        import tempfile
+        package = os.path.dirname(os.path.abspath(mainstay.__file__))
+        built = glob.glob(os.path.join(package, "_mainstay*.so"))
+        self.assertEqual(len(built), 1, built)
+        with tempfile.TemporaryDirectory() as root:
+            copy = os.path.join(root, "mainstay")
+            os.mkdir(copy)
+            for name in ("__init__.py", "_build.py"):
+                with open(os.path.join(package, name)) as src, open(os.path.join(copy, name), "w") as dst:
+                    dst.write(src.read())
+            # The extension as another Python version would find it: under an ABI tag it does not load.
+            os.symlink(built[0], os.path.join(copy, "_mainstay.cpython-399-x86_64-linux-gnu.so"))
+            r = subprocess.run([sys.executable, "-c", "import mainstay"], capture_output=True, text=True,
+                               env=dict(os.environ, PYTHONPATH=root), timeout=60)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("ImportError: mainstay: the compiled extension mainstay._mainstay does not load into %s"
+                      % sys.executable, r.stderr)
+        self.assertIn("was built for %s as _mainstay.cpython-399-x86_64-linux-gnu.so" % sys.executable, r.stderr)
+        self.assertIn("PYTHONPATH=%s %s your_script.py" % (root, sys.executable), r.stderr)
+        self.assertIn("-DPYTHON_EXECUTABLE=", r.stderr)
+
+
 @unittest.skipIf(FAKE_SERVER is None, "needs the fake server binary")
 class EndToEndTest(unittest.TestCase):
     @classmethod
