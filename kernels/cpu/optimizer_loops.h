@@ -108,6 +108,22 @@ const void* MomentAt(const void* base, int64_t begin) {
   return static_cast<const float*>(base) + begin;
 }
 
+// Element i of an in-place AdamW span: updates master[i], m[i], v[i] and returns the new
+// master. Always inlined into the loops below (a call would keep them scalar).
+template <ElementType kGrad, ElementType kMoment>
+MAINSTAY_CAST_INLINE float AdamWInPlace(const AdamWHyper& h, const AdamWConstants& c, float multiplier,
+                                        const void* grad, int64_t i, float* master, void* m, void* v) {
+  const float g = LoadGrad(grad, kGrad, i) * multiplier;
+  float p = master[i];
+  float mi = LoadMoment(m, kMoment, i);
+  float vi = LoadMoment(v, kMoment, i);
+  AdamWElement(h, c, g, p, mi, vi);
+  master[i] = p;
+  StoreMoment(m, kMoment, i, mi);
+  StoreMoment(v, kMoment, i, vi);
+  return p;
+}
+
 // The dry run's loop: the outputs go to scratch that never aliases the state, and say so
 // (__restrict parameters): otherwise the vectorizer's run-time overlap checks, one per pair
 // of arrays, exceed its limit and the loop stays scalar.
@@ -143,16 +159,7 @@ MAINSTAY_VECTOR_CLONES void AdamWSpan(const AdamWArgs& args, const void* grad, i
     float* master = const_cast<float*>(args.master) + begin;
     void* m = const_cast<void*>(MomentAt<kMoment>(args.m, begin));
     void* v = const_cast<void*>(MomentAt<kMoment>(args.v, begin));
-    for (int64_t i = 0; i < n; ++i) {
-      const float g = LoadGrad(grad, kGrad, i) * multiplier;
-      float p = master[i];
-      float mi = LoadMoment(m, kMoment, i);
-      float vi = LoadMoment(v, kMoment, i);
-      AdamWElement(h, c, g, p, mi, vi);
-      master[i] = p;
-      StoreMoment(m, kMoment, i, mi);
-      StoreMoment(v, kMoment, i, vi);
-    }
+    for (int64_t i = 0; i < n; ++i) AdamWInPlace<kGrad, kMoment>(h, c, multiplier, grad, i, master, m, v);
   }
 }
 
@@ -356,14 +363,7 @@ MAINSTAY_VECTOR_CLONES void AdamWCastSpan(const AdamWArgs& args, const void* gra
   void* m = const_cast<void*>(MomentAt<kMoment>(args.m, begin));
   void* v = const_cast<void*>(MomentAt<kMoment>(args.v, begin));
   for (int64_t i = 0; i < n; ++i) {
-    const float g = LoadGrad(grad, kGrad, i) * multiplier;
-    float p = master[i];
-    float mi = LoadMoment(m, kMoment, i);
-    float vi = LoadMoment(v, kMoment, i);
-    AdamWElement(h, c, g, p, mi, vi);
-    master[i] = p;
-    StoreMoment(m, kMoment, i, mi);
-    StoreMoment(v, kMoment, i, vi);
+    const float p = AdamWInPlace<kGrad, kMoment>(h, c, multiplier, grad, i, master, m, v);
     const uint16_t bits = ModelBits<kModel>(p);
     if constexpr (kOut == OneLoopCast::kE4M3 || kOut == OneLoopCast::kE5M2) {
       const float y = ModelValue<kModel>(bits) * scale;
@@ -395,16 +395,7 @@ MAINSTAY_VECTOR_CLONES void AdamWMxfp8Span(const AdamWArgs& args, const void* gr
   for (int64_t b = 0; b * kBlock < n; ++b) {
     uint16_t bits[kBlock];
     for (int64_t j = 0; j < kBlock; ++j) {
-      const int64_t i = b * kBlock + j;
-      const float g = LoadGrad(grad, kGrad, i) * multiplier;
-      float p = master[i];
-      float mi = LoadMoment(m, kMoment, i);
-      float vi = LoadMoment(v, kMoment, i);
-      AdamWElement(h, c, g, p, mi, vi);
-      master[i] = p;
-      StoreMoment(m, kMoment, i, mi);
-      StoreMoment(v, kMoment, i, vi);
-      bits[j] = ModelBits<kModel>(p);
+      bits[j] = ModelBits<kModel>(AdamWInPlace<kGrad, kMoment>(h, c, multiplier, grad, b * kBlock + j, master, m, v));
     }
     const uint8_t e = MxfpBlockScale(ModelBitsToFloat(MaxMagnitudeBits<kModel>(bits, kBlock), kModel), kE4M3Max);
     const float mult = MxfpMultiplier(e);
