@@ -353,7 +353,9 @@ MemoryPlan PlanMemory(const JobSpec& spec, int retained_versions) {
 int64_t ShardMemoryBytes(const Bucket& bucket, const MemoryPlan& plan) {
   const int64_t state = 4 + plan.moment_bytes;
   const int64_t grads = 2 * plan.contributors * 4 + (plan.contributors > 1 ? 4 : 0);
-  return bucket.shard_numel * (state + grads) + plan.retained_versions * DataBytes(bucket.format, bucket.shard_numel);
+  // The retained versions and the one the next step is cast into (the daemon keeps its buffer).
+  return bucket.shard_numel * (state + grads) +
+         (plan.retained_versions + 1) * DataBytes(bucket.format, bucket.shard_numel);
 }
 
 int64_t RankMemoryBytes(const Layout& layout, const MemoryPlan& plan) {

@@ -75,10 +75,11 @@ absl::StatusOr<ResolvedJob> ResolveJob(const JobSpec& spec);
 
 // What a daemon holds for a job (docs/daemon.md, "Memory"), per element of a shard it holds as
 // primary or replica: the FP32 master and the moments, once (a step is decided before it
-// updates them in place: server/daemon/job_step.cc); the gradients of the two steps that may be open, `contributors` buffers
-// each (D with unreduced pushes, else 1; counted at 4 B, the widest push type) plus their FP32
-// sum when there are several; and `retained_versions` published snapshots. The coordinator's
-// placement and the daemon's admission of an assignment both use it.
+// updates them in place: server/daemon/job_step.cc); the gradients of the two steps that may
+// be open, `contributors` buffers each (D with unreduced pushes, else 1; counted at 4 B, the
+// widest push type) plus their FP32 sum when there are several; and `retained_versions`
+// published snapshots plus the one the next step is cast into. The coordinator's placement
+// and the daemon's admission of an assignment both use it.
 struct MemoryPlan {
   int64_t moment_bytes = 8;     // per element, all moments: AdamW 2 x 4 (or 2 x 2 in BF16), SGD 1 x 4
   int64_t contributors = 1;     // gradient buffers per shard and open step

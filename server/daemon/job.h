@@ -30,6 +30,7 @@
 #define MAINSTAY_SERVER_DAEMON_JOB_H_
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -258,7 +259,9 @@ class Job : public std::enable_shared_from_this<Job> {
         std::shared_ptr<const QuantizedShard>& oldest = versions.begin()->second;
         if (oldest.use_count() == 1) {
           // Ours alone (a pull still sending it holds another reference), and made mutable by
-          // CastShard (std::make_shared<QuantizedShard>): its buffer is reused.
+          // NewSnapshot (std::make_shared<QuantizedShard>): its buffer is reused. use_count() is
+          // a relaxed load: the fence orders the last reader's accesses before our writes.
+          std::atomic_thread_fence(std::memory_order_acquire);
           spare_data = std::move(const_cast<QuantizedShard&>(*oldest).data);
         }
         versions.erase(versions.begin());
@@ -320,6 +323,8 @@ class Job : public std::enable_shared_from_this<Job> {
     double lr = 0.0, weight_decay = 0.0;
     std::vector<std::vector<FragmentCast>> casts;  // per shard, per fragment
     std::map<Key, ReplicaInput> replica_in;        // owns the replica shards' gradients
+    // The new versions, allocated (and zeroed) before the apply, which allocates nothing.
+    std::vector<std::shared_ptr<QuantizedShard>> snapshots;  // per shard
   };
   struct StepResult {
     bool skipped = false;
@@ -408,17 +413,23 @@ class Job : public std::enable_shared_from_this<Job> {
                                          const std::vector<std::shared_ptr<ShardState>>& shards,
                                          const std::vector<std::string>& members, int64_t epoch,
                                          const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of);
-  // The new version `version` of `s` from its fragments' casts: quantized from the scratch
-  // state (version 0, restores: `update` null) or, for step version - 1, with `update`
-  // (shard index `i` of it) applied to the state in place, in the cast's pass where the
-  // format allows.
-  absl::StatusOr<std::shared_ptr<QuantizedShard>> CastShard(ShardState& s, const std::vector<FragmentCast>& casts,
-                                                            int64_t version, const StepUpdate* update, size_t i);
+  // Version `version` of `s`, its data and scale buffers allocated and zeroed for `casts`
+  // (reusing the shard's spare buffer). Step thread.
+  std::shared_ptr<QuantizedShard> NewSnapshot(ShardState& s, const std::vector<FragmentCast>& casts,
+                                              int64_t version);
+  // Fills `snapshot` (from NewSnapshot) from the fragments' casts: quantized from the scratch
+  // state (version 0, restores: `update` null) or, for step snapshot.version - 1, with
+  // `update` (shard index `i` of it) applied to the state in place, in the cast's pass where
+  // the format allows. Fails only on arguments the kernels refuse, which the layout rules out.
+  absl::Status CastShard(ShardState& s, const std::vector<FragmentCast>& casts, QuantizedShard& snapshot,
+                         const StepUpdate* update, size_t i);
   // Applies a decided step (ExecuteStep's result.update) to `shards` in place and quantizes
   // their new versions into result.published: the update and the cast in one pass where the
   // format allows. Runs with applying_ set, so that nothing copies the state meanwhile. It
-  // cannot fail: its arguments are the ones the decision's dry run accepted (a kernel error
-  // here is a bug, and the process aborts rather than keep a half-updated shard).
+  // allocates nothing (ExecuteStep did) and cannot fail: the kernels refuse only arguments
+  // that the layout rules out (the probe, where there is one, passed the same ones). A kernel
+  // error here is a bug, and the process aborts rather than keep a half-updated shard; being
+  // deterministic, the replicas would fail alike, so the job falls back to its checkpoint.
   void ApplyStep(int64_t step, StepResult& result, const std::vector<std::shared_ptr<ShardState>>& shards);
   // The job's peer group for `members` at `epoch` (job_outcome.cc): the current one, or a new
   // one at the generation the members agree on (PeerGroupFactory::Generation); true when new.

@@ -73,12 +73,14 @@ float Fp8Max(Format format) {
 
 // Whether the cast of `format` needs the amax of the new values before it runs, so that a
 // step learns it by a dry run of the update before it is decided. Delayed scaling casts with
-// the history's scale, but its amax goes into the history through the step's MAX.
-bool NeedsAmaxBeforeCast(Format format, const kernels::Fragment& frag) {
+// the history's scale, but its amax goes into the history through the step's MAX. mxfp8
+// finds its block amaxes in the update's pass only with AdamW (FusedAdamWQuantize) and blocks
+// inside the fragment; SGD updates, then casts with the probed block amaxes.
+bool NeedsAmaxBeforeCast(Format format, const kernels::Fragment& frag, bool adamw) {
   const ScalingMode mode = Describe(format).scaling;
   if (mode == ScalingMode::kCurrent || mode == ScalingMode::kDelayed) return true;
   if (format == Format::kNVFP4 || format == Format::kFP8Block) return true;
-  return format == Format::kMXFP8 && !kernels::MxfpBlocksInFragment(frag);
+  return format == Format::kMXFP8 && !(adamw && kernels::MxfpBlocksInFragment(frag));
 }
 
 kernels::AdamWHyper AdamWHyperOf(const OptimizerSpec& opt, double lr, double weight_decay, int64_t step,
@@ -328,7 +330,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
         const float* master = s.scratch_master.data() + c.offset;
         MAINSTAY_RETURN_IF_ERROR(kernels::ComputePartialAmax(
             device, bucket.format, model, frag, std::span<const float>(master, static_cast<size_t>(frag.size())), amax));
-      } else if (NeedsAmaxBeforeCast(bucket.format, frag)) {
+      } else if (NeedsAmaxBeforeCast(bucket.format, frag, adamw)) {
         const kernels::GradView g{static_cast<const uint8_t*>(grads[i].data) + c.offset * ElementBytes(grads[i].type),
                                   grads[i].type};
         kernels::OptimizerState state{s.master.data() + c.offset, s.m.data() + c.offset * moment_bytes,
@@ -410,13 +412,15 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     u.multipliers = std::move(multipliers);
     u.lr = lr;
     u.weight_decay = weight_decay;
-    u.casts = std::move(casts);
     u.replica_in = std::move(replica_in);  // the replicas' gradient views point into these
+    // The new versions' memory, now: the apply allocates nothing.
+    for (size_t i = 0; i < shards.size(); ++i) u.snapshots.push_back(NewSnapshot(*shards[i], casts[i], step + 1));
+    u.casts = std::move(casts);
   } else {
     for (size_t i = 0; i < shards.size(); ++i) {
-      MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<QuantizedShard> snap,
-                                CastShard(*shards[i], casts[i], restoring ? inputs.publish_version : step + 1,
-                                          /*update=*/nullptr, 0));
+      std::shared_ptr<QuantizedShard> snap =
+          NewSnapshot(*shards[i], casts[i], restoring ? inputs.publish_version : step + 1);
+      MAINSTAY_RETURN_IF_ERROR(CastShard(*shards[i], casts[i], *snap, /*update=*/nullptr, 0));
       result.published.push_back(std::move(snap));
     }
   }
@@ -436,8 +440,29 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   return result;
 }
 
-absl::StatusOr<std::shared_ptr<QuantizedShard>> Job::CastShard(ShardState& s, const std::vector<FragmentCast>& casts,
-                                                               int64_t version, const StepUpdate* update, size_t i) {
+std::shared_ptr<QuantizedShard> Job::NewSnapshot(ShardState& s, const std::vector<FragmentCast>& casts,
+                                                 int64_t version) {
+  const Bucket& bucket = job_.layout.buckets[static_cast<size_t>(s.bucket)];
+  const FormatDescriptor& d = Describe(bucket.format);
+  auto snap = std::make_shared<QuantizedShard>();
+  snap->version = version;
+  snap->bucket = s.bucket;
+  snap->shard = s.shard;
+  snap->format = bucket.format;
+  snap->elements = bucket.shards[static_cast<size_t>(s.shard)].elements;
+  snap->data = std::move(s.spare_data);  // reused when the size fits (assign keeps the memory)
+  s.spare_data.clear();
+  snap->data.assign(static_cast<size_t>(DataBytes(bucket.format, s.numel)), 0);
+  snap->has_scales = d.has_block_scales();
+  snap->scale_type = d.block_scale;
+  const int scale_bytes = d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0;
+  for (const FragmentCast& c : casts) snap->num_scales += c.blocks.size();
+  snap->scales.assign(static_cast<size_t>(snap->num_scales * scale_bytes), 0);
+  return snap;
+}
+
+absl::Status Job::CastShard(ShardState& s, const std::vector<FragmentCast>& casts, QuantizedShard& snapshot,
+                            const StepUpdate* update, size_t i) {
   const Layout& layout = job_.layout;
   const OptimizerSpec& opt = job_.spec.optimizer;
   const Format model = job_.recipe.model_dtype;
@@ -447,20 +472,9 @@ absl::StatusOr<std::shared_ptr<QuantizedShard>> Job::CastShard(ShardState& s, co
   const FormatDescriptor& d = Describe(bucket.format);
   const int moment_bytes = ElementBytes(opt.moment_dtype);
   const bool adamw = opt.type == OptimizerType::kAdamW;
-  auto snap = std::make_shared<QuantizedShard>();
-  snap->version = version;
-  snap->bucket = s.bucket;
-  snap->shard = s.shard;
-  snap->format = bucket.format;
-  snap->elements = shard.elements;
-  snap->data = std::move(s.spare_data);  // reused when the size fits (assign keeps the memory)
-  s.spare_data.clear();
-  snap->data.assign(static_cast<size_t>(DataBytes(bucket.format, s.numel)), 0);
-  snap->has_scales = d.has_block_scales();
-  snap->scale_type = d.block_scale;
+  const int64_t version = snapshot.version;
+  QuantizedShard* snap = &snapshot;
   const int scale_bytes = d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0;
-  for (const FragmentCast& c : casts) snap->num_scales += c.blocks.size();
-  snap->scales.assign(static_cast<size_t>(snap->num_scales * scale_bytes), 0);
   float* masters = update != nullptr ? s.master.data() : s.scratch_master.data();
   int64_t scale_offset = 0;
   for (const FragmentCast& c : casts) {
@@ -520,25 +534,25 @@ absl::StatusOr<std::shared_ptr<QuantizedShard>> Job::CastShard(ShardState& s, co
     meta.amax = HasTensorAmax(bucket.format) ? c.tensor_amax : 0.0f;
     snap->fragments.push_back(meta);
   }
-  return snap;
+  return absl::OkStatus();
 }
 
 void Job::ApplyStep(int64_t step, StepResult& result, const std::vector<std::shared_ptr<ShardState>>& shards) {
   const absl::Time t = absl::Now();
   StepUpdate& update = *result.update;
   for (size_t i = 0; i < shards.size(); ++i) {
-    absl::StatusOr<std::shared_ptr<QuantizedShard>> snap = CastShard(*shards[i], update.casts[i], step + 1, &update, i);
-    if (!snap.ok()) {
+    const absl::Status cast = CastShard(*shards[i], update.casts[i], *update.snapshots[i], &update, i);
+    if (!cast.ok()) {
       // The same fragments and buffers passed the decision's dry run: a failure here is a bug,
       // and the shards may be half updated. Better no daemon (its replicas or checkpoint take
       // over) than a torn shard.
       Log(LogLevel::kError, "daemon",
           absl::StrCat("job ", job_id_, ": step ", step, " was decided but its update of ",
-                       ShardName(shards[i]->bucket, shards[i]->shard), " failed (", snap.status().ToString(),
+                       ShardName(shards[i]->bucket, shards[i]->shard), " failed (", cast.ToString(),
                        "); aborting rather than keep a half-updated shard"));
       std::abort();
     }
-    result.published.push_back(*std::move(snap));
+    result.published.push_back(std::move(update.snapshots[i]));
   }
   result.update.reset();  // the replicas' inputs are no longer needed
   result.stats.mutable_phases()->set_quantize_ms(MsSince(t));

@@ -82,6 +82,14 @@ class ReferenceModel {
         }
       }
       const OptimizerSpec& o = job_.spec.optimizer;
+      if (o.type == OptimizerType::kSGD) {
+        kernels::SgdHyper h{lr, o.momentum, weight_decay, step + 1, 1.0f};
+        ASSERT_TRUE(kernels::FusedSgd({}, job_.layout.tensors[t].format, job_.recipe.model_dtype, Whole(t),
+                                      {grad.data(), ElementType::kFloat32},
+                                      {master_[t].data(), m_[t].data(), nullptr, ElementType::kFloat32}, h, {})
+                        .ok());
+        continue;
+      }
       kernels::AdamWHyper h{lr, o.beta1, o.beta2, o.eps, weight_decay, step + 1, 1.0f};
       ASSERT_TRUE(kernels::FusedAdamW({}, job_.layout.tensors[t].format, job_.recipe.model_dtype, Whole(t),
                                       {grad.data(), ElementType::kFloat32},
