@@ -64,6 +64,15 @@ inline bool MxfpBlocksInFragment(const Fragment& f) {
   return f.view.cols % 32 == 0 && f.elements.begin % 32 == 0 && f.elements.end % 32 == 0;
 }
 
+// Whether FusedAdamWQuantize casts `format` on this fragment in the update's pass: bf16/fp16,
+// fp8 with a per-tensor scale (delayed, or current with its reduced amax), and mxfp8 whose
+// blocks lie inside the fragment.
+inline bool CastsInAdamWPass(Format format, const Fragment& f) {
+  const ScalingMode mode = Describe(format).scaling;
+  return mode == ScalingMode::kNone || mode == ScalingMode::kDelayed || mode == ScalingMode::kCurrent ||
+         (format == Format::kMXFP8 && MxfpBlocksInFragment(f));
+}
+
 // ---- Amax.
 
 struct AmaxOutputs {

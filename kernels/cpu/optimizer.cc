@@ -88,12 +88,9 @@ const void* GradSpan(GradView grad, int64_t begin, int64_t n, float* scratch) {
   }
 }
 
-// What the pass writes besides the optimizer state, decided once per call.
-enum class CastKind { kNone, kBF16, kFP16, kFP8E4M3, kFP8E5M2, kMXFP8 };
 
 using WalkFn = float (*)(const BlockAmaxTarget&, const uint16_t*, int64_t, int64_t, int64_t, int64_t);
-using AdamWCastFn = void (*)(const AdamWArgs&, const void*, int64_t, int64_t, float, uint8_t*);
-using AdamWMxfp8Fn = void (*)(const AdamWArgs&, const void*, int64_t, int64_t, uint8_t*, uint8_t*);
+using AdamWCastFn = void (*)(const AdamWArgs&, const void*, int64_t, int64_t, float, uint8_t*, uint8_t*);
 
 struct PassKernels {
   StatsFn stats = nullptr;
@@ -103,11 +100,8 @@ struct PassKernels {
   void (*cast16)(const uint16_t*, int64_t, uint8_t*) = nullptr;
   void (*cast_fp8)(const uint16_t*, int64_t, float, uint8_t*) = nullptr;
   void (*cast_mxfp8)(const uint16_t*, int64_t, uint8_t*, uint8_t*) = nullptr;
-  // AdamW in place + the cast as one loop, when the pass wants nothing else (PickAdamWCast),
-  // writing `adamw_cast_bytes` per element.
+  // AdamW in place + the cast as one loop, when the pass wants nothing else (PickAdamWCast).
   AdamWCastFn adamw_cast = nullptr;
-  int adamw_cast_bytes = 1;
-  AdamWMxfp8Fn adamw_mxfp8 = nullptr;  // the same for mxfp8
 };
 
 struct Pass {
@@ -193,12 +187,10 @@ void ProcessChunk(const Pass& p, UpdateFn<Args> update, const Args& args, int64_
     const void* grad = GradSpan(p.grad, s, n, widened);
     if constexpr (std::is_same_v<Args, AdamWArgs>) {
       if (p.k.adamw_cast != nullptr) {
-        p.k.adamw_cast(args, grad, s, n, p.tensor_scale, p.quantized.data.data() + s * p.k.adamw_cast_bytes);
-        continue;
-      }
-      if (p.k.adamw_mxfp8 != nullptr) {
-        // The fragment starts on a block boundary of a row (checked), so local block = s / 32.
-        p.k.adamw_mxfp8(args, grad, s, n, p.quantized.data.data() + s, p.quantized.block_scales.data() + s / 32);
+        const bool wide = p.cast == CastKind::kBF16 || p.cast == CastKind::kFP16;
+        // mxfp8: the fragment starts on a block boundary of a row (checked), so local block = s / 32.
+        uint8_t* scales = p.cast == CastKind::kMXFP8 ? p.quantized.block_scales.data() + s / 32 : nullptr;
+        p.k.adamw_cast(args, grad, s, n, p.tensor_scale, p.quantized.data.data() + (wide ? 2 : 1) * s, scales);
         continue;
       }
     }
@@ -293,85 +285,51 @@ void RunPass(const Device& device, const Pass& pass, UpdateFn<Args> update, cons
 }
 
 template <ElementType kGrad, ElementType kMoment, Format kModel>
-AdamWCastFn PickCastOut(OneLoopCast out) {
-  switch (out) {
-    case OneLoopCast::kE4M3:
-      return &AdamWCastSpan<kGrad, kMoment, kModel, OneLoopCast::kE4M3>;
-    case OneLoopCast::kE5M2:
-      return &AdamWCastSpan<kGrad, kMoment, kModel, OneLoopCast::kE5M2>;
-    case OneLoopCast::kFP16:
-      return &AdamWCastSpan<kGrad, kMoment, kModel, OneLoopCast::kFP16>;
-    case OneLoopCast::kBF16:
+AdamWCastFn PickCastOut(CastKind cast) {
+  switch (cast) {
+    case CastKind::kFP8E4M3:
+      return &AdamWCastSpan<kGrad, kMoment, kModel, CastKind::kFP8E4M3>;
+    case CastKind::kFP8E5M2:
+      return &AdamWCastSpan<kGrad, kMoment, kModel, CastKind::kFP8E5M2>;
+    case CastKind::kBF16:
+      return &AdamWCastSpan<kGrad, kMoment, kModel, CastKind::kBF16>;
+    case CastKind::kFP16:
+      return &AdamWCastSpan<kGrad, kMoment, kModel, CastKind::kFP16>;
+    case CastKind::kMXFP8:
+      return &AdamWCastSpan<kGrad, kMoment, kModel, CastKind::kMXFP8>;
+    case CastKind::kNone:
       break;
   }
-  return &AdamWCastSpan<kGrad, kMoment, kModel, OneLoopCast::kBF16>;
+  return nullptr;
 }
 
 template <ElementType kGrad, ElementType kMoment>
-AdamWMxfp8Fn PickMxfp8Model(Format model) {
-  return model == Format::kFP16 ? &AdamWMxfp8Span<kGrad, kMoment, Format::kFP16>
-                                : &AdamWMxfp8Span<kGrad, kMoment, Format::kBF16>;
-}
-
-template <ElementType kGrad, ElementType kMoment>
-AdamWCastFn PickCastModel(Format model, OneLoopCast out) {
-  return model == Format::kFP16 ? PickCastOut<kGrad, kMoment, Format::kFP16>(out)
-                                : PickCastOut<kGrad, kMoment, Format::kBF16>(out);
+AdamWCastFn PickCastModel(Format model, CastKind cast) {
+  return model == Format::kFP16 ? PickCastOut<kGrad, kMoment, Format::kFP16>(cast)
+                                : PickCastOut<kGrad, kMoment, Format::kBF16>(cast);
 }
 
 template <ElementType kGrad>
-AdamWCastFn PickCastMoment(ElementType moment, Format model, OneLoopCast out) {
-  return moment == ElementType::kBFloat16 ? PickCastModel<kGrad, ElementType::kBFloat16>(model, out)
-                                          : PickCastModel<kGrad, ElementType::kFloat32>(model, out);
+AdamWCastFn PickCastMoment(ElementType moment, Format model, CastKind cast) {
+  return moment == ElementType::kBFloat16 ? PickCastModel<kGrad, ElementType::kBFloat16>(model, cast)
+                                          : PickCastModel<kGrad, ElementType::kFloat32>(model, cast);
 }
 
 // The one-loop AdamW + cast, for a pass that updates in place and wants nothing but the cast
-// (no stats, amaxes or model values: the daemon's apply) of a per-tensor-scaled or 16-bit
-// format; else nullptr.
-void PickAdamWCast(Pass& p, ElementType grad, ElementType moment) {
-  p.k.adamw_cast = nullptr;
-  p.k.adamw_mxfp8 = nullptr;
+// (no stats, amaxes or model values: the daemon's apply); else nullptr.
+AdamWCastFn PickAdamWCast(const Pass& p, ElementType grad, ElementType moment) {
   if (p.dry_run || p.want_stats || p.blocks.slots != nullptr || p.out.amax.tensor_amax != nullptr ||
       !p.out.model_values.empty()) {
-    return;
+    return nullptr;
   }
-  if (p.cast == CastKind::kMXFP8) {
-    const bool bf16_moments = moment == ElementType::kBFloat16;
-    if (grad == ElementType::kBFloat16) {
-      p.k.adamw_mxfp8 = bf16_moments ? PickMxfp8Model<ElementType::kBFloat16, ElementType::kBFloat16>(p.model_dtype)
-                                     : PickMxfp8Model<ElementType::kBFloat16, ElementType::kFloat32>(p.model_dtype);
-    } else {
-      p.k.adamw_mxfp8 = bf16_moments ? PickMxfp8Model<ElementType::kFloat32, ElementType::kBFloat16>(p.model_dtype)
-                                     : PickMxfp8Model<ElementType::kFloat32, ElementType::kFloat32>(p.model_dtype);
-    }
-    return;
-  }
-  OneLoopCast out;
-  switch (p.cast) {
-    case CastKind::kFP8E4M3:
-      out = OneLoopCast::kE4M3;
-      break;
-    case CastKind::kFP8E5M2:
-      out = OneLoopCast::kE5M2;
-      break;
-    case CastKind::kBF16:
-      out = OneLoopCast::kBF16;
-      break;
-    case CastKind::kFP16:
-      out = OneLoopCast::kFP16;
-      break;
-    default:
-      return;
-  }
-  p.k.adamw_cast_bytes = out == OneLoopCast::kBF16 || out == OneLoopCast::kFP16 ? 2 : 1;
   // FP16 gradients reach the loops widened to FP32 (GradSpan).
-  p.k.adamw_cast = grad == ElementType::kBFloat16 ? PickCastMoment<ElementType::kBFloat16>(moment, p.model_dtype, out)
-                                                  : PickCastMoment<ElementType::kFloat32>(moment, p.model_dtype, out);
+  return grad == ElementType::kBFloat16 ? PickCastMoment<ElementType::kBFloat16>(moment, p.model_dtype, p.cast)
+                                        : PickCastMoment<ElementType::kFloat32>(moment, p.model_dtype, p.cast);
 }
 
 void RunAdamW(const Device& device, Pass& pass, const OptimizerState& state, GradView grad,
               const AdamWHyper& hyper) {
-  PickAdamWCast(pass, grad.type, state.moment_type);
+  pass.k.adamw_cast = PickAdamWCast(pass, grad.type, state.moment_type);
   const AdamWArgs args{hyper, MakeAdamWConstants(hyper), state.master, state.m, state.v};
   RunPass(device, pass, PickUpdate<AdamWKernel>(grad.type, state.moment_type, pass.dry_run), args);
 }

@@ -343,65 +343,56 @@ MAINSTAY_VECTOR_CLONES void CastFp8Span(const uint16_t* bits, int64_t n, float s
   }
 }
 
-// What the one-loop pass (AdamWCastSpan) writes per element.
-enum class OneLoopCast { kE4M3, kE5M2, kBF16, kFP16 };
+// What an optimizer pass casts the updated values into (FusedAdamWQuantize); kNone: nothing.
+enum class CastKind { kNone, kBF16, kFP16, kFP8E4M3, kFP8E5M2, kMXFP8 };
 
-// The optimizer pass of the daemon's apply for the formats cast with a per-tensor scale (fp8)
-// or none (bf16/fp16), as ONE loop: the AdamW update in place and the cast of the new model
-// value (fp8: q = cvt(fl(model(p) * scale)); 16-bit: the model value in the output format,
-// little-endian). The update is bound by the divide/sqrt unit and the cast by the integer
+// The optimizer pass of the daemon's apply as ONE loop: the AdamW update in place and the cast
+// of the new model value. fp8: q = cvt(fl(model(p) * scale)); 16-bit: the model value in the
+// output format, little-endian; mxfp8 (n a multiple of 32): per 32-element block, the update,
+// then the block's scale e from the amax of its new model values into scales[b] and
+// q = cvt_e4m3(fl(x * 2^(127 - e))). `out` and `scales` point at the span's first output byte
+// and block scale. The update is bound by the divide/sqrt unit and the cast by the integer
 // ALUs; in one loop body they run side by side (AVX-512 has the registers for it), where two
 // loops over the sub-block would run one after the other. The same operations as AdamWSpan +
-// ModelBitsSpan + CastFp8Span / Cast16Span, so the same bits.
-template <ElementType kGrad, ElementType kMoment, Format kModel, OneLoopCast kOut>
+// ModelBitsSpan + CastFp8Span / Cast16Span / CastMxfp8Span, so the same bits.
+template <ElementType kGrad, ElementType kMoment, Format kModel, CastKind kCast>
 MAINSTAY_VECTOR_CLONES void AdamWCastSpan(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n,
-                                          float scale, uint8_t* out) {
+                                          float scale, uint8_t* out, uint8_t* scales) {
+  static_assert(kCast != CastKind::kNone);
   const AdamWHyper h = args.hyper;
   const AdamWConstants c = args.consts;
   const float multiplier = h.grad_multiplier;
   float* master = const_cast<float*>(args.master) + begin;
   void* m = const_cast<void*>(MomentAt<kMoment>(args.m, begin));
   void* v = const_cast<void*>(MomentAt<kMoment>(args.v, begin));
-  for (int64_t i = 0; i < n; ++i) {
-    const float p = AdamWInPlace<kGrad, kMoment>(h, c, multiplier, grad, i, master, m, v);
-    const uint16_t bits = ModelBits<kModel>(p);
-    if constexpr (kOut == OneLoopCast::kE4M3 || kOut == OneLoopCast::kE5M2) {
-      const float y = ModelValue<kModel>(bits) * scale;
-      out[i] = kOut == OneLoopCast::kE5M2 ? E5M2Bits(y) : E4M3Bits(y);
-    } else {
-      constexpr Format kOutFormat = kOut == OneLoopCast::kFP16 ? Format::kFP16 : Format::kBF16;
-      uint16_t q = bits;
-      if constexpr (kOutFormat != kModel) q = ModelBits<kOutFormat>(ModelValue<kModel>(bits));
-      out[2 * i] = static_cast<uint8_t>(q);
-      out[2 * i + 1] = static_cast<uint8_t>(q >> 8);
+  if constexpr (kCast == CastKind::kMXFP8) {
+    constexpr int64_t kBlock = 32;
+    for (int64_t b = 0; b * kBlock < n; ++b) {
+      uint16_t bits[kBlock];
+      for (int64_t j = 0; j < kBlock; ++j) {
+        bits[j] = ModelBits<kModel>(AdamWInPlace<kGrad, kMoment>(h, c, multiplier, grad, b * kBlock + j, master, m, v));
+      }
+      const uint8_t e = MxfpBlockScale(ModelBitsToFloat(MaxMagnitudeBits<kModel>(bits, kBlock), kModel), kE4M3Max);
+      const float mult = MxfpMultiplier(e);
+      uint8_t* q = out + b * kBlock;
+      for (int64_t j = 0; j < kBlock; ++j) q[j] = E4M3Bits(ModelValue<kModel>(bits[j]) * mult);
+      scales[b] = e;
     }
-  }
-}
-
-// The same one loop for mxfp8 (the daemon's apply of an aligned fragment): per 32-element
-// block, the update in place, then the block's scale from the amax of its new model values and
-// the cast, q = cvt_e4m3(fl(x * 2^(127 - e))). n is a multiple of 32. The same operations as
-// AdamWSpan + ModelBitsSpan + CastMxfp8Span.
-template <ElementType kGrad, ElementType kMoment, Format kModel>
-MAINSTAY_VECTOR_CLONES void AdamWMxfp8Span(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n,
-                                           uint8_t* out, uint8_t* scales) {
-  constexpr int64_t kBlock = 32;
-  const AdamWHyper h = args.hyper;
-  const AdamWConstants c = args.consts;
-  const float multiplier = h.grad_multiplier;
-  float* master = const_cast<float*>(args.master) + begin;
-  void* m = const_cast<void*>(MomentAt<kMoment>(args.m, begin));
-  void* v = const_cast<void*>(MomentAt<kMoment>(args.v, begin));
-  for (int64_t b = 0; b * kBlock < n; ++b) {
-    uint16_t bits[kBlock];
-    for (int64_t j = 0; j < kBlock; ++j) {
-      bits[j] = ModelBits<kModel>(AdamWInPlace<kGrad, kMoment>(h, c, multiplier, grad, b * kBlock + j, master, m, v));
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const float p = AdamWInPlace<kGrad, kMoment>(h, c, multiplier, grad, i, master, m, v);
+      const uint16_t bits = ModelBits<kModel>(p);
+      if constexpr (kCast == CastKind::kFP8E4M3 || kCast == CastKind::kFP8E5M2) {
+        const float y = ModelValue<kModel>(bits) * scale;
+        out[i] = kCast == CastKind::kFP8E5M2 ? E5M2Bits(y) : E4M3Bits(y);
+      } else {
+        constexpr Format kOut = kCast == CastKind::kFP16 ? Format::kFP16 : Format::kBF16;
+        uint16_t q = bits;
+        if constexpr (kOut != kModel) q = ModelBits<kOut>(ModelValue<kModel>(bits));
+        out[2 * i] = static_cast<uint8_t>(q);
+        out[2 * i + 1] = static_cast<uint8_t>(q >> 8);
+      }
     }
-    const uint8_t e = MxfpBlockScale(ModelBitsToFloat(MaxMagnitudeBits<kModel>(bits, kBlock), kModel), kE4M3Max);
-    const float mult = MxfpMultiplier(e);
-    uint8_t* q = out + b * kBlock;
-    for (int64_t j = 0; j < kBlock; ++j) q[j] = E4M3Bits(ModelValue<kModel>(bits[j]) * mult);
-    scales[b] = e;
   }
 }
 

@@ -80,7 +80,7 @@ bool NeedsAmaxBeforeCast(Format format, const kernels::Fragment& frag, bool adam
   const ScalingMode mode = Describe(format).scaling;
   if (mode == ScalingMode::kCurrent || mode == ScalingMode::kDelayed) return true;
   if (format == Format::kNVFP4 || format == Format::kFP8Block) return true;
-  return format == Format::kMXFP8 && !(adamw && kernels::MxfpBlocksInFragment(frag));
+  return format == Format::kMXFP8 && !(adamw && kernels::CastsInAdamWPass(format, frag));
 }
 
 kernels::AdamWHyper AdamWHyperOf(const OptimizerSpec& opt, double lr, double weight_decay, int64_t step,
@@ -93,6 +93,32 @@ kernels::SgdHyper SgdHyperOf(const OptimizerSpec& opt, double lr, double weight_
                              float multiplier) {
   return kernels::SgdHyper{static_cast<float>(lr), opt.momentum, static_cast<float>(weight_decay), step + 1,
                            multiplier};
+}
+
+// The gradients and the optimizer state of the fragment `offset` elements into a shard.
+kernels::GradView GradAt(kernels::GradView grad, int64_t offset) {
+  return {static_cast<const uint8_t*>(grad.data) + offset * ElementBytes(grad.type), grad.type};
+}
+
+kernels::OptimizerState StateAt(std::vector<float>& master, std::vector<uint8_t>& m, std::vector<uint8_t>& v,
+                                int64_t offset, const OptimizerSpec& opt) {
+  const int moment_bytes = ElementBytes(opt.moment_dtype);
+  return {master.data() + offset, m.data() + offset * moment_bytes,
+          opt.type == OptimizerType::kAdamW ? v.data() + offset * moment_bytes : nullptr, opt.moment_dtype};
+}
+
+// Step `step`'s update of one fragment (AdamW or SGD as the job says): the probe's dry run, or
+// in place where the cast cannot share the pass.
+absl::Status UpdateFragment(const kernels::Device& device, Format format, Format model, const kernels::Fragment& frag,
+                            kernels::GradView grad, const kernels::OptimizerState& state, const OptimizerSpec& opt,
+                            double lr, double weight_decay, int64_t step, float multiplier,
+                            const kernels::StepOutputs& out) {
+  if (opt.type == OptimizerType::kAdamW) {
+    return kernels::FusedAdamW(device, format, model, frag, grad, state,
+                               AdamWHyperOf(opt, lr, weight_decay, step, multiplier), out);
+  }
+  return kernels::FusedSgd(device, format, model, frag, grad, state, SgdHyperOf(opt, lr, weight_decay, step, multiplier),
+                           out);
 }
 
 }  // namespace
@@ -331,20 +357,12 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
         MAINSTAY_RETURN_IF_ERROR(kernels::ComputePartialAmax(
             device, bucket.format, model, frag, std::span<const float>(master, static_cast<size_t>(frag.size())), amax));
       } else if (NeedsAmaxBeforeCast(bucket.format, frag, adamw)) {
-        const kernels::GradView g{static_cast<const uint8_t*>(grads[i].data) + c.offset * ElementBytes(grads[i].type),
-                                  grads[i].type};
-        kernels::OptimizerState state{s.master.data() + c.offset, s.m.data() + c.offset * moment_bytes,
-                                      adamw ? s.v.data() + c.offset * moment_bytes : nullptr, opt.moment_dtype};
         kernels::StepOutputs out;
         out.amax = amax;
         out.dry_run = true;
-        if (adamw) {
-          MAINSTAY_RETURN_IF_ERROR(kernels::FusedAdamW(device, bucket.format, model, frag, g, state,
-                                                       AdamWHyperOf(opt, lr, weight_decay, step, multipliers[i]), out));
-        } else {
-          MAINSTAY_RETURN_IF_ERROR(kernels::FusedSgd(device, bucket.format, model, frag, g, state,
-                                                     SgdHyperOf(opt, lr, weight_decay, step, multipliers[i]), out));
-        }
+        MAINSTAY_RETURN_IF_ERROR(UpdateFragment(device, bucket.format, model, frag, GradAt(grads[i], c.offset),
+                                                StateAt(s.master, s.m, s.v, c.offset, opt), opt, lr, weight_decay,
+                                                step, multipliers[i], out));
       }
       float& r = reduced[static_cast<size_t>(f.tensor)];
       r = std::max(r, tensor_amax);
@@ -470,10 +488,7 @@ absl::Status Job::CastShard(ShardState& s, const std::vector<FragmentCast>& cast
   const Bucket& bucket = layout.buckets[static_cast<size_t>(s.bucket)];
   const Shard& shard = bucket.shards[static_cast<size_t>(s.shard)];
   const FormatDescriptor& d = Describe(bucket.format);
-  const int moment_bytes = ElementBytes(opt.moment_dtype);
   const bool adamw = opt.type == OptimizerType::kAdamW;
-  const int64_t version = snapshot.version;
-  QuantizedShard* snap = &snapshot;
   const int scale_bytes = d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0;
   float* masters = update != nullptr ? s.master.data() : s.scratch_master.data();
   int64_t scale_offset = 0;
@@ -486,35 +501,25 @@ absl::Status Job::CastShard(ShardState& s, const std::vector<FragmentCast>& cast
     const IndexRange bytes = FragmentShardByteRange(bucket, shard, *c.f);
     float scale_inv = 0.0f;
     kernels::QuantizedOutputs out;
-    out.data = std::span<uint8_t>(snap->data.data() + bytes.begin, static_cast<size_t>(bytes.size()));
-    out.block_scales = std::span<uint8_t>(snap->scales.data() + scale_offset * scale_bytes,
+    out.data = std::span<uint8_t>(snapshot.data.data() + bytes.begin, static_cast<size_t>(bytes.size()));
+    out.block_scales = std::span<uint8_t>(snapshot.scales.data() + scale_offset * scale_bytes,
                                           static_cast<size_t>(c.blocks.size() * scale_bytes));
     out.tensor_scale_inv = d.tensor_scale ? &scale_inv : nullptr;
     const std::span<const float> master(masters + c.offset, static_cast<size_t>(frag.size()));
     bool cast = false;  // done in the update's pass
     if (update != nullptr) {
-      const int64_t step = version - 1;
-      const kernels::GradView g{
-          static_cast<const uint8_t*>(update->grads[i].data) + c.offset * ElementBytes(update->grads[i].type),
-          update->grads[i].type};
-      const kernels::OptimizerState state{s.master.data() + c.offset, s.m.data() + c.offset * moment_bytes,
-                                          adamw ? s.v.data() + c.offset * moment_bytes : nullptr, opt.moment_dtype};
+      const int64_t step = snapshot.version - 1;
+      const kernels::GradView g = GradAt(update->grads[i], c.offset);
+      const kernels::OptimizerState state = StateAt(s.master, s.m, s.v, c.offset, opt);
       const float multiplier = update->multipliers[i];
-      if (!adamw) {
-        MAINSTAY_RETURN_IF_ERROR(kernels::FusedSgd(device, bucket.format, model, frag, g, state,
-                                                   SgdHyperOf(opt, update->lr, update->weight_decay, step, multiplier),
-                                                   kernels::StepOutputs{}));
-      } else if (d.scaling == ScalingMode::kNone || d.scaling == ScalingMode::kDelayed ||
-                 d.scaling == ScalingMode::kCurrent ||
-                 (bucket.format == Format::kMXFP8 && kernels::MxfpBlocksInFragment(frag))) {
+      if (adamw && kernels::CastsInAdamWPass(bucket.format, frag)) {
         MAINSTAY_RETURN_IF_ERROR(kernels::FusedAdamWQuantize(
             device, bucket.format, model, frag, g, state,
             AdamWHyperOf(opt, update->lr, update->weight_decay, step, multiplier), in, kernels::StepOutputs{}, out));
         cast = true;
       } else {
-        MAINSTAY_RETURN_IF_ERROR(kernels::FusedAdamW(
-            device, bucket.format, model, frag, g, state,
-            AdamWHyperOf(opt, update->lr, update->weight_decay, step, multiplier), kernels::StepOutputs{}));
+        MAINSTAY_RETURN_IF_ERROR(UpdateFragment(device, bucket.format, model, frag, g, state, opt, update->lr,
+                                                update->weight_decay, step, multiplier, kernels::StepOutputs{}));
       }
     }
     if (!cast) MAINSTAY_RETURN_IF_ERROR(kernels::Quantize(device, bucket.format, model, frag, master, in, out));
@@ -532,7 +537,7 @@ absl::Status Job::CastShard(ShardState& s, const std::vector<FragmentCast>& cast
     }
     meta.scale_inv = scale_inv;
     meta.amax = HasTensorAmax(bucket.format) ? c.tensor_amax : 0.0f;
-    snap->fragments.push_back(meta);
+    snapshot.fragments.push_back(meta);
   }
   return absl::OkStatus();
 }
