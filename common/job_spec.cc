@@ -173,7 +173,7 @@ absl::Status ParseTensors(const Json& j, std::vector<TensorSpec>& out) {
     const std::string p = absl::StrCat("tensors[", i, "]");
     const Json& t = j[i];
     MAINSTAY_RETURN_IF_ERROR(ExpectObject(t, p));
-    MAINSTAY_RETURN_IF_ERROR(CheckKeys(t, p, {"name", "shape"}));
+    MAINSTAY_RETURN_IF_ERROR(CheckKeys(t, p, {"name", "shape", "param_group"}));
     if (!t.contains("name")) return InvalidArgumentError(p + ".name", "is required");
     if (!t.contains("shape")) return InvalidArgumentError(p + ".shape", "is required");
     TensorSpec spec;
@@ -185,6 +185,10 @@ absl::Status ParseTensors(const Json& j, std::vector<TensorSpec>& out) {
                                                     std::numeric_limits<int64_t>::min(),
                                                     std::numeric_limits<int64_t>::max()));
       spec.shape.push_back(dim);  // ranges are checked by the layout with the same field path
+    }
+    if (t.contains("param_group")) {
+      MAINSTAY_ASSIGN_OR_RETURN(int64_t group, GetInt(t["param_group"], p + ".param_group", 0, kMaxParamGroups - 1));
+      spec.param_group = static_cast<int32_t>(group);
     }
     out.push_back(std::move(spec));
   }
@@ -333,7 +337,11 @@ std::string JobSpecToJson(const JobSpec& spec) {
   j["bucket_numel"] = spec.bucket_numel;
   j["num_layers"] = spec.num_layers;
   Json tensors = Json::array();
-  for (const TensorSpec& t : spec.tensors) tensors.push_back({{"name", t.name}, {"shape", t.shape}});
+  for (const TensorSpec& t : spec.tensors) {
+    Json entry = {{"name", t.name}, {"shape", t.shape}};
+    if (t.param_group != 0) entry["param_group"] = t.param_group;
+    tensors.push_back(std::move(entry));
+  }
   j["tensors"] = tensors;
   if (!spec.trainer_nodes.empty()) j["trainer_nodes"] = spec.trainer_nodes;
   if (spec.replication_factor != 1) j["replication_factor"] = spec.replication_factor;

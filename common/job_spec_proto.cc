@@ -40,6 +40,7 @@ void JobSpecToProto(const JobSpec& spec, v1::JobSpec* out) {
     v1::TensorSpec* p = out->add_tensors();
     p->set_name(t.name);
     for (int64_t d : t.shape) p->add_shape(d);
+    p->set_param_group(t.param_group);
   }
   for (const std::string& node : spec.trainer_nodes) out->add_trainer_nodes(node);
   out->set_replication_factor(spec.replication_factor);
@@ -86,7 +87,9 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& p) {
   j["num_layers"] = p.num_layers();
   Json tensors = Json::array();
   for (const v1::TensorSpec& t : p.tensors()) {
-    tensors.push_back({{"name", t.name()}, {"shape", std::vector<int64_t>(t.shape().begin(), t.shape().end())}});
+    Json entry = {{"name", t.name()}, {"shape", std::vector<int64_t>(t.shape().begin(), t.shape().end())}};
+    if (t.param_group() != 0) entry["param_group"] = t.param_group();
+    tensors.push_back(std::move(entry));
   }
   j["tensors"] = tensors;
   if (p.trainer_nodes_size() > 0) {

@@ -40,6 +40,10 @@ absl::Status ValidateInputs(std::span<const TensorSpec> tensors, const LayoutOpt
       return InvalidArgumentError(absl::StrCat(field, ".name"), "duplicate name '", t.name,
                                   "' (also tensors[", it->second, "])");
     }
+    if (t.param_group < 0 || t.param_group >= kMaxParamGroups) {
+      return InvalidArgumentError(absl::StrCat(field, ".param_group"), "must be in [0, ", kMaxParamGroups, "), got ",
+                                  t.param_group);
+    }
     if (t.shape.empty()) {
       return InvalidArgumentError(absl::StrCat(field, ".shape"), "must have at least one dimension");
     }
@@ -207,7 +211,7 @@ absl::StatusOr<Layout> ComputeLayout(std::span<const TensorSpec> tensors, const 
       options.bucket_numel > 0 ? options.bucket_numel : DefaultBucketNumel(options.data_parallel_size);
   layout.tensors.reserve(tensors.size());
   for (const TensorSpec& t : tensors) {
-    layout.tensors.push_back({t.name, t.shape, t.format, t.numel(), 0, 0});
+    layout.tensors.push_back({t.name, t.shape, t.format, t.numel(), 0, 0, t.param_group});
   }
   const int64_t alignment = BucketAlignment(layout.data_parallel_size);
   for (const std::vector<int32_t>& group : GroupByFormat(tensors)) {

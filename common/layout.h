@@ -90,6 +90,7 @@ struct LayoutTensor {
   int64_t numel = 0;
   int32_t bucket = 0;          // index into Layout::buckets
   int64_t bucket_offset = 0;   // element offset of the tensor's first element in its bucket
+  int32_t param_group = 0;     // TensorSpec::param_group: whose step hyperparameters apply
   friend bool operator==(const LayoutTensor&, const LayoutTensor&) = default;
 };
 

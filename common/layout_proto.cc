@@ -132,6 +132,10 @@ absl::Status TensorsFromProto(const v1::Layout& proto, Layout& layout) {
                                   "]), got ", p.bucket_offset());
     }
     t.bucket_offset = p.bucket_offset();
+    if (p.param_group() < 0 || p.param_group() >= kMaxParamGroups) {
+      return InvalidArgumentError(field + ".param_group", "must be in [0, ", kMaxParamGroups, "), got ", p.param_group());
+    }
+    t.param_group = p.param_group();
   }
   return absl::OkStatus();
 }
@@ -360,6 +364,7 @@ void LayoutToProto(const Layout& layout, v1::Layout* out) {
     p->set_numel(t.numel);
     p->set_bucket(t.bucket);
     p->set_bucket_offset(t.bucket_offset);
+    p->set_param_group(t.param_group);
   }
   out->mutable_buckets()->Reserve(static_cast<int>(layout.buckets.size()));
   for (const Bucket& b : layout.buckets) {

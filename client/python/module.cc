@@ -137,11 +137,38 @@ class PyClient {
     return o;
   }
 
-  py::dict FinishStep(int64_t step, double lr, double weight_decay, double timeout_s) {
+  // lr and weight_decay for every param group, or `groups`: one (lr, weight_decay) pair or
+  // {"lr": ..., "weight_decay": ...} dict per group.
+  py::dict FinishStep(int64_t step, const py::object& lr, const py::object& weight_decay, const py::object& groups,
+                      double timeout_s) {
+    StepHyper hyper;
+    if (groups.is_none()) {
+      if (lr.is_none() || weight_decay.is_none()) {
+        throw py::type_error("finish_step: give lr and weight_decay (applied to every param group) or groups");
+      }
+      hyper.assign(static_cast<size_t>(NumParamGroups(client_->layout())),
+                   GroupHyper{lr.cast<double>(), weight_decay.cast<double>()});
+    } else {
+      if (!lr.is_none() || !weight_decay.is_none()) {
+        throw py::type_error("finish_step: give either lr and weight_decay or groups, not both");
+      }
+      for (const py::handle g : groups) {
+        if (py::isinstance<py::dict>(g)) {
+          const py::dict d = py::reinterpret_borrow<py::dict>(g);
+          if (!d.contains("lr") || !d.contains("weight_decay")) {
+            throw py::value_error("finish_step: each entry of groups needs \"lr\" and \"weight_decay\"");
+          }
+          hyper.push_back({d["lr"].cast<double>(), d["weight_decay"].cast<double>()});
+        } else {
+          const auto pair = g.cast<std::pair<double, double>>();
+          hyper.push_back({pair.first, pair.second});
+        }
+      }
+    }
     absl::StatusOr<StepStats> stats;
     {
       py::gil_scoped_release release;
-      stats = client_->FinishStep(step, lr, weight_decay, Millis(timeout_s));
+      stats = client_->FinishStep(step, hyper, Millis(timeout_s));
     }
     Prune();
     return StepStatsDict(Take(std::move(stats)));
@@ -280,8 +307,12 @@ PYBIND11_MODULE(_mainstay, m) {
       }, py::arg("bucket"), py::arg("params"), py::arg("all_shards") = false, py::arg("wait") = true,
          py::arg("timeout_s") = 0.0,
          "Initial FP32 parameters (version 0): the whole bucket or this rank's shard.")
-      .def("finish_step", &PyClient::FinishStep, py::arg("step"), py::arg("lr"), py::arg("weight_decay"),
-           py::arg("timeout_s") = 0.0, "Ends the step for this rank; blocks until it is committed or skipped.")
+      .def("finish_step", &PyClient::FinishStep, py::arg("step"), py::arg("lr") = py::none(),
+           py::arg("weight_decay") = py::none(), py::kw_only(), py::arg("groups") = py::none(),
+           py::arg("timeout_s") = 0.0,
+           "Ends the step for this rank; blocks until it is committed or skipped. lr and weight_decay apply to "
+           "every param group; or groups gives one (lr, weight_decay) pair (or dict) per param group, in order "
+           "(layout.num_param_groups entries).")
       .def("get_step_stats", [](PyClient& c, int64_t step) {
         absl::StatusOr<StepStats> s;
         {

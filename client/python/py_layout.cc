@@ -23,6 +23,7 @@ py::dict TensorDict(const Layout& l, int32_t index) {
   d["numel"] = t.numel;
   d["bucket"] = t.bucket;
   d["bucket_offset"] = t.bucket_offset;
+  d["param_group"] = t.param_group;
   return d;
 }
 
@@ -173,6 +174,14 @@ py::dict StepStatsDict(const StepStats& s) {
   d["loss_scale"] = s.loss_scale;
   d["lr"] = s.lr;
   d["weight_decay"] = s.weight_decay;
+  py::list groups;
+  for (const GroupHyper& g : s.groups) {
+    py::dict gd;
+    gd["lr"] = g.lr;
+    gd["weight_decay"] = g.weight_decay;
+    groups.append(gd);
+  }
+  d["groups"] = groups;
   d["nonfinite_count"] = s.nonfinite_count;
   d["commit_unix_ms"] = s.commit_unix_ms;
   d["step_time_ms"] = s.step_time_ms;
@@ -206,6 +215,7 @@ void BindLayout(py::module_& m) {
   py::class_<PyLayout>(m, "Layout", "A job's layout: buckets, shards, tensors (element offsets).")
       .def_property_readonly("policy", [](const PyLayout& s) { return std::string(LayoutPolicyName(s.layout->policy)); })
       .def_property_readonly("data_parallel_size", [](const PyLayout& s) { return s.layout->data_parallel_size; })
+      .def_property_readonly("num_param_groups", [](const PyLayout& s) { return NumParamGroups(*s.layout); })
       .def_property_readonly("bucket_numel", [](const PyLayout& s) { return s.layout->bucket_numel; })
       .def_property_readonly("tensors", [](const PyLayout& s) { return TensorsList(*s.layout); })
       .def_property_readonly("buckets", [](const PyLayout& s) { return BucketsList(*s.layout); })

@@ -50,6 +50,7 @@ StepStats StepStatsFromProto(const v1::StepStats& p) {
   s.loss_scale = p.loss_scale();
   s.lr = p.lr();
   s.weight_decay = p.weight_decay();
+  for (const v1::GroupHyperparams& g : p.groups()) s.groups.push_back({g.lr(), g.weight_decay()});
   s.nonfinite_count = p.nonfinite_count();
   s.commit_unix_ms = p.commit_unix_ms();
   s.step_time_ms = p.step_time_ms();
@@ -442,10 +443,19 @@ absl::Status Client::RefreshPlacement() {
 
 absl::StatusOr<StepStats> Client::FinishStep(int64_t step, double lr, double weight_decay,
                                              std::chrono::milliseconds timeout) {
+  const StepHyper groups(static_cast<size_t>(NumParamGroups(layout())), GroupHyper{lr, weight_decay});
+  return FinishStep(step, groups, timeout);
+}
+
+absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const GroupHyper> groups,
+                                             std::chrono::milliseconds timeout) {
   if (step < 0) return InvalidArgumentError("step", "must be >= 0, got ", step);
-  if (!(lr >= 0) || !(weight_decay >= 0)) {
-    return InvalidArgumentError("lr", "lr and weight_decay must be >= 0, got ", lr, " and ", weight_decay);
+  const int32_t num_groups = NumParamGroups(layout());
+  if (groups.size() != static_cast<size_t>(num_groups)) {
+    return InvalidArgumentError("groups", "job ", job_id(), " has ", num_groups,
+                                " param groups (its tensors' param_group); got hyperparameters for ", groups.size());
   }
+  MAINSTAY_RETURN_IF_ERROR(CheckStepHyper(groups, absl::StrCat("FinishStep(", step, ")")));
   const Deadline deadline = impl_->DeadlineAfter(timeout);
   std::vector<client_internal::StepPush> pushes;
   {
@@ -487,8 +497,11 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, double lr, double wei
   request.set_job_token(impl_->job_token);
   request.set_step(step);
   request.set_rank(rank());
-  request.set_lr(lr);
-  request.set_weight_decay(weight_decay);
+  for (const GroupHyper& g : groups) {
+    v1::GroupHyperparams* p = request.add_groups();
+    p->set_lr(g.lr);
+    p->set_weight_decay(g.weight_decay);
+  }
 
   // Each call blocks until the step is decided: one thread per daemon, outside the pools. First
   // the daemons the pushes landed on; then, as soon as a call ends, the new owners of shards

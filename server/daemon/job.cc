@@ -96,6 +96,7 @@ Job::Job(std::string job_id, ResolvedJob resolved, std::string token_sha256, Job
       token_sha256_(std::move(token_sha256)),
       options_(std::move(options)),
       plan_(job_.layout),
+      num_groups_(NumParamGroups(job_.layout)),
       loss_scale_(job_.recipe.model_dtype == Format::kFP16 ? job_.recipe.loss_scaling : LossScaling{}) {
   delayed_.assign(job_.layout.tensors.size(), DelayedScaling(job_.recipe.fp8_amax_history_len));
   cast_scale_.assign(job_.layout.tensors.size(), 1.0f);
@@ -405,15 +406,33 @@ absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request,
   return result;
 }
 
+absl::StatusOr<StepHyper> Job::RequestHyper(const v1::FinishStepRequest& request) const {
+  StepHyper hyper;
+  if (request.groups_size() == 0) {
+    hyper.assign(static_cast<size_t>(num_groups_), GroupHyper{request.lr(), request.weight_decay()});
+  } else {
+    if (request.lr() != 0.0 || request.weight_decay() != 0.0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "FinishStep: give either lr and weight_decay (every param group) or groups (one entry per group), not "
+          "both; got lr ", request.lr(), " weight_decay ", request.weight_decay(), " and ", request.groups_size(),
+          " groups"));
+    }
+    if (request.groups_size() != num_groups_) {
+      return absl::InvalidArgumentError(absl::StrCat("FinishStep: job ", job_id_, " has ", num_groups_,
+                                                     " param groups (its tensors' param_group), the request has ",
+                                                     request.groups_size(), " entries in groups"));
+    }
+    for (const v1::GroupHyperparams& g : request.groups()) hyper.push_back({g.lr(), g.weight_decay()});
+  }
+  MAINSTAY_RETURN_IF_ERROR(CheckStepHyper(hyper, "FinishStep"));
+  return hyper;
+}
+
 absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& request, absl::Time deadline) {
   MAINSTAY_RETURN_IF_ERROR(CheckToken(request.job_token()));
   const int64_t step = request.step();
   if (step < -1) return absl::InvalidArgumentError(absl::StrCat("FinishStep: step ", step, " < -1"));
-  if (!(request.lr() >= 0.0) || !(request.weight_decay() >= 0.0) || !std::isfinite(request.lr()) ||
-      !std::isfinite(request.weight_decay())) {
-    return absl::InvalidArgumentError(absl::StrCat("FinishStep: lr ", request.lr(), " and weight_decay ",
-                                                   request.weight_decay(), " must be finite and >= 0"));
-  }
+  MAINSTAY_ASSIGN_OR_RETURN(const StepHyper hyper, RequestHyper(request));
   absl::MutexLock lock(&mu_);
   if (request.placement_epoch() > epoch_) {
     return absl::UnavailableError(absl::StrCat("job ", job_id_, ": this daemon has not received placement epoch ",
@@ -423,12 +442,10 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
   if (request.rank() < 0 || request.rank() >= d) {
     return absl::InvalidArgumentError(absl::StrCat("FinishStep: rank ", request.rank(), " is outside [0, ", d, ")"));
   }
-  const auto hyper = std::make_pair(request.lr(), request.weight_decay());
   if (step >= 0 && executing_step_ == step && executing_hyper_.has_value() && hyper != *executing_hyper_) {
-    return absl::InvalidArgumentError(absl::StrCat("FinishStep: rank ", request.rank(), " sends lr ", hyper.first,
-                                                   " weight_decay ", hyper.second, " for step ", step,
-                                                   " but it runs with lr ", executing_hyper_->first, " weight_decay ",
-                                                   executing_hyper_->second));
+    return absl::InvalidArgumentError(absl::StrCat("FinishStep: rank ", request.rank(), " sends ",
+                                                   StepHyperString(hyper), " for step ", step, " but it runs with ",
+                                                   StepHyperString(*executing_hyper_)));
   }
   if (step >= 0 && rewound_ && step > next_step_) return RewoundError("FinishStep", step);
   if (request.redirected() && step >= 0 && !Decided(step) && executing_step_ != step && !failures_.count(step)) {
@@ -467,9 +484,9 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
     StepInputs& in = pending_[step];
     for (const auto& [rank, other] : in.finished) {
       if (rank != request.rank() && other != hyper) {
-        return absl::InvalidArgumentError(absl::StrCat("FinishStep: rank ", request.rank(), " sends lr ", hyper.first,
-                                                       " weight_decay ", hyper.second, " for step ", step, " but rank ",
-                                                       rank, " sent lr ", other.first, " weight_decay ", other.second));
+        return absl::InvalidArgumentError(absl::StrCat("FinishStep: rank ", request.rank(), " sends ",
+                                                       StepHyperString(hyper), " for step ", step, " but rank ", rank,
+                                                       " sent ", StepHyperString(other)));
       }
     }
     in.finished[request.rank()] = hyper;

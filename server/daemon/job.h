@@ -51,6 +51,7 @@
 #include "common/clock.h"
 #include "common/job_spec.h"
 #include "common/layout.h"
+#include "common/step_hyper.h"
 #include "kernels/kernels.h"
 #include "mainstay/v1/coordinator.pb.h"
 #include "mainstay/v1/shard.pb.h"
@@ -295,14 +296,14 @@ class Job : public std::enable_shared_from_this<Job> {
     // A restore (then step is -1): the loaded state is in the shards' scratch buffers.
     bool restored = false;
     int64_t publish_version = -1;  // a restore: the version to republish
-    std::map<int32_t, std::pair<double, double>> finished;  // rank -> (lr, weight_decay)
+    std::map<int32_t, StepHyper> finished;  // rank -> its FinishStep's hyperparameters, per group
     int64_t first_push_ms = 0;
   };
   // A primary's forwarded input of one step for a replica shard (ForwardStepInput).
   struct ReplicaInput {
     ElementType dtype = ElementType::kFloat32;
     double loss_scale = 1.0;
-    double lr = 0.0, weight_decay = 0.0;
+    StepHyper hyper;  // per param group; empty for step -1
     std::vector<uint8_t> data;
   };
   // What one fragment's cast needs once the step is decided.
@@ -320,7 +321,7 @@ class Job : public std::enable_shared_from_this<Job> {
   struct StepUpdate {
     std::vector<kernels::GradView> grads;   // per shard
     std::vector<float> multipliers;         // per shard: clip factor / loss scale
-    double lr = 0.0, weight_decay = 0.0;
+    StepHyper hyper;                        // per param group
     std::vector<std::vector<FragmentCast>> casts;  // per shard, per fragment
     std::map<Key, ReplicaInput> replica_in;        // owns the replica shards' gradients
     // The new versions, allocated (and zeroed) before the apply, which allocates nothing.
@@ -356,7 +357,7 @@ class Job : public std::enable_shared_from_this<Job> {
     double loss_scale;
   };
   absl::Status ForwardInputs(int64_t step, int64_t epoch, const std::vector<Forward>& forwards,
-                             const std::vector<std::shared_ptr<ShardState>>& shards, double lr, double weight_decay,
+                             const std::vector<std::shared_ptr<ShardState>>& shards, const StepHyper& hyper,
                              const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of, absl::Time deadline);
   // The replica's half: waits (until `deadline`) for the inputs of `step` of every replica shard
   // in `shards`, then takes them. UNAVAILABLE when the job stops, DEADLINE_EXCEEDED naming the
@@ -455,6 +456,8 @@ class Job : public std::enable_shared_from_this<Job> {
   // the members (GetStepOutcome) until each one still in the placement answers DECIDED.
   // UNAVAILABLE when the job stops meanwhile.
   absl::Status ConfirmDecisionHeld(int64_t step);
+  // A FinishStep's hyperparameters, one entry per param group, checked (INVALID_ARGUMENT).
+  absl::StatusOr<StepHyper> RequestHyper(const v1::FinishStepRequest& request) const;
   // The placement's other members, with their endpoints (just the id where none is known).
   std::vector<v1::DaemonEndpoint> PeersLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
@@ -463,6 +466,7 @@ class Job : public std::enable_shared_from_this<Job> {
   const std::string token_sha256_;
   const JobOptions options_;
   const ReductionPlan plan_;
+  const int32_t num_groups_;  // NumParamGroups(job_.layout)
 
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
@@ -488,9 +492,9 @@ class Job : public std::enable_shared_from_this<Job> {
   int64_t next_step_ ABSL_GUARDED_BY(mu_) = -1;       // the step the engine waits for
   int64_t executing_step_ ABSL_GUARDED_BY(mu_) = -2;  // the step running unlocked, or -2
   std::set<std::tuple<int32_t, int32_t, int32_t>> executing_keys_ ABSL_GUARDED_BY(mu_);
-  // Its (lr, weight_decay), when a trainer's FinishStep gave them (a replica-only attempt has
-  // them from its primaries, mid-step).
-  std::optional<std::pair<double, double>> executing_hyper_ ABSL_GUARDED_BY(mu_);
+  // Its hyperparameters, when a trainer's FinishStep gave them (a replica-only attempt has them
+  // from its primaries, mid-step).
+  std::optional<StepHyper> executing_hyper_ ABSL_GUARDED_BY(mu_);
   int64_t committed_step_ ABSL_GUARDED_BY(mu_) = -1;  // last decided step (committed or skipped)
   int64_t version_ ABSL_GUARDED_BY(mu_) = -1;         // newest published version
   std::map<int64_t, StepInputs> pending_ ABSL_GUARDED_BY(mu_);

@@ -70,8 +70,15 @@ absl::StatusOr<bool> Job::CheckReplicaInputLocked(const v1::ReplicaInputHeader& 
                                                    ShardName(key.first, key.second), " holds ", numel, " elements of ",
                                                    ElementTypeName(type)));
   }
-  if (!(h.loss_scale() > 0.0) || !std::isfinite(h.lr()) || !std::isfinite(h.weight_decay())) {
-    return absl::InvalidArgumentError("ForwardStepInput: loss_scale must be > 0 and lr, weight_decay finite");
+  if (!(h.loss_scale() > 0.0)) return absl::InvalidArgumentError("ForwardStepInput: loss_scale must be > 0");
+  if (h.groups_size() != (h.step() >= 0 ? num_groups_ : 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("ForwardStepInput: ", h.groups_size(), " param groups' "
+                                                   "hyperparameters for step ", h.step(), " of job ", job_id_,
+                                                   ", which has ", num_groups_, " groups"));
+  }
+  for (const v1::GroupHyperparams& g : h.groups()) {
+    const GroupHyper one{g.lr(), g.weight_decay()};
+    MAINSTAY_RETURN_IF_ERROR(CheckStepHyper(std::span<const GroupHyper>(&one, 1), "ForwardStepInput"));
   }
   // Applied already (a retried call). While the step runs here its input is still wanted: the
   // step thread takes it after the stats reduction.
@@ -103,8 +110,8 @@ absl::StatusOr<bool> Job::StoreReplicaInput(const v1::ReplicaInputHeader& h, std
   ReplicaInput& in = replica_inputs_[h.step()][{h.bucket(), h.shard()}];
   in.dtype = *InputType(h.dtype());
   in.loss_scale = h.loss_scale();
-  in.lr = h.lr();
-  in.weight_decay = h.weight_decay();
+  in.hyper.clear();
+  for (const v1::GroupHyperparams& g : h.groups()) in.hyper.push_back({g.lr(), g.weight_decay()});
   in.data = std::move(payload);
   // A daemon that holds only replicas has no pushes to make its step ready: the input does.
   StepInputs& step = pending_[h.step()];
@@ -113,7 +120,7 @@ absl::StatusOr<bool> Job::StoreReplicaInput(const v1::ReplicaInputHeader& h, std
 }
 
 absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<Forward>& forwards,
-                                const std::vector<std::shared_ptr<ShardState>>& shards, double lr, double weight_decay,
+                                const std::vector<std::shared_ptr<ShardState>>& shards, const StepHyper& hyper,
                                 const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of,
                                 absl::Time deadline) {
   if (options_.peer_client == nullptr) {
@@ -149,8 +156,11 @@ absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<F
         h.set_dtype(ProtoType(f->dtype));
         h.set_total_bytes(s.numel * (BitsOf(f->dtype) / 8));
         h.set_loss_scale(f->loss_scale);
-        h.set_lr(lr);
-        h.set_weight_decay(weight_decay);
+        for (const GroupHyper& g : hyper) {
+          v1::GroupHyperparams* p = h.add_groups();
+          p->set_lr(g.lr);
+          p->set_weight_decay(g.weight_decay);
+        }
         h.set_from_daemon_id(options_.daemon_id);
         h.set_crc32c(Crc32c(f->data, static_cast<size_t>(h.total_bytes())));
         // An unreachable replica may be dead: retried until the deadline, or until the

@@ -83,15 +83,13 @@ bool NeedsAmaxBeforeCast(Format format, const kernels::Fragment& frag, bool adam
   return format == Format::kMXFP8 && !(adamw && kernels::CastsInAdamWPass(format, frag));
 }
 
-kernels::AdamWHyper AdamWHyperOf(const OptimizerSpec& opt, double lr, double weight_decay, int64_t step,
-                                 float multiplier) {
-  return kernels::AdamWHyper{static_cast<float>(lr), opt.beta1, opt.beta2, opt.eps, static_cast<float>(weight_decay),
-                             step + 1, multiplier};
+kernels::AdamWHyper AdamWHyperOf(const OptimizerSpec& opt, const GroupHyper& h, int64_t step, float multiplier) {
+  return kernels::AdamWHyper{static_cast<float>(h.lr), opt.beta1, opt.beta2, opt.eps,
+                             static_cast<float>(h.weight_decay), step + 1, multiplier};
 }
 
-kernels::SgdHyper SgdHyperOf(const OptimizerSpec& opt, double lr, double weight_decay, int64_t step,
-                             float multiplier) {
-  return kernels::SgdHyper{static_cast<float>(lr), opt.momentum, static_cast<float>(weight_decay), step + 1,
+kernels::SgdHyper SgdHyperOf(const OptimizerSpec& opt, const GroupHyper& h, int64_t step, float multiplier) {
+  return kernels::SgdHyper{static_cast<float>(h.lr), opt.momentum, static_cast<float>(h.weight_decay), step + 1,
                            multiplier};
 }
 
@@ -111,14 +109,11 @@ kernels::OptimizerState StateAt(std::vector<float>& master, std::vector<uint8_t>
 // in place where the cast cannot share the pass.
 absl::Status UpdateFragment(const kernels::Device& device, Format format, Format model, const kernels::Fragment& frag,
                             kernels::GradView grad, const kernels::OptimizerState& state, const OptimizerSpec& opt,
-                            double lr, double weight_decay, int64_t step, float multiplier,
-                            const kernels::StepOutputs& out) {
+                            const GroupHyper& h, int64_t step, float multiplier, const kernels::StepOutputs& out) {
   if (opt.type == OptimizerType::kAdamW) {
-    return kernels::FusedAdamW(device, format, model, frag, grad, state,
-                               AdamWHyperOf(opt, lr, weight_decay, step, multiplier), out);
+    return kernels::FusedAdamW(device, format, model, frag, grad, state, AdamWHyperOf(opt, h, step, multiplier), out);
   }
-  return kernels::FusedSgd(device, format, model, frag, grad, state, SgdHyperOf(opt, lr, weight_decay, step, multiplier),
-                           out);
+  return kernels::FusedSgd(device, format, model, frag, grad, state, SgdHyperOf(opt, h, step, multiplier), out);
 }
 
 }  // namespace
@@ -144,10 +139,9 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   std::optional<v1::StepDecision> learned;
   const bool restoring = inputs.restored;
 
-  double lr = 0.0, weight_decay = 0.0;
-  if (!inputs.finished.empty()) std::tie(lr, weight_decay) = inputs.finished.begin()->second;
-  stats.set_lr(lr);
-  stats.set_weight_decay(weight_decay);
+  // The step's hyperparameters, one entry per param group (step -1 and restores have none).
+  StepHyper hyper;
+  if (!inputs.finished.empty()) hyper = inputs.finished.begin()->second;
   stats.set_clip_factor(1.0);
 
   // 1. Gradients: views (summed when several ranks contributed), partial stats, peer SUM. The
@@ -167,7 +161,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       forwards.push_back({i, inputs.shards.at({s.bucket, s.shard}).by_rank.begin()->second.data(), ElementType::kFloat32, 1.0});
     }
     if (!forwards.empty()) {
-      MAINSTAY_RETURN_IF_ERROR(ForwardInputs(step, epoch, forwards, shards, lr, weight_decay, replicas_of, deadline));
+      MAINSTAY_RETURN_IF_ERROR(ForwardInputs(step, epoch, forwards, shards, hyper, replicas_of, deadline));
     }
   }
   if (step >= 0) {
@@ -190,7 +184,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     std::thread forwarder;
     if (!forwards.empty()) {
       forwarder = std::thread([&] {
-        forwarded = ForwardInputs(step, epoch, forwards, shards, lr, weight_decay, replicas_of, deadline);
+        forwarded = ForwardInputs(step, epoch, forwards, shards, hyper, replicas_of, deadline);
       });
     }
     absl::Status stats_status;
@@ -294,13 +288,27 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   }
   // A daemon holding only replicas has no FinishStep calls: the primaries forwarded the step's
   // hyperparameters. Every value any input carried goes into the MAX check below.
-  std::vector<std::pair<double, double>> hypers;
-  if (!inputs.finished.empty()) hypers.push_back({lr, weight_decay});
-  for (const auto& [key, in] : replica_in) hypers.push_back({in.lr, in.weight_decay});
-  if (inputs.finished.empty() && !hypers.empty()) {
-    std::tie(lr, weight_decay) = hypers.front();
-    stats.set_lr(lr);
-    stats.set_weight_decay(weight_decay);
+  std::vector<const StepHyper*> hypers;
+  if (step >= 0) {
+    if (!inputs.finished.empty()) hypers.push_back(&hyper);
+    for (const auto& [key, in] : replica_in) hypers.push_back(&in.hyper);
+    if (inputs.finished.empty() && !hypers.empty()) hyper = *hypers.front();
+    for (const StepHyper* h : hypers) {
+      if (h->size() != static_cast<size_t>(num_groups_)) {
+        return absl::InternalError(absl::StrCat("step ", step, " has hyperparameters for ", h->size(),
+                                                " param groups, job ", job_id_, " has ", num_groups_));
+      }
+    }
+    if (hyper.empty()) {
+      return absl::InternalError(absl::StrCat("step ", step, " of job ", job_id_, " runs without hyperparameters"));
+    }
+    stats.set_lr(hyper[0].lr);
+    stats.set_weight_decay(hyper[0].weight_decay);
+    for (const GroupHyper& g : hyper) {
+      v1::GroupHyperparams* p = stats.add_groups();
+      p->set_lr(g.lr);
+      p->set_weight_decay(g.weight_decay);
+    }
   }
 
   // 2. The amaxes the new version's casts need before they can run (version 0: of the initial
@@ -311,19 +319,22 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   t = absl::Now();
   const int moment_bytes = ElementBytes(opt.moment_dtype);
   const bool adamw = opt.type == OptimizerType::kAdamW;
-  // The plan's amaxes, then [lr, -lr, weight_decay, -weight_decay]: after the MAX, the pairs
-  // tell whether every daemon's ranks sent the same hyperparameters (max == -max(-x)).
-  std::vector<float> reduced(static_cast<size_t>(plan_.size()) + 4, 0.0f);
+  // The plan's amaxes, then per param group [lr, -lr, weight_decay, -weight_decay]: after the
+  // MAX, the pairs tell whether every daemon's ranks sent the same hyperparameters
+  // (max == -max(-x)). Step -1 and restores carry zeros.
   const size_t hyper_at = static_cast<size_t>(plan_.size());
-  reduced[hyper_at] = static_cast<float>(lr);
-  reduced[hyper_at + 1] = -static_cast<float>(lr);
-  reduced[hyper_at + 2] = static_cast<float>(weight_decay);
-  reduced[hyper_at + 3] = -static_cast<float>(weight_decay);
-  for (const auto& [l, wd] : hypers) {
-    reduced[hyper_at] = std::max(reduced[hyper_at], static_cast<float>(l));
-    reduced[hyper_at + 1] = std::max(reduced[hyper_at + 1], -static_cast<float>(l));
-    reduced[hyper_at + 2] = std::max(reduced[hyper_at + 2], static_cast<float>(wd));
-    reduced[hyper_at + 3] = std::max(reduced[hyper_at + 3], -static_cast<float>(wd));
+  std::vector<float> reduced(hyper_at + 4 * static_cast<size_t>(num_groups_), 0.0f);
+  for (size_t g = 0; g < static_cast<size_t>(num_groups_); ++g) {
+    float* r = &reduced[hyper_at + 4 * g];
+    std::fill(r, r + 4, -std::numeric_limits<float>::infinity());
+    if (hypers.empty()) std::fill(r, r + 4, 0.0f);
+    for (const StepHyper* h : hypers) {
+      const float lr = static_cast<float>((*h)[g].lr), wd = static_cast<float>((*h)[g].weight_decay);
+      r[0] = std::max(r[0], lr);
+      r[1] = std::max(r[1], -lr);
+      r[2] = std::max(r[2], wd);
+      r[3] = std::max(r[3], -wd);
+    }
   }
   std::vector<std::vector<FragmentCast>> casts(shards.size());  // per shard, per fragment
   for (size_t i = 0; i < shards.size(); ++i) {
@@ -361,8 +372,9 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
         out.amax = amax;
         out.dry_run = true;
         MAINSTAY_RETURN_IF_ERROR(UpdateFragment(device, bucket.format, model, frag, GradAt(grads[i], c.offset),
-                                                StateAt(s.master, s.m, s.v, c.offset, opt), opt, lr, weight_decay,
-                                                step, multipliers[i], out));
+                                                StateAt(s.master, s.m, s.v, c.offset, opt), opt,
+                                                hyper[static_cast<size_t>(tensor.param_group)], step, multipliers[i],
+                                                out));
       }
       float& r = reduced[static_cast<size_t>(f.tensor)];
       r = std::max(r, tensor_amax);
@@ -403,11 +415,14 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     decisions_[step] = *learned;  // so that other daemons in doubt can learn it here too
   }
   phases.set_reduce_amax_ms(MsSince(t));
-  if (reduced[hyper_at] != -reduced[hyper_at + 1] || reduced[hyper_at + 2] != -reduced[hyper_at + 3]) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the ranks sent different hyperparameters for step ", step, ": lr from ", -reduced[hyper_at + 1], " to ",
-        reduced[hyper_at], ", weight_decay from ", -reduced[hyper_at + 3], " to ", reduced[hyper_at + 2],
-        " across daemons"));
+  for (size_t g = 0; g < static_cast<size_t>(num_groups_); ++g) {
+    const float* r = &reduced[hyper_at + 4 * g];
+    if (r[0] != -r[1] || r[2] != -r[3]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the ranks sent different hyperparameters for step ", step,
+          num_groups_ > 1 ? absl::StrCat(" (param group ", g, ")") : "", ": lr from ", -r[1], " to ", r[0],
+          ", weight_decay from ", -r[3], " to ", r[2], " across daemons"));
+    }
   }
   // The casts' scales, from the reduced amaxes (and, for delayed scaling, the history as it
   // stands before this step records its amax).
@@ -428,8 +443,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     StepUpdate& u = result.update.emplace(StepUpdate{});  // clang: no emplace() of it inside Job
     u.grads = std::move(grads);
     u.multipliers = std::move(multipliers);
-    u.lr = lr;
-    u.weight_decay = weight_decay;
+    u.hyper = hyper;
     u.replica_in = std::move(replica_in);  // the replicas' gradient views point into these
     // The new versions' memory, now: the apply allocates nothing.
     for (size_t i = 0; i < shards.size(); ++i) u.snapshots.push_back(NewSnapshot(*shards[i], casts[i], step + 1));
@@ -512,14 +526,15 @@ absl::Status Job::CastShard(ShardState& s, const std::vector<FragmentCast>& cast
       const kernels::GradView g = GradAt(update->grads[i], c.offset);
       const kernels::OptimizerState state = StateAt(s.master, s.m, s.v, c.offset, opt);
       const float multiplier = update->multipliers[i];
+      const GroupHyper& h = update->hyper[static_cast<size_t>(layout.tensors[static_cast<size_t>(c.f->tensor)].param_group)];
       if (adamw && kernels::CastsInAdamWPass(bucket.format, frag)) {
-        MAINSTAY_RETURN_IF_ERROR(kernels::FusedAdamWQuantize(
-            device, bucket.format, model, frag, g, state,
-            AdamWHyperOf(opt, update->lr, update->weight_decay, step, multiplier), in, kernels::StepOutputs{}, out));
+        MAINSTAY_RETURN_IF_ERROR(kernels::FusedAdamWQuantize(device, bucket.format, model, frag, g, state,
+                                                             AdamWHyperOf(opt, h, step, multiplier), in,
+                                                             kernels::StepOutputs{}, out));
         cast = true;
       } else {
-        MAINSTAY_RETURN_IF_ERROR(UpdateFragment(device, bucket.format, model, frag, g, state, opt, update->lr,
-                                                update->weight_decay, step, multiplier, kernels::StepOutputs{}));
+        MAINSTAY_RETURN_IF_ERROR(
+            UpdateFragment(device, bucket.format, model, frag, g, state, opt, h, step, multiplier, kernels::StepOutputs{}));
       }
     }
     if (!cast) MAINSTAY_RETURN_IF_ERROR(kernels::Quantize(device, bucket.format, model, frag, master, in, out));

@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -17,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/job_spec.h"
 #include "common/job_spec_proto.h"
@@ -54,6 +56,19 @@ inline JobSpec MakeSpec(const std::string& recipe, LayoutPolicy policy, int64_t 
   spec.tensors = TestTensors();
   spec.unreduced_pushes = true;  // tests push reduced shards and unreduced contributions alike
   return spec;
+}
+
+// Three optimizer param groups over TestTensors(), as a configure_optimizers() would make them:
+// 0 the 2-D weights, 1 the 1-D norms and biases (no decay), 2 the attention weights (own lr).
+inline void AssignParamGroups(JobSpec& spec) {
+  for (TensorSpec& t : spec.tensors) {
+    t.param_group = t.shape.size() == 1 ? 1 : absl::StrContains(t.name, ".attn.") ? 2 : 0;
+  }
+}
+// Their hyperparameters at `step`: a schedule per group.
+inline StepHyper ParamGroupSchedule(int64_t step) {
+  const double s = static_cast<double>(step + 1);
+  return {{1e-3 * s, 0.1}, {1e-3 * s, 0.0}, {3e-3 / s, 0.05}};
 }
 
 // The daemons' GetStepOutcome calls to each other, in memory (daemon "dI" is daemons[I]).
@@ -372,6 +387,24 @@ class Cluster {
   // until the step is decided). Returns one stats per call. `redirected`: as a trainer calls
   // the new owner of shards that moved after its pushes (FinishStepRequest.redirected).
   std::vector<absl::StatusOr<v1::StepStats>> Finish(int64_t step, double lr, bool redirected = false) {
+    return Finish(step, [&](v1::FinishStepRequest& req) {
+      req.set_lr(lr);
+      req.set_redirected(redirected);
+    });
+  }
+  // The same with one (lr, weight_decay) per param group (FinishStepRequest.groups).
+  std::vector<absl::StatusOr<v1::StepStats>> FinishGroups(int64_t step, const StepHyper& groups) {
+    return Finish(step, [&](v1::FinishStepRequest& req) {
+      for (const GroupHyper& g : groups) {
+        v1::GroupHyperparams* p = req.add_groups();
+        p->set_lr(g.lr);
+        p->set_weight_decay(g.weight_decay);
+      }
+    });
+  }
+  // `fill` sets the hyperparameters (and flags) of each rank's request.
+  std::vector<absl::StatusOr<v1::StepStats>> Finish(int64_t step,
+                                                    const std::function<void(v1::FinishStepRequest&)>& fill) {
     std::vector<std::pair<int32_t, int>> calls;
     for (int32_t r = 0; r < layout().data_parallel_size; ++r) calls.push_back({r, Owner(r)});
     std::vector<absl::StatusOr<v1::StepStats>> out(calls.size(), absl::UnknownError("not run"));
@@ -384,8 +417,7 @@ class Cluster {
         req.set_placement_epoch(epoch_);
         req.set_step(step);
         req.set_rank(calls[i].first);
-        req.set_lr(lr);
-        req.set_redirected(redirected);
+        fill(req);
         out[i] = daemons_[static_cast<size_t>(calls[i].second)]->FinishStep(req, absl::Now() + absl::Seconds(30));
       });
     }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/job_spec.h"
+#include "common/step_hyper.h"
 #include "kernels/kernels.h"
 #include "kernels/scaling.h"
 #include "server/daemon/scaling_state.h"
@@ -69,7 +70,13 @@ class ReferenceModel {
   // One AdamW step without clipping. `contributors` = 0: the reduced gradient GradValue(.., -1);
   // n > 0: the FP32 sum of ranks 0..n-1 in rank order, as the daemon sums unreduced pushes.
   void Step(int64_t step, float lr, float weight_decay = 0.0f, int contributors = 0) {
+    Step(step, StepHyper(static_cast<size_t>(NumParamGroups(job_.layout)), GroupHyper{lr, weight_decay}), contributors);
+  }
+  // The same with each tensor's param group's hyperparameters (groups[param_group]).
+  void Step(int64_t step, const StepHyper& groups, int contributors = 0) {
     for (size_t t = 0; t < master_.size(); ++t) {
+      const GroupHyper& g = groups.at(static_cast<size_t>(job_.layout.tensors[t].param_group));
+      const float lr = static_cast<float>(g.lr), weight_decay = static_cast<float>(g.weight_decay);
       std::vector<float> grad(master_[t].size());
       for (size_t i = 0; i < grad.size(); ++i) {
         const int64_t ti = static_cast<int64_t>(t), ii = static_cast<int64_t>(i);

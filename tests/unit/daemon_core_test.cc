@@ -39,6 +39,8 @@ using ::mainstay::testing::ExpectMatchesReference;
 using ::mainstay::testing::kJob;
 using ::mainstay::testing::kToken;
 using ::mainstay::testing::MakeSpec;
+using ::mainstay::testing::AssignParamGroups;
+using ::mainstay::testing::ParamGroupSchedule;
 
 struct Case {
   std::string recipe;
@@ -84,6 +86,106 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Case>& info) {
       return absl::StrCat(info.param.recipe, "_", LayoutPolicyName(info.param.policy), "_", info.param.daemons, "d");
     });
+
+// Param groups: each tensor is updated with its group's lr and weight_decay of the step, bit for
+// bit as the unsharded reference (with the probe, one-loop and after-update casts alike).
+class ParamGroupStepEngineTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ParamGroupStepEngineTest, EachTensorStepsWithItsGroupsHyperparameters) {
+  const Case& p = GetParam();
+  JobSpec spec = MakeSpec(p.recipe, p.policy, 2);
+  AssignParamGroups(spec);
+  Cluster cluster(spec, p.daemons);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  for (int64_t step = 0; step < 3; ++step) {
+    const StepHyper groups = ParamGroupSchedule(step);
+    cluster.PushGrads(step);
+    for (const auto& stats : cluster.FinishGroups(step, groups)) {
+      ASSERT_THAT(stats.status(), IsOk());
+      EXPECT_EQ(stats->version(), step + 1);
+      ASSERT_EQ(stats->groups_size(), 3);
+      for (int g = 0; g < 3; ++g) {
+        EXPECT_EQ(stats->groups(g).lr(), groups[static_cast<size_t>(g)].lr);
+        EXPECT_EQ(stats->groups(g).weight_decay(), groups[static_cast<size_t>(g)].weight_decay);
+      }
+      EXPECT_EQ(stats->lr(), groups[0].lr);
+    }
+    ref.Step(step, groups);
+    ExpectMatchesReference(cluster, ref, step + 1);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, ParamGroupStepEngineTest,
+                         ::testing::Values(Case{"bf16_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_mxfp8_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kWholeTensor, 2}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return absl::StrCat(info.param.recipe, "_", LayoutPolicyName(info.param.policy), "_",
+                                               info.param.daemons, "d");
+                         });
+
+TEST(ParamGroupProtocolTest, BadGroupHyperparametersAreInvalidArgumentWithNothingChanged) {
+  JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
+  AssignParamGroups(spec);
+  Cluster cluster(spec, 2);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  cluster.PushGrads(0);
+  auto finish_one = [&](const std::function<void(v1::FinishStepRequest&)>& fill) {
+    v1::FinishStepRequest req;
+    req.set_job_id(kJob);
+    req.set_job_token(kToken);
+    req.set_placement_epoch(1);
+    req.set_step(0);
+    req.set_rank(0);
+    fill(req);
+    return cluster.daemon_of(0).FinishStep(req, absl::Now() + absl::Seconds(1)).status();
+  };
+  auto add = [](v1::FinishStepRequest& r, double lr, double wd) {
+    v1::GroupHyperparams* g = r.add_groups();
+    g->set_lr(lr);
+    g->set_weight_decay(wd);
+  };
+  EXPECT_THAT(finish_one([&](v1::FinishStepRequest& r) { add(r, 1e-3, 0.1); add(r, 1e-3, 0.0); }),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("has 3 param groups")));
+  EXPECT_THAT(finish_one([&](v1::FinishStepRequest& r) {
+                r.set_lr(1e-3);
+                for (int g = 0; g < 3; ++g) add(r, 1e-3, 0.0);
+              }),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("not both")));
+  EXPECT_THAT(finish_one([&](v1::FinishStepRequest& r) { add(r, 1e-3, 0.1); add(r, -1.0, 0.0); add(r, 1e-3, 0.0); }),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("of param group 1")));
+  // Ranks that disagree on one group's lr (each finishing on its own daemon): the peer check
+  // fails the step, naming the group.
+  std::vector<absl::Status> results(2);
+  std::vector<std::thread> threads;
+  for (int32_t r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      v1::FinishStepRequest req;
+      req.set_job_id(kJob);
+      req.set_job_token(kToken);
+      req.set_placement_epoch(1);
+      req.set_step(0);
+      req.set_rank(r);
+      add(req, 1e-3, 0.1);
+      add(req, r == 0 ? 1e-3 : 2e-3, 0.0);
+      add(req, 1e-3, 0.0);
+      results[static_cast<size_t>(r)] = cluster.daemon_of(r).FinishStep(req, absl::Now() + absl::Seconds(10)).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : results) {
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("(param group 1)")));
+  }
+  ExpectMatchesReference(cluster, ref, 0);  // nothing changed
+  // Agreeing values run the step.
+  cluster.PushGrads(0);
+  for (const auto& stats : cluster.FinishGroups(0, ParamGroupSchedule(0))) ASSERT_THAT(stats.status(), IsOk());
+  ref.Step(0, ParamGroupSchedule(0));
+  ExpectMatchesReference(cluster, ref, 1);
+}
 
 // SGD: no one-pass cast, so every block-scaled format casts after the update with the block
 // amaxes of the probe (mxfp8 included, whose AdamW pass finds its own).

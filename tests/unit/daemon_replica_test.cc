@@ -25,6 +25,8 @@ using ::mainstay::testing::ExpectMatchesReference;
 using ::mainstay::testing::IsOk;
 using ::mainstay::testing::kJob;
 using ::mainstay::testing::MakeSpec;
+using ::mainstay::testing::AssignParamGroups;
+using ::mainstay::testing::ParamGroupSchedule;
 using ::mainstay::testing::StatusIs;
 using Reference = ::mainstay::testing::ReferenceModel;
 
@@ -94,20 +96,22 @@ TEST_P(ReplicaTest, ReplicasStayBitIdenticalToTheirPrimariesAndTheReference) {
   const Case& p = GetParam();
   JobSpec spec = MakeSpec(p.recipe, LayoutPolicy::kFlat, p.d);
   spec.replication_factor = p.replication;
+  AssignParamGroups(spec);  // the replicas get every group's hyperparameters from their primary
   Cluster cluster(spec, p.daemons);
   Reference ref(cluster.resolved());
   cluster.PushInitial(ref);
   ExpectMatchesReference(cluster, ref, 0);
   ExpectReplicasEqualPrimaries(cluster);
   for (int64_t step = 0; step < 3; ++step) {
-    const float lr = 1e-3f * static_cast<float>(step + 1);
+    const StepHyper groups = ParamGroupSchedule(step);
     cluster.PushGrads(step);
-    for (const auto& stats : cluster.Finish(step, lr)) {
+    for (const auto& stats : cluster.FinishGroups(step, groups)) {
       ASSERT_THAT(stats.status(), IsOk());
       EXPECT_EQ(stats->version(), step + 1);
-      EXPECT_DOUBLE_EQ(stats->lr(), lr);
+      EXPECT_DOUBLE_EQ(stats->lr(), groups[0].lr);
+      EXPECT_EQ(stats->groups_size(), 3);
     }
-    ref.Step(step, lr);
+    ref.Step(step, groups);
     ExpectMatchesReference(cluster, ref, step + 1);
     ExpectReplicasEqualPrimaries(cluster);
   }

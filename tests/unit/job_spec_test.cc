@@ -1,4 +1,6 @@
 #include "common/job_spec.h"
+#include "common/job_spec_proto.h"
+#include "common/step_hyper.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -31,7 +33,7 @@ constexpr char kSpec[] = R"({
     {"name": "layers.0.fc2.weight", "shape": [64, 256]},
     {"name": "layers.1.fc1.weight", "shape": [256, 64]},
     {"name": "layers.1.fc2.weight", "shape": [64, 256]},
-    {"name": "layers.1.norm.weight", "shape": [64]}
+    {"name": "layers.1.norm.weight", "shape": [64], "param_group": 1}
   ]
 })";
 
@@ -51,6 +53,8 @@ TEST(JobSpecTest, ParsesEveryField) {
   EXPECT_EQ(spec.bucket_numel, 4'000'000);
   ASSERT_EQ(spec.tensors.size(), 6u);
   EXPECT_EQ(spec.tensors[2].shape, (std::vector<int64_t>{64, 256}));
+  EXPECT_EQ(spec.tensors[2].param_group, 0);
+  EXPECT_EQ(spec.tensors[5].param_group, 1);
 }
 
 TEST(JobSpecTest, JsonRoundTrips) {
@@ -73,6 +77,17 @@ TEST(JobSpecTest, ResolveJobAppliesRecipeOverridesAndLayout) {
   EXPECT_EQ(job.layout.data_parallel_size, 4);
   EXPECT_EQ(job.layout.policy, LayoutPolicy::kWholeTensor);
   for (size_t i = 0; i < spec.tensors.size(); ++i) EXPECT_EQ(job.layout.tensors[i].format, job.formats[i].format);
+  EXPECT_EQ(job.layout.tensors[5].param_group, 1);
+  EXPECT_EQ(NumParamGroups(job.layout), 2);
+}
+
+TEST(JobSpecTest, ParamGroupsSurviveTheProtoOfTheCoordinator) {
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(JobSpec spec, ParseJobSpecJson(kSpec));
+  v1::JobSpec proto;
+  JobSpecToProto(spec, &proto);
+  EXPECT_EQ(proto.tensors(5).param_group(), 1);
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(JobSpec back, JobSpecFromProto(proto));
+  EXPECT_EQ(back.tensors, spec.tensors);
 }
 
 TEST(JobSpecTest, BadSpecsNameTheField) {
@@ -97,6 +112,10 @@ TEST(JobSpecTest, BadSpecsNameTheField) {
       {R"({"name": "j"})", "tensors: is required"},
       {R"({"name": "j", "tensors": [{"name": "a"}]})", "tensors[0].shape: is required"},
       {R"({"name": "j", "tensors": [{"name": 7, "shape": [1]}]})", "tensors[0].name: must be a string"},
+      {R"({"name": "j", "tensors": [{"name": "a", "shape": [1], "param_group": -1}]})",
+       "tensors[0].param_group: must be in [0, 1023]"},
+      {R"({"name": "j", "tensors": [{"name": "a", "shape": [1], "param_group": 1024}]})",
+       "tensors[0].param_group: must be in [0, 1023]"},
       {R"({"name": "j", "tensors": [{"name": "a", "shape": [2, "x"]}]})", "tensors[0].shape[1]: must be an integer"},
       {R"({"name": "j", "tensors": [{"name": "a", "shape": 5}]})", "tensors[0].shape: must be an array"},
   };

@@ -122,7 +122,7 @@ TEST(TensorSpecProtoTest, MalformedSpecsNameTheField) {
 std::vector<TensorSpec> MixedModel() {
   return {
       {"embedding.word_embeddings.weight", {1000, 96}, Format::kBF16},
-      {"decoder.layers.0.input_layernorm.weight", {96}, Format::kBF16},
+      {"decoder.layers.0.input_layernorm.weight", {96}, Format::kBF16, 1},
       {"decoder.layers.0.self_attention.linear_qkv.weight", {288, 96}, Format::kNVFP4},
       {"decoder.layers.0.self_attention.linear_qkv.bias", {289}, Format::kBF16},
       {"decoder.layers.0.self_attention.linear_proj.weight", {96, 96}, Format::kMXFP8},
@@ -132,7 +132,7 @@ std::vector<TensorSpec> MixedModel() {
       {"decoder.layers.1.mlp.linear_fc1.weight", {384, 96}, Format::kFP8E4M3Delayed},
       {"decoder.layers.1.mlp.linear_fc2.weight", {96, 384}, Format::kFP8E5M2Delayed},
       {"decoder.layers.1.odd", {7, 3, 5}, Format::kFP16},
-      {"decoder.final_layernorm.weight", {97}, Format::kFP8E5M2Current},
+      {"decoder.final_layernorm.weight", {97}, Format::kFP8E5M2Current, 2},
       {"output_layer.weight", {1000, 96}, Format::kBF16},
   };
 }

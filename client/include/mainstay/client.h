@@ -41,6 +41,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/layout.h"
+#include "common/step_hyper.h"
 #include "common/tls.h"
 #include "mainstay/buffers.h"
 #include "mainstay/export.h"
@@ -95,8 +96,9 @@ struct StepStats {
   double grad_norm = 0.0;      // global L2 norm of the unscaled gradients, before clipping
   double clip_factor = 1.0;    // 1 = no clipping
   double loss_scale = 1.0;     // loss scale for the NEXT step (fp16 recipes); 1 otherwise
-  double lr = 0.0;
-  double weight_decay = 0.0;
+  double lr = 0.0;               // of param group 0
+  double weight_decay = 0.0;     // of param group 0
+  StepHyper groups;              // applied per param group (index = TensorSpec::param_group)
   int64_t nonfinite_count = 0;
   int64_t commit_unix_ms = 0;
   int64_t step_time_ms = 0;      // first push of the step to commit, on the answering daemon
@@ -278,6 +280,13 @@ class MAINSTAY_CLIENT_EXPORT Client {
   // FAILED_PRECONDITION when nothing was pushed for `step`. A shard that moved to another daemon
   // after its push landed (a drain or `shards move`) moved with the push: FinishStep follows it
   // to the new owner, and the step goes on without an error.
+  //
+  // `groups` gives each param group of the job its hyperparameters (index = the tensors'
+  // param_group; exactly NumParamGroups(layout()) entries, each finite and >= 0, else
+  // INVALID_ARGUMENT before anything is sent). The (lr, weight_decay) form applies one pair to
+  // every group.
+  absl::StatusOr<StepStats> FinishStep(int64_t step, std::span<const GroupHyper> groups,
+                                       std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   absl::StatusOr<StepStats> FinishStep(int64_t step, double lr, double weight_decay,
                                        std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // Stats of a decided step without waiting (UNAVAILABLE while undecided), from the daemon

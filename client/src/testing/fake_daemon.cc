@@ -169,11 +169,13 @@ class FakeDaemon final : public v1::Shard::Service {
         s_->Admit(context, index_, request->job_id(), request->job_token(), request->placement_epoch(), -1, -1);
     if (!admitted.ok()) return admitted;
     ++s_->stats.finish_calls;
+    // One (lr, weight_decay) for the whole job: the fake has no param groups.
+    std::pair<double, double> hyper{request->lr(), request->weight_decay()};
+    if (request->groups_size() > 1) return Invalid("the fake daemon applies one lr / weight_decay (no param groups)");
+    if (request->groups_size() == 1) hyper = {request->groups(0).lr(), request->groups(0).weight_decay()};
     auto& ranks = s_->finished[request->step()];
-    if (!ranks.empty() && ranks.begin()->second != std::make_pair(request->lr(), request->weight_decay())) {
-      return Invalid("lr / weight_decay differ between ranks");
-    }
-    ranks[request->rank()] = {request->lr(), request->weight_decay()};
+    if (!ranks.empty() && ranks.begin()->second != hyper) return Invalid("lr / weight_decay differ between ranks");
+    ranks[request->rank()] = hyper;
     s_->TryCommit();
     auto decided = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu) { return s_->results.count(request->step()) > 0; };
     if (!WaitFor(s_, context, decided)) {

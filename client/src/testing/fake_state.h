@@ -137,6 +137,8 @@ struct FakeCluster::State {
     st.set_loss_scale(1.0);
     st.set_lr(lr);
     st.set_weight_decay(wd);
+    st.add_groups()->set_lr(lr);
+    st.mutable_groups(0)->set_weight_decay(wd);
     st.set_commit_unix_ms(absl::ToUnixMillis(absl::Now()));
     results[step] = st;
     committed_step = step;
