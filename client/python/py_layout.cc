@@ -215,6 +215,9 @@ void BindLayout(py::module_& m) {
   py::class_<PyLayout>(m, "Layout", "A job's layout: buckets, shards, tensors (element offsets).")
       .def_property_readonly("policy", [](const PyLayout& s) { return std::string(LayoutPolicyName(s.layout->policy)); })
       .def_property_readonly("data_parallel_size", [](const PyLayout& s) { return s.layout->data_parallel_size; })
+      .def("shard_record_bytes", [](const PyLayout& s, int32_t bucket) {
+        return PulledBucket::ShardRecordBytes(*s.layout, bucket);
+      }, py::arg("bucket"), "Bytes of one shard record of the bucket (PulledBucket.shard_record).")
       .def_property_readonly("num_param_groups", [](const PyLayout& s) { return NumParamGroups(*s.layout); })
       .def_property_readonly("bucket_numel", [](const PyLayout& s) { return s.layout->bucket_numel; })
       .def_property_readonly("tensors", [](const PyLayout& s) { return TensorsList(*s.layout); })

@@ -118,6 +118,44 @@ py::array DequantizeCovered(const PulledBucket& p, const py::object& out_obj) {
   return out;
 }
 
+// A writable C-contiguous uint8 array of `n` bytes: `out` when given (checked), else a new one.
+py::array_t<uint8_t> ByteArray(const py::object& out_obj, int64_t n, const std::string& what) {
+  if (out_obj.is_none()) return py::array_t<uint8_t>(static_cast<py::ssize_t>(n));
+  const std::string need = what + ": out must be a writable C-contiguous uint8 numpy array of " + std::to_string(n) +
+                           " bytes";
+  if (!py::isinstance<py::array>(out_obj)) throw py::type_error(need);
+  py::array given = py::reinterpret_borrow<py::array>(out_obj);
+  if (!given.dtype().is(py::dtype::of<uint8_t>()) || !(given.flags() & py::array::c_style) || !given.writeable() ||
+      given.nbytes() != n) {
+    throw py::value_error(need + "; got " + std::string(py::str(given.dtype())) + " of " +
+                          std::to_string(given.nbytes()) + " bytes");
+  }
+  return py::reinterpret_borrow<py::array_t<uint8_t>>(given);
+}
+
+py::array_t<uint8_t> ShardRecord(const PulledBucket& p, const py::object& out_obj) {
+  py::array_t<uint8_t> out =
+      ByteArray(out_obj, PulledBucket::ShardRecordBytes(p.layout(), p.bucket()), "shard_record");
+  Check(p.WriteShardRecord(std::span<uint8_t>(out.mutable_data(), static_cast<size_t>(out.size()))));
+  return out;
+}
+
+PulledBucket FromShardRecords(const PyLayout& layout, int32_t bucket, const py::buffer& records) {
+  // Any contiguous byte buffer (numpy uint8, bytes); other dtypes are reinterpreted as bytes by
+  // the caller, not converted here.
+  const py::array given = py::array::ensure(records);
+  if (!given || given.itemsize() != 1) throw py::type_error("from_shard_records: records must be a uint8 buffer");
+  py::array_t<uint8_t, py::array::c_style> bytes = py::array_t<uint8_t, py::array::c_style>::ensure(given);
+  if (!bytes) throw py::type_error("from_shard_records: records must be a C-contiguous uint8 buffer");
+  absl::StatusOr<PulledBucket> p;
+  {
+    py::gil_scoped_release release;
+    p = PulledBucket::FromShardRecords(layout.layout, bucket,
+                                       std::span<const uint8_t>(bytes.data(), static_cast<size_t>(bytes.size())));
+  }
+  return Take(std::move(p));
+}
+
 }  // namespace
 
 void BindPulled(py::module_& m) {
@@ -149,7 +187,13 @@ void BindPulled(py::module_& m) {
       }, "{name: FP32 array} for every tensor of the bucket (needs the whole bucket).")
       .def("dequantize_covered", &DequantizeCovered, py::arg("out") = py::none(),
            "FP32 values of every covered bucket element (padding 0), flat, in bucket order; works for a single "
-           "pulled shard. out: a writable C-contiguous float32 array to fill in place (no copy).");
+           "pulled shard. out: a writable C-contiguous float32 array to fill in place (no copy).")
+      .def("shard_record", &ShardRecord, py::arg("out") = py::none(),
+           "The one shard this object covers as a fixed-size uint8 record (layout.shard_record_bytes(bucket)) "
+           "for an all-gather among the trainers; out: a writable uint8 array to fill.")
+      .def_static("from_shard_records", &FromShardRecords, py::arg("layout"), py::arg("bucket"), py::arg("records"),
+                  "The whole bucket from its D shard records back to back (record r = shard r), as an "
+                  "all-gather of shard_record() leaves them; dequantize locally with dequantize_covered().");
 
   m.def("dequantize", &Dequantize, py::arg("pulled"), py::arg("tensor"),
         "Same as pulled.dequantize(tensor).");

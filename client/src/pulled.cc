@@ -38,6 +38,37 @@ bool FragmentTouchesBlock(const FormatDescriptor& d, Matrix2D view, Matrix2D gri
   return false;
 }
 
+// The shape of a bucket's shard records (PulledBucket::ShardRecordBytes).
+struct RecordShape {
+  int64_t max_fragments = 0;
+  int64_t max_scales = 0;   // block-scale entries
+  int64_t data_bytes = 0;   // of one shard
+  int entry_bytes = 0;      // of one block scale
+  int64_t fragment_at() const { return kRecordHeaderBytes; }
+  int64_t data_at() const { return kRecordHeaderBytes + max_fragments * 12; }
+  int64_t scales_at() const { return data_at() + data_bytes; }
+  int64_t bytes() const { return scales_at() + max_scales * entry_bytes; }
+  static constexpr int64_t kRecordHeaderBytes = 24;
+};
+constexpr uint32_t kRecordMagic = 0x3152534Du;  // "MSR1" in little-endian bytes
+
+int64_t ShardScaleEntries(const Layout& layout, const Shard& shard) {
+  int64_t n = 0;
+  for (const TensorFragment& f : shard.fragments) n += FragmentScaleBlocks(layout, f).size();
+  return n;
+}
+
+RecordShape ShapeOf(const Layout& layout, const Bucket& b) {
+  RecordShape r;
+  for (const Shard& s : b.shards) {
+    r.max_fragments = std::max<int64_t>(r.max_fragments, static_cast<int64_t>(s.fragments.size()));
+    r.max_scales = std::max(r.max_scales, ShardScaleEntries(layout, s));
+  }
+  r.data_bytes = DataBytes(b.format, b.shard_numel);
+  r.entry_bytes = ScaleEntryBytes(b.format);
+  return r;
+}
+
 }  // namespace
 
 PulledBucket::PulledBucket() = default;
@@ -229,6 +260,97 @@ absl::StatusOr<std::vector<uint8_t>> PulledBucket::TensorScaleGrid(int32_t tenso
     }
   }
   return out;
+}
+
+int64_t PulledBucket::ShardRecordBytes(const Layout& layout, int32_t bucket) {
+  if (bucket < 0 || bucket >= static_cast<int32_t>(layout.buckets.size())) return 0;
+  return ShapeOf(layout, layout.buckets[bucket]).bytes();
+}
+
+absl::Status PulledBucket::WriteShardRecord(std::span<uint8_t> out) const {
+  if (!impl_ || impl_->shards.size() != 1) {
+    return absl::FailedPreconditionError("WriteShardRecord: the PulledBucket must cover exactly one shard");
+  }
+  if (impl_->unchanged) {
+    return absl::FailedPreconditionError(absl::StrCat("WriteShardRecord: bucket ", impl_->bucket, " version ",
+                                                      impl_->version, " is unchanged (a skipped step): no data"));
+  }
+  const RecordShape shape = ShapeOf(*impl_->layout, bucket_info());
+  if (static_cast<int64_t>(out.size()) != shape.bytes()) {
+    return InvalidArgumentError("out", "bucket ", impl_->bucket, " records are ", shape.bytes(), " bytes, got ",
+                                out.size());
+  }
+  const PulledShard& s = impl_->shards[0];
+  std::fill(out.begin(), out.end(), uint8_t{0});
+  const int32_t shard = s.shard;
+  std::memcpy(out.data(), &kRecordMagic, 4);
+  std::memcpy(out.data() + 4, &shard, 4);
+  std::memcpy(out.data() + 8, &s.version, 8);
+  std::memcpy(out.data() + 16, &s.num_scales, 8);
+  for (size_t i = 0; i < s.fragments.size(); ++i) {
+    const float meta[3] = {s.fragments[i].scale, s.fragments[i].scale_inv, s.fragments[i].amax};
+    std::memcpy(out.data() + shape.fragment_at() + static_cast<int64_t>(i) * 12, meta, 12);
+  }
+  std::memcpy(out.data() + shape.data_at(), impl_->data.data(), static_cast<size_t>(shape.data_bytes));
+  std::memcpy(out.data() + shape.scales_at(), s.scales.data(), s.scales.size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PulledBucket> PulledBucket::FromShardRecords(std::shared_ptr<const Layout> layout, int32_t bucket,
+                                                             std::span<const uint8_t> records) {
+  if (layout == nullptr || bucket < 0 || bucket >= static_cast<int32_t>(layout->buckets.size())) {
+    return InvalidArgumentError("bucket", "no bucket ", bucket, " in the layout");
+  }
+  const Bucket& b = layout->buckets[bucket];
+  const RecordShape shape = ShapeOf(*layout, b);
+  const int64_t d = static_cast<int64_t>(b.shards.size());
+  if (static_cast<int64_t>(records.size()) != d * shape.bytes()) {
+    return InvalidArgumentError("records", "bucket ", bucket, " needs ", d, " records of ", shape.bytes(),
+                                " bytes (", d * shape.bytes(), "), got ", records.size(), " bytes");
+  }
+  client_internal::PooledBytes data = client_internal::PooledBytes::Unpooled(static_cast<size_t>(d * shape.data_bytes));
+  std::vector<PulledShard> shards(static_cast<size_t>(d));
+  for (int64_t r = 0; r < d; ++r) {
+    const uint8_t* rec = records.data() + r * shape.bytes();
+    uint32_t magic = 0;
+    int32_t shard = -1;
+    PulledShard& out = shards[static_cast<size_t>(r)];
+    std::memcpy(&magic, rec, 4);
+    std::memcpy(&shard, rec + 4, 4);
+    std::memcpy(&out.version, rec + 8, 8);
+    std::memcpy(&out.num_scales, rec + 16, 8);
+    const Shard& layout_shard = b.shards[static_cast<size_t>(r)];
+    if (magic != kRecordMagic || shard != r) {
+      return InvalidArgumentError("records", "record ", r, " of bucket ", bucket, " is not shard ", r,
+                                  "'s (magic ", magic, ", shard ", shard, "): every rank must write its own "
+                                  "shard's record, in rank order");
+    }
+    if (out.num_scales != ShardScaleEntries(*layout, layout_shard)) {
+      return InvalidArgumentError("records", "record ", r, " of bucket ", bucket, " has ", out.num_scales,
+                                  " block scales, the layout gives ", ShardScaleEntries(*layout, layout_shard));
+    }
+    out.shard = shard;
+    out.scales.assign(rec + shape.scales_at(), rec + shape.scales_at() + out.num_scales * shape.entry_bytes);
+    int64_t scale_offset = 0;
+    for (size_t i = 0; i < layout_shard.fragments.size(); ++i) {
+      const TensorFragment& f = layout_shard.fragments[i];
+      float meta[3];
+      std::memcpy(meta, rec + shape.fragment_at() + static_cast<int64_t>(i) * 12, 12);
+      FragmentQuantInfo info;
+      info.tensor = f.tensor;
+      info.elements = f.elements;
+      info.bucket_offset = f.bucket_offset;
+      info.scale = meta[0];
+      info.scale_inv = meta[1];
+      info.amax = meta[2];
+      info.scale_blocks = FragmentScaleBlocks(*layout, f);
+      info.scale_offset = scale_offset;
+      scale_offset += info.scale_blocks.size();
+      out.fragments.push_back(info);
+    }
+    std::memcpy(data.data() + r * shape.data_bytes, rec + shape.data_at(), static_cast<size_t>(shape.data_bytes));
+  }
+  return client_internal::MakePulledBucket(std::move(layout), bucket, 0, std::move(data), std::move(shards));
 }
 
 }  // namespace mainstay

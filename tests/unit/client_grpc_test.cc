@@ -148,6 +148,49 @@ TEST_F(ClientGrpcTest, CreateAttachPushPullReducedModeStep) {
   }
 }
 
+// The trainers' all-gather of quantized shards: each rank's pulled shard as a record, the D
+// records rebuilt into the bucket, which dequantizes bit for bit as the bucket pulled whole
+// (every format: the fake publishes each of them).
+TEST_F(ClientGrpcTest, ShardRecordsRebuildTheBucketBitForBit) {
+  StartCluster();
+  ConnectRanks(testing_fakes::AllFormatsSpec(2), 2);
+  const Layout& layout = clients_[0]->layout();
+  PushInitial(RandomBuckets(3));
+  for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
+    const int64_t record = PulledBucket::ShardRecordBytes(layout, b);
+    std::vector<uint8_t> records(static_cast<size_t>(2 * record));
+    for (int32_t r = 0; r < 2; ++r) {
+      const absl::StatusOr<PulledBucket>& shard = clients_[r]->PullShard(b, r, 0).Wait();
+      ASSERT_THAT(shard, IsOk());
+      EXPECT_THAT(shard->WriteShardRecord(std::span<uint8_t>(records).subspan(0, record - 1)),
+                  StatusIs(absl::StatusCode::kInvalidArgument));
+      ASSERT_THAT(shard->WriteShardRecord(std::span<uint8_t>(records).subspan(r * record, record)), IsOk());
+    }
+    const std::shared_ptr<const Layout> shared = clients_[0]->shared_layout();
+    MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledBucket rebuilt, PulledBucket::FromShardRecords(shared, b, records));
+    const absl::StatusOr<PulledBucket>& whole = clients_[0]->PullBucket(b, 0).Wait();
+    ASSERT_THAT(whole, IsOk());
+    EXPECT_TRUE(rebuilt.complete());
+    const size_t n = static_cast<size_t>(layout.buckets[b].numel);
+    std::vector<float> got(n), want(n);
+    ASSERT_THAT(rebuilt.DequantizeCovered(got), IsOk());
+    ASSERT_THAT(whole->DequantizeCovered(want), IsOk());
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), n * 4)) << "bucket " << b << " " << FormatName(layout.buckets[b].format);
+    // Records in the wrong order, or too few bytes: INVALID_ARGUMENT naming the problem.
+    std::vector<uint8_t> swapped(records.begin() + record, records.end());
+    swapped.insert(swapped.end(), records.begin(), records.begin() + record);
+    EXPECT_THAT(PulledBucket::FromShardRecords(shared, b, swapped).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("is not shard 0's")));
+    EXPECT_THAT(PulledBucket::FromShardRecords(shared, b, std::span<const uint8_t>(records).subspan(1)).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("needs 2 records")));
+  }
+  // A bucket covering both shards has no single record to write.
+  const absl::StatusOr<PulledBucket>& whole = clients_[0]->PullBucket(0, 0).Wait();
+  ASSERT_THAT(whole, IsOk());
+  std::vector<uint8_t> out(static_cast<size_t>(PulledBucket::ShardRecordBytes(layout, 0)));
+  EXPECT_THAT(whole->WriteShardRecord(out), StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
 // The checkpoint admin calls over the coordinator's channel: a checkpoint taken at version 1
 // is restored after step 1 made version 2; the job serves version 1 again under a new
 // placement epoch, which the client has already re-read.

@@ -125,6 +125,29 @@ class MAINSTAY_CLIENT_EXPORT PulledBucket {
   // fragment stay 0. Empty for formats without block scales.
   absl::StatusOr<std::vector<uint8_t>> TensorScaleGrid(int32_t tensor) const;
 
+  // ---- The trainers' all-gather of quantized shards (mainstay.torch).
+  // A rank that pulled only its own shard hands it to the other ranks as one record of
+  // ShardRecordBytes (the same for every shard of a bucket, so an all-gather of equal byte
+  // buffers moves it); every rank rebuilds the bucket from the D records (FromShardRecords) and
+  // dequantizes it locally. The all-gather then moves the published bytes (1 B per element for
+  // fp8, 0.5 B for nvfp4, 2 B for bf16, plus block scales) instead of FP32.
+  // A record: a 24-byte header (magic "MSR1", shard, version, block-scale entries), then for
+  // each fragment of the shard in layout order its scale, scale_inv and amax (3 floats), padded
+  // to the bucket's most fragments per shard, then the shard's packed data, then its block
+  // scales, padded to the bucket's most. Host byte order: every rank runs on the same kind of
+  // host.
+  static int64_t ShardRecordBytes(const Layout& layout, int32_t bucket);
+  // Writes the record of the one shard this object covers into `out` (ShardRecordBytes bytes).
+  // FAILED_PRECONDITION unless it covers exactly one shard and is not unchanged;
+  // INVALID_ARGUMENT when `out` has another size.
+  absl::Status WriteShardRecord(std::span<uint8_t> out) const;
+  // The whole bucket from D records back to back, record r holding shard r (an all-gather's
+  // output). INVALID_ARGUMENT for a bad bucket, a size that is not D records, or a record that
+  // is not shard r's (bad magic, wrong shard); ABORTED when the records are of different
+  // versions (ranks that pulled different versions: pull again).
+  static absl::StatusOr<PulledBucket> FromShardRecords(std::shared_ptr<const Layout> layout, int32_t bucket,
+                                                       std::span<const uint8_t> records);
+
  private:
   std::shared_ptr<const Impl> impl_;
 };
