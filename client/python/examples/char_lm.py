@@ -102,9 +102,11 @@ QDQ = {"bf16": qdq_bf16, "fp8_e4m3_current": qdq_fp8_e4m3_current}
 
 
 class Reference:
-    """torch.optim.AdamW with the weights quantize-dequantized in the forward pass (a
-    straight-through estimator: gradients of the dequantized weights update the FP32 masters),
-    gradients averaged over the ranks and clipped by global norm, like the daemons."""
+    """torch.optim.AdamW on FP32 masters, with the same param groups and lr schedule, whose
+    forward uses the quantize-dequantized weights (a straight-through estimator: gradients of
+    the dequantized weights update the masters), in the trainer's parameter dtype (bf16: the
+    forward and backward run in bf16, the averaged gradient is rounded to bf16 as the trainers
+    push it); gradients averaged over the ranks and clipped by global norm, like the daemons."""
 
     def __init__(self, model, formats, args):
         for name, fmt in formats.items():
@@ -114,35 +116,64 @@ class Reference:
         self.model = model
         self.formats = formats
         self.args = args
-        self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        self.dtype = PARAM_DTYPES[args.param_dtype]
+        self.opt = torch.optim.AdamW(param_groups(model, args), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                                      weight_decay=args.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedules(args))
 
-    def step(self, x, y, lr):
+    def step(self, x, y):
         params = dict(self.model.named_parameters())
-        masters = {n: p.detach().clone() for n, p in params.items()}
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(QDQ[self.formats[n]](p))
-        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        masters = {n: p.data for n, p in params.items()}
+        for n, p in params.items():
+            p.data = QDQ[self.formats[n]](masters[n]).to(self.dtype)
+        loss = F.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
         loss.backward()
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(masters[n])
-        grads = [p.grad for p in params.values()]
+        grads = []
+        for n, p in params.items():
+            grads.append(p.grad.float())
+            p.data, p.grad = masters[n], None
         flat = torch.cat([g.flatten() for g in grads])
         if dist.get_world_size() > 1:
             dist.all_reduce(flat)
             flat /= dist.get_world_size()
+        flat = flat.to(self.dtype).float()
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        for p, g in zip(params.values(), grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
             offset += g.numel()
         torch.nn.utils.clip_grad_norm_(list(params.values()), self.args.max_grad_norm)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
         self.opt.step()
         self.opt.zero_grad()
+        self.sched.step()
         return loss.detach()
+
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def param_groups(model, args):
+    """--param-groups 1: every parameter; 2: nanoGPT's configure_optimizers (weight decay on the
+    2-D weights, none on biases and norms); 3: those two plus the embeddings in a group of their
+    own with half the lr."""
+    named = list(model.named_parameters())
+    if args.param_groups == 1:
+        return [p for _, p in named]
+    embed = [p for n, p in named if n.startswith(("wte.", "wpe.")) and args.param_groups == 3]
+    decay = [p for n, p in named if p.dim() >= 2 and not any(p is e for e in embed)]
+    no_decay = [p for _, p in named if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if args.param_groups == 3:
+        groups.append({"params": embed, "weight_decay": args.weight_decay, "lr": args.lr / 2})
+    return groups
+
+
+def schedules(args):
+    """One LambdaLR factor per group: the --schedule for the first two, and with three groups a
+    warmup-then-constant schedule of its own for the embeddings."""
+    main = lambda s: lr_at(args, s) / args.lr  # noqa: E731
+    if args.param_groups < 3:
+        return main
+    return [main, main, lambda s: min(1.0, (s + 1) / 5)]
 
 
 # ---- Data, process group, main loop.
@@ -222,6 +253,13 @@ def main():
     ap.add_argument("--replication", type=int, default=1,
                     help="job spec replication_factor: copies of each shard's state on distinct daemons")
     ap.add_argument("--reference", action="store_true", help="also train the torch.optim.AdamW reference")
+    ap.add_argument("--param-groups", type=int, choices=[1, 2, 3], default=1,
+                    help="1: one group; 2: decay / no decay; 3: plus the embeddings with their own lr and schedule")
+    ap.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default="fp32",
+                    help="the trainer's parameters (bf16: gradients pushed in BF16, FP32 masters on the daemons)")
+    ap.add_argument("--reduce", choices=["scatter", "unreduced"], default="scatter")
+    ap.add_argument("--allgather", choices=["quantized", "fp32"], default="quantized")
+    ap.add_argument("--no-overlap", action="store_true", help="reduce and push every bucket in step()")
     ap.add_argument("--step-timeout", type=float, default=60.0, help="finish_step deadline, seconds")
     ap.add_argument("--text", default=TEXT)
     ap.add_argument("--all-ranks-print", action="store_true")
@@ -234,14 +272,16 @@ def main():
     data, vocab = load_text(args.text)
     torch.manual_seed(0)  # every rank builds the same initial model
     model = CharGPT(vocab, args.dim, args.layers, args.heads, args.context)
+    model = model.to(PARAM_DTYPES[args.param_dtype])
     ref_model = CharGPT(vocab, args.dim, args.layers, args.heads, args.context)
-    ref_model.load_state_dict(model.state_dict())
+    ref_model.load_state_dict(model.state_dict())  # FP32 masters of the same (rounded) values
 
     generation = current_generation(args) + 1 if args.resume else 0
     join_group(args, generation)
     kw = dict(recipe=args.recipe, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95), eps=1e-8,
               max_grad_norm=args.max_grad_norm, spec={"bucket_numel": args.bucket_numel, "replication_factor": args.replication},
-              step_timeout_s=args.step_timeout)
+              step_timeout_s=args.step_timeout, params=param_groups(model, args), reduce=args.reduce,
+              allgather=args.allgather, overlap=not args.no_overlap)
     if args.resume:
         job = read_job(args.job_file)
         opt = MainstayOptimizer(model, args.coordinator, job_id=job["job_id"], job_token=job["job_token"],
@@ -253,7 +293,7 @@ def main():
             with open(tmp, "w") as f:
                 json.dump({"job_id": opt.job_id, "job_token": opt.job_token, "coordinator": args.coordinator}, f)
             os.replace(tmp, args.job_file)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(args, s) / args.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedules(args))
     formats = {t["name"]: t["format"] for t in opt.layout.tensors}
     ref = Reference(ref_model, formats, args) if args.reference else None
     loud = args.rank == 0 or args.all_ranks_print
@@ -271,13 +311,13 @@ def main():
         try:
             t0 = time.time()
             x, y = batch(data, step, args.rank, args.batch, args.context)
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses = [loss.detach()]
             if ref is not None:
-                losses.append(ref.step(x, y, opt.last_stats["lr"]))
+                losses.append(ref.step(x, y))
             mean = torch.stack(losses)
             dist.all_reduce(mean)
             mean /= args.world
@@ -294,14 +334,22 @@ def main():
                 args.rank, generation, opt.next_step, opt.version), flush=True)
             continue
         stats = opt.last_stats
+        if stats is None:  # the job was restored from a checkpoint: step() rewound to it
+            if loud:
+                print("rank %d: step %d rewound: the job resumes at step %d, version %d" % (
+                    args.rank, step, opt.next_step, opt.version), flush=True)
+            continue
         if loud:
             line = "rank %d step %3d  loss %.4f" % (args.rank, step, mean[0])
             if ref is not None:
                 line += "  reference %.4f  gap %+.4f" % (mean[1], mean[0] - mean[1])
-            print(line + "  lr %.2e  grad_norm %.3f  clip %.3f  version %d  %.0f ms%s" % (
-                stats["lr"], stats["grad_norm"], stats["clip_factor"], stats["version"], (time.time() - t0) * 1e3,
+            lrs = "/".join("%.2e" % g["lr"] for g in stats["groups"])
+            print(line + "  lr %s  grad_norm %.3f  clip %.3f  version %d  %.0f ms%s" % (
+                lrs, stats["grad_norm"], stats["clip_factor"], stats["version"], (time.time() - t0) * 1e3,
                 "  (skipped)" if stats["skipped"] else ""), flush=True)
     if loud:
+        print("rank %d: parameter all-gather sent %d bytes per step (%s)" % (args.rank, opt.allgather_bytes,
+                                                                            args.allgather), flush=True)
         print("rank %d done: %d steps in %.1f s, version %d" % (args.rank, opt.next_step, time.time() - t_start,
                                                                opt.version), flush=True)
     dist.destroy_process_group()

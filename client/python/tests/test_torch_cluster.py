@@ -101,8 +101,61 @@ class AbortedStepTest(unittest.TestCase):
             cluster.stop()
 
 
-class FailoverTest(unittest.TestCase):
-    """A daemon SIGKILLed under a job with replication_factor 2 costs the training loop nothing."""
+def run_with_action(cluster, extra, at_step, action, steps=30):
+    """Runs char_lm.py on two ranks; once rank 0 has printed step `at_step`, calls
+    action(run_dir). Returns (return codes, outputs)."""
+    run = tempfile.mkdtemp(prefix="fault.", dir=cluster.dir)
+    # The children write their own descriptors; reading through them would move the offset the
+    # children write at.
+    paths = [os.path.join(run, "rank%d.log" % r) for r in range(2)]
+    logs = [open(path, "w") for path in paths]
+    procs = [subprocess.Popen([PYTHON, CHAR_LM, "--coordinator", cluster.address, "--rank", str(r), "--world", "2",
+                               "--job-file", os.path.join(run, "job.json"), "--steps", str(steps)] + extra,
+                              stdout=logs[r], stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    deadline = time.time() + 180
+    acted = False
+    while time.time() < deadline and not acted and all(p.poll() is None for p in procs):
+        with open(paths[0]) as f:
+            done = [int(s) for s in re.findall(r"rank 0 step +(\d+)", f.read())]
+        if done and done[-1] >= at_step:
+            action(run)
+            acted = True
+        time.sleep(0.02)
+    for p in procs:
+        p.wait(timeout=300)
+    for log in logs:
+        log.close()
+    outs = []
+    for path in paths:
+        with open(path) as f:
+            outs.append(f.read())
+    if not acted:
+        raise AssertionError("rank 0 never reached step %d\n%s\n%s" % (at_step, outs[0], cluster.logs()))
+    return [p.returncode for p in procs], outs
+
+
+def owner_of(cluster, job_id, rank):
+    r = cluster.ctl("placement", "--job", job_id, "--json")
+    assert r.returncode == 0, r.stderr
+    for s in json.loads(r.stdout)["placement"]["shards"]:
+        if s["shard"].get("shard", 0) == rank:
+            return s["daemon_id"]
+    raise AssertionError("rank %d not in %s" % (rank, r.stdout))
+
+
+class FaultsInsideStepTest(unittest.TestCase):
+    """A drained daemon, a daemon SIGKILLed with replicas and one SIGKILLed with only a checkpoint
+    cost the training loop no exception: step() handles each."""
+
+    def check_tracks_reference(self, codes, outs, cluster, steps=30):
+        for r, (code, out) in enumerate(zip(codes, outs)):
+            self.assertEqual(code, 0, "rank %d failed:\n%s\n%s" % (r, out, cluster.logs()))
+        rows = re.findall(r"step +(\d+)  loss ([\d.]+)  reference ([\d.]+)", outs[0])
+        self.assertEqual([int(r[0]) for r in rows], list(range(steps)), outs[0])
+        worst = max(abs(float(m) - float(r)) / float(r) for _, m, r in rows)
+        self.assertLess(worst, LOSS_RTOL, outs[0])
+        self.assertIn("version %d" % steps, outs[0])
 
     def test_a_killed_daemon_fails_over_to_its_replicas_inside_step(self):
         """Three daemons, two ranks, spec replication_factor 2, the AdamW reference alongside (so
@@ -112,45 +165,68 @@ class FailoverTest(unittest.TestCase):
         tracks the reference: nothing was rewound or lost."""
         cluster = Cluster(daemons=3)
         try:
-            run = tempfile.mkdtemp(prefix="failover.", dir=cluster.dir)
-            # The children write their own descriptors; reading through them would move the
-            # offset the children write at.
-            paths = [os.path.join(run, "rank%d.log" % r) for r in range(2)]
-            logs = [open(path, "w") for path in paths]
-            procs = [subprocess.Popen([PYTHON, CHAR_LM, "--coordinator", cluster.address, "--rank", str(r),
-                                       "--world", "2", "--job-file", os.path.join(run, "job.json"), "--steps", "30",
-                                       "--reference", "--recipe", "bf16_mixed", "--replication", "2"],
-                                      stdout=logs[r], stderr=subprocess.STDOUT, text=True)
-                     for r in range(2)]
-            deadline = time.time() + 180
-            killed = False
-            while time.time() < deadline and not killed:
-                with open(paths[0]) as f:
-                    done = [int(s) for s in re.findall(r"rank 0 step +(\d+)", f.read())]
-                if done and done[-1] >= 8:
-                    cluster.kill("daemon0")
-                    killed = True
-                time.sleep(0.02)
-            self.assertTrue(killed, "rank 0 never reached step 8\n" + cluster.logs())
-            for p in procs:
-                p.wait(timeout=300)
-            for log in logs:
-                log.close()
-            outs = []
-            for path in paths:
-                with open(path) as f:
-                    outs.append(f.read())
-            for r, (p, out) in enumerate(zip(procs, outs)):
-                self.assertEqual(p.returncode, 0, "rank %d failed:\n%s\n%s" % (r, out, cluster.logs()))
-            with open(os.path.join(cluster.dir, "coordinator.log"), errors="replace") as f:
-                coordinator = f.read()
+            codes, outs = run_with_action(cluster, ["--reference", "--replication", "2"], 8,
+                                          lambda run: cluster.kill("daemon0"))
+            self.check_tracks_reference(codes, outs, cluster)
+            coordinator = cluster.log("coordinator")
             self.assertIn("fail over to their replicas", coordinator)
             self.assertNotIn("restoring from checkpoint", coordinator)
-            rows = re.findall(r"step +(\d+)  loss ([\d.]+)  reference ([\d.]+)", outs[0])
-            self.assertEqual([int(r[0]) for r in rows], list(range(30)), outs[0])
-            worst = max(abs(float(m) - float(r)) / float(r) for _, m, r in rows)
-            self.assertLess(worst, LOSS_RTOL, outs[0])
-            self.assertIn("version 30", outs[0])
+        finally:
+            cluster.stop()
+
+    def test_a_drained_daemon_moves_its_shards_under_the_training_loop(self):
+        """`mainstayctl daemons drain` of rank 1's daemon mid-run (three daemons, no replicas):
+        its shards move, state and pending pushes included, to the spare daemon; the client
+        re-routes, and the run tracks the reference with every step run once."""
+        cluster = Cluster(daemons=3)
+        drained = []
+
+        def drain(run):
+            with open(os.path.join(run, "job.json")) as f:
+                job = json.load(f)["job_id"]
+            victim = owner_of(cluster, job, 1)
+            r = cluster.ctl("daemons", "drain", victim, "--yes")
+            self.assertEqual(r.returncode, 0, r.stderr + cluster.logs())
+            drained.append((job, victim))
+
+        try:
+            codes, outs = run_with_action(cluster, ["--reference", "--param-groups", "2"], 8, drain)
+            self.check_tracks_reference(codes, outs, cluster)
+            job, victim = drained[0]
+            self.assertNotEqual(owner_of(cluster, job, 1), victim)
+            self.assertNotIn("restoring from checkpoint", cluster.log("coordinator"))
+        finally:
+            cluster.stop()
+
+    def test_a_daemon_killed_without_replicas_rewinds_to_the_checkpoint_inside_step(self):
+        """Periodic checkpoints every 4 steps, no replicas, three daemons. A daemon holding the
+        job is SIGKILLed; the coordinator restores the job from its newest checkpoint onto the
+        live daemons, and step() of both ranks loads the restored version and goes on from the
+        checkpoint's step, with a warning: the loop sees no exception and the run completes."""
+        cluster = process_cluster.Cluster(daemons=3, lease_ms=3000,
+                                          coordinator_flags=["--checkpoint-every-steps", "4"])
+        killed = []
+
+        def kill(run):
+            with open(os.path.join(run, "job.json")) as f:
+                job = json.load(f)["job_id"]
+            victim = owner_of(cluster, job, 0)
+            r = cluster.ctl("daemons", "list", "--json")
+            for d in json.loads(r.stdout)["daemons"]:
+                if d["endpoint"]["daemon_id"] == victim:
+                    name = "daemon" + d["endpoint"]["node_name"][len("node"):]
+            cluster.kill(name)
+            killed.append(victim)
+
+        try:
+            codes, outs = run_with_action(cluster, ["--step-timeout", "30"], 10, kill, steps=24)
+            for r, (code, out) in enumerate(zip(codes, outs)):
+                self.assertEqual(code, 0, "rank %d failed:\n%s\n%s" % (r, out, cluster.logs()))
+            self.assertIn("restoring from checkpoint", cluster.log("coordinator"))
+            self.assertRegex(outs[0], r"was restored to step \d+", outs[0])
+            self.assertNotIn("re-forming the group", outs[0])
+            self.assertIn("rank 0 done: 24 steps", outs[0])
+            self.assertIn("version 24", outs[0].splitlines()[-1])
         finally:
             cluster.stop()
 
@@ -293,8 +369,111 @@ class ClusterTest(unittest.TestCase):
         other = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
         with self.assertRaisesRegex(ValueError, r"2\.weight has shape \(5, 32\) in the model, \(4, 32\) in the job"):
             MainstayOptimizer(other, opt.client, lr=1e-3)
-        with self.assertRaisesRegex(ValueError, "exactly one param group"):
+        with self.assertRaisesRegex(ValueError, "param groups are fixed when the job is created"):
             opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        # The same tensors in other param groups than the job's: refused, naming the tensor.
+        groups = [{"params": [model[0].weight, model[2].weight]}, {"params": [model[0].bias, model[2].bias]}]
+        with self.assertRaisesRegex(ValueError, r"0\.bias is in param group 1 here, 0 in the job"):
+            MainstayOptimizer(model, opt.client, groups, lr=1e-3)
+
+    def rows_of(self, out):
+        return re.findall(r"step +(\d+)  loss ([\d.]+)  reference ([\d.]+)", out)
+
+    def check_tracks(self, out, steps, what):
+        rows = self.rows_of(out)
+        self.assertEqual([int(r[0]) for r in rows], list(range(steps)), out)
+        gaps = [abs(float(m) - float(r)) / float(r) for _, m, r in rows]
+        print("\n%s: worst relative loss gap over %d steps %.5f" % (what, steps, max(gaps)))
+        self.assertLess(max(gaps), LOSS_RTOL, out)
+        self.assertLess(float(rows[-1][1]), 0.8 * float(rows[0][1]), "the model did not learn:\n" + out)
+
+    def test_two_param_groups_decay_and_no_decay_track_adamw(self):
+        """nanoGPT's configure_optimizers: weight decay on the 2-D weights, none on biases and
+        norms, against torch.optim.AdamW with the same two groups."""
+        out = self.run_ranks(["--steps", "30", "--reference", "--param-groups", "2", "--weight-decay", "0.1"])[0]
+        self.check_tracks(out, 30, "two param groups")
+
+    def test_three_param_groups_with_their_own_lr_and_schedulers_track_adamw(self):
+        """Three groups, the third (embeddings) with half the lr and a warmup schedule of its own
+        (LambdaLR with one lambda per group), the others cosine: every group's lr reaches the
+        daemons each step (StepStats groups) and the run tracks AdamW with the same groups."""
+        out = self.run_ranks(["--steps", "30", "--reference", "--param-groups", "3", "--schedule", "cosine"])[0]
+        self.check_tracks(out, 30, "three param groups")
+        lrs = [tuple(float(x) for x in m.split("/")) for m in re.findall(r"  lr ([\d.e+/-]+)  grad_norm", out)]
+        self.assertEqual(len(lrs), 30)
+        self.assertTrue(all(len(l) == 3 for l in lrs), lrs)
+        self.assertAlmostEqual(lrs[0][2], 3e-3 / 2 / 5, delta=1e-6)   # warmup, 1/5 of lr / 2
+        self.assertAlmostEqual(lrs[10][2], 3e-3 / 2, delta=1e-6)      # warmed up
+        self.assertLess(lrs[29][0], lrs[0][0] / 50)                   # cosine down to ~0
+
+    def test_bf16_parameters_push_bf16_gradients_and_track_adamw(self):
+        """The trainer's model in bf16 (FP32 masters only on the daemons); the gradients are
+        reduce-scattered and pushed in bf16. The reference runs the same bf16 forward and
+        backward and keeps FP32 masters in torch.optim.AdamW."""
+        out = self.run_ranks(["--steps", "30", "--reference", "--param-dtype", "bf16", "--param-groups", "2"])[0]
+        self.check_tracks(out, 30, "bf16 parameters")
+
+    def test_bf16_parameters_with_unreduced_pushes_sum_in_fp32_on_the_daemons(self):
+        """reduce="unreduced": each rank pushes its own bf16 gradient of every shard and the
+        daemons sum them in FP32 (Megatron's reduce_scatter_with_fp32_accumulation)."""
+        out = self.run_ranks(["--steps", "20", "--reference", "--param-dtype", "bf16", "--reduce", "unreduced"])[0]
+        self.check_tracks(out, 20, "bf16, unreduced pushes")
+
+    def test_the_quantized_all_gather_gives_the_fp32_all_gathers_weights_in_fewer_bytes(self):
+        """allgather="quantized" (the published bytes all-gathered, dequantized on each rank) and
+        allgather="fp32" with no overlap (the previous path) give the same weights bit for bit,
+        so the same losses, step by step; the quantized one sends about half the bytes for bf16
+        weights (a quarter for fp8)."""
+        runs = {}
+        for mode, extra in (("quantized", []), ("fp32", ["--no-overlap"])):
+            out = self.run_ranks(["--steps", "8", "--recipe", "bf16_with_fp8_current_scaling_mixed", "--layers",
+                                  "3", "--allgather", mode] + extra)[0]
+            losses = re.findall(r"step +\d+  loss ([\d.]+)", out)
+            sent = int(re.search(r"all-gather sent (\d+) bytes per step", out).group(1))
+            runs[mode] = (losses, sent)
+        self.assertEqual(runs["quantized"][0], runs["fp32"][0])
+        print("\nall-gather bytes sent per rank and step: fp32 %d, quantized %d (%.2fx)" % (
+            runs["fp32"][1], runs["quantized"][1], runs["fp32"][1] / runs["quantized"][1]))
+        self.assertLess(runs["quantized"][1], runs["fp32"][1] / 2)
+
+    def test_zero_grad_set_to_none_and_no_overlap_give_the_same_weights(self):
+        """One rank, three steps, three ways: overlap with gradients as views, overlap with
+        zero_grad(set_to_none=True) (backward allocates new .grad each step), and no overlap:
+        the weights after each are equal bit for bit."""
+        results = []
+        for set_to_none, overlap in ((False, True), (True, True), (False, False)):
+            model = tiny_model()
+            opt = MainstayOptimizer(model, self.cluster.address, lr=1e-2, overlap=overlap)
+            g = torch.Generator().manual_seed(3)
+            for _ in range(3):
+                x, y = torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
+                if set_to_none:
+                    self.assertTrue(all(p.grad is None for p in model.parameters()))
+            self.assertEqual(opt.version, 3)
+            results.append([p.detach().clone() for p in model.parameters()])
+        for other in results[1:]:
+            for a, b in zip(results[0], other):
+                self.assertTrue(torch.equal(a, b))
+
+    def test_gradient_accumulation_needs_no_sync(self):
+        """Two backward passes before a step: without no_sync() the second one is refused with
+        the fix in the message; with the first inside no_sync() the step runs on the sum."""
+        model = tiny_model()
+        opt = MainstayOptimizer(model, self.cluster.address, lr=1e-2)
+        x, y = torch.randn(8, 16), torch.randn(8, 4)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with self.assertRaisesRegex(RuntimeError, r"no_sync\(\)"):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        model = tiny_model()  # a fresh job: the refused backward's step was already pushed
+        opt = MainstayOptimizer(model, self.cluster.address, lr=1e-2)
+        with opt.no_sync():
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        self.assertEqual(opt.version, 1)
 
     def test_state_dict_maps_onto_mainstay_checkpoints(self):
         """state_dict() = CreateCheckpoint(wait) + param_groups; after more steps,
@@ -367,7 +546,8 @@ class ParameterChecksTest(unittest.TestCase):
 
     def test_float64_parameter(self):
         model = tiny_model().double()
-        with self.assertRaisesRegex(TypeError, r"parameter 0\.weight is torch\.float64; keep .* torch\.float32"):
+        with self.assertRaisesRegex(TypeError, r"parameter 0\.weight is torch\.float64; keep .* torch\.float32 "
+                                               r"or torch\.bfloat16"):
             MainstayOptimizer(model, "127.0.0.1:1")
 
     def test_non_contiguous_parameter(self):
@@ -380,6 +560,20 @@ class ParameterChecksTest(unittest.TestCase):
         model = tiny_model().requires_grad_(False)
         with self.assertRaisesRegex(ValueError, "no parameter with requires_grad=True"):
             MainstayOptimizer(model, "127.0.0.1:1")
+
+    def test_param_groups_are_checked_before_any_call(self):
+        model = tiny_model()
+        w, b = model[0].weight, model[0].bias
+        with self.assertRaisesRegex(TypeError, "got a single Tensor"):
+            MainstayOptimizer(model, "127.0.0.1:1", w)
+        with self.assertRaisesRegex(ValueError, r"parameter 0\.weight is in param groups 0 and 1"):
+            MainstayOptimizer(model, "127.0.0.1:1", [{"params": [w]}, {"params": [w, b]}])
+        with self.assertRaisesRegex(ValueError, r"not a parameter of the model"):
+            MainstayOptimizer(model, "127.0.0.1:1", [{"params": [torch.nn.Parameter(torch.zeros(2))]}])
+        with self.assertRaisesRegex(ValueError, r"param group 1 has betas=\(0\.8, 0\.9\), but the job applies"):
+            MainstayOptimizer(model, "127.0.0.1:1", [{"params": [w]}, {"params": [b], "betas": (0.8, 0.9)}])
+        with self.assertRaisesRegex(TypeError, "mixes parameters and param-group dicts"):
+            MainstayOptimizer(model, "127.0.0.1:1", [w, {"params": [b]}])
 
     def test_import_mainstay_does_not_import_torch(self):
         out = subprocess.run([PYTHON, "-c", "import sys, mainstay; mainstay.compute_layout; "
