@@ -263,6 +263,9 @@ def main():
     ap.add_argument("--step-timeout", type=float, default=60.0, help="finish_step deadline, seconds")
     ap.add_argument("--text", default=TEXT)
     ap.add_argument("--all-ranks-print", action="store_true")
+    ap.add_argument("--print-every", type=int, default=1, help="print every n-th step (and the last)")
+    ap.add_argument("--require-drop", type=float, default=0.0,
+                    help="exit 1 unless the last step's loss is below (1 - this) x the first step's")
     args = ap.parse_args()
     if args.reference and args.resume:
         sys.exit("--reference cannot resume: its optimizer state lives in the process")
@@ -304,6 +307,7 @@ def main():
                  opt.next_step), flush=True)
 
     t_start = time.time()
+    first_loss = last_loss = None
     while opt.next_step < args.steps:
         step = opt.next_step
         while sched.last_epoch < step:  # the schedule follows Mainstay's step count (also after a resume)
@@ -339,7 +343,9 @@ def main():
                 print("rank %d: step %d rewound: the job resumes at step %d, version %d" % (
                     args.rank, step, opt.next_step, opt.version), flush=True)
             continue
-        if loud:
+        first_loss = float(mean[0]) if first_loss is None else first_loss
+        last_loss = float(mean[0])
+        if loud and (step % args.print_every == 0 or step == args.steps - 1):
             line = "rank %d step %3d  loss %.4f" % (args.rank, step, mean[0])
             if ref is not None:
                 line += "  reference %.4f  gap %+.4f" % (mean[1], mean[0] - mean[1])
@@ -353,6 +359,9 @@ def main():
         print("rank %d done: %d steps in %.1f s, version %d" % (args.rank, opt.next_step, time.time() - t_start,
                                                                opt.version), flush=True)
     dist.destroy_process_group()
+    if args.require_drop > 0 and first_loss is not None and not last_loss < (1 - args.require_drop) * first_loss:
+        sys.exit("the loss went from %.4f to %.4f: it did not drop by %.0f%%" % (first_loss, last_loss,
+                                                                              100 * args.require_drop))
 
 
 if __name__ == "__main__":
