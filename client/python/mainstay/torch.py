@@ -668,45 +668,45 @@ class MainstayOptimizer(torch.optim.Optimizer):
             return
         lo, hi = self._shard[i]
         flat = self._grad_flat[i]
-        nccl = self._backend() == "nccl"
-        # One size for every bucket's buffer, so that the pusher's buffers are reused.
-        buf = self._pusher.buffer(self._max_numel // self._world if nccl else self._max_numel, flat.dtype, flat.device)
+        if self._backend() == "nccl":
+            # In place, as Megatron's distributed optimizer does: the reduced shard lands in this
+            # rank's slice of the flat gradient buffer.
+            work = dist.reduce_scatter_tensor(flat[lo:hi], flat, op=dist.ReduceOp.SUM, group=self._group,
+                                              async_op=True)
+            self._pusher.submit(i, work, None)
+            return
+        # Gloo has no reduce-scatter: an all-to-all gives every rank the D copies of its own
+        # shard, which the pusher sums in rank order (deterministic). Gloo moves no bf16 (nor
+        # int16); the all-to-all only moves bytes, so those go as uint8. Every bucket's buffer has
+        # the largest bucket's size, so that the pusher reuses them.
+        buf = self._pusher.buffer(self._max_numel, flat.dtype, flat.device)
+        raw = (lambda t: t.view(torch.uint8)) if flat.dtype == torch.bfloat16 else (lambda t: t)
         try:
-            if nccl:
-                work = dist.reduce_scatter_tensor(buf[:hi - lo], flat, op=dist.ReduceOp.SUM, group=self._group,
-                                                  async_op=True)
-            else:
-                # Gloo has no reduce-scatter: an all-to-all gives every rank the D copies of its
-                # own shard, summed in rank order (deterministic) by the pusher.
-                # (Gloo moves no bf16 or int16: the all-to-all only moves bytes, so as uint8.)
-                raw = (lambda t: t.view(torch.uint8)) if flat.dtype == torch.bfloat16 else (lambda t: t)
-                work = dist.all_to_all_single(raw(buf[:flat.numel()]), raw(flat), group=self._group, async_op=True)
+            work = dist.all_to_all_single(raw(buf[:flat.numel()]), raw(flat), group=self._group, async_op=True)
         except BaseException:
             self._pusher.release(buf)
             raise
         self._pusher.submit(i, work, buf)
 
-    def _reduced_shard(self, i, buf):
-        """This rank's reduced shard of bucket i from the collective's output, as pushed: in the
-        parameters' dtype (gloo's sum over ranks in FP32, then rounded once)."""
-        lo, hi = self._shard[i]
-        # The result must not alias `buf`, which the next bucket reuses: a push does not copy its
-        # data, and an aborted step pushes the same payload again.
-        if self._world == 1:
-            shard = self._grad_flat[i]
-        elif self._backend() == "nccl":
-            shard = buf[:hi - lo].clone()
-        else:
-            shard = buf[:self._grad_flat[i].numel()].view(self._world, hi - lo).sum(dim=0, dtype=torch.float32)
-        if self._average and self._world > 1:
-            shard = shard / self._world
-        return shard.to(self._dtype)
-
     def _prepare_payload(self, i, buf):
+        """Once bucket i's collective is done: the reduced (and averaged) shard written into this
+        rank's slice of the flat gradient buffer, where it stays until zero_grad() (a push does
+        not copy its data, and an aborted step pushes it again). Unreduced mode: the whole flat
+        gradient. The other ranks' slices of the buffer keep this rank's own gradients."""
+        flat = self._grad_flat[i]
         if self._reduce == "unreduced":
-            self._payloads[i] = self._wire(self._grad_flat[i])
-        else:
-            self._payloads[i] = self._wire(self._reduced_shard(i, buf))
+            self._payloads[i] = self._wire(flat)
+            return
+        lo, hi = self._shard[i]
+        shard = flat[lo:hi]
+        if buf is not None:  # gloo: the sum over ranks in FP32, in rank order, rounded once
+            total = buf[:flat.numel()].view(self._world, hi - lo).sum(dim=0, dtype=torch.float32)
+            if self._average:
+                total /= self._world
+            shard.copy_(total)
+        elif self._world > 1 and self._average:  # nccl: summed in place
+            shard.div_(self._world)
+        self._payloads[i] = self._wire(shard)
 
     def _push(self, i, step):
         b = self._buckets[i]["index"]
