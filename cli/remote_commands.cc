@@ -262,7 +262,16 @@ absl::Status RunJobsShow(const Args& args, Output& output) {
     const v1::StepStats& st = response.last_step_stats();
     t.AddRow({"last step", absl::StrCat(st.step(), st.skipped() ? " (skipped: non-finite gradients)" : "")});
     t.AddRow({"grad norm", absl::StrFormat("%.6g (clip factor %.4g)", st.grad_norm(), st.clip_factor())});
-    t.AddRow({"lr, weight decay", absl::StrFormat("%.6g, %.6g", st.lr(), st.weight_decay())});
+    if (st.groups_size() > 1) {  // one pair per param group
+      std::string groups;
+      for (int g = 0; g < st.groups_size(); ++g) {
+        absl::StrAppend(&groups, g ? " | " : "", absl::StrFormat("%.6g, %.6g", st.groups(g).lr(),
+                                                                st.groups(g).weight_decay()));
+      }
+      t.AddRow({"lr, weight decay", groups + " (per param group)"});
+    } else {
+      t.AddRow({"lr, weight decay", absl::StrFormat("%.6g, %.6g", st.lr(), st.weight_decay())});
+    }
     t.AddRow({"step time", absl::StrCat(st.step_time_ms(), " ms (amax probe ", absl::StrFormat("%.1f", st.phases().update_ms()),
                                         " ms, update and cast ", absl::StrFormat("%.1f", st.phases().quantize_ms()), " ms)")});
   }
