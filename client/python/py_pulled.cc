@@ -89,25 +89,28 @@ py::array Dequantize(const PulledBucket& p, const py::object& key) {
   return out;
 }
 
+// A writable C-contiguous array of `n` elements of T: `out` when given (checked; `what` names
+// the call and the size in its messages), else a new one.
+template <typename T>
+py::array_t<T> OutArray(const py::object& out_obj, int64_t n, const std::string& what) {
+  if (out_obj.is_none()) return py::array_t<T>(std::vector<py::ssize_t>{static_cast<py::ssize_t>(n)});
+  const std::string need = what + ": out must be a writable C-contiguous " + std::string(py::str(py::dtype::of<T>())) +
+                           " numpy array of " + std::to_string(n) + " elements";
+  if (!py::isinstance<py::array>(out_obj)) throw py::type_error(need);
+  py::array given = py::reinterpret_borrow<py::array>(out_obj);
+  if (!given.dtype().is(py::dtype::of<T>()) || !(given.flags() & py::array::c_style) || !given.writeable() ||
+      given.size() != n) {
+    throw py::value_error(need + "; got " + std::string(py::str(given.dtype())) + " of " +
+                          std::to_string(given.size()) + " elements");
+  }
+  return py::reinterpret_borrow<py::array_t<T>>(given);
+}
+
 // FP32 values of every covered bucket element, into `out` (a writable C-contiguous float32
 // array of elements().size(), e.g. a torch tensor's .numpy() view: no copy) or a new array.
 py::array DequantizeCovered(const PulledBucket& p, const py::object& out_obj) {
   const int64_t n = p.elements().size();
-  py::array_t<float> out;
-  if (out_obj.is_none()) {
-    out = py::array_t<float>(std::vector<py::ssize_t>{static_cast<py::ssize_t>(n)});
-  } else {
-    const std::string need = "dequantize_covered: out must be a writable C-contiguous float32 numpy array of " +
-                             std::to_string(n) + " elements (the covered shards of the bucket)";
-    if (!py::isinstance<py::array>(out_obj)) throw py::type_error(need);
-    py::array given = py::reinterpret_borrow<py::array>(out_obj);
-    if (!given.dtype().is(py::dtype::of<float>()) || !(given.flags() & py::array::c_style) || !given.writeable() ||
-        given.size() != n) {
-      throw py::value_error(need + "; got " + std::string(py::str(given.dtype())) + " of " +
-                            std::to_string(given.size()) + " elements");
-    }
-    out = py::reinterpret_borrow<py::array_t<float>>(given);
-  }
+  py::array_t<float> out = OutArray<float>(out_obj, n, "dequantize_covered (the covered shards of the bucket)");
   std::span<float> dst(out.mutable_data(), static_cast<size_t>(n));
   absl::Status s;
   {
@@ -118,24 +121,9 @@ py::array DequantizeCovered(const PulledBucket& p, const py::object& out_obj) {
   return out;
 }
 
-// A writable C-contiguous uint8 array of `n` bytes: `out` when given (checked), else a new one.
-py::array_t<uint8_t> ByteArray(const py::object& out_obj, int64_t n, const std::string& what) {
-  if (out_obj.is_none()) return py::array_t<uint8_t>(static_cast<py::ssize_t>(n));
-  const std::string need = what + ": out must be a writable C-contiguous uint8 numpy array of " + std::to_string(n) +
-                           " bytes";
-  if (!py::isinstance<py::array>(out_obj)) throw py::type_error(need);
-  py::array given = py::reinterpret_borrow<py::array>(out_obj);
-  if (!given.dtype().is(py::dtype::of<uint8_t>()) || !(given.flags() & py::array::c_style) || !given.writeable() ||
-      given.nbytes() != n) {
-    throw py::value_error(need + "; got " + std::string(py::str(given.dtype())) + " of " +
-                          std::to_string(given.nbytes()) + " bytes");
-  }
-  return py::reinterpret_borrow<py::array_t<uint8_t>>(given);
-}
-
 py::array_t<uint8_t> ShardRecord(const PulledBucket& p, const py::object& out_obj) {
-  py::array_t<uint8_t> out =
-      ByteArray(out_obj, PulledBucket::ShardRecordBytes(p.layout(), p.bucket()), "shard_record");
+  py::array_t<uint8_t> out = OutArray<uint8_t>(out_obj, PulledBucket::ShardRecordBytes(p.layout(), p.bucket()),
+                                               "shard_record");
   Check(p.WriteShardRecord(std::span<uint8_t>(out.mutable_data(), static_cast<size_t>(out.size()))));
   return out;
 }

@@ -48,6 +48,10 @@ struct Case {
   int daemons;
 };
 
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  return absl::StrCat(info.param.recipe, "_", LayoutPolicyName(info.param.policy), "_", info.param.daemons, "d");
+}
+
 class StepEngineTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(StepEngineTest, ShardedStepsEqualTheUnshardedReferenceBitForBit) {
@@ -83,9 +87,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kFlat, 2},
                       Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kFlat, 1},
                       Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kWholeTensor, 2}),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      return absl::StrCat(info.param.recipe, "_", LayoutPolicyName(info.param.policy), "_", info.param.daemons, "d");
-    });
+    CaseName);
 
 // Param groups: each tensor is updated with its group's lr and weight_decay of the step, bit for
 // bit as the unsharded reference (with the probe, one-loop and after-update casts alike).
@@ -121,10 +123,7 @@ INSTANTIATE_TEST_SUITE_P(Recipes, ParamGroupStepEngineTest,
                                            Case{"bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2},
                                            Case{"bf16_with_mxfp8_mixed", LayoutPolicy::kFlat, 2},
                                            Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kWholeTensor, 2}),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return absl::StrCat(info.param.recipe, "_", LayoutPolicyName(info.param.policy), "_",
-                                               info.param.daemons, "d");
-                         });
+                         CaseName);
 
 TEST(ParamGroupProtocolTest, BadGroupHyperparametersAreInvalidArgumentWithNothingChanged) {
   JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
@@ -216,10 +215,7 @@ INSTANTIATE_TEST_SUITE_P(Recipes, SgdStepEngineTest,
                                            Case{"bf16_with_mxfp8_mixed", LayoutPolicy::kFlat, 2},
                                            Case{"bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2},
                                            Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kFlat, 2}),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return absl::StrCat(info.param.recipe, "_", LayoutPolicyName(info.param.policy), "_",
-                                               info.param.daemons, "d");
-                         });
+                         CaseName);
 
 class StepProtocolTest : public ::testing::Test {
  protected:

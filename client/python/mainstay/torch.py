@@ -246,13 +246,17 @@ class MainstayOptimizer(torch.optim.Optimizer):
             for i in range(len(self._buckets)):  # buckets no hook started, in bucket order
                 if not self._launched[i]:
                     self._launch(i)
-            self._pusher.drain()
-            pushes = [self._pushes[i] for i in range(len(self._buckets))]
         except BaseException:
             self._reset_step()
             raise
+        pushes = []
         for attempt in range(1, self.MAX_STEP_ATTEMPTS + 1):
             try:
+                if attempt == 1:
+                    self._pusher.drain()  # raises what starting a push raised on the pusher thread
+                    pushes = [self._pushes[i] for i in range(len(self._buckets))]
+                else:
+                    pushes = [self._push(i, step) for i in range(len(self._buckets))]
                 stats = self.client.finish_step(step, groups=groups, timeout_s=self._step_timeout_s)
                 for h in pushes:
                     h.wait()
@@ -275,7 +279,9 @@ class MainstayOptimizer(torch.optim.Optimizer):
                 self.retried_steps += 1
                 print("mainstay.torch: step %d of job %s was aborted (%s); pushing it again (attempt %d)"
                       % (step, self.client.job_id, e.message, attempt + 1), file=sys.stderr, flush=True)
-                pushes = [self._push(i, step) for i in range(len(self._buckets))]
+            except BaseException:
+                self._reset_step()
+                raise
         self._reset_step()
         self._next_step = step + 1
         self.last_stats = stats

@@ -152,7 +152,8 @@ class FaultsInsideStepTest(unittest.TestCase):
         for r, (code, out) in enumerate(zip(codes, outs)):
             self.assertEqual(code, 0, "rank %d failed:\n%s\n%s" % (r, out, cluster.logs()))
         rows = re.findall(r"step +(\d+)  loss ([\d.]+)  reference ([\d.]+)", outs[0])
-        self.assertEqual([int(r[0]) for r in rows], list(range(steps)), outs[0])
+        both = "\n".join(outs) + cluster.logs()
+        self.assertEqual([int(r[0]) for r in rows], list(range(steps)), both)
         worst = max(abs(float(m) - float(r)) / float(r) for _, m, r in rows)
         self.assertLess(worst, LOSS_RTOL, outs[0])
         self.assertIn("version %d" % steps, outs[0])
@@ -223,8 +224,9 @@ class FaultsInsideStepTest(unittest.TestCase):
             for r, (code, out) in enumerate(zip(codes, outs)):
                 self.assertEqual(code, 0, "rank %d failed:\n%s\n%s" % (r, out, cluster.logs()))
             self.assertIn("restoring from checkpoint", cluster.log("coordinator"))
-            self.assertRegex(outs[0], r"was restored to step \d+", outs[0])
-            self.assertNotIn("re-forming the group", outs[0])
+            both = "\n".join(outs) + cluster.logs()
+            self.assertNotIn("re-forming the group", outs[0] + outs[1], both)
+            self.assertRegex(outs[0], r"was restored to step \d+", both)
             self.assertIn("rank 0 done: 24 steps", outs[0])
             self.assertIn("version 24", outs[0].splitlines()[-1])
         finally:
