@@ -448,11 +448,16 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
                                                    StepHyperString(*executing_hyper_)));
   }
   if (step >= 0 && rewound_ && step > next_step_) return RewoundError("FinishStep", step);
-  if (request.redirected() && step >= 0 && !Decided(step) && executing_step_ != step && !failures_.count(step)) {
-    // Only a move brings this rank's pushes here: without them the step cannot run. In a step of
-    // unreduced pushes the rank pushed every shard, so one primary lacking its push means that
-    // push was lost (with a move's source that died before its copy, which then came from a
-    // replica: replicas hold no trainers' pushes), and the step would wait for it for ever.
+  const bool open = step >= 0 && !Decided(step) && executing_step_ != step && !failures_.count(step);
+  // A FinishStep must find the rank's pushes of the step here: the client sends it only once
+  // they were acknowledged. A move brings pushes along (`redirected`); a restore or failover
+  // that re-placed the job at a newer epoch since the pushes (`placement_epoch` older than this
+  // daemon's) may have dropped them. Waiting would then last until the deadline: the step
+  // cannot run without them.
+  if (open && (request.redirected() || (request.placement_epoch() < epoch_ && !Fenced()))) {
+    // In a step of unreduced pushes the rank pushed every shard, so one primary lacking its push
+    // means that push was lost (with a move's source that died before its copy, which then came
+    // from a replica: replicas hold no trainers' pushes), and the step would wait for it for ever.
     bool incoming = false, pushed = false, unreduced = false, lacking = false;
     auto in = pending_.find(step);
     for (const auto& [key, state] : shards_) {
@@ -469,9 +474,12 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
                                                  ": shards are being copied to this daemon; retry"));
     }
     if (!pushed || (unreduced && lacking)) {
-      return absl::AbortedError(absl::StrCat("FinishStep: this daemon lacks pushes of rank ", request.rank(),
-                                             " for step ", step, " of job ", job_id_, " (they were lost with the "
-                                             "daemon they went to): push step ", step, " again"));
+      return ErrorWithDetail(absl::AbortedError(absl::StrCat(
+          "FinishStep: this daemon lacks pushes of rank ", request.rank(), " for step ", step, " of job ", job_id_,
+          request.redirected() ? " (they were lost with the daemon they went to)"
+                               : absl::StrCat(" (pushed at placement epoch ", request.placement_epoch(),
+                                              "; the job was re-placed at epoch ", epoch_, " without them)"),
+          ": push step ", step, " again")));
     }
   }
   if (step >= 0 && !Decided(step) && executing_step_ != step) {

@@ -123,6 +123,36 @@ TEST_F(CheckpointProtocolTest, AfterARestoreTrainersAheadAreAbortedWithTheStepTo
   }
 }
 
+// Pushes of the resume step that landed before the restore replaced the job are gone with it: a
+// FinishStep from the old epoch is ABORTED at once ("push again", with the step to resume
+// from), instead of waiting for pushes that will never come; pushed again, the step runs.
+TEST_F(CheckpointProtocolTest, AFinishStepWhosePushesARestoreDroppedIsAbortedAtOnce) {
+  ASSERT_THAT(a_.Checkpoint(fs_, kDir, "c1", 1).status(), IsOk());
+  a_.PushGrads(2);  // at epoch 1
+  const int64_t old_epoch = a_.epoch();
+  ASSERT_THAT(a_.Restore(kDir, "c1"), IsOk());
+  v1::FinishStepRequest req;
+  req.set_job_id(kJob);
+  req.set_job_token(kToken);
+  req.set_placement_epoch(old_epoch);
+  req.set_step(2);
+  req.set_rank(0);
+  req.set_lr(Lr(2));
+  const absl::Time start = absl::Now();
+  absl::Status finish = a_.daemon_of(0).FinishStep(req, absl::Now() + absl::Seconds(20)).status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "FinishStep waited for pushes that the restore dropped";
+  EXPECT_THAT(finish, StatusIs(absl::StatusCode::kAborted, ::testing::HasSubstr("re-placed at epoch")));
+  std::optional<v1::ErrorDetail> detail = GetErrorDetail(finish);
+  ASSERT_TRUE(detail.has_value());
+  EXPECT_EQ(detail->committed_step(), 1);
+  EXPECT_EQ(detail->placement_epoch(), a_.epoch());
+  a_.PushGrads(2);
+  for (const auto& stats : a_.Finish(2, Lr(2))) {
+    ASSERT_THAT(stats.status(), IsOk());
+    EXPECT_EQ(stats->version(), 3);
+  }
+}
+
 TEST_F(CheckpointProtocolTest, ACheckpointOfAStepAlreadyPassedIsFailedPreconditionWithTheStep) {
   absl::StatusOr<v1::CheckpointManifest> old = a_.Checkpoint(fs_, kDir, "c1", 0);
   EXPECT_THAT(old.status(), StatusIs(absl::StatusCode::kFailedPrecondition));
