@@ -30,6 +30,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -608,15 +609,22 @@ class MainstayOptimizer(torch.optim.Optimizer):
         self._scratch = None  # FP32, the largest bucket: dequantized values of bf16 parameters
         self._alias_grads()
 
+    def __del__(self):
+        for h in getattr(self, "_hook_handles", ()):
+            h.remove()
+
     def _install_hooks(self):
         """A hook per parameter that runs once its gradient is accumulated; the bucket's last
         one starts the bucket (PyTorch >= 2.1: post-accumulate-grad hooks; before: a hook on
         the parameter's AccumulateGrad node, as DDP does)."""
         self._hook_handles, self._grad_accs = [], []
+        me = weakref.ref(self)  # the model keeps its hooks: they must not keep the optimizer alive
         for i, views in enumerate(self._views):
             for p, _ in views:
                 def ready(*_, i=i):
-                    self._grad_ready(i)
+                    opt = me()
+                    if opt is not None:
+                        opt._grad_ready(i)
                 if hasattr(p, "register_post_accumulate_grad_hook"):
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(ready))
                 else:
@@ -806,7 +814,9 @@ class _Pusher:
     were started, while backward goes on. Holds at most MAX_IN_FLIGHT collective buffers."""
 
     def __init__(self, opt):
-        self._opt = opt
+        # A weak reference: the thread must not keep its optimizer (and the model's buffers)
+        # alive; it ends once the optimizer is gone.
+        self._opt = weakref.ref(opt)
         self._queue = queue.Queue()
         self._free = []                     # collective buffers to reuse
         self._slots = threading.Semaphore(opt.MAX_IN_FLIGHT)
@@ -834,7 +844,7 @@ class _Pusher:
             self._thread.start()
         with self._done:
             self._pending += 1
-        self._queue.put((i, work, buf, self._opt._next_step))
+        self._queue.put((i, work, buf, self._opt()._next_step))
 
     def drain(self):
         """Waits until every submitted bucket is pushed; raises what the thread raised."""
@@ -851,9 +861,14 @@ class _Pusher:
             self._error = None
 
     def _run(self):
-        opt = self._opt
         while True:
-            i, work, buf, step = self._queue.get()
+            try:
+                i, work, buf, step = self._queue.get(timeout=5.0)
+            except queue.Empty:
+                if self._opt() is None:
+                    return
+                continue
+            opt = self._opt()
             try:
                 with torch.no_grad():
                     if work is not None:
@@ -870,3 +885,4 @@ class _Pusher:
                 with self._done:
                     self._pending -= 1
                     self._done.notify_all()
+                del opt

@@ -5,6 +5,7 @@
 
 Exit 77 (skipped) without torch. What each test proves is in its docstring.
 """
+import gc
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import time
 import unittest
+import weakref
 
 try:
     import torch
@@ -200,33 +202,43 @@ class FaultsInsideStepTest(unittest.TestCase):
             cluster.stop()
 
     def test_a_daemon_killed_without_replicas_rewinds_to_the_checkpoint_inside_step(self):
-        """Periodic checkpoints every 4 steps, no replicas, three daemons. A daemon holding the
-        job is SIGKILLed; the coordinator restores the job from its newest checkpoint onto the
-        live daemons, and step() of both ranks loads the restored version and goes on from the
-        checkpoint's step, with a warning: the loop sees no exception and the run completes."""
-        cluster = process_cluster.Cluster(daemons=3, lease_ms=3000,
-                                          coordinator_flags=["--checkpoint-every-steps", "4"])
-        killed = []
+        """No replicas, three daemons. A checkpoint is taken at step ~4 (mainstayctl checkpoint
+        create --wait); at step ~10 a daemon holding the job is SIGKILLed. The coordinator
+        restores the job from the checkpoint onto the live daemons, and step() of both ranks
+        loads the restored version and goes on from the checkpoint's step, with a warning: the
+        loop sees no exception, and the run completes its 24 steps."""
+        cluster = Cluster(daemons=3)
+        taken = []
 
-        def kill(run):
+        def checkpoint_then_kill(run):
             with open(os.path.join(run, "job.json")) as f:
                 job = json.load(f)["job_id"]
+            r = cluster.ctl("checkpoint", "create", "--job", job, "--wait", "--yes", "--json", "--timeout-ms", "60000")
+            self.assertEqual(r.returncode, 0, r.stderr + cluster.logs())
+            taken.append(json.loads(r.stdout))
+            deadline = time.time() + 120
+            while time.time() < deadline:
+                with open(os.path.join(run, "rank0.log")) as f:
+                    done = [int(s) for s in re.findall(r"rank 0 step +(\d+)", f.read())]
+                if done and done[-1] >= int(taken[0]["version"]) + 5:
+                    break
+                time.sleep(0.02)
             victim = owner_of(cluster, job, 0)
             r = cluster.ctl("daemons", "list", "--json")
             for d in json.loads(r.stdout)["daemons"]:
                 if d["endpoint"]["daemon_id"] == victim:
-                    name = "daemon" + d["endpoint"]["node_name"][len("node"):]
-            cluster.kill(name)
-            killed.append(victim)
+                    cluster.kill("daemon" + d["endpoint"]["node_name"][len("node"):])
 
         try:
-            codes, outs = run_with_action(cluster, ["--step-timeout", "30"], 10, kill, steps=24)
-            for r, (code, out) in enumerate(zip(codes, outs)):
-                self.assertEqual(code, 0, "rank %d failed:\n%s\n%s" % (r, out, cluster.logs()))
-            self.assertIn("restoring from checkpoint", cluster.log("coordinator"))
+            codes, outs = run_with_action(cluster, ["--step-timeout", "30"], 4, checkpoint_then_kill, steps=24)
             both = "\n".join(outs) + cluster.logs()
+            for r, code in enumerate(codes):
+                self.assertEqual(code, 0, "rank %d failed:\n%s" % (r, both))
+            self.assertIn("restoring from checkpoint " + taken[0]["checkpoint_id"], cluster.log("coordinator"), both)
             self.assertNotIn("re-forming the group", outs[0] + outs[1], both)
-            self.assertRegex(outs[0], r"was restored to step \d+", both)
+            restored = re.search(r"was restored to step (\d+)", outs[0])
+            self.assertIsNotNone(restored, both)
+            self.assertEqual(int(restored.group(1)), int(taken[0]["version"]) - 1, both)
             self.assertIn("rank 0 done: 24 steps", outs[0])
             self.assertIn("version 24", outs[0].splitlines()[-1])
         finally:
@@ -459,6 +471,24 @@ class ClusterTest(unittest.TestCase):
         for other in results[1:]:
             for a, b in zip(results[0], other):
                 self.assertTrue(torch.equal(a, b))
+
+    def test_a_dropped_optimizer_leaves_no_thread_or_hook_behind(self):
+        """The model keeps the optimizer's gradient hooks and the pusher thread runs for it, but
+        neither keeps the optimizer alive: once dropped it is collected, its hooks are gone from
+        the model (a later backward pushes nothing) and its pusher thread ends."""
+        model = tiny_model()
+        opt = MainstayOptimizer(model, self.cluster.address, lr=1e-2)
+        train_steps(model, opt, 1)
+        pusher = opt._pusher._thread
+        self.assertTrue(pusher.is_alive())
+        gone = weakref.ref(opt)
+        del opt
+        gc.collect()
+        self.assertIsNone(gone())
+        torch.nn.functional.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 4)).backward()
+        self.assertTrue(all(p.grad is not None for p in model.parameters()))
+        pusher.join(timeout=20)
+        self.assertFalse(pusher.is_alive())
 
     def test_gradient_accumulation_needs_no_sync(self):
         """Two backward passes before a step: without no_sync() the second one is refused with
