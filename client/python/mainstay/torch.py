@@ -149,7 +149,6 @@ class MainstayOptimizer(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self._initializing = False
         self._check_groups()
-        self._names = [n for n, _ in named]
         self._group_of_name = {n: group_of[id(p)] for n, p in named}
 
         created = False
