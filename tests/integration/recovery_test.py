@@ -202,9 +202,14 @@ class RecoveryTest(unittest.TestCase):
         saved_version = int(ckpt["version"])
         os.remove(pause)
         self.wait_step("run", 0, saved_version + 3)
+        # Held again for the kill: unheld, the trainers could finish their last steps before the
+        # daemon is gone (a quiet machine runs them in milliseconds), and nothing would rewind.
+        open(pause, "w").close()
+        time.sleep(0.5)
         self.cluster.kill("daemon1")
         if restart:
             self.cluster.start_daemon(1)
+        os.remove(pause)
         for p in ps:
             self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
         log = self.cluster.log("run.rank")
