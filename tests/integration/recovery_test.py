@@ -193,7 +193,9 @@ class RecoveryTest(unittest.TestCase):
 
     def daemon_lost(self, restart):
         pause = os.path.join(self.cluster.dir, "pause")
-        ps = [self.cluster.trainer(r, "run", "--pause-file", pause) for r in range(D)]
+        # 0.1 s per step: the trainers are held for the kill with steps still to run (at full
+        # speed a quiet machine finished the last steps before the pause was seen).
+        ps = [self.cluster.trainer(r, "run", "--pause-file", pause, "--step-sleep", "0.1") for r in range(D)]
         self.wait_step("run", 0, 4)
         open(pause, "w").close()  # hold the trainers between steps while the checkpoint is taken
         time.sleep(0.5)
@@ -202,8 +204,8 @@ class RecoveryTest(unittest.TestCase):
         saved_version = int(ckpt["version"])
         os.remove(pause)
         self.wait_step("run", 0, saved_version + 3)
-        # Held again for the kill: unheld, the trainers could finish their last steps before the
-        # daemon is gone (a quiet machine runs them in milliseconds), and nothing would rewind.
+        # Held again for the kill, with steps left: unheld, the trainers could finish their last
+        # steps before the daemon is gone, and nothing would rewind.
         open(pause, "w").close()
         time.sleep(0.5)
         self.cluster.kill("daemon1")
