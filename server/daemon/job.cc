@@ -503,8 +503,16 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
     // (A step still running here may yet commit: its waiters learn how it ends first.)
     return Fenced() && request.placement_epoch() < fence_epoch_ && !Decided(step) && executing_step_ != step;
   };
+  // An attempt that fails while this call waits ends it, even if another rank's push of the next
+  // attempt cleared failures_ before this thread ran again.
+  auto attempts_failed = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) -> int64_t {
+    auto f = failed_attempts_.find(step);
+    return f == failed_attempts_.end() ? 0 : f->second.first;
+  };
+  const int64_t failed_before = attempts_failed();
   auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return stopping_ || !restore_error_.ok() || (!restoring_ && Decided(step)) || failures_.count(step) || fenced();
+    return stopping_ || !restore_error_.ok() || (!restoring_ && Decided(step)) || failures_.count(step) ||
+           attempts_failed() != failed_before || fenced();
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
     return absl::DeadlineExceededError(absl::StrCat("FinishStep: step ", step, " of job ", job_id_,
@@ -514,6 +522,7 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
   if (!restore_error_.ok()) return absl::FailedPreconditionError(restore_error_.message());
   if (fenced()) return FencedError("FinishStep");
   if (auto f = failures_.find(step); f != failures_.end() && !Decided(step)) return f->second;
+  if (attempts_failed() != failed_before && !Decided(step)) return failed_attempts_.at(step).second;
   if (stopping_ && !Decided(step)) return absl::UnavailableError("FinishStep: the job stopped on this daemon (dropped, or the daemon is shutting down)");
   auto it = stats_.find(step);
   if (it == stats_.end()) {

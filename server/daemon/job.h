@@ -502,6 +502,16 @@ class Job : public std::enable_shared_from_this<Job> {
   std::vector<std::vector<uint8_t>> spare_buffers_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, v1::StepStats> stats_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, absl::Status> failures_ ABSL_GUARDED_BY(mu_);
+  // Failed attempts of each undecided step, and the last one's status. Unlike failures_, a new
+  // push does not clear it: a FinishStep that waited through a failed attempt learns of it even
+  // when another rank's push has already started the next attempt (RecordFailureLocked).
+  std::map<int64_t, std::pair<int64_t, absl::Status>> failed_attempts_ ABSL_GUARDED_BY(mu_);
+  void RecordFailureLocked(int64_t step, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    failures_[step] = status;
+    auto& [count, last] = failed_attempts_[step];
+    ++count;
+    last = std::move(status);
+  }
   // The agreed results of the newest steps' deciding reductions (GetStepOutcome), and whether a
   // reduction of executing_step_ is running now.
   std::map<int64_t, v1::StepDecision> decisions_ ABSL_GUARDED_BY(mu_);

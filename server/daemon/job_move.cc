@@ -232,9 +232,9 @@ void Job::RunMovesIn() {
     }
     if (!lost.empty()) {
       const int64_t step = next_step_;
-      failures_[step] = ErrorWithDetail(absl::AbortedError(
+      RecordFailureLocked(step, ErrorWithDetail(absl::AbortedError(
           absl::StrCat("step ", step, " of job ", job_id_, " lost ", lost, " with the daemon it went to (",
-                       move.source.daemon_id(), " or an earlier source); push step ", step, " again")));
+                       move.source.daemon_id(), " or an earlier source); push step ", step, " again"))));
       pending_.erase(open);
       Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": ", failures_[step].message()));
     }

@@ -670,9 +670,9 @@ void Job::RunSteps() {
       const std::string message = absl::StrCat("step ", step, " of job ", job_id_,
                                                " failed on this daemon and changed nothing (",
                                                result.status().message(), "); push step ", step, " again");
-      failures_[step] = ErrorWithDetail(result.status().code() == absl::StatusCode::kInvalidArgument
-                                            ? absl::InvalidArgumentError(message)
-                                            : absl::AbortedError(message));
+      RecordFailureLocked(step, ErrorWithDetail(result.status().code() == absl::StatusCode::kInvalidArgument
+                                                    ? absl::InvalidArgumentError(message)
+                                                    : absl::AbortedError(message)));
       if (options_.metrics != nullptr) options_.metrics->StepFailed(job_id_);
       continue;
     }
@@ -694,6 +694,7 @@ void Job::RunSteps() {
     }
     committed_scaling_ = ScalingProto();
     failures_.erase(step);
+    failed_attempts_.erase(failed_attempts_.begin(), failed_attempts_.upper_bound(step));
     loss_scale_now_ = loss_scale_.scale;
     const int64_t commit_ms = options_.clock->NowUnixMs();
     stats.set_version(version_);
