@@ -407,4 +407,19 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto) {
   return layout;
 }
 
+void StepHyperToProto(std::span<const GroupHyper> groups, google::protobuf::RepeatedPtrField<v1::GroupHyperparams>* out) {
+  for (const GroupHyper& g : groups) {
+    v1::GroupHyperparams* p = out->Add();
+    p->set_lr(g.lr);
+    p->set_weight_decay(g.weight_decay);
+  }
+}
+
+StepHyper StepHyperFromProto(const google::protobuf::RepeatedPtrField<v1::GroupHyperparams>& groups) {
+  StepHyper out;
+  out.reserve(static_cast<size_t>(groups.size()));
+  for (const v1::GroupHyperparams& g : groups) out.push_back({g.lr(), g.weight_decay()});
+  return out;
+}
+
 }  // namespace mainstay

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "common/format.h"
 #include "common/layout.h"
+#include "common/step_hyper.h"
 #include "common/tensor_spec.h"
 #include "mainstay/v1/common.pb.h"
 
@@ -46,6 +47,12 @@ void LayoutToProto(const Layout& layout, v1::Layout* out);
 // (r+1) * shard_numel); fragments inside their shard, in order, consistent with their tensor's
 // bucket_offset, and partitioning every tensor exactly (whole tensors under kWholeTensor).
 absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto);
+
+// A step's per-group hyperparameters <-> repeated GroupHyperparams (FinishStepRequest.groups,
+// StepStats.groups, ReplicaInputHeader.groups). Values are copied as they are (CheckStepHyper
+// validates them); ToProto appends to `out`.
+void StepHyperToProto(std::span<const GroupHyper> groups, google::protobuf::RepeatedPtrField<v1::GroupHyperparams>* out);
+StepHyper StepHyperFromProto(const google::protobuf::RepeatedPtrField<v1::GroupHyperparams>& groups);
 
 }  // namespace mainstay
 

@@ -50,7 +50,7 @@ StepStats StepStatsFromProto(const v1::StepStats& p) {
   s.loss_scale = p.loss_scale();
   s.lr = p.lr();
   s.weight_decay = p.weight_decay();
-  for (const v1::GroupHyperparams& g : p.groups()) s.groups.push_back({g.lr(), g.weight_decay()});
+  s.groups = StepHyperFromProto(p.groups());
   s.nonfinite_count = p.nonfinite_count();
   s.commit_unix_ms = p.commit_unix_ms();
   s.step_time_ms = p.step_time_ms();
@@ -497,11 +497,7 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
   request.set_job_token(impl_->job_token);
   request.set_step(step);
   request.set_rank(rank());
-  for (const GroupHyper& g : groups) {
-    v1::GroupHyperparams* p = request.add_groups();
-    p->set_lr(g.lr);
-    p->set_weight_decay(g.weight_decay);
-  }
+  StepHyperToProto(groups, request.mutable_groups());
 
   // Each call blocks until the step is decided: one thread per daemon, outside the pools. First
   // the daemons the pushes landed on; then, as soon as a call ends, the new owners of shards

@@ -422,7 +422,7 @@ absl::StatusOr<StepHyper> Job::RequestHyper(const v1::FinishStepRequest& request
                                                      " param groups (its tensors' param_group), the request has ",
                                                      request.groups_size(), " entries in groups"));
     }
-    for (const v1::GroupHyperparams& g : request.groups()) hyper.push_back({g.lr(), g.weight_decay()});
+    hyper = StepHyperFromProto(request.groups());
   }
   MAINSTAY_RETURN_IF_ERROR(CheckStepHyper(hyper, "FinishStep"));
   return hyper;

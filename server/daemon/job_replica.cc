@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "common/crc32c.h"
 #include "common/logging.h"
+#include "common/layout_proto.h"
 #include "common/status.h"
 #include "server/daemon/job.h"
 
@@ -76,10 +77,7 @@ absl::StatusOr<bool> Job::CheckReplicaInputLocked(const v1::ReplicaInputHeader& 
                                                    "hyperparameters for step ", h.step(), " of job ", job_id_,
                                                    ", which has ", num_groups_, " groups"));
   }
-  for (const v1::GroupHyperparams& g : h.groups()) {
-    const GroupHyper one{g.lr(), g.weight_decay()};
-    MAINSTAY_RETURN_IF_ERROR(CheckStepHyper(std::span<const GroupHyper>(&one, 1), "ForwardStepInput"));
-  }
+  MAINSTAY_RETURN_IF_ERROR(CheckStepHyper(StepHyperFromProto(h.groups()), "ForwardStepInput"));
   // Applied already (a retried call). While the step runs here its input is still wanted: the
   // step thread takes it after the stats reduction.
   if (Decided(h.step())) return true;
@@ -110,8 +108,7 @@ absl::StatusOr<bool> Job::StoreReplicaInput(const v1::ReplicaInputHeader& h, std
   ReplicaInput& in = replica_inputs_[h.step()][{h.bucket(), h.shard()}];
   in.dtype = *InputType(h.dtype());
   in.loss_scale = h.loss_scale();
-  in.hyper.clear();
-  for (const v1::GroupHyperparams& g : h.groups()) in.hyper.push_back({g.lr(), g.weight_decay()});
+  in.hyper = StepHyperFromProto(h.groups());
   in.data = std::move(payload);
   // A daemon that holds only replicas has no pushes to make its step ready: the input does.
   StepInputs& step = pending_[h.step()];
@@ -156,11 +153,7 @@ absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<F
         h.set_dtype(ProtoType(f->dtype));
         h.set_total_bytes(s.numel * (BitsOf(f->dtype) / 8));
         h.set_loss_scale(f->loss_scale);
-        for (const GroupHyper& g : hyper) {
-          v1::GroupHyperparams* p = h.add_groups();
-          p->set_lr(g.lr);
-          p->set_weight_decay(g.weight_decay);
-        }
+        StepHyperToProto(hyper, h.mutable_groups());
         h.set_from_daemon_id(options_.daemon_id);
         h.set_crc32c(Crc32c(f->data, static_cast<size_t>(h.total_bytes())));
         // An unreachable replica may be dead: retried until the deadline, or until the

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/error_detail.h"
 #include "common/logging.h"
+#include "common/layout_proto.h"
 #include "common/status.h"
 #include "kernels/scaling.h"
 #include "server/daemon/job.h"
@@ -304,11 +305,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     }
     stats.set_lr(hyper[0].lr);
     stats.set_weight_decay(hyper[0].weight_decay);
-    for (const GroupHyper& g : hyper) {
-      v1::GroupHyperparams* p = stats.add_groups();
-      p->set_lr(g.lr);
-      p->set_weight_decay(g.weight_decay);
-    }
+    StepHyperToProto(hyper, stats.mutable_groups());
   }
 
   // 2. The amaxes the new version's casts need before they can run (version 0: of the initial
@@ -326,8 +323,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   std::vector<float> reduced(hyper_at + 4 * static_cast<size_t>(num_groups_), 0.0f);
   for (size_t g = 0; g < static_cast<size_t>(num_groups_); ++g) {
     float* r = &reduced[hyper_at + 4 * g];
-    std::fill(r, r + 4, -std::numeric_limits<float>::infinity());
-    if (hypers.empty()) std::fill(r, r + 4, 0.0f);
+    std::fill(r, r + 4, hypers.empty() ? 0.0f : -std::numeric_limits<float>::infinity());
     for (const StepHyper* h : hypers) {
       const float lr = static_cast<float>((*h)[g].lr), wd = static_cast<float>((*h)[g].weight_decay);
       r[0] = std::max(r[0], lr);

@@ -394,13 +394,7 @@ class Cluster {
   }
   // The same with one (lr, weight_decay) per param group (FinishStepRequest.groups).
   std::vector<absl::StatusOr<v1::StepStats>> FinishGroups(int64_t step, const StepHyper& groups) {
-    return Finish(step, [&](v1::FinishStepRequest& req) {
-      for (const GroupHyper& g : groups) {
-        v1::GroupHyperparams* p = req.add_groups();
-        p->set_lr(g.lr);
-        p->set_weight_decay(g.weight_decay);
-      }
-    });
+    return Finish(step, [&](v1::FinishStepRequest& req) { StepHyperToProto(groups, req.mutable_groups()); });
   }
   // `fill` sets the hyperparameters (and flags) of each rank's request.
   std::vector<absl::StatusOr<v1::StepStats>> Finish(int64_t step,
