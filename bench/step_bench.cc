@@ -19,6 +19,12 @@
 //              [--recipe bf16_with_fp8_current_scaling_mixed] [--daemon-threads 1]
 //              [--transport auto|grpc|ucx]   (UCX_TLS in the environment reaches the daemons too)
 //              [--move-at-step S] [--replication R [--kill-at-step S] [--lease-ttl-ms N]]
+//              [--grad-norm 0.5]   (every step's global gradient norm; the job clips above 1)
+//
+// Two baselines, measured in the same run: the whole model's update on --baseline-threads
+// threads (the ratio the tables before 2026-12-06 report), and the in-process distributed
+// optimizer the daemons replace: D ranks at once, each updating 1/D of the tensors on
+// --daemon-threads threads (the same threads as the slice's daemons).
 //
 // With --replication R (2 or 3), max(D, R) daemons start and the measured job runs twice in the
 // same run: with replication_factor 1, then R (docs/architecture.md, "Replicas"; the first job is
@@ -76,6 +82,7 @@ struct Flags {
   int replication = 1;    // > 1: the job runs twice, at R = 1 then at R, on the same daemons
   int kill_at_step = -1;  // with replication: SIGKILL rank 0's daemon just before this step
   int lease_ttl_ms = 0;   // the daemons' --lease-ttl-ms; 0: the coordinator's default
+  double grad_norm = 0.5; // of every step's gradients (max_grad_norm is 1: 0.5 does not clip)
 };
 
 [[noreturn]] void Die(const std::string& message) {
@@ -100,10 +107,12 @@ Flags ParseFlags(int argc, char** argv) {
     else if (name == "--replication") f.replication = std::atoi(value.c_str());
     else if (name == "--kill-at-step") f.kill_at_step = std::atoi(value.c_str());
     else if (name == "--lease-ttl-ms") f.lease_ttl_ms = std::atoi(value.c_str());
+    else if (name == "--grad-norm") f.grad_norm = std::atof(value.c_str());
     else Die("unknown flag " + name);
   }
   if (f.coordinator_bin.empty() || f.daemon_bin.empty()) Die("--coordinator-bin and --daemon-bin are required");
   if (f.dp < 1 || f.steps < 1 || f.params < 1e6) Die("bad --dp, --steps or --params");
+  if (!(f.grad_norm > 0.0)) Die("--grad-norm must be > 0");
   if (f.move_at_step == 0 || f.move_at_step > f.steps) Die("--move-at-step must be in [1, --steps] (step 0 warms up)");
   if (f.replication < 1 || f.replication > kMaxReplicationFactor) Die("--replication must be in [1, 3]");
   if (f.replication > 1 && f.move_at_step > 0) Die("--replication and --move-at-step do not combine");
@@ -221,43 +230,63 @@ double MemcpySeconds(int64_t bytes) {
   return best;
 }
 
-// The in-process update of the whole model: fused AdamW with amax, then quantize.
-double Baseline(const ResolvedJob& job, int threads, int reps) {
+// The in-process update of the tensors t with t % stride == first: fused AdamW with amax, then
+// quantize (no gradient-norm pass: the baseline is spared it).
+double Baseline(const ResolvedJob& job, int threads, int reps, float grad_value, size_t first = 0, size_t stride = 1) {
   kernels::CpuExecutor executor(threads);
   const kernels::Device device{kernels::Device::Kind::kCpu, &executor, nullptr};
   double best = 1e30;
   std::vector<std::vector<float>> master, m, v, grad;
   std::vector<std::vector<uint8_t>> out;
-  for (const LayoutTensor& t : job.layout.tensors) {
+  std::vector<size_t> mine;
+  for (size_t i = first; i < job.layout.tensors.size(); i += stride) mine.push_back(i);
+  for (size_t i : mine) {
+    const LayoutTensor& t = job.layout.tensors[i];
     master.emplace_back(t.numel, 0.01f);
     m.emplace_back(t.numel, 0.0f);
     v.emplace_back(t.numel, 0.0f);
-    grad.emplace_back(t.numel, 0.001f);
+    grad.emplace_back(t.numel, grad_value);
     out.emplace_back(DataBytes(t.format, t.numel));
   }
   for (int r = 0; r < reps; ++r) {
     const Clock::time_point t0 = Clock::now();
-    for (size_t i = 0; i < job.layout.tensors.size(); ++i) {
-      const LayoutTensor& t = job.layout.tensors[i];
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const LayoutTensor& t = job.layout.tensors[mine[k]];
       const kernels::Fragment frag{View2D(t.shape), {0, t.numel}};
       float amax = 0.0f;
       kernels::StepOutputs so;
       so.amax.tensor_amax = &amax;
       kernels::AdamWHyper h{1e-4f, 0.9f, 0.999f, 1e-8f, 0.0f, r + 1, 1.0f};
-      if (!kernels::FusedAdamW(device, t.format, job.recipe.model_dtype, frag, {grad[i].data(), ElementType::kFloat32},
-                               {master[i].data(), m[i].data(), v[i].data(), ElementType::kFloat32}, h, so)
+      if (!kernels::FusedAdamW(device, t.format, job.recipe.model_dtype, frag, {grad[k].data(), ElementType::kFloat32},
+                               {master[k].data(), m[k].data(), v[k].data(), ElementType::kFloat32}, h, so)
                .ok()) {
         Die("baseline FusedAdamW failed");
       }
       kernels::ScaleInputs in;
       in.tensor_amax = amax;
-      if (!kernels::Quantize(device, t.format, job.recipe.model_dtype, frag, master[i], in, {out[i], {}, nullptr}).ok()) {
+      if (!kernels::Quantize(device, t.format, job.recipe.model_dtype, frag, master[k], in, {out[k], {}, nullptr}).ok()) {
         Die("baseline Quantize failed (use a recipe with per-tensor scales)");
       }
     }
     best = std::min(best, Seconds(t0, Clock::now()));
   }
   return best;
+}
+
+// The in-process distributed optimizer on the same threads as the slice's daemons: D ranks at
+// once (threads of this process), each updating 1/D of the tensors on `threads` threads.
+// Returns the slowest rank's best time.
+double PerRankBaseline(const ResolvedJob& job, int ranks, int threads, int reps, float grad_value) {
+  std::vector<double> times(static_cast<size_t>(ranks));
+  std::vector<std::thread> workers;
+  for (int r = 0; r < ranks; ++r) {
+    workers.emplace_back([&, r] {
+      times[static_cast<size_t>(r)] =
+          Baseline(job, threads, reps, grad_value, static_cast<size_t>(r), static_cast<size_t>(ranks));
+    });
+  }
+  for (std::thread& w : workers) w.join();
+  return *std::max_element(times.begin(), times.end());
 }
 
 int Main(int argc, char** argv) {
@@ -273,7 +302,13 @@ int Main(int argc, char** argv) {
   std::printf("baseline: in-process fused AdamW + amax + quantize of the whole model on %d thread(s)...\n",
               f.baseline_threads);
   std::fflush(stdout);
-  const double baseline = Baseline(*job, f.baseline_threads, 3);
+  // Every element of every step's gradient: the global norm is --grad-norm.
+  const float grad_value = static_cast<float>(f.grad_norm / std::sqrt(static_cast<double>(params)));
+  const double baseline = Baseline(*job, f.baseline_threads, 3, grad_value);
+  std::printf("baseline: the in-process distributed optimizer, %d ranks at once on %d thread(s) each...\n", f.dp,
+              f.daemon_threads);
+  std::fflush(stdout);
+  const double per_rank = PerRankBaseline(*job, f.dp, f.daemon_threads, 3, grad_value);
 
   auto dir = testing::TempDir::Create("mainstay-step-bench");
   if (!dir.ok()) Die(dir.status().ToString());
@@ -344,10 +379,10 @@ int Main(int argc, char** argv) {
     }
     std::vector<std::vector<std::vector<float>>> grads(static_cast<size_t>(f.dp));
     for (auto& g : grads) {
-      for (const Bucket& b : layout.buckets) g.emplace_back(static_cast<size_t>(b.shard_numel), 0.001f);
+      for (const Bucket& b : layout.buckets) g.emplace_back(static_cast<size_t>(b.shard_numel), grad_value);
     }
-    std::printf("%6s %9s %9s %9s %9s | daemon: %8s %8s %8s %8s %8s %8s\n", "step", "total_s", "push_s", "finish_s",
-                "pull_s", "wait_ms", "stats_ms", "rstat_ms", "probe_ms", "ramax_ms", "apply_ms");
+    std::printf("%6s %9s %9s %9s %9s | daemon: %8s %8s %8s %8s %8s %8s %6s\n", "step", "total_s", "push_s", "finish_s",
+                "pull_s", "wait_ms", "stats_ms", "rstat_ms", "probe_ms", "ramax_ms", "apply_ms", "clip");
     std::vector<double> totals;
     std::thread mover;
     double move_s = -1;
@@ -384,10 +419,10 @@ int Main(int argc, char** argv) {
       TrainerTimes slowest = *std::max_element(times.begin(), times.end(),
                                                [](const TrainerTimes& a, const TrainerTimes& b) { return a.total < b.total; });
       const StepStats::Phases& ph = slowest.stats.phases;
-      std::printf("%6lld %9.2f %9.2f %9.2f %9.2f |         %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f%s\n",
+      std::printf("%6lld %9.2f %9.2f %9.2f %9.2f |         %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f %6.3f%s\n",
                   static_cast<long long>(step), slowest.total, slowest.push, slowest.finish, slowest.pull,
                   ph.wait_inputs_ms, ph.grad_stats_ms, ph.reduce_stats_ms, ph.update_ms, ph.reduce_amax_ms,
-                  ph.quantize_ms, step == 0 ? "  (warm-up)" : step == f.move_at_step ? "  (move starts)" : "");
+                  ph.quantize_ms, slowest.stats.clip_factor, step == 0 ? "  (warm-up)" : step == f.move_at_step ? "  (move starts)" : "");
       if (kill_now) {
         double finished = 0;  // the last trainer's FinishStep(step) return, after the kill
         for (const TrainerTimes& t : times) finished = std::max(finished, t.push + t.finish);
@@ -441,8 +476,12 @@ int Main(int argc, char** argv) {
                   f.replication, replicated, median, replicated / median);
     }
   }
-  std::printf("\nslice step (median of %d): %.2f s; in-process baseline: %.2f s; ratio %.2f\n", f.steps, median,
-              baseline, median / baseline);
+  std::printf("\nslice step (median of %d): %.2f s; in-process baseline (whole model, %d thread(s)): %.2f s; "
+              "ratio %.2f\n",
+              f.steps, median, f.baseline_threads, baseline, median / baseline);
+  std::printf("in-process distributed optimizer (%d ranks at once, %d thread(s) each, as the daemons): %.2f s; "
+              "ratio %.2f\n",
+              f.dp, f.daemon_threads, per_rank, median / per_rank);
   int64_t published = 0;
   for (const LayoutTensor& t : job->layout.tensors) published += DataBytes(t.format, t.numel);
   std::printf("per step and trainer: pushed %.2f GB (its FP32 gradient shards), pulled %.2f GB (every bucket, "

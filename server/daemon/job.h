@@ -314,7 +314,8 @@ class Job : public std::enable_shared_from_this<Job> {
     IndexRange blocks;            // its scale blocks (FragmentScaleBlocks)
     std::vector<float> block_amax;  // reduced, per block of `blocks` (block-scaled formats)
     float tensor_scale = 1.0f;    // fp8 delayed: the scale to cast with
-    float tensor_amax = 0.0f;     // reduced whole-tensor amax
+    float tensor_amax = 0.0f;     // reduced whole-tensor amax (before the MAX: this fragment's)
+    bool probed = false;          // block_amax / tensor_amax hold this step's dry run already
   };
   // A decided step's update, applied in place after the decision (ApplyStep): the state is
   // written only once nothing can fail any more, so the job keeps one copy of it.
@@ -416,6 +417,8 @@ class Job : public std::enable_shared_from_this<Job> {
                                          const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of);
   // Version `version` of `s`, its data and scale buffers allocated and zeroed for `casts`
   // (reusing the shard's spare buffer). Step thread.
+  // One FragmentCast per fragment of `s`, in shard order, with no amaxes yet.
+  std::vector<FragmentCast> FragmentCasts(const ShardState& s) const;
   std::shared_ptr<QuantizedShard> NewSnapshot(ShardState& s, const std::vector<FragmentCast>& casts,
                                               int64_t version);
   // Fills `snapshot` (from NewSnapshot) from the fragments' casts: quantized from the scratch
@@ -532,6 +535,10 @@ class Job : public std::enable_shared_from_this<Job> {
   std::vector<DelayedScaling> delayed_;
   std::vector<float> cast_scale_;  // per tensor: the delayed scale the newest version was cast with
   LossScaleState loss_scale_;
+  // Whether the last decided step clipped its gradients. While it did not, a step probes its
+  // amaxes before the stats SUM, betting on no clipping, and takes the gradient statistics from
+  // that pass (job_step.cc, "The probe's bet").
+  bool last_step_clipped_ = false;
   std::unique_ptr<peer::PeerGroup> group_;
   int64_t group_epoch_ = -1;
   std::string group_base_;        // the key of the group's generations ("mainstay/peer/JOB/EPOCH")

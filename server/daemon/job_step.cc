@@ -153,6 +153,9 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   std::vector<double> loss_scales(shards.size(), 1.0);  // of each shard's input
   std::vector<Forward> forwards;
   std::map<Key, ReplicaInput> replica_in;  // the replica shards' inputs, once taken
+  std::vector<std::vector<FragmentCast>> casts(shards.size());  // per shard, per fragment
+  const int moment_bytes = ElementBytes(opt.moment_dtype);
+  const bool adamw = opt.type == OptimizerType::kAdamW;
   absl::Time t = absl::Now();
   double partial[2] = {0.0, 0.0};  // sum of squares, non-finite count (after the peer SUM)
   if (step < 0 && !restoring) {
@@ -188,16 +191,43 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
         forwarded = ForwardInputs(step, epoch, forwards, shards, hyper, replicas_of, deadline);
       });
     }
+    // The primaries' partial stats, one fragment at a time (padding past the last tensor is no
+    // parameter and counts for nothing). The probe's bet: unless the last step clipped, the
+    // dry runs of step 2 run here with the clip factor taken as 1, and give the statistics in
+    // the same pass (FusedAdamW's stats are GradStats's, bit for bit, and they are the same
+    // values: the multiplier is 1 / loss scale either way). When the SUM then clips after all,
+    // step 2 runs those dry runs again with the real factor. Either way the step's results
+    // are the same bits; the bet only saves the statistics' own pass over the gradients.
+    const bool bet = !last_step_clipped_ && hyper.size() == static_cast<size_t>(num_groups_);
     absl::Status stats_status;
     for (size_t i = 0; i < shards.size() && stats_status.ok(); ++i) {
       const ShardState& s = *shards[i];
       if (s.replica) continue;
-      double sum_squares = 0.0;
-      int64_t nonfinite = 0;
+      casts[i] = FragmentCasts(s);
       const float unscale = static_cast<float>(1.0 / loss_scales[i]);
-      stats_status = kernels::GradStats(device, grads[i], s.numel, unscale, &sum_squares, &nonfinite);
-      partial[0] += sum_squares;
-      partial[1] += static_cast<double>(nonfinite);
+      for (FragmentCast& c : casts[i]) {
+        double sum_squares = 0.0;
+        int64_t nonfinite = 0;
+        const LayoutTensor& tensor = layout.tensors[static_cast<size_t>(c.f->tensor)];
+        const Format format = layout.buckets[static_cast<size_t>(s.bucket)].format;
+        if (bet && NeedsAmaxBeforeCast(format, c.frag, adamw)) {
+          kernels::StepOutputs out;
+          out.amax = kernels::AmaxOutputs{&c.tensor_amax, std::span<float>(c.block_amax)};
+          out.grad_sum_squares = &sum_squares;
+          out.grad_nonfinite = &nonfinite;
+          out.dry_run = true;
+          stats_status = UpdateFragment(device, format, model, c.frag, GradAt(grads[i], c.offset),
+                                        StateAt(shards[i]->master, shards[i]->m, shards[i]->v, c.offset, opt), opt,
+                                        hyper[static_cast<size_t>(tensor.param_group)], step, unscale, out);
+          c.probed = true;
+        } else {
+          stats_status = kernels::GradStats(device, GradAt(grads[i], c.offset), c.frag.size(), unscale, &sum_squares,
+                                            &nonfinite);
+        }
+        if (!stats_status.ok()) break;
+        partial[0] += sum_squares;
+        partial[1] += static_cast<double>(nonfinite);
+      }
     }
     if (forwarder.joinable()) forwarder.join();  // every forward lands before this daemon's SUM
     MAINSTAY_RETURN_IF_ERROR(stats_status);
@@ -282,6 +312,12 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       if (c < 1.0) clip = c;
     }
     stats.set_clip_factor(clip);
+    last_step_clipped_ = clip != 1.0;
+    if (clip != 1.0) {
+      for (std::vector<FragmentCast>& shard_casts : casts) {
+        for (FragmentCast& c : shard_casts) c.probed = false;  // lost the bet: probe again
+      }
+    }
     // One rounding from the exact factor: (clip / loss scale) in double, then to FP32.
     for (size_t i = 0; i < shards.size(); ++i) multipliers[i] = static_cast<float>(clip / loss_scales[i]);
   } else if (!restoring) {
@@ -314,8 +350,6 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   // blocks that straddle fragments) get a dry run of the update (StepOutputs::dry_run); the
   // update itself runs in place once the step is decided (ApplyStep).
   t = absl::Now();
-  const int moment_bytes = ElementBytes(opt.moment_dtype);
-  const bool adamw = opt.type == OptimizerType::kAdamW;
   // The plan's amaxes, then per param group [lr, -lr, weight_decay, -weight_decay]: after the
   // MAX, the pairs tell whether every daemon's ranks sent the same hyperparameters
   // (max == -max(-x)). Step -1 and restores carry zeros.
@@ -332,11 +366,9 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       r[3] = std::max(r[3], -wd);
     }
   }
-  std::vector<std::vector<FragmentCast>> casts(shards.size());  // per shard, per fragment
   for (size_t i = 0; i < shards.size(); ++i) {
     ShardState& s = *shards[i];
     const Bucket& bucket = layout.buckets[static_cast<size_t>(s.bucket)];
-    const Shard& shard = bucket.shards[static_cast<size_t>(s.shard)];
     const size_t n = static_cast<size_t>(s.numel);
     if (restoring) {
       // LoadRestore read the state into the scratch buffers.
@@ -348,22 +380,16 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       s.scratch_m.assign(n * static_cast<size_t>(moment_bytes), 0);
       s.scratch_v.assign(adamw ? n * static_cast<size_t>(moment_bytes) : 0, 0);
     }
-    for (const TensorFragment& f : shard.fragments) {
-      const LayoutTensor& tensor = layout.tensors[static_cast<size_t>(f.tensor)];
-      FragmentCast c;
-      c.f = &f;
-      c.frag = kernels::Fragment{View2D(tensor.shape), f.elements};
-      c.offset = f.bucket_offset - shard.elements.begin;
-      c.blocks = FragmentScaleBlocks(layout, f);
-      c.block_amax.assign(static_cast<size_t>(c.blocks.size()), 0.0f);
-      float tensor_amax = 0.0f;
-      kernels::AmaxOutputs amax{&tensor_amax, std::span<float>(c.block_amax)};
+    if (casts[i].empty()) casts[i] = FragmentCasts(s);  // step 1 built the primaries' casts
+    for (FragmentCast& c : casts[i]) {
+      const LayoutTensor& tensor = layout.tensors[static_cast<size_t>(c.f->tensor)];
+      kernels::AmaxOutputs amax{&c.tensor_amax, std::span<float>(c.block_amax)};
       const kernels::Fragment& frag = c.frag;
       if (step < 0) {
         const float* master = s.scratch_master.data() + c.offset;
         MAINSTAY_RETURN_IF_ERROR(kernels::ComputePartialAmax(
             device, bucket.format, model, frag, std::span<const float>(master, static_cast<size_t>(frag.size())), amax));
-      } else if (NeedsAmaxBeforeCast(bucket.format, frag, adamw)) {
+      } else if (!c.probed && NeedsAmaxBeforeCast(bucket.format, frag, adamw)) {
         kernels::StepOutputs out;
         out.amax = amax;
         out.dry_run = true;
@@ -372,10 +398,9 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
                                                 hyper[static_cast<size_t>(tensor.param_group)], step, multipliers[i],
                                                 out));
       }
-      float& r = reduced[static_cast<size_t>(f.tensor)];
-      r = std::max(r, tensor_amax);
-      plan_.Contribute(f.tensor, c.blocks, c.block_amax, std::span<float>(reduced));
-      casts[i].push_back(std::move(c));
+      float& r = reduced[static_cast<size_t>(c.f->tensor)];
+      r = std::max(r, c.tensor_amax);
+      plan_.Contribute(c.f->tensor, c.blocks, c.block_amax, std::span<float>(reduced));
     }
   }
   phases.set_update_ms(MsSince(t));
@@ -466,6 +491,23 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   if (step >= 0) loss_scale_.Update(/*overflow=*/false);
   stats.set_loss_scale(loss_scale_.scale);
   return result;
+}
+
+std::vector<Job::FragmentCast> Job::FragmentCasts(const ShardState& s) const {
+  const Layout& layout = job_.layout;
+  const Bucket& bucket = layout.buckets[static_cast<size_t>(s.bucket)];
+  const Shard& shard = bucket.shards[static_cast<size_t>(s.shard)];
+  std::vector<FragmentCast> casts;
+  for (const TensorFragment& f : shard.fragments) {
+    FragmentCast c;
+    c.f = &f;
+    c.frag = kernels::Fragment{View2D(layout.tensors[static_cast<size_t>(f.tensor)].shape), f.elements};
+    c.offset = f.bucket_offset - shard.elements.begin;
+    c.blocks = FragmentScaleBlocks(layout, f);
+    c.block_amax.assign(static_cast<size_t>(c.blocks.size()), 0.0f);
+    casts.push_back(std::move(c));
+  }
+  return casts;
 }
 
 std::shared_ptr<QuantizedShard> Job::NewSnapshot(ShardState& s, const std::vector<FragmentCast>& casts,

@@ -54,6 +54,8 @@ inline JobSpec MakeSpec(const std::string& recipe, LayoutPolicy policy, int64_t 
   spec.optimizer.max_grad_norm = 0.0f;  // see the file comment
   spec.optimizer.weight_decay = 0.0f;
   spec.tensors = TestTensors();
+  // The test model has two layers: without this, the fp8 recipes would keep both in bf16.
+  spec.recipe_options.first_last_layers_bf16 = false;
   spec.unreduced_pushes = true;  // tests push reduced shards and unreduced contributions alike
   return spec;
 }
@@ -371,11 +373,12 @@ class Cluster {
     }
   }
 
-  void PushGrads(int64_t step, float poison = 0.0f) {
+  // Every rank pushes its reduced shard of step `step`: GradValue(.., -1) * scale (FP32).
+  void PushGrads(int64_t step, float poison = 0.0f, float scale = 1.0f) {
     for (const Bucket& b : layout().buckets) {
       for (const Shard& s : b.shards) {
         auto values = ShardValues(b, s, [&](int32_t t, int64_t i) {
-          return GradValue(t, i, step);
+          return GradValue(t, i, step) * scale;
         });
         if (poison != 0.0f && b.index == 0 && s.rank == 0) values[0] = poison;
         ASSERT_THAT(Push(b.index, s.rank, step, s.rank, values, v1::PUSH_KIND_GRADIENT).status(), IsOk());

@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -67,13 +68,15 @@ class ReferenceModel {
     return {View2D(tensor.shape), {0, tensor.numel}};
   }
 
-  // One AdamW step without clipping. `contributors` = 0: the reduced gradient GradValue(.., -1);
-  // n > 0: the FP32 sum of ranks 0..n-1 in rank order, as the daemon sums unreduced pushes.
-  void Step(int64_t step, float lr, float weight_decay = 0.0f, int contributors = 0) {
-    Step(step, StepHyper(static_cast<size_t>(NumParamGroups(job_.layout)), GroupHyper{lr, weight_decay}), contributors);
+  // One AdamW step. `contributors` = 0: the reduced gradient GradValue(.., -1); n > 0: the FP32
+  // sum of ranks 0..n-1 in rank order, as the daemon sums unreduced pushes. `grad_multiplier`:
+  // the clip factor (the daemon's StepStats.clip_factor, rounded to FP32 as the daemon does).
+  void Step(int64_t step, float lr, float weight_decay = 0.0f, int contributors = 0, float grad_multiplier = 1.0f) {
+    Step(step, StepHyper(static_cast<size_t>(NumParamGroups(job_.layout)), GroupHyper{lr, weight_decay}), contributors,
+         grad_multiplier);
   }
   // The same with each tensor's param group's hyperparameters (groups[param_group]).
-  void Step(int64_t step, const StepHyper& groups, int contributors = 0) {
+  void Step(int64_t step, const StepHyper& groups, int contributors = 0, float grad_multiplier = 1.0f) {
     for (size_t t = 0; t < master_.size(); ++t) {
       const GroupHyper& g = groups.at(static_cast<size_t>(job_.layout.tensors[t].param_group));
       const float lr = static_cast<float>(g.lr), weight_decay = static_cast<float>(g.weight_decay);
@@ -81,7 +84,7 @@ class ReferenceModel {
       for (size_t i = 0; i < grad.size(); ++i) {
         const int64_t ti = static_cast<int64_t>(t), ii = static_cast<int64_t>(i);
         if (contributors == 0) {
-          grad[i] = GradValue(ti, ii, step);
+          grad[i] = GradValue(ti, ii, step) * grad_scale_;
         } else {
           float sum = GradValue(ti, ii, step, 0);
           for (int r = 1; r < contributors; ++r) sum = sum + GradValue(ti, ii, step, r);
@@ -90,19 +93,36 @@ class ReferenceModel {
       }
       const OptimizerSpec& o = job_.spec.optimizer;
       if (o.type == OptimizerType::kSGD) {
-        kernels::SgdHyper h{lr, o.momentum, weight_decay, step + 1, 1.0f};
+        kernels::SgdHyper h{lr, o.momentum, weight_decay, step + 1, grad_multiplier};
         ASSERT_TRUE(kernels::FusedSgd({}, job_.layout.tensors[t].format, job_.recipe.model_dtype, Whole(t),
                                       {grad.data(), ElementType::kFloat32},
                                       {master_[t].data(), m_[t].data(), nullptr, ElementType::kFloat32}, h, {})
                         .ok());
         continue;
       }
-      kernels::AdamWHyper h{lr, o.beta1, o.beta2, o.eps, weight_decay, step + 1, 1.0f};
+      kernels::AdamWHyper h{lr, o.beta1, o.beta2, o.eps, weight_decay, step + 1, grad_multiplier};
       ASSERT_TRUE(kernels::FusedAdamW({}, job_.layout.tensors[t].format, job_.recipe.model_dtype, Whole(t),
                                       {grad.data(), ElementType::kFloat32},
                                       {master_[t].data(), m_[t].data(), v_[t].data(), ElementType::kFloat32}, h, {})
                       .ok());
     }
+  }
+
+  // Multiplies the reduced gradients (contributors = 0) of the following steps, in FP32, as
+  // Cluster::PushGrads's `scale` does.
+  void SetGradScale(float scale) { grad_scale_ = scale; }
+
+  // The global norm of step `step`'s reduced gradients (GradValue(.., -1) * the grad scale),
+  // summed in FP64.
+  double GradNorm(int64_t step) const {
+    double sum = 0.0;
+    for (size_t t = 0; t < master_.size(); ++t) {
+      for (size_t i = 0; i < master_[t].size(); ++i) {
+        const double g = GradValue(static_cast<int64_t>(t), static_cast<int64_t>(i), step) * grad_scale_;
+        sum += g * g;
+      }
+    }
+    return std::sqrt(sum);
   }
 
   // Data and scale bytes (the tensor's whole compact scale grid) of tensor t quantized whole.
@@ -132,6 +152,7 @@ class ReferenceModel {
   ResolvedJob job_;
   std::vector<std::vector<float>> master_, m_, v_;
   std::vector<daemon::DelayedScaling> delayed_;
+  float grad_scale_ = 1.0f;
 };
 
 }  // namespace mainstay::testing

@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -88,6 +89,56 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kFlat, 1},
                       Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kWholeTensor, 2}),
     CaseName);
+
+// Clipping against the probe's bet (job_step.cc): a step after an unclipped one probes its
+// amaxes before it knows the clip factor, betting on 1; a clipped step loses the bet and probes
+// again, and a step after a clipped one does not bet. Whichever way a step went, its version
+// equals the reference stepped with the daemon's clip factor, bit for bit, and the factor is
+// max_grad_norm / norm of the reference's FP64 norm.
+class ClipStepEngineTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ClipStepEngineTest, StepsThatBetOnNoClippingAndStepsThatLostEqualTheReferenceBitForBit) {
+  const Case& p = GetParam();
+  JobSpec spec = MakeSpec(p.recipe, p.policy, 2);
+  // Adam divides the clip factor out of m / sqrt(v) unless eps is of the size of sqrt(v): so
+  // that a clipped step's amaxes differ from the bet's, eps dominates here and lr is large.
+  spec.optimizer.eps = 0.1f;
+  // Gradients x4 clip (factor about 1/2); after a clipped step a step does not bet.
+  const std::vector<float> scales = {1, 4, 4, 1, 1, 4, 1, 1};
+  const std::vector<bool> bets = {true, true, false, false, true, true, false, true};
+  spec.optimizer.max_grad_norm = static_cast<float>(2 * Reference(*ResolveJob(spec)).GradNorm(0));
+  Cluster cluster(spec, p.daemons);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  ExpectMatchesReference(cluster, ref, 0);
+  for (int64_t step = 0; step < static_cast<int64_t>(scales.size()); ++step) {
+    const float lr = 5.0f, scale = scales[static_cast<size_t>(step)];
+    ref.SetGradScale(scale);
+    const double norm = ref.GradNorm(step);
+    cluster.PushGrads(step, 0.0f, scale);
+    double clip = -1.0;
+    for (const auto& stats : cluster.Finish(step, lr)) {
+      ASSERT_THAT(stats.status(), IsOk());
+      EXPECT_NEAR(stats->grad_norm(), norm, norm * 1e-6);
+      if (clip >= 0.0) {
+        EXPECT_EQ(stats->clip_factor(), clip) << "the daemons disagree on the clip factor";
+      }
+      clip = stats->clip_factor();
+    }
+    EXPECT_EQ(clip < 1.0, scale > 1.0f) << "step " << step << " (bet: " << bets[static_cast<size_t>(step)] << ")";
+    EXPECT_NEAR(clip, std::min(1.0, spec.optimizer.max_grad_norm / norm), 1e-6);
+    ref.Step(step, lr, 0.0f, 0, static_cast<float>(clip));
+    ExpectMatchesReference(cluster, ref, step + 1);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, ClipStepEngineTest,
+                         ::testing::Values(Case{"bf16_with_fp8_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_mxfp8_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_fp8_subchannel_scaling_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kWholeTensor, 2}),
+                         CaseName);
 
 // Param groups: each tensor is updated with its group's lr and weight_decay of the step, bit for
 // bit as the unsharded reference (with the probe, one-loop and after-update casts alike).
