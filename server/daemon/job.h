@@ -3,12 +3,14 @@
 //
 // Step s runs when, for every (bucket, shard) the daemon owns, all `num_contributors`
 // gradient pushes of step s have arrived and every rank that pushed to this daemon has
-// called FinishStep(s). Then: partial gradient stats -> peer SUM -> skip (non-finite) or
-// clip -> fused update into scratch buffers -> peer MAX of the amaxes -> quantize -> commit:
-// the scratch buffers become the state and version s+1 is published, all under one lock.
-// A failure before the commit (a peer lost) changes nothing: the step's inputs are dropped
-// and its waiters get ABORTED, so the trainers push it again. Version 0 comes the same way
-// from PUSH_KIND_INITIAL_PARAMS pushes (step -1; no FinishStep needed).
+// called FinishStep(s). Then (docs/daemon.md, "A step"): partial gradient stats (with the
+// amax probe, unless the last step clipped) -> peer SUM -> skip (non-finite) or clip -> the
+// amax probe's dry run where not done yet -> peer MAX of the amaxes -> the update in place and
+// the cast -> commit: version s+1 is published under the job's lock. Nothing is written before
+// the MAX has decided the step. A failure before it (a peer lost) changes nothing: the
+// step's inputs are dropped and its waiters get ABORTED, so the trainers push it again.
+// Version 0 comes the same way from PUSH_KIND_INITIAL_PARAMS pushes (step -1; no FinishStep
+// needed), built in scratch buffers that become the state.
 //
 // Replicas (replication_factor >= 2; docs/architecture.md, "Replicas"): the placement names
 // each (bucket, shard)'s primary and replicas. A daemon holds both kinds in `shards_`; trainers
@@ -20,8 +22,8 @@
 // holds the input and the decision of s. Replica-only daemons join the reductions with nothing
 // to add to the sums.
 //
-// Memory: per owned shard, master + moments + their scratch copies (the price of the atomic
-// commit) + `retained_versions` published snapshots + the pending gradients of at most two
+// Memory: per owned shard, master + moments (one copy: a step updates them in place once
+// decided) + `retained_versions` published snapshots + the pending gradients of at most two
 // steps. Pulls get shared_ptrs to immutable snapshots, so eviction never tears a reader.
 //
 // Thread safety: every public method is thread-safe. Methods that wait (PullParams,
