@@ -143,6 +143,12 @@ const std::vector<Command>& Commands() {
        true, RunJobsCreate},
       {"jobs delete", "delete a job and drop its shards on the daemons", "JOB_ID [--yes]" + std::string(kRemoteHelp), true,
        RunJobsDelete},
+      {"jobs reader-token", "print the job's read-only reader token (created on first use), or rotate it",
+       "JOB_ID [--rotate --yes] [--json]\n"
+       "  --rotate            replace the token: readers holding the old one are refused from then on\n"
+       "                      (a rotation changes state: it needs --yes)" +
+           std::string(kRemoteHelp),
+       false, RunJobsReaderToken},
       {"placement", "which daemon owns each rank's shards of a job", "--job ID [--json]" + std::string(kRemoteHelp),
        false, RunPlacement},
       {"kv get", "read a key (or keys under a prefix) of the coordinator's KV", "KEY [--prefix] [--json]" + std::string(kRemoteHelp),
@@ -190,7 +196,8 @@ absl::Status RunCommand(const std::vector<std::string>& args, Output& output) {
     output.out << CommandHelp(*command);
     return absl::OkStatus();
   }
-  absl::StatusOr<Args> parsed = Args::Parse(rest, {"json", "yes", "summary", "all", "undo", "prefix", "wait"});
+  absl::StatusOr<Args> parsed =
+      Args::Parse(rest, {"json", "yes", "summary", "all", "undo", "prefix", "wait", "rotate"});
   if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat(parsed.status().message(), "\n", CommandHelp(*command)));
   if (command->mutating && !parsed->Has("yes") && !output.stdin_is_terminal) {
     return absl::FailedPreconditionError(absl::StrCat("'", command->path, "' changes state; pass --yes to confirm"));

@@ -82,6 +82,7 @@ absl::Status RunJobsList(const Args& args, Output& output);
 absl::Status RunJobsShow(const Args& args, Output& output);
 absl::Status RunJobsCreate(const Args& args, Output& output);
 absl::Status RunJobsDelete(const Args& args, Output& output);
+absl::Status RunJobsReaderToken(const Args& args, Output& output);
 absl::Status RunPlacement(const Args& args, Output& output);
 absl::Status RunKvGet(const Args& args, Output& output);
 absl::Status RunHealth(const Args& args, Output& output);

@@ -319,6 +319,28 @@ absl::Status RunJobsDelete(const Args& args, Output& output) {
   return absl::OkStatus();
 }
 
+absl::Status RunJobsReaderToken(const Args& args, Output& output) {
+  MAINSTAY_RETURN_IF_ERROR(Known(args, {}));
+  MAINSTAY_ASSIGN_OR_RETURN(std::string id, OnePositional(args, "job id"));
+  const bool rotate = args.Has("rotate");
+  if (rotate && !args.Has("yes")) {
+    return absl::FailedPreconditionError(
+        "'jobs reader-token --rotate' stops the current token for every reader of the job; pass --yes to confirm");
+  }
+  MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
+  v1::GetReaderTokenRequest request;
+  request.set_job_id(id);
+  request.set_rotate(rotate);
+  v1::GetReaderTokenResponse response;
+  MAINSTAY_RETURN_IF_ERROR(conn.Check(conn.coordinator().GetReaderToken(conn.Context().get(), request, &response)));
+  if (args.Has("json")) {
+    output.out << "{\"job_id\": \"" << id << "\", \"reader_token\": \"" << response.reader_token() << "\"}\n";
+  } else {
+    output.out << response.reader_token() << "\n";
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RunPlacement(const Args& args, Output& output) {
   MAINSTAY_RETURN_IF_ERROR(Known(args, {"job"}));
   if (!args.Has("job")) return absl::InvalidArgumentError("--job ID is required");

@@ -57,8 +57,9 @@ class PyClient {
            const py::object& job_token, int32_t rank, double timeout_s, const std::string& admin_token,
            int64_t chunk_bytes, double initial_backoff_s, double max_backoff_s, const std::string& tls_ca_file,
            const std::string& tls_cert_file, const std::string& tls_key_file, const std::string& tls_server_name,
-           const std::string& transport, int64_t pull_buffer_cache_bytes) {
+           const std::string& transport, int64_t pull_buffer_cache_bytes, const py::object& reader_token) {
     ClientOptions o;
+    if (!reader_token.is_none()) o.reader_token = reader_token.cast<std::string>();
     o.transport = transport;
     o.pull_buffer_cache_bytes = pull_buffer_cache_bytes;
     o.coordinator = coordinator;
@@ -233,17 +234,28 @@ PYBIND11_MODULE(_mainstay, m) {
 
   py::class_<PyClient>(m, "Client",
                        "Attaches to a job (job_id + job_token) or creates it (spec_json), then pushes, finishes "
-                       "steps and pulls. Methods are thread-safe; blocking calls release the GIL.")
+                       "steps and pulls. With job_id + reader_token instead it only pulls (see WeightReader). Methods are thread-safe; blocking calls release the GIL.")
       .def(py::init<const std::string&, const py::object&, const py::object&, const py::object&, int32_t, double,
                     const std::string&, int64_t, double, double, const std::string&, const std::string&,
-                    const std::string&, const std::string&, const std::string&, int64_t>(),
+                    const std::string&, const std::string&, const std::string&, int64_t, const py::object&>(),
            py::arg("coordinator"), py::arg("spec_json") = py::none(), py::arg("job_id") = py::none(),
            py::arg("job_token") = py::none(), py::arg("rank") = 0, py::arg("timeout_s") = 60.0,
            py::arg("admin_token") = "", py::arg("chunk_bytes") = 4 << 20, py::arg("initial_backoff_s") = 0.05,
            py::arg("max_backoff_s") = 2.0, py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "",
            py::arg("tls_key_file") = "", py::arg("tls_server_name") = "", py::arg("transport") = "",
-           py::arg("pull_buffer_cache_bytes") = -1)
+           py::arg("pull_buffer_cache_bytes") = -1, py::arg("reader_token") = py::none())
       .def_readonly_static("LATEST", &Client::kLatestVersion)
+      .def_property_readonly("reader", [](PyClient& c) { return c.client().reader(); },
+                             "True when attached with a reader token (pulls only).")
+      .def("get_reader_token", [](PyClient& c, bool rotate) {
+        absl::StatusOr<std::string> token;
+        {
+          py::gil_scoped_release release;
+          token = c.client().GetReaderToken(rotate);
+        }
+        return Take(std::move(token));
+      }, py::arg("rotate") = false,
+         "The job's read-only reader token (for mainstay.WeightReader); rotate=True replaces it.")
       .def_property_readonly("job_id", [](PyClient& c) { return c.client().job_id(); })
       .def_property_readonly("job_token", [](PyClient& c) { return c.client().job_token(); })
       .def_property_readonly("rank", [](PyClient& c) { return c.client().rank(); })

@@ -78,12 +78,16 @@ std::string RandomRequestId() {
 absl::Status CheckOptions(const ClientOptions& o) {
   if (o.coordinator.empty()) return InvalidArgumentError("coordinator", "is required (host:port)");
   const bool create = !o.job_spec_json.empty();
-  const bool attach = !o.job_id.empty() || !o.job_token.empty();
+  const bool attach = !o.job_id.empty() || !o.job_token.empty() || !o.reader_token.empty();
   if (create == attach) {
-    return InvalidArgumentError("job_spec_json", "give either a job spec (create) or job_id and job_token (attach)");
+    return InvalidArgumentError("job_spec_json",
+                                "give either a job spec (create) or job_id and job_token or reader_token (attach)");
   }
-  if (attach && (o.job_id.empty() || o.job_token.empty())) {
-    return InvalidArgumentError("job_token", "attaching needs both job_id and job_token");
+  if (!o.job_token.empty() && !o.reader_token.empty()) {
+    return InvalidArgumentError("reader_token", "give either job_token (a trainer) or reader_token (a reader), not both");
+  }
+  if (attach && (o.job_id.empty() || (o.job_token.empty() && o.reader_token.empty()))) {
+    return InvalidArgumentError("job_token", "attaching needs job_id and job_token (or reader_token)");
   }
   if (o.rank < 0) return InvalidArgumentError("rank", "must be >= 0, got ", o.rank);
   if (o.timeout.count() <= 0) return InvalidArgumentError("timeout", "must be > 0");
@@ -333,7 +337,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     impl->job_token = response.job_token();
   } else {
     impl->job_id = options.job_id;
-    impl->job_token = options.job_token;
+    impl->reader = !options.reader_token.empty();
+    impl->job_token = impl->reader ? options.reader_token : options.job_token;
   }
 
   v1::GetLayoutRequest layout_request;
@@ -348,7 +353,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
                                        }));
   absl::StatusOr<Layout> layout = LayoutFromProto(layout_response.layout());
   if (!layout.ok()) return Annotate(layout.status(), absl::StrCat("layout of job ", impl->job_id, " from ", where));
-  if (options.rank >= layout->data_parallel_size) {
+  if (options.rank >= layout->data_parallel_size && !impl->reader) {
     return InvalidArgumentError("rank", options.rank, " is not in [0, ", layout->data_parallel_size,
                                 ") for job ", impl->job_id);
   }
@@ -392,7 +397,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
 }
 
 const std::string& Client::job_id() const { return impl_->job_id; }
-const std::string& Client::job_token() const { return impl_->job_token; }
+const std::string& Client::job_token() const {
+  static const std::string kNone;
+  return impl_->reader ? kNone : impl_->job_token;
+}
+bool Client::reader() const { return impl_->reader; }
 int32_t Client::rank() const { return impl_->options.rank; }
 int64_t Client::data_parallel_size() const { return impl_->layout->data_parallel_size; }
 const Layout& Client::layout() const { return *impl_->layout; }
@@ -456,6 +465,10 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
                                 " param groups (its tensors' param_group); got hyperparameters for ", groups.size());
   }
   MAINSTAY_RETURN_IF_ERROR(CheckStepHyper(groups, absl::StrCat("FinishStep(", step, ")")));
+  if (impl_->reader) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id(), ": this client attached with a reader token, which only pulls published versions"));
+  }
   const Deadline deadline = impl_->DeadlineAfter(timeout);
   std::vector<client_internal::StepPush> pushes;
   {
@@ -583,6 +596,27 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
     impl_->steps.erase(step);
   }
   return stats;
+}
+
+absl::StatusOr<std::string> Client::GetReaderToken(bool rotate) {
+  if (impl_->reader) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id(), ": this client attached with a reader token; the job_token is needed to get one"));
+  }
+  const Deadline deadline = impl_->DeadlineAfter(impl_->options.timeout);
+  v1::GetReaderTokenRequest request;
+  request.set_job_id(impl_->job_id);
+  request.set_job_token(impl_->job_token);
+  request.set_rotate(rotate);
+  v1::GetReaderTokenResponse response;
+  // (Retried: a rotation whose answer was lost rotates again, which is what was asked.)
+  MAINSTAY_RETURN_IF_ERROR(impl_->Retry(absl::StrCat("GetReaderToken of job ", impl_->job_id), deadline, nullptr,
+                                        [&](const Route&, grpc::ClientContext* context) {
+                                          return client_internal::StatusFromCall(
+                                              impl_->coordinator->GetReaderToken(context, request, &response),
+                                              context);
+                                        }));
+  return response.reader_token();
 }
 
 absl::StatusOr<StepStats> Client::GetStepStats(int64_t step) {

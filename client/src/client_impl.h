@@ -63,7 +63,8 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   ClientOptions options;
   ChannelSecurity security;  // from options.tls, made once at Connect
   std::string job_id;
-  std::string job_token;
+  std::string job_token;  // or the reader token, with `reader`
+  bool reader = false;     // attached with ClientOptions::reader_token: pulls only
   std::shared_ptr<const Layout> layout;
   int64_t version_at_connect = 0;
   std::shared_ptr<grpc::Channel> coordinator_channel;

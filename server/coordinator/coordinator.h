@@ -101,6 +101,11 @@ class Coordinator {
   absl::StatusOr<v1::GetJobResponse> GetJob(const v1::GetJobRequest& request);
   v1::ListJobsResponse ListJobs(const v1::ListJobsRequest& request);
   absl::Status DeleteJob(const v1::DeleteJobRequest& request);
+  // The job's reader token: created (saved, and its hash sent to every daemon of the job) on
+  // the first call or with request.rotate, else the saved one. PERMISSION_DENIED for a token
+  // that is not the job's job_token (a reader token cannot mint or rotate one); UNAVAILABLE
+  // while a move of the job is in progress.
+  absl::StatusOr<v1::GetReaderTokenResponse> GetReaderToken(const v1::GetReaderTokenRequest& request);
   absl::StatusOr<v1::GetLayoutResponse> GetLayout(const v1::GetLayoutRequest& request);
   absl::StatusOr<v1::GetPlacementResponse> GetPlacement(const v1::GetPlacementRequest& request);
   // The daemon at `address` refused `request` with `status` (RESOURCE_EXHAUSTED: the job's

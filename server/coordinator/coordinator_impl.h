@@ -490,17 +490,22 @@ struct Coordinator::Impl {
     return job;
   }
 
-  // The job, for a caller presenting `job_token`: a token that is not this job's is
-  // PERMISSION_DENIED (a trainer of job A never reads job B). An empty token is accepted here:
-  // the gRPC layer lets such a call through only with the admin token when one is configured
-  // (server/grpc/coordinator_service.cc, CheckJobRead).
-  absl::StatusOr<const v1::StoredJob*> JobForCaller(const std::string& id, const std::string& job_token) const
+  // The job, for a caller presenting `job_token` (the job token, or with kRead the job's reader
+  // token too): any other token is PERMISSION_DENIED (a trainer of job A never reads job B). An
+  // empty token is accepted here: the gRPC layer lets such a call through only with the admin
+  // token when one is configured (server/grpc/coordinator_service.cc, CheckJobRead).
+  enum class Access { kTrainer, kRead };
+  absl::StatusOr<const v1::StoredJob*> JobForCaller(const std::string& id, const std::string& job_token,
+                                                    Access access = Access::kRead) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, JobOrNotFound(id));
-    if (!job_token.empty() && Sha256(job_token) != job->job_token_sha256()) {
-      return absl::PermissionDeniedError(absl::StrCat("job '", id, "': the job_token is not this job's"));
+    if (job_token.empty() || Sha256(job_token) == job->job_token_sha256()) return job;
+    if (!job->reader_token().empty() && job_token == job->reader_token()) {
+      if (access == Access::kRead) return job;
+      return absl::PermissionDeniedError(
+          absl::StrCat("job '", id, "': a reader token only reads the job's weights; this call needs the job_token"));
     }
-    return job;
+    return absl::PermissionDeniedError(absl::StrCat("job '", id, "': the token is not this job's"));
   }
 
   // Ready daemons and the memory they have left after every job's ranks placed on them.
@@ -673,6 +678,7 @@ struct Coordinator::Impl {
       *req.mutable_layout() = job.layout();
       *req.mutable_placement() = job.placement();
       req.set_job_token_sha256(job.job_token_sha256());
+      if (!job.reader_token().empty()) req.set_reader_token_sha256(Sha256(job.reader_token()));
       for (const v1::ShardRef& s : shards) *req.add_shards() = s;
       req.set_role(v1::SHARD_ROLE_PRIMARY);
       if (from_checkpoint != nullptr) {

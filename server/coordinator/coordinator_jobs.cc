@@ -171,6 +171,38 @@ absl::Status Coordinator::DeleteJob(const v1::DeleteJobRequest& request) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<v1::GetReaderTokenResponse> Coordinator::GetReaderToken(const v1::GetReaderTokenRequest& request) {
+  Impl& s = *impl_;
+  Impl::StateLock lock(s);
+  MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* found,
+                            s.JobForCaller(request.job_id(), request.job_token(), Impl::Access::kTrainer));
+  v1::GetReaderTokenResponse response;
+  if (!found->reader_token().empty() && !request.rotate()) {
+    response.set_reader_token(found->reader_token());
+    return response;
+  }
+  if (found->moves_size() > 0) {
+    // (A move's target is sent its assignment from the move's source: not one to re-send now.)
+    return absl::UnavailableError(absl::StrCat("job ", request.job_id(),
+                                               ": a shard move is in progress; ask for the reader token once it is done"));
+  }
+  v1::StoredJob job = *found;
+  job.set_reader_token(RandomHex(32));
+  Batch batch;
+  batch.PutJob(job);
+  MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));
+  // Every holder gets its shards again at the same epoch, now with the reader token's hash (an
+  // ordinary re-send for the daemon: it holds them already).
+  for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
+    const bool restore = job.has_restored_from() && job.restored_epoch() == job.placement().epoch();
+    s.SendAssignmentTo(job, e.daemon_id(), restore ? &job.restored_from() : nullptr);
+  }
+  Log(LogLevel::kInfo, "coordinator",
+      absl::StrCat("job ", job.info().job_id(), ": reader token ", request.rotate() ? "rotated" : "created"));
+  response.set_reader_token(job.reader_token());
+  return response;
+}
+
 absl::StatusOr<v1::GetLayoutResponse> Coordinator::GetLayout(const v1::GetLayoutRequest& request) {
   Impl& s = *impl_;
   Impl::StateLock lock(s);

@@ -116,14 +116,40 @@ void Job::Shutdown() {
   if (step_thread_.joinable() && step_thread_.get_id() != std::this_thread::get_id()) step_thread_.join();
 }
 
+namespace {
+
+// Constant time: how much of a guess matched must not show in the answer's timing.
+bool DigestMatches(const std::string& digest, const std::string& expected) {
+  return expected.size() == SHA256_DIGEST_LENGTH &&
+         CRYPTO_memcmp(digest.data(), expected.data(), SHA256_DIGEST_LENGTH) == 0;
+}
+
+}  // namespace
+
 absl::Status Job::CheckToken(const std::string& token) const {
   if (token.empty()) return absl::UnauthenticatedError(absl::StrCat("job ", job_id_, ": job_token is required"));
   const std::string digest = Sha256(token);
-  // Constant time: how much of a guess matched must not show in the answer's timing.
-  if (CRYPTO_memcmp(digest.data(), token_sha256_.data(), SHA256_DIGEST_LENGTH) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat("job ", job_id_, ": the job_token is not this job's"));
+  if (DigestMatches(digest, token_sha256_)) return absl::OkStatus();
+  {
+    absl::MutexLock lock(&mu_);
+    if (DigestMatches(digest, reader_sha256_)) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "job ", job_id_, ": a reader token can only pull published versions; this call needs the job_token"));
+    }
   }
-  return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat("job ", job_id_, ": the job_token is not this job's"));
+}
+
+absl::Status Job::CheckReadToken(const std::string& token) const {
+  if (token.empty()) {
+    return absl::UnauthenticatedError(absl::StrCat("job ", job_id_, ": a job_token or reader token is required"));
+  }
+  const std::string digest = Sha256(token);
+  if (DigestMatches(digest, token_sha256_)) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  if (DigestMatches(digest, reader_sha256_)) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat("job ", job_id_, ": the token is neither this job's job_token nor its current reader token"));
 }
 
 absl::Status Job::ErrorWithDetail(absl::Status status) const {
@@ -218,6 +244,7 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
     }
   }
   epoch_ = request.placement_epoch();
+  reader_sha256_ = request.reader_token_sha256();  // the newest assignment's: a rotation re-sends them
   Changed();
   // Shards this placement gives to another daemon stop being served here; their state stays
   // for the new owner's copy until DropShard (a move). One given back is served again.
@@ -335,7 +362,7 @@ bool Job::ShouldWake() const {
 }
 
 absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request, absl::Time deadline) {
-  MAINSTAY_RETURN_IF_ERROR(CheckToken(request.job_token()));
+  MAINSTAY_RETURN_IF_ERROR(CheckReadToken(request.job_token()));
   absl::MutexLock lock(&mu_);
   MAINSTAY_RETURN_IF_ERROR(CheckRoute(request.placement_epoch(), request.bucket(), request.shard()));
   const Key key{request.bucket(), request.shard()};

@@ -169,8 +169,12 @@ class Job : public std::enable_shared_from_this<Job> {
 
   const std::string& job_id() const { return job_id_; }
   // A trainer's job token against the one the coordinator assigned (its SHA-256):
-  // UNAUTHENTICATED when missing, PERMISSION_DENIED when wrong.
+  // UNAUTHENTICATED when missing, PERMISSION_DENIED when wrong (the job's reader token is wrong
+  // here too, with a message that says so).
   absl::Status CheckToken(const std::string& token) const;
+  // The same for calls that only read published versions (PullParams, and admitting a data
+  // connection): the job token or the job's current reader token.
+  absl::Status CheckReadToken(const std::string& token) const;
 
   // Later AssignShard / DropShard calls. FAILED_PRECONDITION for an epoch older than known.
   absl::Status Assign(const v1::AssignShardRequest& request);
@@ -469,6 +473,7 @@ class Job : public std::enable_shared_from_this<Job> {
   const std::string job_id_;
   const ResolvedJob job_;
   const std::string token_sha256_;
+  std::string reader_sha256_ ABSL_GUARDED_BY(mu_);  // of the reader token; empty: none
   const JobOptions options_;
   const ReductionPlan plan_;
   const int32_t num_groups_;  // NumParamGroups(job_.layout)

@@ -254,7 +254,7 @@ absl::StatusOr<std::unique_ptr<PushSession>> ShardDaemon::BeginPush(const v1::Pu
 
 absl::Status ShardDaemon::CheckJobToken(const std::string& job_id, const std::string& job_token) const {
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(job_id));
-  return job->CheckToken(job_token);
+  return job->CheckReadToken(job_token);
 }
 
 absl::StatusOr<PullResult> ShardDaemon::PullParams(const v1::PullParamsRequest& request, absl::Time deadline) {

@@ -80,8 +80,10 @@ class ShardDaemon {
   absl::StatusOr<v1::AssignShardResponse> AssignShard(const v1::AssignShardRequest& request);
   absl::Status DropShard(const v1::DropShardRequest& request);
   absl::StatusOr<std::unique_ptr<PushSession>> BeginPush(const v1::PushGradHeader& header);
-  // A trainer's credentials for transports that open connections (nccl): OK when the job has
-  // shards here and `job_token` is its token; UNAVAILABLE / UNAUTHENTICATED / PERMISSION_DENIED.
+  // A caller's credentials for transports that open connections (ucx, nccl): OK when the job
+  // has shards here and `job_token` is its job token or its reader token (each request on the
+  // connection is checked again: a reader's pushes and FinishSteps are PERMISSION_DENIED);
+  // UNAVAILABLE / UNAUTHENTICATED / PERMISSION_DENIED.
   absl::Status CheckJobToken(const std::string& job_id, const std::string& job_token) const;
   absl::StatusOr<PullResult> PullParams(const v1::PullParamsRequest& request, absl::Time deadline);
   absl::StatusOr<v1::StepStats> FinishStep(const v1::FinishStepRequest& request, absl::Time deadline);

@@ -208,6 +208,17 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
       return core_->DeleteJob(*request);
     });
   }
+  ::grpc::ServerUnaryReactor* GetReaderToken(::grpc::CallbackServerContext* context,
+                                             const v1::GetReaderTokenRequest* request,
+                                             v1::GetReaderTokenResponse* response) override {
+    return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::GetReaderTokenResponse> {
+      if (request->job_token().empty()) {
+        MAINSTAY_RETURN_IF_ERROR(auth_->Check(grpc_server::AdminTokenOf(context, request->admin_token()),
+                                              "GetReaderToken without a job token"));
+      }
+      return core_->GetReaderToken(*request);
+    });
+  }
   ::grpc::ServerUnaryReactor* GetLayout(::grpc::CallbackServerContext* context, const v1::GetLayoutRequest* request,
                                         v1::GetLayoutResponse* response) override {
     return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::GetLayoutResponse> {

@@ -179,8 +179,16 @@ class Cluster {
       }
     }
     base_ = base;
-    for (int i = 0; i < daemons; ++i) {
-      v1::AssignShardRequest req = base;
+    AssignAll();
+  }
+
+  // Every daemon gets its shards (again) at the current epoch, as the coordinator sends them:
+  // at creation, and to hand out a reader token's hash ("" = none), as a rotation does.
+  void AssignAll(const std::string& reader_token = "") {
+    for (int i = 0; i < static_cast<int>(daemons_.size()); ++i) {
+      v1::AssignShardRequest req = base_;
+      req.set_placement_epoch(epoch_);
+      if (!reader_token.empty()) req.set_reader_token_sha256(Sha256Of(reader_token));
       for (const Bucket& b : resolved_.layout.buckets) {
         for (const Shard& s : b.shards) {
           if (!Holds(i, s.rank)) continue;

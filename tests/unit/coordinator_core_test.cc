@@ -18,6 +18,7 @@
 #include "server/coordinator/placement.h"
 #include "server/checkpoint/checkpoint_files.h"
 #include "server/checkpoint/checkpoint_fs.h"
+#include "tests/testing/job_token.h"
 #include "tests/testing/status_matchers.h"
 
 namespace mainstay::coordinator {
@@ -424,6 +425,87 @@ TEST_F(CoordinatorCoreTest, AJobTokenReadsOnlyItsOwnJob) {
   placement.set_job_token("wrong");
   absl::Status denied = coordinator_->GetPlacement(placement).status();
   EXPECT_THAT(std::string(denied.message()), ::testing::Not(::testing::HasSubstr("wrong")));
+}
+
+// The reader token (docs/weight_serving.md): minted on first ask by the job's trainers (or an
+// admin), reads the job's layout and placement and nothing of another job, cannot mint or
+// rotate itself, reaches every daemon of the job as a hash, survives a restart, and a
+// rotation replaces it everywhere.
+TEST_F(CoordinatorCoreTest, AReaderTokenReadsItsJobOnlyAndARotationReplacesItOnEveryDaemon) {
+  Register("n1", kGiB);
+  Register("n2", kGiB);
+  auto a = Create(SmallSpec("a", 2));
+  auto b = Create(SmallSpec("b", 1));
+  ASSERT_THAT(a, IsOk());
+  ASSERT_THAT(b, IsOk());
+  auto reader_token = [&](const std::string& job, const std::string& token, bool rotate) {
+    v1::GetReaderTokenRequest req;
+    req.set_job_id(job);
+    req.set_job_token(token);
+    req.set_rotate(rotate);
+    return coordinator_->GetReaderToken(req);
+  };
+  // Another job's token, and no token at the core (the gRPC layer asks an admin token then).
+  EXPECT_THAT(reader_token(a->job_id(), b->job_token(), false), StatusIs(absl::StatusCode::kPermissionDenied));
+  const size_t before = assigner_.calls().size();
+  auto first = reader_token(a->job_id(), a->job_token(), false);
+  ASSERT_THAT(first, IsOk());
+  EXPECT_EQ(first->reader_token().size(), 64u);
+  // Every daemon of the job was sent its shards again, with the token's hash.
+  std::set<std::string> told;
+  const auto calls = assigner_.calls();  // (a copy)
+  for (size_t i = before; i < calls.size(); ++i) {
+    const auto& call = calls[i];
+    ASSERT_TRUE(call.assign);
+    EXPECT_EQ(call.assign_request.job_id(), a->job_id());
+    EXPECT_EQ(call.assign_request.reader_token_sha256(), testing::Sha256Of(first->reader_token()));
+    EXPECT_GT(call.assign_request.shards_size(), 0);
+    told.insert(call.address);
+  }
+  EXPECT_EQ(told.size(), 2u);
+  // Asked again: the same token, nothing sent.
+  const size_t after_first = assigner_.calls().size();
+  auto again = reader_token(a->job_id(), a->job_token(), false);
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ(again->reader_token(), first->reader_token());
+  EXPECT_EQ(assigner_.calls().size(), after_first);
+  // It reads its job's layout, placement and info; not another job's; it cannot rotate itself.
+  v1::GetLayoutRequest layout;
+  layout.set_job_id(a->job_id());
+  layout.set_job_token(first->reader_token());
+  EXPECT_THAT(coordinator_->GetLayout(layout), IsOk());
+  v1::GetPlacementRequest placement;
+  placement.set_job_id(a->job_id());
+  placement.set_job_token(first->reader_token());
+  EXPECT_THAT(coordinator_->GetPlacement(placement), IsOk());
+  EXPECT_THAT(coordinator_->WaitPlacement(a->job_id(), first->reader_token(), 0, absl::Now() + absl::Seconds(1)),
+              IsOk());
+  layout.set_job_id(b->job_id());
+  EXPECT_THAT(coordinator_->GetLayout(layout), StatusIs(absl::StatusCode::kPermissionDenied));
+  auto by_reader = reader_token(a->job_id(), first->reader_token(), true);
+  EXPECT_THAT(by_reader, StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(std::string(by_reader.status().message()), ::testing::HasSubstr("reader token"));
+  // A restart keeps it.
+  Restart(std::move(store_));
+  auto kept = reader_token(a->job_id(), a->job_token(), false);
+  ASSERT_THAT(kept, IsOk());
+  EXPECT_EQ(kept->reader_token(), first->reader_token());
+  // A rotation: a new token, sent to every daemon; the old one reads nothing more.
+  const size_t before_rotation = assigner_.calls().size();
+  auto rotated = reader_token(a->job_id(), a->job_token(), true);
+  ASSERT_THAT(rotated, IsOk());
+  EXPECT_NE(rotated->reader_token(), first->reader_token());
+  told.clear();
+  const auto rotation_calls = assigner_.calls();
+  for (size_t i = before_rotation; i < rotation_calls.size(); ++i) {
+    EXPECT_EQ(rotation_calls[i].assign_request.reader_token_sha256(), testing::Sha256Of(rotated->reader_token()));
+    told.insert(rotation_calls[i].address);
+  }
+  EXPECT_EQ(told.size(), 2u);
+  layout.set_job_id(a->job_id());
+  EXPECT_THAT(coordinator_->GetLayout(layout), StatusIs(absl::StatusCode::kPermissionDenied));
+  layout.set_job_token(rotated->reader_token());
+  EXPECT_THAT(coordinator_->GetLayout(layout), IsOk());
 }
 
 TEST_F(CoordinatorCoreTest, IdempotentCreateReturnsTheSameJob) {

@@ -679,6 +679,78 @@ v1::AssignShardRequest AssignmentOf(const JobSpec& spec, const std::string& job_
   return assign;
 }
 
+// A reader token pulls published versions and does nothing else; the daemons learn it (and its
+// rotation) from AssignShard, and a rotated-out token pulls nothing more.
+TEST(ReaderTokenTest, AReaderTokenPullsVersionsAndIsRefusedForEverythingElse) {
+  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 2);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  cluster.PushGrads(0);
+  for (const auto& stats : cluster.Finish(0, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+  auto pull = [&](const std::string& token, int32_t bucket, int32_t shard) {
+    v1::PullParamsRequest req;
+    req.set_job_id(kJob);
+    req.set_job_token(token);
+    req.set_placement_epoch(cluster.epoch());
+    req.set_bucket(bucket);
+    req.set_shard(shard);
+    req.set_version(1);
+    return cluster.daemon_of(shard).PullParams(req, absl::Now() + absl::Seconds(5));
+  };
+  // No reader token yet: a guess is refused.
+  EXPECT_THAT(pull("reader-1", 0, 0), StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(cluster.daemon(0).CheckJobToken(kJob, "reader-1"), StatusIs(absl::StatusCode::kPermissionDenied));
+  cluster.AssignAll("reader-1");
+  // It pulls every shard, the same bytes as the trainers' token.
+  for (const Bucket& b : cluster.layout().buckets) {
+    for (const Shard& s : b.shards) {
+      absl::StatusOr<PullResult> read = pull("reader-1", b.index, s.rank);
+      ASSERT_THAT(read, IsOk());
+      absl::StatusOr<PullResult> trained = cluster.Pull(b.index, s.rank, 1);
+      ASSERT_THAT(trained, IsOk());
+      EXPECT_EQ(read->shard.get(), trained->shard.get()) << "one immutable snapshot serves both";
+    }
+  }
+  // It opens data connections (ucx, nccl check this), but pushes, FinishStep and step stats
+  // are refused, saying why.
+  EXPECT_THAT(cluster.daemon(0).CheckJobToken(kJob, "reader-1"), IsOk());
+  v1::PushGradHeader push;
+  push.set_job_id(kJob);
+  push.set_job_token("reader-1");
+  push.set_placement_epoch(cluster.epoch());
+  push.set_bucket(0);
+  push.set_shard(0);
+  push.set_step(1);
+  push.set_kind(v1::PUSH_KIND_GRADIENT);
+  push.set_dtype(v1::ELEMENT_TYPE_FP32);
+  push.set_total_bytes(cluster.layout().buckets[0].shard_numel * 4);
+  push.set_num_contributors(1);
+  absl::Status pushed = cluster.daemon_of(0).BeginPush(push).status();
+  EXPECT_THAT(pushed, StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(std::string(pushed.message()), ::testing::HasSubstr("reader token can only pull"));
+  v1::FinishStepRequest finish;
+  finish.set_job_id(kJob);
+  finish.set_job_token("reader-1");
+  finish.set_placement_epoch(cluster.epoch());
+  finish.set_step(1);
+  finish.set_lr(1e-3);
+  EXPECT_THAT(cluster.daemon(0).FinishStep(finish, absl::Now() + absl::Seconds(1)),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  v1::GetStepStatsRequest stats;
+  stats.set_job_id(kJob);
+  stats.set_job_token("reader-1");
+  stats.set_latest(true);
+  EXPECT_THAT(cluster.daemon(0).GetStepStats(stats), StatusIs(absl::StatusCode::kPermissionDenied));
+  // Nothing was stored: the trainers' step 1 goes on as if the reader had never been there.
+  cluster.PushGrads(1);
+  for (const auto& s : cluster.Finish(1, 1e-3)) ASSERT_THAT(s.status(), IsOk());
+  // A rotation: the old token is refused, the new one pulls.
+  cluster.AssignAll("reader-2");
+  EXPECT_THAT(pull("reader-1", 0, 0), StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(pull("reader-2", 0, 0), IsOk());
+}
+
 TEST(MemoryAdmissionTest, AnAssignmentThatDoesNotFitBesideTheOtherJobsIsRefusedAndChangesNothing) {
   JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
   spec.unreduced_pushes = false;

@@ -58,6 +58,12 @@ struct ClientOptions {
   // Attach to a job: its id and the token CreateJob returned to the launcher.
   std::string job_id;
   std::string job_token;
+  // Or attach read-only (an inference engine, an evaluator): job_id and the job's reader token
+  // (Coordinator.GetReaderToken, `mainstayctl jobs reader-token`). Such a client pulls published
+  // versions (PullShard, PullBucket) and does nothing else: pushes and FinishStep answer
+  // FAILED_PRECONDITION, and the daemons refuse the reader token for them anyway. `rank` is
+  // not used. docs/weight_serving.md.
+  std::string reader_token;
   int32_t rank = 0;           // this trainer's rank, in [0, D)
   // TLS to the coordinator and the daemons (common/tls.h): ca_file verifies their certificates
   // (TLS), cert_file + key_file are this trainer's certificate where they require one (mutual
@@ -241,7 +247,8 @@ class MAINSTAY_CLIENT_EXPORT Client {
   Client& operator=(const Client&) = delete;
 
   const std::string& job_id() const;
-  const std::string& job_token() const;  // hand it to the other ranks after a create
+  const std::string& job_token() const;  // hand it to the other ranks after a create; "" for a reader
+  bool reader() const;                   // attached with ClientOptions::reader_token
   int32_t rank() const;
   int64_t data_parallel_size() const;
   const Layout& layout() const;
@@ -289,6 +296,11 @@ class MAINSTAY_CLIENT_EXPORT Client {
                                        std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   absl::StatusOr<StepStats> FinishStep(int64_t step, double lr, double weight_decay,
                                        std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  // The job's read-only reader token, for inference engines and evaluators (ClientOptions::
+  // reader_token, docs/weight_serving.md): created by the coordinator on first use, replaced
+  // with `rotate` (the old one then stops working). FAILED_PRECONDITION on a reader client;
+  // UNAVAILABLE (retried until the deadline) while a move of the job's shards is in progress.
+  absl::StatusOr<std::string> GetReaderToken(bool rotate = false);
   // Stats of a decided step without waiting (UNAVAILABLE while undecided), from the daemon
   // owning this rank's shard of bucket 0.
   absl::StatusOr<StepStats> GetStepStats(int64_t step);

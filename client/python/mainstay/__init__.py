@@ -38,6 +38,7 @@ try:
 except ImportError as _error:
     raise _cannot_load(_error) from _error
 from ._mainstay import *  # noqa: F401,F403,E402
+from .reader import WeightReader  # noqa: E402
 
 __doc__ = _mainstay.__doc__ or __doc__
-__all__ = [name for name in dir(_mainstay) if not name.startswith("_")]
+__all__ = [name for name in dir(_mainstay) if not name.startswith("_")] + ["WeightReader"]
