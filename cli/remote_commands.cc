@@ -320,7 +320,7 @@ absl::Status RunJobsDelete(const Args& args, Output& output) {
 }
 
 absl::Status RunJobsReaderToken(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {}));
+  MAINSTAY_RETURN_IF_ERROR(Known(args, {"rotate"}));
   MAINSTAY_ASSIGN_OR_RETURN(std::string id, OnePositional(args, "job id"));
   const bool rotate = args.Has("rotate");
   if (rotate && !args.Has("yes")) {

@@ -232,6 +232,12 @@ PYBIND11_MODULE(_mainstay, m) {
       .def("ready", &PyPullHandle::ready)
       .def("wait", &PyPullHandle::wait);
 
+  py::class_<VersionPin>(m, "VersionPin", "A version pinned on every daemon that serves the job's pulls.")
+      .def_readonly("version", &VersionPin::version)
+      .def_readonly("expires_unix_ms", &VersionPin::expires_unix_ms)
+      .def("__repr__", [](const VersionPin& p) {
+        return absl::StrCat("VersionPin(version=", p.version, ", daemons=", p.pins.size(), ")");
+      });
   py::class_<PyClient>(m, "Client",
                        "Attaches to a job (job_id + job_token) or creates it (spec_json), then pushes, finishes "
                        "steps and pulls. With job_id + reader_token instead it only pulls (see WeightReader). Methods are thread-safe; blocking calls release the GIL.")
@@ -247,6 +253,23 @@ PYBIND11_MODULE(_mainstay, m) {
       .def_readonly_static("LATEST", &Client::kLatestVersion)
       .def_property_readonly("reader", [](PyClient& c) { return c.client().reader(); },
                              "True when attached with a reader token (pulls only).")
+      .def("pin_version", [](PyClient& c, int64_t version, double ttl_s) {
+        absl::StatusOr<VersionPin> pin;
+        {
+          py::gil_scoped_release release;
+          pin = c.client().PinVersion(version, Millis(ttl_s));
+        }
+        return Take(std::move(pin));
+      }, py::arg("version"), py::arg("ttl_s") = 60.0,
+         "Keeps `version` from eviction on every daemon for ttl_s seconds (at most 600); returns a VersionPin.")
+      .def("release_pin", [](PyClient& c, const VersionPin& pin) {
+        absl::Status s;
+        {
+          py::gil_scoped_release release;
+          s = c.client().ReleasePin(pin);
+        }
+        Check(s);
+      }, py::arg("pin"))
       .def("get_reader_token", [](PyClient& c, bool rotate) {
         absl::StatusOr<std::string> token;
         {

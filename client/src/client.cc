@@ -619,6 +619,68 @@ absl::StatusOr<std::string> Client::GetReaderToken(bool rotate) {
   return response.reader_token();
 }
 
+absl::StatusOr<VersionPin> Client::PinVersion(int64_t version, std::chrono::milliseconds ttl) {
+  if (version < 0) return InvalidArgumentError("version", "must be >= 0, got ", version);
+  if (ttl.count() <= 0 || ttl > std::chrono::minutes(10)) {
+    return InvalidArgumentError("ttl", "must be in (0, 10 min], got ", ttl.count(), " ms");
+  }
+  const Deadline deadline = impl_->DeadlineAfter(impl_->options.timeout);
+  // Every daemon that serves a pull of the job: the owners of the shards.
+  std::map<std::string, client_internal::Route> daemons;
+  for (const Bucket& b : layout().buckets) {
+    for (const Shard& s : b.shards) {
+      MAINSTAY_ASSIGN_OR_RETURN(client_internal::Route route, impl_->RouteForShard(b.index, s.rank));
+      daemons.emplace(route.address, std::move(route));
+    }
+  }
+  VersionPin pin;
+  pin.version = version;
+  absl::Status failed;
+  for (const auto& [address, route] : daemons) {
+    v1::PinVersionRequest request;
+    request.set_job_id(impl_->job_id);
+    request.set_job_token(impl_->job_token);
+    request.set_version(version);
+    request.set_ttl_ms(ttl.count());
+    v1::PinVersionResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    absl::Status s = client_internal::StatusFromCall(route.stub->PinVersion(&context, request, &response), &context);
+    if (!s.ok()) {
+      failed = Annotate(s, absl::StrCat("PinVersion(", version, ") at daemon ", route.daemon_id));
+      break;
+    }
+    pin.pins.push_back({address, response.pin_id()});
+    pin.expires_unix_ms = pin.expires_unix_ms == 0 ? response.expires_unix_ms()
+                                                   : std::min(pin.expires_unix_ms, response.expires_unix_ms());
+  }
+  if (!failed.ok()) {
+    (void)ReleasePin(pin);  // no half-pinned version left behind (and they expire anyway)
+    return failed;
+  }
+  return pin;
+}
+
+absl::Status Client::ReleasePin(const VersionPin& pin) {
+  const Deadline deadline = impl_->DeadlineAfter(impl_->options.timeout);
+  absl::Status first;
+  for (const auto& [address, id] : pin.pins) {
+    v1::PinVersionRequest request;
+    request.set_job_id(impl_->job_id);
+    request.set_job_token(impl_->job_token);
+    request.set_version(pin.version);
+    request.set_ttl_ms(0);
+    request.set_pin_id(id);
+    v1::PinVersionResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    absl::Status s = client_internal::StatusFromCall(impl_->StubFor(address)->PinVersion(&context, request, &response),
+                                                     &context);
+    if (!s.ok() && first.ok()) first = Annotate(s, absl::StrCat("releasing the pin of version ", pin.version, " at ", address));
+  }
+  return first;
+}
+
 absl::StatusOr<StepStats> Client::GetStepStats(int64_t step) {
   const Deadline deadline = impl_->DeadlineAfter(impl_->options.timeout);
   v1::GetStepStatsRequest request;

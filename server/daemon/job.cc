@@ -5,6 +5,7 @@
 #include "server/daemon/job.h"
 
 #include <openssl/crypto.h>
+#include <openssl/rand.h>
 #include <openssl/sha.h>
 
 #include <algorithm>
@@ -418,9 +419,12 @@ absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request,
   auto it = state.versions.find(wanted);
   if (it == state.versions.end()) {
     // Not published: either its step was skipped (answer with the version before it, which the
-    // trainer already holds) or it is older than what the daemon keeps.
+    // trainer already holds) or it is older than what the daemon keeps (even when an older,
+    // pinned version is still here).
     auto after = state.versions.upper_bound(wanted);
-    if (after != state.versions.begin() && !state.versions.empty()) {
+    auto decided = stats_.find(wanted - 1);
+    if (after != state.versions.begin() && !state.versions.empty() && decided != stats_.end() &&
+        decided->second.skipped()) {
       result.shard = std::prev(after)->second;
       result.unchanged = true;
       return result;
@@ -431,6 +435,76 @@ absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request,
   }
   result.shard = it->second;
   return result;
+}
+
+namespace {
+constexpr int64_t kMaxPinTtlMs = 600000;
+constexpr size_t kMaxPinnedVersions = 4;
+}  // namespace
+
+std::set<int64_t> Job::PinnedVersionsLocked() {
+  const int64_t now = options_.clock->NowUnixMs();
+  std::set<int64_t> pinned;
+  for (auto it = pins_.begin(); it != pins_.end();) {
+    if (it->second.expires_unix_ms <= now) {
+      it = pins_.erase(it);
+    } else {
+      pinned.insert(it->second.version);
+      ++it;
+    }
+  }
+  return pinned;
+}
+
+absl::StatusOr<v1::PinVersionResponse> Job::PinVersion(const v1::PinVersionRequest& request) {
+  MAINSTAY_RETURN_IF_ERROR(CheckReadToken(request.job_token()));
+  if (request.ttl_ms() < 0 || request.ttl_ms() > kMaxPinTtlMs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PinVersion: ttl_ms must be in [0, ", kMaxPinTtlMs, "] (0 releases the pin), got ", request.ttl_ms()));
+  }
+  absl::MutexLock lock(&mu_);
+  v1::PinVersionResponse response;
+  if (request.ttl_ms() == 0) {  // a release; an unknown or expired pin is released already
+    pins_.erase(request.pin_id());
+    response.set_pin_id(request.pin_id());
+    return response;
+  }
+  std::set<int64_t> pinned = PinnedVersionsLocked();
+  auto existing = pins_.find(request.pin_id());
+  if (request.pin_id() != 0 && existing == pins_.end()) {
+    return ErrorWithDetail(absl::NotFoundError(absl::StrCat(
+        "PinVersion: pin ", request.pin_id(), " of job ", job_id_, " expired or was released; pin version ",
+        request.version(), " again with pin_id 0")));
+  }
+  if (existing != pins_.end() && existing->second.version != request.version()) {
+    return absl::InvalidArgumentError(absl::StrCat("PinVersion: pin ", request.pin_id(), " holds version ",
+                                                   existing->second.version, ", not ", request.version()));
+  }
+  if (existing == pins_.end()) {
+    for (const auto& [key, state] : shards_) {
+      if (state->versions.count(request.version())) continue;
+      return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+          "PinVersion: version ", request.version(), " of ", ShardName(key.first, key.second), " of job ", job_id_,
+          " is not kept here (", request.version() > version_ ? "not published yet" : "evicted already",
+          "; newest is ", version_, ")")));
+    }
+    if (!pinned.count(request.version()) && pinned.size() >= kMaxPinnedVersions) {
+      return absl::ResourceExhaustedError(absl::StrCat("PinVersion: job ", job_id_, " has ", pinned.size(),
+                                                       " versions pinned, the most a daemon keeps; release one"));
+    }
+  }
+  uint64_t id = request.pin_id();
+  while (id == 0 || (existing == pins_.end() && pins_.count(id))) {
+    if (RAND_bytes(reinterpret_cast<unsigned char*>(&id), sizeof(id)) != 1) {
+      return absl::InternalError("PinVersion: no random pin id");
+    }
+  }
+  Pin& pin = pins_[id];
+  pin.version = request.version();
+  pin.expires_unix_ms = options_.clock->NowUnixMs() + request.ttl_ms();
+  response.set_pin_id(id);
+  response.set_expires_unix_ms(pin.expires_unix_ms);
+  return response;
 }
 
 absl::StatusOr<StepHyper> Job::RequestHyper(const v1::FinishStepRequest& request) const {

@@ -183,6 +183,10 @@ class Job : public std::enable_shared_from_this<Job> {
 
   absl::StatusOr<std::unique_ptr<PushSession>> BeginPush(const v1::PushGradHeader& header);
   absl::StatusOr<PullResult> PullParams(const v1::PullParamsRequest& request, absl::Time deadline);
+  // Pins (or renews, or with ttl_ms 0 releases) a published version against eviction: see
+  // shard.proto, PinVersion. A pinned version costs one more snapshot per shard beyond
+  // retained_versions (docs/weight_serving.md, "Pins").
+  absl::StatusOr<v1::PinVersionResponse> PinVersion(const v1::PinVersionRequest& request);
   absl::StatusOr<v1::StepStats> FinishStep(const v1::FinishStepRequest& request, absl::Time deadline);
   absl::StatusOr<v1::StepStats> GetStepStats(const v1::GetStepStatsRequest& request);
   // What this daemon holds of a step, for a peer in doubt about it (job_outcome.cc): DECIDED with
@@ -248,10 +252,11 @@ class Job : public std::enable_shared_from_this<Job> {
     std::vector<uint8_t> spare_data;
 
     // The commit of a step, version 0 or a restore: `published` becomes the newest version
-    // (keeping at most `retained` versions). Version 0 and restores built the state in the
-    // scratch buffers, which become the state (and are then freed); a step updated the state
-    // in place (`in_place`). Under the job's lock.
-    void Commit(std::shared_ptr<const QuantizedShard> published, int retained, bool in_place) {
+    // (keeping the newest `retained` versions, and older ones that are in `pinned`). Version 0
+    // and restores built the state in the scratch buffers, which become the state (and are
+    // then freed); a step updated the state in place (`in_place`). Under the job's lock.
+    void Commit(std::shared_ptr<const QuantizedShard> published, int retained, bool in_place,
+                const std::set<int64_t>& pinned) {
       if (!in_place) {
         master.swap(scratch_master);
         m.swap(scratch_m);
@@ -262,8 +267,14 @@ class Job : public std::enable_shared_from_this<Job> {
       }
       initialized = true;
       versions[published->version] = std::move(published);
-      while (static_cast<int>(versions.size()) > std::max(retained, 1)) {
-        std::shared_ptr<const QuantizedShard>& oldest = versions.begin()->second;
+      // The newest `retained` stay; older ones go unless pinned.
+      size_t older = versions.size() - std::min(versions.size(), static_cast<size_t>(std::max(retained, 1)));
+      for (auto it = versions.begin(); older > 0; --older) {
+        if (pinned.count(it->first)) {
+          ++it;
+          continue;
+        }
+        std::shared_ptr<const QuantizedShard>& oldest = it->second;
         if (oldest.use_count() == 1) {
           // Ours alone (a pull still sending it holds another reference), and made mutable by
           // NewSnapshot (std::make_shared<QuantizedShard>): its buffer is reused. use_count() is
@@ -271,7 +282,7 @@ class Job : public std::enable_shared_from_this<Job> {
           std::atomic_thread_fence(std::memory_order_acquire);
           spare_data = std::move(const_cast<QuantizedShard&>(*oldest).data);
         }
-        versions.erase(versions.begin());
+        it = versions.erase(it);
       }
     }
   };
@@ -474,6 +485,13 @@ class Job : public std::enable_shared_from_this<Job> {
   const ResolvedJob job_;
   const std::string token_sha256_;
   std::string reader_sha256_ ABSL_GUARDED_BY(mu_);  // of the reader token; empty: none
+  struct Pin {
+    int64_t version = 0;
+    int64_t expires_unix_ms = 0;
+  };
+  std::map<uint64_t, Pin> pins_ ABSL_GUARDED_BY(mu_);  // by pin id
+  // The versions of the pins that have not expired (expired ones are forgotten).
+  std::set<int64_t> PinnedVersionsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const JobOptions options_;
   const ReductionPlan plan_;
   const int32_t num_groups_;  // NumParamGroups(job_.layout)

@@ -244,7 +244,7 @@ void Job::RunRestore() {
     return;
   }
   for (size_t i = 0; i < shards.size(); ++i) {
-    shards[i]->Commit(result->published[i], options_.retained_versions, /*in_place=*/false);
+    shards[i]->Commit(result->published[i], options_.retained_versions, /*in_place=*/false, PinnedVersionsLocked());
   }
   version_ = inputs.publish_version;
   restoring_ = false;

@@ -716,8 +716,9 @@ void Job::RunSteps() {
     }
     v1::StepStats& stats = result->stats;
     if (!result->skipped) {
+      const std::set<int64_t> pinned = PinnedVersionsLocked();
       for (size_t i = 0; i < shards.size(); ++i) {
-        shards[i]->Commit(result->published[i], options_.retained_versions, /*in_place=*/step >= 0);
+        shards[i]->Commit(result->published[i], options_.retained_versions, /*in_place=*/step >= 0, pinned);
       }
       version_ = step + 1;
     }

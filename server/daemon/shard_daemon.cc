@@ -257,6 +257,11 @@ absl::Status ShardDaemon::CheckJobToken(const std::string& job_id, const std::st
   return job->CheckReadToken(job_token);
 }
 
+absl::StatusOr<v1::PinVersionResponse> ShardDaemon::PinVersion(const v1::PinVersionRequest& request) {
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job_id()));
+  return job->PinVersion(request);
+}
+
 absl::StatusOr<PullResult> ShardDaemon::PullParams(const v1::PullParamsRequest& request, absl::Time deadline) {
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job_id()));
   return job->PullParams(request, deadline);

@@ -471,6 +471,13 @@ class ShardService final : public v1::Shard::CallbackService {
       return absl::OkStatus();
     });
   }
+  ::grpc::ServerUnaryReactor* PinVersion(::grpc::CallbackServerContext* context, const v1::PinVersionRequest* request,
+                                         v1::PinVersionResponse* response) override {
+    return grpc_server::Serve(calls_, context, response, ShuttingDown(), [&]() -> absl::Status {
+      MAINSTAY_ASSIGN_OR_RETURN(*response, core_->PinVersion(*request));
+      return absl::OkStatus();
+    });
+  }
   ::grpc::ServerUnaryReactor* GetStepOutcome(::grpc::CallbackServerContext* context,
                                              const v1::GetStepOutcomeRequest* request,
                                              v1::GetStepOutcomeResponse* response) override {

@@ -751,6 +751,73 @@ TEST(ReaderTokenTest, AReaderTokenPullsVersionsAndIsRefusedForEverythingElse) {
   EXPECT_THAT(pull("reader-2", 0, 0), IsOk());
 }
 
+// Pins: a pinned version outlives retained_versions until released (or expired); an unpinned
+// old one is FAILED_PRECONDITION naming the newest; at most 4 versions are pinned at once.
+TEST(PinVersionTest, APinnedVersionOutlivesEvictionUntilReleased) {
+  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 2);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  auto step = [&](int64_t s) {
+    cluster.PushGrads(s);
+    for (const auto& stats : cluster.Finish(s, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+  };
+  auto pin = [&](int64_t version, int64_t ttl_ms, uint64_t id = 0) {
+    v1::PinVersionRequest req;
+    req.set_job_id(kJob);
+    req.set_job_token(kToken);
+    req.set_version(version);
+    req.set_ttl_ms(ttl_ms);
+    req.set_pin_id(id);
+    return cluster.daemon(0).PinVersion(req);
+  };
+  step(0);
+  absl::StatusOr<v1::PinVersionResponse> one = pin(1, 60000);
+  ASSERT_THAT(one, IsOk());
+  EXPECT_NE(one->pin_id(), 0u);
+  // Renewed with its id; a wrong version for the id, a bad ttl, a token of nobody: refused.
+  EXPECT_THAT(pin(1, 60000, one->pin_id()), IsOk());
+  EXPECT_THAT(pin(2, 60000, one->pin_id()), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(pin(1, 600001), StatusIs(absl::StatusCode::kInvalidArgument));
+  v1::PinVersionRequest stranger;
+  stranger.set_job_id(kJob);
+  stranger.set_job_token("nobody");
+  stranger.set_version(1);
+  stranger.set_ttl_ms(1000);
+  EXPECT_THAT(cluster.daemon(0).PinVersion(stranger), StatusIs(absl::StatusCode::kPermissionDenied));
+  for (int64_t s = 1; s < 7; ++s) step(s);  // versions 2..7: the daemon keeps 4
+  for (const Shard& sh : cluster.layout().buckets[0].shards) {
+    if (cluster.Owner(sh.rank) == 0) {
+      EXPECT_THAT(cluster.Pull(0, sh.rank, 1), IsOk()) << "the pinned version";
+      absl::StatusOr<PullResult> gone = cluster.Pull(0, sh.rank, 2);
+      EXPECT_THAT(gone, StatusIs(absl::StatusCode::kFailedPrecondition));
+      EXPECT_THAT(std::string(gone.status().message()), ::testing::HasSubstr("newest is 7"));
+    }
+  }
+  EXPECT_THAT(pin(2, 60000), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(pin(9, 60000), StatusIs(absl::StatusCode::kFailedPrecondition));  // not published yet
+  // Four versions at most (1 and three of 4..7); a fifth is RESOURCE_EXHAUSTED.
+  EXPECT_THAT(pin(4, 60000), IsOk());
+  EXPECT_THAT(pin(5, 60000), IsOk());
+  EXPECT_THAT(pin(6, 60000), IsOk());
+  EXPECT_THAT(pin(7, 60000), StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(pin(5, 60000), IsOk()) << "a second pin of a pinned version is no new version";
+  // Released: the next commit evicts it.
+  EXPECT_THAT(pin(1, 0, one->pin_id()), IsOk());
+  EXPECT_THAT(pin(1, 0, one->pin_id()), IsOk()) << "releasing twice is harmless";
+  step(7);
+  for (const Shard& sh : cluster.layout().buckets[0].shards) {
+    if (cluster.Owner(sh.rank) == 0) {
+      EXPECT_THAT(cluster.Pull(0, sh.rank, 1), StatusIs(absl::StatusCode::kFailedPrecondition));
+    }
+  }
+  // An expired pin keeps nothing: version 5's two pins expire, and it goes at the next commits.
+  absl::StatusOr<v1::PinVersionResponse> brief = pin(8, 1);
+  ASSERT_THAT(brief, IsOk());
+  absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_THAT(pin(8, 1000, brief->pin_id()), StatusIs(absl::StatusCode::kNotFound));
+}
+
 TEST(MemoryAdmissionTest, AnAssignmentThatDoesNotFitBesideTheOtherJobsIsRefusedAndChangesNothing) {
   JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
   spec.unreduced_pushes = false;

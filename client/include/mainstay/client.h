@@ -116,6 +116,14 @@ struct StepStats {
   std::vector<float> tensor_amax;  // per Layout::tensors index; empty for a skipped step
 };
 
+// A published version held against eviction on every daemon that serves the job's pulls
+// (Client::PinVersion); released by Client::ReleasePin, or when it expires.
+struct VersionPin {
+  int64_t version = 0;
+  std::vector<std::pair<std::string, uint64_t>> pins;  // (daemon address, its pin id)
+  int64_t expires_unix_ms = 0;                          // the earliest of the daemons' expiries
+};
+
 // The job's placement (mirrors mainstay.v1.Placement).
 struct DaemonAddress {
   std::string daemon_id;
@@ -301,6 +309,14 @@ class MAINSTAY_CLIENT_EXPORT Client {
   // with `rotate` (the old one then stops working). FAILED_PRECONDITION on a reader client;
   // UNAVAILABLE (retried until the deadline) while a move of the job's shards is in progress.
   absl::StatusOr<std::string> GetReaderToken(bool rotate = false);
+  // Keeps `version` from eviction on every daemon that serves the job's pulls for `ttl` (at
+  // most 10 minutes; pin again to renew), so that a reader can pull all of it while training
+  // goes on. FAILED_PRECONDITION (ErrorDetail.version = the newest) when a daemon no longer
+  // keeps it; RESOURCE_EXHAUSTED when a daemon holds 4 pinned versions of the job already. On
+  // an error nothing stays pinned. Readers and trainers alike.
+  absl::StatusOr<VersionPin> PinVersion(int64_t version, std::chrono::milliseconds ttl);
+  // Releases the pin on every daemon (an expired one is released already). The first error.
+  absl::Status ReleasePin(const VersionPin& pin);
   // Stats of a decided step without waiting (UNAVAILABLE while undecided), from the daemon
   // owning this rank's shard of bucket 0.
   absl::StatusOr<StepStats> GetStepStats(int64_t step);

@@ -63,13 +63,19 @@ class WeightReader:
         self._tensor_list = self.layout.tensors
         self._tensors = {t["name"]: (i, t) for i, t in enumerate(self._tensor_list)}
         self.bytes_read = 0  # published bytes pulled so far (data and scales)
+        self._pins = {}      # version -> VersionPin
+        self.version = None  # the version the last tensors() call read
 
     @property
     def job_id(self):
         return self._client.job_id
 
     def close(self):
-        """Releases the connections (also done when the reader is garbage collected)."""
+        """Releases the pins and the connections (also done when the reader is garbage collected,
+        but for the pins, which then expire)."""
+        if self._client is not None:
+            for version in list(self._pins):
+                self.unpin(version)
         self._client = None
 
     def __enter__(self):
@@ -84,9 +90,9 @@ class WeightReader:
         return pulled.version
 
     def wait_newer(self, version, timeout_s):
-        """The first version published after `version`, waiting up to `timeout_s` seconds; None
-        when none came in time. Versions of skipped steps (non-finite gradients) are never
-        published: the wait goes on to the next step's."""
+        """The newest published version after `version`, waiting up to `timeout_s` seconds for
+        one; None when none came in time. (Versions of skipped steps, with non-finite gradients,
+        are never published: the wait goes on to the next step's.)"""
         deadline = time.monotonic() + timeout_s
         wanted = version + 1
         while True:
@@ -98,28 +104,53 @@ class WeightReader:
             except _mainstay.Error as e:
                 if e.code == "DEADLINE_EXCEEDED":
                     return None
-                if e.code == "FAILED_PRECONDITION":
-                    # `version` is older than what the daemons keep (or far behind): the newest is newer.
-                    newest = self.latest()
-                    if newest > version:
-                        return newest
-                raise
-            if pulled.version > version:
-                return pulled.version
+                if e.code != "FAILED_PRECONDITION":  # (that one: `wanted` is no longer kept)
+                    raise
+                pulled = None
+            if pulled is None or pulled.version > version:
+                newest = self.latest()
+                if newest > version:
+                    return newest
             wanted += 1  # step wanted - 1 was skipped: its version does not exist
+
+    def _pin_latest(self):
+        """(newest version, its pin): a newer version can evict the newest between the two calls,
+        and then the next newest is pinned."""
+        for _ in range(100):
+            version = self.latest()
+            try:
+                return version, self._client.pin_version(version, 120.0)
+            except _mainstay.Error as e:
+                if e.code != "FAILED_PRECONDITION":
+                    raise
+        raise RuntimeError("job %s: no version stayed long enough to be pinned" % self.job_id)
+
+    def pin(self, version, ttl_s=60.0):
+        """Keeps `version` on every daemon for ttl_s seconds (at most 600; pin again to renew),
+        while training goes on. tensors() pins what it reads by itself; pin to read a version
+        in several calls. mainstay.Error FAILED_PRECONDITION when it is gone already."""
+        self.unpin(version)
+        self._pins[version] = self._client.pin_version(version, ttl_s)
+
+    def unpin(self, version):
+        """Releases a pin of pin(); a version not pinned is left as it is."""
+        pin = self._pins.pop(version, None)
+        if pin is not None:
+            self._client.release_pin(pin)
 
     def tensors(self, version=None, names=None, as_="published"):
         """Yields (name, tensor) for every tensor of the job (or those in `names`), whole and in
-        model space, at `version` (None: the newest).
+        model space, at `version` (None: the newest; `reader.version` says which it was).
 
         as_="fp32": the dequantized values, float32, shaped like the tensor.
         as_="bf16": the same rounded to bfloat16 (PyTorch needed); bf16 tensors as published.
         as_="published": the published data, then its scales under the names of PUBLISHED_SCALES
         (e.g. "x.weight" and "x.weight_scale_inv" for fp8_block).
 
-        Every bucket is pulled at the same version, all at once. A version the daemons no
-        longer keep is mainstay.Error FAILED_PRECONDITION naming the newest; one that was never
-        published (its step was skipped) is ValueError.
+        Every bucket is pulled at the same version, all at once, with the version pinned on the
+        daemons meanwhile (see pin()). A version the daemons no longer keep is mainstay.Error
+        FAILED_PRECONDITION naming the newest; one that was never published (its step was
+        skipped) is ValueError.
         """
         if as_ not in ("published", "bf16", "fp32"):
             raise ValueError("as_ must be 'published', 'bf16' or 'fp32', got %r" % (as_,))
@@ -133,21 +164,36 @@ class WeightReader:
             unknown = [n for n in wanted if n not in self._tensors]
             if unknown:
                 raise KeyError("job %s has no tensor %s" % (self.job_id, ", ".join(repr(n) for n in unknown)))
-        if version is None:
-            version = self.latest()
         buckets = []
         for n in wanted:
             b = self._tensors[n][1]["bucket"]
             if b not in buckets:
                 buckets.append(b)
-        handles = {b: self._client.pull_bucket(b, version, wait=False) for b in buckets}
-        pulled = {}
-        for b in buckets:
-            p = handles[b].wait()
-            if p.unchanged or p.version != version:
-                raise ValueError("job %s: version %d was never published (its step was skipped); bucket %d's "
-                                 "newest before it is %d" % (self.job_id, version, b, p.version))
-            pulled[b] = p
+        # Pinned while its buckets are pulled (unless the caller pinned it): training may publish
+        # several versions meanwhile, and the daemons keep only a few.
+        own_pin = None
+        if version is None:
+            version, own_pin = self._pin_latest()
+        elif version not in self._pins:
+            try:
+                own_pin = self._client.pin_version(version, 120.0)
+            except _mainstay.Error as e:
+                if e.code != "FAILED_PRECONDITION" or version <= self.latest():
+                    raise
+                own_pin = None  # not published yet: the pulls wait for it (and it is new)
+        self.version = version
+        try:
+            handles = {b: self._client.pull_bucket(b, version, wait=False) for b in buckets}
+            pulled = {}
+            for b in buckets:
+                p = handles[b].wait()
+                if p.unchanged or p.version != version:
+                    raise ValueError("job %s: version %d was never published (its step was skipped); bucket %d's "
+                                     "newest before it is %d" % (self.job_id, version, b, p.version))
+                pulled[b] = p
+        finally:
+            if own_pin is not None:
+                self._client.release_pin(own_pin)
         for n in wanted:
             index, info = self._tensors[n]
             p = pulled[info["bucket"]]

@@ -1,0 +1,270 @@
+"""Weight serving through the real binaries (issue 23; docs/weight_serving.md): a reader process
+with the job's reader token polls for new versions while two trainers train, and every version
+it reads equals, byte for byte, what the trainers pulled for that version; its fp32 tensors
+equal the trainers' dequantized parameters, and its published tensors decode to them by the
+documented conventions. The reader token reads nothing of another job, cannot push or finish
+a step, and a rotation (mainstayctl jobs reader-token --rotate) cuts off the old token.
+
+    MAINSTAY_COORDINATOR_BIN=... MAINSTAYD_BIN=... MAINSTAYCTL_BIN=... \\
+    PYTHONPATH=<build>/client/python /usr/bin/python3 weight_reader_test.py
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testing"))
+import process_cluster  # noqa: E402  (the shared process harness)
+
+import mainstay  # noqa: E402
+
+STEPS = 6
+SIDE = 256  # multiples of 128 (fp8_block tiles), 32 (mxfp8) and 16 (nvfp4)
+
+
+def spec(name, recipe):
+    return {
+        "name": name,
+        "recipe": recipe,
+        "recipe_options": {"first_last_layers_bf16": False},
+        "data_parallel_size": 2,
+        "bucket_numel": 2 * SIDE * SIDE,
+        "optimizer": {"type": "adamw", "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.0, "max_grad_norm": 0.0},
+        "tensors": [{"name": "layers.0.attn.qkv.weight", "shape": [SIDE, SIDE]},
+                    {"name": "layers.0.norm.weight", "shape": [SIDE]},
+                    {"name": "layers.1.mlp.fc1.weight", "shape": [SIDE, SIDE]},
+                    {"name": "layers.1.mlp.fc2.weight", "shape": [SIDE, SIDE]}],
+    }
+
+
+def e4m3_table():
+    out = np.zeros(256, dtype=np.float32)
+    for b in range(256):
+        sign = -1.0 if b & 0x80 else 1.0
+        exp, man = (b >> 3) & 0xF, b & 7
+        if exp == 15 and man == 7:
+            out[b] = np.nan
+        elif exp == 0:
+            out[b] = sign * man / 8.0 * 2.0 ** -6
+        else:
+            out[b] = sign * (1 + man / 8.0) * 2.0 ** (exp - 7)
+    return out
+
+
+E4M3 = e4m3_table()
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+
+
+def decode_published(fmt, items, name):
+    """The documented conventions of docs/weight_serving.md, applied with numpy only."""
+    data = np.asarray(items[name])
+    if fmt == "bf16":
+        return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if fmt.startswith("fp8_e4m3"):
+        return E4M3[data] * np.float32(np.asarray(items[name + "_scale_inv"]))
+    if fmt == "fp8_block":
+        grid = np.asarray(items[name + "_scale_inv"])
+        return E4M3[data] * np.repeat(np.repeat(grid, 128, axis=0), 128, axis=1)[:data.shape[0], :data.shape[1]]
+    if fmt == "mxfp8":
+        e = np.asarray(items[name + "_scale"]).astype(np.int32)
+        return E4M3[data] * np.repeat(np.ldexp(np.float32(1), e - 127).astype(np.float32), 32, axis=1)
+    if fmt == "nvfp4":
+        codes = np.empty(data.shape[:-1] + (data.shape[-1] * 2,), dtype=np.uint8)
+        codes[..., 0::2] = data & 0xF
+        codes[..., 1::2] = data >> 4
+        tile = E4M3[np.asarray(items[name + "_scale"])]
+        return (E2M1[codes] * np.repeat(tile, 16, axis=1) * np.float32(np.asarray(items[name + "_scale_2"]))).astype(
+            np.float32)
+    raise AssertionError("no convention for " + fmt)
+
+
+def as_numpy(t):
+    if hasattr(t, "numpy"):
+        import torch
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.uint16)
+        if t.dtype == torch.float16:
+            return t.view(torch.int16).numpy().view(np.uint16)
+        return t.numpy()
+    return t
+
+
+def run_reader(address, job_id, token, out_dir, last_version):
+    """The reader process: reads every version it sees until `last_version`, saving each."""
+    reader = mainstay.WeightReader(address, job_id, token, timeout_s=60)
+    version = 0
+    while version < last_version:
+        if reader.wait_newer(version, timeout_s=60) is None:
+            raise SystemExit("no version after %d within 60 s" % version)
+        # The newest (pinned while it is read: training goes on meanwhile), then the same
+        # version again pinned by the reader, as fp32.
+        published = {n: as_numpy(t) for n, t in reader.tensors(as_="published")}
+        version = reader.version
+        reader.pin(version)
+        fp32 = {n: as_numpy(t) for n, t in reader.tensors(version, as_="fp32")}
+        reader.unpin(version)
+        np.savez(os.path.join(out_dir, "v%d.npz" % version), **{"p:" + k: v for k, v in published.items()},
+                 **{"f:" + k: v for k, v in fp32.items()})
+    print("reader read up to version %d, %d bytes" % (version, reader.bytes_read), flush=True)
+
+
+class WeightReaderTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = process_cluster.Cluster(daemons=2, lease_ms=3000)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.stop()
+
+    def fail_with_logs(self, message):
+        self.fail(message + "\n" + self.cluster.logs())
+
+    def check_recipe(self, recipe):
+        out_dir = os.path.join(self.cluster.dir, "read-" + recipe)
+        os.makedirs(out_dir)
+        # The launcher asks for the reader token and hands it to the reader before training.
+        layout_spec = spec("reader-" + recipe, recipe)
+        c0 = mainstay.Client(self.cluster.address, spec_json=json.dumps(layout_spec), rank=0, timeout_s=120)
+        token = c0.get_reader_token()
+        self.assertEqual(c0.get_reader_token(), token)
+        reader = subprocess.Popen([sys.executable, __file__, "--reader", self.cluster.address, c0.job_id, token,
+                                   out_dir, str(STEPS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        c1 = mainstay.Client(self.cluster.address, job_id=c0.job_id, job_token=c0.job_token, rank=1, timeout_s=120)
+        clients = [c0, c1]
+        layout = c0.layout
+        tensors = layout.tensors
+        rng = np.random.default_rng(7)
+        for b in range(len(layout.buckets)):
+            c0.push_initial_params(b, rng.standard_normal(layout.buckets[b]["numel"]).astype(np.float32) * 0.1,
+                                   all_shards=True, wait=True)
+        pulled = {}
+        for step in range(STEPS):
+            errors = []
+
+            def rank(r, step=step):
+                try:
+                    c = clients[r]
+                    for b in range(len(layout.buckets)):
+                        g = np.random.default_rng(step * 10 + r).standard_normal(
+                            layout.buckets[b]["shard_numel"]).astype(np.float32)
+                        c.push_grad(b, step, g * 0.01, wait=True)
+                    c.finish_step(step, lr=1e-2, weight_decay=0.0)
+                except Exception as e:  # noqa: BLE001 (reported below)
+                    errors.append(e)
+            threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                self.fail_with_logs("step %d: %r" % (step, errors))
+            got = {}
+            for b in range(len(layout.buckets)):
+                p = c0.pull_bucket(b, step + 1)
+                for i, t in enumerate(tensors):
+                    if t["bucket"] == b:
+                        view = p.tensor(i)
+                        got[t["name"]] = (bytes(view["data"]), p.dequantize(i), view["format"])
+            pulled[step + 1] = got
+        try:
+            output, _ = reader.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            reader.kill()
+            self.fail_with_logs("the reader did not finish")
+        if reader.returncode != 0:
+            self.fail_with_logs("the reader failed:\n" + output)
+        read = sorted(int(f[1:-4]) for f in os.listdir(out_dir))
+        self.assertIn(STEPS, read, output)
+        formats = set()
+        for v in read:
+            with np.load(os.path.join(out_dir, "v%d.npz" % v)) as z:
+                items = {k[2:]: z[k] for k in z.files if k.startswith("p:")}
+                fp32 = {k[2:]: z[k] for k in z.files if k.startswith("f:")}
+            self.assertEqual(set(fp32), set(pulled[v]))
+            for name, (data, values, fmt) in pulled[v].items():
+                formats.add(fmt)
+                self.assertEqual(items[name].tobytes(), data, "%s: version %d of %s" % (recipe, v, name))
+                np.testing.assert_array_equal(fp32[name], values, "%s v%d %s" % (recipe, v, name))
+                decoded = decode_published(fmt, items, name).reshape(values.shape)
+                np.testing.assert_allclose(decoded, values, rtol=2e-7, atol=0,
+                                           err_msg="%s: the published convention of %s" % (recipe, fmt))
+        return c0, token, formats
+
+    def test_a_reader_reads_what_the_trainers_pulled_in_every_format(self):
+        seen = set()
+        for recipe in ("bf16_with_fp8_current_scaling_mixed", "bf16_with_fp8_subchannel_scaling_mixed",
+                       "bf16_with_mxfp8_mixed", "bf16_with_nvfp4_mixed"):
+            with self.subTest(recipe=recipe):
+                _, _, formats = self.check_recipe(recipe)
+                seen |= formats
+        self.assertEqual(seen, {"bf16", "fp8_e4m3_current", "fp8_block", "mxfp8", "nvfp4"})
+
+    def test_the_reader_token_only_reads_its_own_job_and_a_rotation_cuts_it_off(self):
+        a = mainstay.Client(self.cluster.address, spec_json=json.dumps(spec("scope-a", "bf16_mixed")), rank=0,
+                            timeout_s=60)
+        b = mainstay.Client(self.cluster.address, spec_json=json.dumps(spec("scope-b", "bf16_mixed")), rank=0,
+                            timeout_s=60)
+        for c in (a, b):
+            for bucket in range(len(c.layout.buckets)):
+                c.push_initial_params(bucket, np.zeros(c.layout.buckets[bucket]["numel"], np.float32),
+                                      all_shards=True, wait=True)
+        r = self.cluster.ctl("jobs", "reader-token", a.job_id)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        token = r.stdout.strip()
+        self.assertEqual(token, a.get_reader_token())
+        reader = mainstay.WeightReader(self.cluster.address, a.job_id, token, timeout_s=10)
+        self.assertEqual(reader.latest(), 0)
+        self.assertEqual(len(list(reader.tensors(0, as_="fp32"))), 4)
+        # Another job: refused at attach.
+        with self.assertRaises(mainstay.Error) as other:
+            mainstay.WeightReader(self.cluster.address, b.job_id, token, timeout_s=10)
+        self.assertEqual(other.exception.code, "PERMISSION_DENIED")
+        # No pushes, no FinishStep, no minting, from the client library...
+        raw = mainstay.Client(self.cluster.address, job_id=a.job_id, reader_token=token, timeout_s=10)
+        self.assertTrue(raw.reader)
+        self.assertEqual(raw.job_token, "")
+        g = np.zeros(a.layout.buckets[0]["shard_numel"], np.float32)
+        for call in (lambda: raw.push_grad(0, 0, g, wait=True), lambda: raw.finish_step(0, lr=1e-3, weight_decay=0.0),
+                     lambda: raw.get_reader_token()):
+            with self.assertRaises(mainstay.Error) as refused:
+                call()
+            self.assertEqual(refused.exception.code, "FAILED_PRECONDITION")
+        # ... and from the daemons, for a client that sends it as a job token anyway.
+        forged = mainstay.Client(self.cluster.address, job_id=a.job_id, job_token=token, rank=0, timeout_s=10)
+        with self.assertRaises(mainstay.Error) as denied:
+            forged.push_grad(0, 0, g, wait=True)
+        self.assertEqual(denied.exception.code, "PERMISSION_DENIED")
+        self.assertIn("reader token", denied.exception.message)
+        with self.assertRaises(mainstay.Error) as denied:
+            forged.get_step_stats(0)
+        self.assertEqual(denied.exception.code, "PERMISSION_DENIED")
+        # A rotation: the old token pulls nothing more; the new one does.
+        r = self.cluster.ctl("jobs", "reader-token", a.job_id, "--rotate")
+        self.assertNotEqual(r.returncode, 0, "a rotation without --yes")
+        r = self.cluster.ctl("jobs", "reader-token", a.job_id, "--rotate", "--yes")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        rotated = r.stdout.strip()
+        self.assertNotEqual(rotated, token)
+        process_cluster.wait_for(lambda: self._refused(reader), "the old reader token to be refused",
+                                 logs=self.cluster.logs)
+        self.assertEqual(mainstay.WeightReader(self.cluster.address, a.job_id, rotated, timeout_s=10).latest(), 0)
+
+    @staticmethod
+    def _refused(reader):
+        try:
+            reader.latest()
+            return False
+        except mainstay.Error as e:
+            return e.code == "PERMISSION_DENIED"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--reader":
+        run_reader(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]))
+    else:
+        unittest.main()
