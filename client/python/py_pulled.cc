@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "client/python/py_common.h"
+#include "mainstay/published.h"
 
 namespace mainstay::python {
 namespace {
@@ -147,6 +148,29 @@ PulledBucket FromShardRecords(const PyLayout& layout, int32_t bucket, const py::
 }  // namespace
 
 void BindPulled(py::module_& m) {
+  // (name, safetensors dtype, numpy array): BF16/F16 as uint16 / float16, F32 as float32, the
+  // FP8 codes and other bytes as uint8; shaped like the tensor.
+  auto to_python = [](NamedTensor&& t) {
+    py::dtype dtype = py::dtype::of<uint8_t>();
+    size_t item = 1;
+    if (t.dtype == "BF16") {
+      dtype = py::dtype::of<uint16_t>();
+      item = 2;
+    } else if (t.dtype == "F16") {
+      dtype = py::dtype("float16");
+      item = 2;
+    } else if (t.dtype == "F32") {
+      dtype = py::dtype::of<float>();
+      item = 4;
+    }
+    std::vector<py::ssize_t> shape(t.shape.begin(), t.shape.end());
+    py::array a(dtype, shape);
+    if (static_cast<size_t>(a.size()) * item != t.bytes.size()) {
+      throw std::runtime_error("published tensor " + t.name + ": size does not match its shape");
+    }
+    std::memcpy(a.mutable_data(), t.bytes.data(), t.bytes.size());
+    return py::make_tuple(t.name, t.dtype, a);
+  };
   py::class_<PulledBucket>(m, "PulledBucket",
                            "Quantized parameters of one version: one shard or a whole bucket. When `unchanged`, the "
                            "step was skipped: keep the weights you hold.")
@@ -168,6 +192,18 @@ void BindPulled(py::module_& m) {
       .def("tensor", &TensorViewDict, py::arg("tensor"),
            "Per-tensor view: data (uint8), scales (grid), fragments (data, scales, metadata), scale/scale_inv/amax.")
       .def("dequantize", &Dequantize, py::arg("tensor"), "FP32 values of a whole tensor, shaped like it.")
+      .def("published", [to_python](const PulledBucket& p, const py::object& key) {
+        std::vector<NamedTensor> tensors = Take(PublishedTensors(p, TensorOf(p, key)));
+        py::list out;
+        for (NamedTensor& t : tensors) out.append(to_python(std::move(t)));
+        return out;
+      }, py::arg("tensor"),
+         "The tensor's published data and scales: [(name, safetensors dtype, array)], by the conventions of "
+         "docs/weight_serving.md (BF16 as uint16 bits).")
+      .def("dequantized", [to_python](const PulledBucket& p, const py::object& key, bool bf16) {
+        return to_python(Take(DequantizedTensor(p, TensorOf(p, key), bf16)));
+      }, py::arg("tensor"), py::arg("bf16") = false,
+         "(name, 'F32' or 'BF16', array): the dequantized tensor, or rounded to bf16 (uint16 bits).")
       .def("dequantize_all", [](const PulledBucket& p) {
         py::dict out;
         for (int32_t t : p.tensors()) out[py::str(p.layout().tensors[t].name)] = Dequantize(p, py::int_(t));

@@ -15,29 +15,6 @@ import time
 
 from . import _mainstay
 
-# What `as_="published"` yields besides the tensor's data, per format: (suffix, meaning).
-# The data is the published bytes: bf16/fp16 values, FP8 E4M3/E5M2 codes (uint8, the tensor's
-# shape), MXFP8 E4M3 codes, or NVFP4 E2M1 codes packed two per byte (uint8 [rows, cols / 2], the
-# even element in the low nibble).
-PUBLISHED_SCALES = {
-    "bf16": (),
-    "fp16": (),
-    # w = code * weight_scale_inv (one FP32 for the tensor), DeepSeek-V3's name.
-    "fp8_e4m3_delayed": (("_scale_inv", "FP32 scalar: value = code * scale_inv"),),
-    "fp8_e5m2_delayed": (("_scale_inv", "FP32 scalar: value = code * scale_inv"),),
-    "fp8_e4m3_current": (("_scale_inv", "FP32 scalar: value = code * scale_inv"),),
-    "fp8_e5m2_current": (("_scale_inv", "FP32 scalar: value = code * scale_inv"),),
-    # w = code * weight_scale_inv[r // 128, c // 128]: DeepSeek-V3's checkpoints, as vLLM and
-    # SGLang load them.
-    "fp8_block": (("_scale_inv", "FP32 [ceil(rows/128), ceil(cols/128)]: value = code * scale_inv[tile]"),),
-    # w = code * 2^(e - 127), e = weight_scale[r, c // 32] (E8M0 bytes, uint8).
-    "mxfp8": (("_scale", "E8M0 uint8 [rows, cols/32]: value = code * 2^(scale - 127)"),),
-    # w = e2m1(code) * e4m3(weight_scale[r, c // 16]) * weight_scale_2: ModelOpt's NVFP4 names.
-    # Mainstay's tiles are 16x16; weight_scale repeats each tile's scale on its 16 rows.
-    "nvfp4": (("_scale", "E4M3 uint8 [rows, cols/16]: the 16x16 tile scales, each repeated on its 16 rows"),
-              ("_scale_2", "FP32 scalar: the global decode scale")),
-}
-
 
 def _torch():
     try:
@@ -143,9 +120,10 @@ class WeightReader:
         model space, at `version` (None: the newest; `reader.version` says which it was).
 
         as_="fp32": the dequantized values, float32, shaped like the tensor.
-        as_="bf16": the same rounded to bfloat16 (PyTorch needed); bf16 tensors as published.
-        as_="published": the published data, then its scales under the names of PUBLISHED_SCALES
-        (e.g. "x.weight" and "x.weight_scale_inv" for fp8_block).
+        as_="bf16": the same rounded to bfloat16 (nearest even); bf16 tensors as published.
+        as_="published": the published data, then its scales, by the conventions of
+        docs/weight_serving.md and mainstay/published.h (e.g. "x.weight" and
+        "x.weight_scale_inv" for fp8_block). FP8 codes and packed NVFP4 are uint8.
 
         Every bucket is pulled at the same version, all at once, with the version pinned on the
         daemons meanwhile (see pin()). A version the daemons no longer keep is mainstay.Error
@@ -155,8 +133,6 @@ class WeightReader:
         if as_ not in ("published", "bf16", "fp32"):
             raise ValueError("as_ must be 'published', 'bf16' or 'fp32', got %r" % (as_,))
         torch = _torch()
-        if as_ == "bf16" and torch is None:
-            raise ImportError("as_='bf16' needs PyTorch (numpy has no bfloat16); use as_='fp32' or 'published'")
         if names is None:
             wanted = [t["name"] for t in self._tensor_list]
         else:
@@ -195,59 +171,20 @@ class WeightReader:
             if own_pin is not None:
                 self._client.release_pin(own_pin)
         for n in wanted:
-            index, info = self._tensors[n]
-            p = pulled[info["bucket"]]
-            if as_ == "fp32":
-                yield n, self._out(p.dequantize(index), torch)
-            elif as_ == "bf16":
-                view = p.tensor(index)
-                if view["format"] == "bf16":
-                    bits = self._data(view, info).view("int16").reshape(tuple(info["shape"])).copy()
-                    yield n, torch.from_numpy(bits).view(torch.bfloat16)
-                else:
-                    yield n, torch.from_numpy(p.dequantize(index)).to(torch.bfloat16)
+            index = self._tensors[n][0]
+            p = pulled[self._tensors[n][1]["bucket"]]
+            if as_ == "published":
+                items = p.published(index)
             else:
-                yield from self._published(n, p.tensor(index), info, torch)
-
-    def _data(self, view, info):
-        data = view["data"]
-        self.bytes_read += data.nbytes
-        return data
-
-    def _published(self, name, view, info, torch):
-        import numpy as np
-        fmt = view["format"]
-        shape = tuple(info["shape"])
-        data = self._data(view, info)
-        if fmt in ("bf16", "fp16"):
-            values = data.view(np.uint16).reshape(shape).copy()
-            if torch is not None:
-                values = torch.from_numpy(values.view(np.int16)).view(torch.bfloat16 if fmt == "bf16" else torch.float16)
-            yield name, values
-            return
-        if fmt == "nvfp4":
-            codes = data.reshape(shape[:-1] + (shape[-1] // 2,)).copy()
-        else:
-            codes = data.reshape(shape).copy()
-        yield name, self._out(codes, torch)
-        if fmt in ("fp8_block",):
-            grid = np.asarray(view["scales"], dtype=np.float32).copy()
-            self.bytes_read += grid.nbytes
-            yield name + "_scale_inv", self._out(grid, torch)
-        elif fmt == "mxfp8":
-            grid = np.asarray(view["scales"], dtype=np.uint8).copy()
-            self.bytes_read += grid.nbytes
-            yield name + "_scale", self._out(grid, torch)
-        elif fmt == "nvfp4":
-            grid = np.asarray(view["scales"], dtype=np.uint8)
-            self.bytes_read += grid.nbytes
-            rows = shape[0]
-            expanded = np.repeat(grid, 16, axis=0)[:rows].copy()
-            yield name + "_scale", self._out(expanded, torch)
-            yield name + "_scale_2", self._out(np.array(view["scale_inv"], dtype=np.float32), torch)
-        else:  # per-tensor fp8
-            yield name + "_scale_inv", self._out(np.array(view["scale_inv"], dtype=np.float32), torch)
+                items = [p.dequantized(index, bf16=(as_ == "bf16"))]
+            for name, dtype, array in items:
+                self.bytes_read += array.nbytes
+                yield name, self._out(array, dtype, torch)
 
     @staticmethod
-    def _out(array, torch):
-        return torch.from_numpy(array) if torch is not None else array
+    def _out(array, dtype, torch):
+        if torch is None:
+            return array
+        if dtype == "BF16":
+            return torch.from_numpy(array.view("int16")).view(torch.bfloat16)
+        return torch.from_numpy(array)
