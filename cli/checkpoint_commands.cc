@@ -18,11 +18,6 @@ absl::StatusOr<std::string> OneId(const Args& args, absl::string_view what) {
   return args.positionals()[0];
 }
 
-absl::Status KnownFlags(const Args& args, std::vector<std::string> own) {
-  own.insert(own.end(), kRemoteFlags.begin(), kRemoteFlags.end());
-  return args.CheckKnown(own);
-}
-
 void PrintCheckpoint(const v1::CheckpointInfo& c, Output& output) {
   Table t({"FIELD", "VALUE"});
   t.AddRow({"checkpoint", c.checkpoint_id()});
@@ -40,7 +35,7 @@ void PrintCheckpoint(const v1::CheckpointInfo& c, Output& output) {
 }  // namespace
 
 absl::Status RunCheckpointCreate(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(KnownFlags(args, {"job", "wait", "yes"}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {"job", "wait", "yes"}));
   if (!args.Has("job")) return absl::InvalidArgumentError("--job ID is required");
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::CreateCheckpointRequest request;
@@ -57,7 +52,7 @@ absl::Status RunCheckpointCreate(const Args& args, Output& output) {
 }
 
 absl::Status RunCheckpointList(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(KnownFlags(args, {"job"}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {"job"}));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::ListCheckpointsRequest request;
   request.set_job_id(args.Get("job", ""));
@@ -77,7 +72,7 @@ absl::Status RunCheckpointList(const Args& args, Output& output) {
 }
 
 absl::Status RunCheckpointRestore(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(KnownFlags(args, {"job", "yes"}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {"job", "yes"}));
   MAINSTAY_ASSIGN_OR_RETURN(std::string id, OneId(args, "checkpoint id"));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::RestoreCheckpointRequest request;
@@ -96,7 +91,7 @@ absl::Status RunCheckpointRestore(const Args& args, Output& output) {
 }
 
 absl::Status RunCheckpointDelete(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(KnownFlags(args, {"yes"}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {"yes"}));
   MAINSTAY_ASSIGN_OR_RETURN(std::string id, OneId(args, "checkpoint id"));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::DeleteCheckpointRequest request;

@@ -149,6 +149,17 @@ const std::vector<Command>& Commands() {
        "                      (a rotation changes state: it needs --yes)" +
            std::string(kRemoteHelp),
        false, RunJobsReaderToken},
+      {"export", "write one published version of a job as safetensors files (model-space names)",
+       "--job ID --out DIR [--version V] [--as published|bf16|fp32] [--max-file-bytes N] [--transport T] [--json]\n"
+       "  --version V         a published version (default: the newest, pinned while it is read)\n"
+       "  --as A              published: data and scales as the daemons hold them (default);\n"
+       "                      bf16 / fp32: dequantized values\n"
+       "  --max-file-bytes N  split into model-NNNNN-of-NNNNN.safetensors + an index beyond N bytes\n"
+       "                      (default 5 GiB)\n"
+       "  --transport T       auto (default), grpc or ucx, to the daemons\n"
+       "  Uses the job's reader token (created if the job has none)." +
+           std::string(kRemoteHelp),
+       false, RunExport},
       {"placement", "which daemon owns each rank's shards of a job", "--job ID [--json]" + std::string(kRemoteHelp),
        false, RunPlacement},
       {"kv get", "read a key (or keys under a prefix) of the coordinator's KV", "KEY [--prefix] [--json]" + std::string(kRemoteHelp),

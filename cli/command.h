@@ -83,6 +83,7 @@ absl::Status RunJobsShow(const Args& args, Output& output);
 absl::Status RunJobsCreate(const Args& args, Output& output);
 absl::Status RunJobsDelete(const Args& args, Output& output);
 absl::Status RunJobsReaderToken(const Args& args, Output& output);
+absl::Status RunExport(const Args& args, Output& output);  // export_command.cc
 absl::Status RunPlacement(const Args& args, Output& output);
 absl::Status RunKvGet(const Args& args, Output& output);
 absl::Status RunHealth(const Args& args, Output& output);

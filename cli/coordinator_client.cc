@@ -48,6 +48,7 @@ absl::StatusOr<CoordinatorConnection> CoordinatorConnection::FromArgs(const Args
   tls.cert_file = FlagOrEnv(args, "tls-cert-file", "MAINSTAY_TLS_CERT_FILE");
   tls.key_file = FlagOrEnv(args, "tls-key-file", "MAINSTAY_TLS_KEY_FILE");
   tls.server_name = args.Get("tls-server-name");
+  c.tls_ = tls;
   MAINSTAY_ASSIGN_OR_RETURN(ChannelSecurity security, ChannelSecurity::Create(tls));
   if (const std::string path = FlagOrEnv(args, "cluster-secret-file", "MAINSTAY_CLUSTER_SECRET_FILE"); !path.empty()) {
     MAINSTAY_ASSIGN_OR_RETURN(ClusterSecret secret, ClusterSecret::Load(path, /*create=*/false));

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "cli/command.h"
 #include "common/grpc_status.h"
+#include "common/tls.h"
 #include "mainstay/v1/admin.grpc.pb.h"
 #include "mainstay/v1/coordinator.grpc.pb.h"
 
@@ -32,6 +33,12 @@ inline const std::vector<std::string> kRemoteFlags = {"coordinator",   "timeout-
                                                       "tls-key-file",  "tls-server-name", "admin-token-file",
                                                       "cluster-secret-file"};
 
+// OK when every flag given is one of `own` or kRemoteFlags; INVALID_ARGUMENT naming the others.
+inline absl::Status CheckRemoteFlags(const Args& args, std::vector<std::string> own) {
+  own.insert(own.end(), kRemoteFlags.begin(), kRemoteFlags.end());
+  return args.CheckKnown(own);
+}
+
 class CoordinatorConnection {
  public:
   static absl::StatusOr<CoordinatorConnection> FromArgs(const Args& args);
@@ -40,6 +47,7 @@ class CoordinatorConnection {
   v1::Coordinator::Stub& coordinator() { return *coordinator_; }
   v1::Admin::Stub& admin() { return *admin_; }
   std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+  const TlsOptions& tls() const { return tls_; }  // as --tls-* gave them (export's data plane)
 
   // A context with this connection's deadline.
   std::unique_ptr<grpc::ClientContext> Context() const;
@@ -49,6 +57,7 @@ class CoordinatorConnection {
  private:
   std::string address_;
   std::string admin_token_;  // empty: none
+  TlsOptions tls_;
   int64_t timeout_ms_ = 10000;
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<v1::Coordinator::Stub> coordinator_;

@@ -20,11 +20,6 @@
 namespace mainstay::cli {
 namespace {
 
-absl::Status Known(const Args& args, std::vector<std::string> own) {
-  own.insert(own.end(), kRemoteFlags.begin(), kRemoteFlags.end());
-  return args.CheckKnown(own);
-}
-
 absl::StatusOr<std::string> OnePositional(const Args& args, absl::string_view what) {
   if (args.positionals().size() != 1) {
     return absl::InvalidArgumentError(absl::StrCat("expected exactly one ", what, ", got ", args.positionals().size()));
@@ -79,7 +74,7 @@ absl::StatusOr<v1::DaemonInfo> FindDaemon(CoordinatorConnection& conn, const std
 }  // namespace
 
 absl::Status RunDaemonsList(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {"all"}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {"all"}));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::ListDaemonsRequest request;
   request.set_include_down(args.Has("all"));
@@ -102,7 +97,7 @@ absl::Status RunDaemonsList(const Args& args, Output& output) {
 
 // Every daemon's view of its trainers' connections, as of its last heartbeat.
 absl::Status RunConnections(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {"job"}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {"job"}));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::ListDaemonsRequest request;
   v1::ListDaemonsResponse response;
@@ -130,7 +125,7 @@ absl::Status RunConnections(const Args& args, Output& output) {
 }
 
 absl::Status RunDaemonsShow(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {}));
   MAINSTAY_ASSIGN_OR_RETURN(std::string id, OnePositional(args, "daemon id"));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   MAINSTAY_ASSIGN_OR_RETURN(v1::DaemonInfo d, FindDaemon(conn, id));
@@ -143,7 +138,7 @@ absl::Status RunDaemonsShow(const Args& args, Output& output) {
 }
 
 absl::Status RunDaemonsCordon(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {"undo"}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {"undo"}));
   MAINSTAY_ASSIGN_OR_RETURN(std::string id, OnePositional(args, "daemon id"));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::CordonDaemonRequest request;
@@ -160,7 +155,7 @@ absl::Status RunDaemonsCordon(const Args& args, Output& output) {
 }
 
 absl::Status RunDaemonsDrain(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {}));
   MAINSTAY_ASSIGN_OR_RETURN(std::string id, OnePositional(args, "daemon id"));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::DrainDaemonRequest request;
@@ -189,7 +184,7 @@ absl::Status RunDaemonsDrain(const Args& args, Output& output) {
 }
 
 absl::Status RunShardsMove(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {"job", "rank", "to"}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {"job", "rank", "to"}));
   if (args.Get("job").empty() || args.Get("to").empty() || args.Get("rank").empty()) {
     return absl::InvalidArgumentError("shards move: --job, --rank and --to are required");
   }
@@ -213,7 +208,7 @@ absl::Status RunShardsMove(const Args& args, Output& output) {
 }
 
 absl::Status RunJobsList(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {}));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::ListJobsResponse response;
   MAINSTAY_RETURN_IF_ERROR(conn.Check(conn.coordinator().ListJobs(conn.Context().get(), {}, &response)));
@@ -232,7 +227,7 @@ absl::Status RunJobsList(const Args& args, Output& output) {
 }
 
 absl::Status RunJobsShow(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {}));
   MAINSTAY_ASSIGN_OR_RETURN(std::string id, OnePositional(args, "job id"));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::GetJobRequest request;
@@ -281,7 +276,7 @@ absl::Status RunJobsShow(const Args& args, Output& output) {
 }
 
 absl::Status RunJobsCreate(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {"spec", "dp", "name", "request-id"}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {"spec", "dp", "name", "request-id"}));
   if (!args.Has("spec")) return absl::InvalidArgumentError("--spec FILE is required");
   MAINSTAY_ASSIGN_OR_RETURN(JobSpec spec, LoadJobSpecFile(args.Get("spec")));
   MAINSTAY_ASSIGN_OR_RETURN(spec.data_parallel_size, args.GetInt("dp", spec.data_parallel_size));
@@ -304,7 +299,7 @@ absl::Status RunJobsCreate(const Args& args, Output& output) {
 }
 
 absl::Status RunJobsDelete(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {}));
   MAINSTAY_ASSIGN_OR_RETURN(std::string id, OnePositional(args, "job id"));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::DeleteJobRequest request;
@@ -320,7 +315,7 @@ absl::Status RunJobsDelete(const Args& args, Output& output) {
 }
 
 absl::Status RunJobsReaderToken(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {"rotate"}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {"rotate"}));
   MAINSTAY_ASSIGN_OR_RETURN(std::string id, OnePositional(args, "job id"));
   const bool rotate = args.Has("rotate");
   if (rotate && !args.Has("yes")) {
@@ -342,7 +337,7 @@ absl::Status RunJobsReaderToken(const Args& args, Output& output) {
 }
 
 absl::Status RunPlacement(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {"job"}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {"job"}));
   if (!args.Has("job")) return absl::InvalidArgumentError("--job ID is required");
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::GetPlacementRequest request;
@@ -374,7 +369,7 @@ absl::Status RunPlacement(const Args& args, Output& output) {
 }
 
 absl::Status RunKvGet(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {"prefix"}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {"prefix"}));
   MAINSTAY_ASSIGN_OR_RETURN(std::string key, OnePositional(args, "key"));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   v1::KvGetRequest request;
@@ -398,7 +393,7 @@ absl::Status RunKvGet(const Args& args, Output& output) {
 }
 
 absl::Status RunHealth(const Args& args, Output& output) {
-  MAINSTAY_RETURN_IF_ERROR(Known(args, {}));
+  MAINSTAY_RETURN_IF_ERROR(CheckRemoteFlags(args, {}));
   MAINSTAY_ASSIGN_OR_RETURN(CoordinatorConnection conn, CoordinatorConnection::FromArgs(args));
   auto stub = grpc::health::v1::Health::NewStub(conn.channel());
   std::string worst;

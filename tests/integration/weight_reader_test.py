@@ -23,7 +23,7 @@ import process_cluster  # noqa: E402  (the shared process harness)
 import mainstay  # noqa: E402
 
 STEPS = 6
-SIDE = 256  # multiples of 128 (fp8_block tiles), 32 (mxfp8) and 16 (nvfp4)
+SIDE = 512  # multiples of 128 (fp8_block tiles), 32 (mxfp8) and 16 (nvfp4); 1 MiB per FP32 tensor
 
 
 def spec(name, recipe):
@@ -91,6 +91,25 @@ def as_numpy(t):
             return t.view(torch.int16).numpy().view(np.uint16)
         return t.numpy()
     return t
+
+
+def load_safetensors(path):
+    """{name: (dtype, array)} of a safetensors file, read with json and numpy alone."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    data = blob[8 + n:]
+    kinds = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
+             "U8": np.uint8}
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = t["data_offsets"]
+        out[name] = (t["dtype"], np.frombuffer(data[begin:end], dtype=kinds[t["dtype"]]).reshape(t["shape"]))
+    assert sum(a.nbytes for _, a in out.values()) == len(data), "the files' tensors cover their data exactly"
+    return header["__metadata__"], out
 
 
 def run_reader(address, job_id, token, out_dir, last_version):
@@ -193,6 +212,19 @@ class WeightReaderTest(unittest.TestCase):
                 decoded = decode_published(fmt, items, name).reshape(values.shape)
                 np.testing.assert_allclose(decoded, values, rtol=2e-7, atol=0,
                                            err_msg="%s: the published convention of %s" % (recipe, fmt))
+        # mainstayctl export of the last version: the same tensors as the reader read, in files.
+        export = os.path.join(self.cluster.dir, "export-" + recipe)
+        r = self.cluster.ctl("export", "--job", c0.job_id, "--out", export, "--version", str(STEPS), "--json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(json.loads(r.stdout)["files"], ["model.safetensors"])
+        metadata, files = load_safetensors(os.path.join(export, "model.safetensors"))
+        self.assertEqual(metadata["mainstay_version"], str(STEPS))
+        with np.load(os.path.join(out_dir, "v%d.npz" % STEPS)) as z:
+            items = {k[2:]: z[k] for k in z.files if k.startswith("p:")}
+        self.assertEqual(set(files), set(items))
+        for name, (dtype, array) in files.items():
+            self.assertEqual(array.tobytes(), np.ascontiguousarray(items[name]).tobytes(), name)
+            self.assertEqual(tuple(array.shape), tuple(items[name].shape), name)
         return c0, token, formats
 
     def test_a_reader_reads_what_the_trainers_pulled_in_every_format(self):
@@ -220,6 +252,22 @@ class WeightReaderTest(unittest.TestCase):
         reader = mainstay.WeightReader(self.cluster.address, a.job_id, token, timeout_s=10)
         self.assertEqual(reader.latest(), 0)
         self.assertEqual(len(list(reader.tensors(0, as_="fp32"))), 4)
+        # An fp32 export split into files of at most 1 MiB (one tensor each), with an index.
+        export = os.path.join(self.cluster.dir, "export-split")
+        r = self.cluster.ctl("export", "--job", a.job_id, "--out", export, "--as", "fp32", "--max-file-bytes",
+                             str(1 << 20))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(os.path.join(export, "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        self.assertEqual(len(set(index["weight_map"].values())), 4)
+        read = dict(reader.tensors(0, as_="fp32"))
+        for name, file in index["weight_map"].items():
+            _, tensors = load_safetensors(os.path.join(export, file))
+            np.testing.assert_array_equal(tensors[name][1], as_numpy(read[name]))
+        self.assertEqual(os.listdir(export).count("model.safetensors"), 0)
+        self.assertFalse([f for f in os.listdir(export) if f.endswith(".tmp")])
+        r = self.cluster.ctl("export", "--job", a.job_id, "--out", export, "--as", "int4")
+        self.assertEqual(r.returncode, 2, r.stderr)
         # Another job: refused at attach.
         with self.assertRaises(mainstay.Error) as other:
             mainstay.WeightReader(self.cluster.address, b.job_id, token, timeout_s=10)
