@@ -19,6 +19,7 @@
 #include "common/status.h"
 #include "mainstay/v1/common.pb.h"
 #include "common/error_detail.h"
+#include "server/metrics/daemon_metrics.h"
 
 namespace mainstay::daemon {
 namespace {
@@ -141,14 +142,18 @@ absl::Status Job::CheckToken(const std::string& token) const {
   return absl::PermissionDeniedError(absl::StrCat("job ", job_id_, ": the job_token is not this job's"));
 }
 
-absl::Status Job::CheckReadToken(const std::string& token) const {
+absl::Status Job::CheckReadToken(const std::string& token, bool* reader) const {
+  if (reader != nullptr) *reader = false;
   if (token.empty()) {
     return absl::UnauthenticatedError(absl::StrCat("job ", job_id_, ": a job_token or reader token is required"));
   }
   const std::string digest = Sha256(token);
   if (DigestMatches(digest, token_sha256_)) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
-  if (DigestMatches(digest, reader_sha256_)) return absl::OkStatus();
+  if (DigestMatches(digest, reader_sha256_)) {
+    if (reader != nullptr) *reader = true;
+    return absl::OkStatus();
+  }
   return absl::PermissionDeniedError(
       absl::StrCat("job ", job_id_, ": the token is neither this job's job_token nor its current reader token"));
 }
@@ -363,7 +368,25 @@ bool Job::ShouldWake() const {
 }
 
 absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request, absl::Time deadline) {
-  MAINSTAY_RETURN_IF_ERROR(CheckReadToken(request.job_token()));
+  bool reader = false;
+  MAINSTAY_RETURN_IF_ERROR(CheckReadToken(request.job_token(), &reader));
+  absl::StatusOr<PullResult> result = PullAfterTokenCheck(request, deadline);
+  if (!reader || !result.ok() || result->shard == nullptr) return result;
+  // A reader's pull: counted, and within the daemon's reader cap (mainstayd --reader-bytes-per-sec).
+  const int64_t bytes = result->unchanged ? 0 : static_cast<int64_t>(result->shard->data.size() + result->shard->scales.size());
+  if (options_.reader_limiter != nullptr) {
+    if (const int64_t wait_ms = options_.reader_limiter->Admit(bytes, options_.clock->NowUnixMs()); wait_ms > 0) {
+      if (options_.metrics != nullptr) options_.metrics->ReaderThrottled(job_id_);
+      return absl::UnavailableError(absl::StrCat(
+          "PullParams: readers of this daemon are capped at ", options_.reader_limiter->bytes_per_sec(),
+          " bytes/s (mainstayd --reader-bytes-per-sec); retry in ", wait_ms, " ms"));
+    }
+  }
+  if (options_.metrics != nullptr) options_.metrics->ReaderPulled(job_id_, bytes);
+  return result;
+}
+
+absl::StatusOr<PullResult> Job::PullAfterTokenCheck(const v1::PullParamsRequest& request, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   MAINSTAY_RETURN_IF_ERROR(CheckRoute(request.placement_epoch(), request.bucket(), request.shard()));
   const Key key{request.bucket(), request.shard()};

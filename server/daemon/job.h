@@ -60,6 +60,7 @@
 #include "server/daemon/reduction_plan.h"
 #include "mainstay/v1/checkpoint.pb.h"
 #include "server/checkpoint/checkpoint_files.h"
+#include "server/daemon/reader_limiter.h"
 #include "server/daemon/scaling_state.h"
 #include "server/daemon/peer_client.h"
 #include "server/daemon/shard_state.h"
@@ -97,6 +98,7 @@ struct JobOptions {
   // peers (only safe for jobs on one daemon).
   PeerClient* peer_client = nullptr;
   StepFault fault;                             // tests only (mainstayd --inject-fault)
+  ReaderLimiter* reader_limiter = nullptr;     // not owned; null: readers' pulls are not capped
   // Called with the job id, under the job's lock, whenever something a waiting PullParams or
   // FinishStep may be waiting for changed (a step decided, the job stopped, a new epoch or
   // fence): the gRPC adapter re-runs its parked calls (server/grpc/waiters.h). Must not call
@@ -173,8 +175,9 @@ class Job : public std::enable_shared_from_this<Job> {
   // here too, with a message that says so).
   absl::Status CheckToken(const std::string& token) const;
   // The same for calls that only read published versions (PullParams, and admitting a data
-  // connection): the job token or the job's current reader token.
-  absl::Status CheckReadToken(const std::string& token) const;
+  // connection): the job token or the job's current reader token. *reader (when given) tells
+  // which it was.
+  absl::Status CheckReadToken(const std::string& token, bool* reader = nullptr) const;
 
   // Later AssignShard / DropShard calls. FAILED_PRECONDITION for an epoch older than known.
   absl::Status Assign(const v1::AssignShardRequest& request);
@@ -492,6 +495,9 @@ class Job : public std::enable_shared_from_this<Job> {
   std::map<uint64_t, Pin> pins_ ABSL_GUARDED_BY(mu_);  // by pin id
   // The versions of the pins that have not expired (expired ones are forgotten).
   std::set<int64_t> PinnedVersionsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // PullParams once the token is checked.
+  absl::StatusOr<PullResult> PullAfterTokenCheck(const v1::PullParamsRequest& request, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
   const JobOptions options_;
   const ReductionPlan plan_;
   const int32_t num_groups_;  // NumParamGroups(job_.layout)

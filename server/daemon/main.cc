@@ -72,6 +72,8 @@ flags:
   --memory-bytes N            host memory offered for shard state (default: 80% of physical memory);
                               an assignment whose shards would not fit is refused (RESOURCE_EXHAUSTED)
   --retained-versions N       published versions kept per shard (default 4)
+  --reader-bytes-per-sec N    cap on what readers (pulls with a job's reader token) take from this
+                              daemon, all jobs together; trainers are never capped (default 0: none)
   --peer-timeout-ms N         bound on one step's reductions among daemons (default 120000)
   --push-idle-timeout-ms N    a gRPC PushGrad stream silent this long is cancelled (default 60000)
   --max-waiting-calls N       PullParams and FinishStep calls that may wait at once (default 16384;
@@ -157,7 +159,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       "--tls-server-name", "--admin-token-file", "--health-listen", "--tls-internal-name",
       "--checkpoint-dir", "--transports", "--ucx-dedicated-workers",
       "--ucx-shared-workers", "--inject-fault", "--cluster-secret-file", "--max-waiting-calls",
-      "--max-waiting-calls-per-job", "--max-waiting-calls-per-peer", "--max-wait-ms"};
+      "--max-waiting-calls-per-job", "--max-waiting-calls-per-peer", "--max-wait-ms", "--reader-bytes-per-sec"};
   Flags f;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -283,6 +285,10 @@ int Main(int argc, char** argv) {
   absl::StatusOr<int64_t> lease = IntFlag(*flags, "--lease-ttl-ms", 0);
   absl::StatusOr<int64_t> drain_timeout = IntFlag(*flags, "--drain-timeout-ms", 30000);
   absl::StatusOr<int64_t> push_idle = IntFlag(*flags, "--push-idle-timeout-ms", 60000);
+  absl::StatusOr<int64_t> reader_cap = IntFlag(*flags, "--reader-bytes-per-sec", 0);
+  if (reader_cap.ok() && *reader_cap < 0) {
+    reader_cap = absl::InvalidArgumentError(absl::StrCat("--reader-bytes-per-sec: must be >= 0 (0: no cap), got ", *reader_cap));
+  }
   if (push_idle.ok() && *push_idle < 1) {
     push_idle = absl::InvalidArgumentError(absl::StrCat("--push-idle-timeout-ms: must be >= 1, got ", *push_idle));
   }
@@ -299,7 +305,8 @@ int Main(int argc, char** argv) {
   }
   for (const absl::Status& s : {threads.status(), memory.status(), retained.status(), peer_timeout.status(),
                                 lease.status(), drain_timeout.status(), push_idle.status(), max_waiting.status(),
-                                max_waiting_job.status(), max_waiting_peer.status(), max_wait.status()}) {
+                                max_waiting_job.status(), max_waiting_peer.status(), max_wait.status(),
+                                reader_cap.status()}) {
     if (!s.ok()) return Fail(s, 2);
   }
   waits.max_total = *max_waiting;
@@ -406,6 +413,7 @@ int Main(int argc, char** argv) {
   daemon_options.device.executor = &executor;
   daemon_options.peers = &peers;
   daemon_options.retained_versions = static_cast<int>(*retained);
+  daemon_options.reader_bytes_per_sec = *reader_cap;
   daemon_options.memory_bytes = *memory;
   daemon_options.peer_timeout = absl::Milliseconds(*peer_timeout);
   daemon_options.metrics = registry.get();

@@ -14,6 +14,7 @@
 namespace mainstay::daemon {
 
 ShardDaemon::ShardDaemon(ShardDaemonOptions options) : options_(std::move(options)) {
+  if (options_.reader_bytes_per_sec > 0) reader_limiter_ = std::make_unique<ReaderLimiter>(options_.reader_bytes_per_sec);
   if (options_.metrics == nullptr) return;
   absl::StatusOr<std::unique_ptr<metrics::DaemonMetrics>> m = metrics::DaemonMetrics::Create(options_.metrics);
   if (!m.ok()) {
@@ -120,6 +121,7 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
     options.fs = options_.fs;
     options.peer_client = options_.peer_client;
     options.fault = options_.fault;
+    options.reader_limiter = reader_limiter_.get();
     options.on_change = [this](const std::string& job_id) {
       absl::MutexLock lock(&listener_mu_);
       if (listener_) listener_(job_id);

@@ -57,6 +57,9 @@ struct ShardDaemonOptions {
   // alone (safe only for one-daemon jobs), and moves cannot load.
   PeerClient* peer_client = nullptr;
   StepFault fault;                          // tests only (mainstayd --inject-fault)
+  // Bytes per second that readers (pulls with a job's reader token) may take from this daemon,
+  // all jobs together (mainstayd --reader-bytes-per-sec; docs/weight_serving.md). 0: no cap.
+  int64_t reader_bytes_per_sec = 0;
 };
 
 // The header every transport sends before a pulled shard's data and scales.
@@ -132,6 +135,7 @@ class ShardDaemon {
   const ShardDaemonOptions options_;
   ConnectionTable connections_;
   std::unique_ptr<metrics::DaemonMetrics> metrics_;  // set in the constructor, then constant
+  std::unique_ptr<ReaderLimiter> reader_limiter_;    // the same; null: no reader cap
   metrics::Registry::CollectorId collector_ = 0;
   mutable absl::Mutex mu_;
   std::string daemon_id_ ABSL_GUARDED_BY(mu_);

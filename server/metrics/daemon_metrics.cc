@@ -63,6 +63,15 @@ absl::StatusOr<std::unique_ptr<DaemonMetrics>> DaemonMetrics::Create(Registry* r
   MAINSTAY_ASSIGN_OR_RETURN(m->pulled_,
                             r.AddCounter("mainstay_daemon_pulled_bytes_total",
                                          "Parameter data and scale bytes sent (PullParams).", {"transport"}));
+  MAINSTAY_ASSIGN_OR_RETURN(m->reader_bytes_,
+                            r.AddCounter("mainstay_daemon_reader_bytes_total",
+                                         "Parameter data and scale bytes sent to readers (pulls with the job's "
+                                         "reader token; included in mainstay_daemon_pulled_bytes_total).",
+                                         {"job_id"}));
+  MAINSTAY_ASSIGN_OR_RETURN(m->reader_throttled_,
+                            r.AddCounter("mainstay_daemon_reader_pulls_throttled_total",
+                                         "Reader pulls refused (UNAVAILABLE, retried) by --reader-bytes-per-sec.",
+                                         {"job_id"}));
   MAINSTAY_ASSIGN_OR_RETURN(state, r.AddGauge("mainstay_daemon_shard_state_bytes",
                                               "Bytes of shard state held: masters, moments and retained versions."));
   m->state_bytes_ = Series(state, {});
@@ -95,8 +104,14 @@ void DaemonMetrics::StepDecided(const std::string& job, const v1::StepStats& sta
 
 void DaemonMetrics::StepFailed(const std::string& job) { Series(failed_, {job})->Increment(); }
 
+void DaemonMetrics::ReaderPulled(const std::string& job, int64_t bytes) {
+  Series(reader_bytes_, {job})->Increment(static_cast<double>(bytes));
+}
+
+void DaemonMetrics::ReaderThrottled(const std::string& job) { Series(reader_throttled_, {job})->Increment(); }
+
 void DaemonMetrics::ForgetJob(const std::string& job) {
-  for (Family<Counter>* f : {committed_, skipped_, failed_}) f->Remove({job});
+  for (Family<Counter>* f : {committed_, skipped_, failed_, reader_bytes_, reader_throttled_}) f->Remove({job});
   grad_norm_->Remove({job});
 }
 

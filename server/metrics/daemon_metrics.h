@@ -39,6 +39,9 @@ class DaemonMetrics {
   void StepDecided(const std::string& job, const v1::StepStats& stats);
   // An attempt at a step (the initial publication too) that failed and changed nothing.
   void StepFailed(const std::string& job);
+  // A reader-token pull of `bytes` (data and scales) sent; one refused by the reader cap.
+  void ReaderPulled(const std::string& job, int64_t bytes);
+  void ReaderThrottled(const std::string& job);
   // Removes the job's series (the job left this daemon).
   void ForgetJob(const std::string& job);
 
@@ -61,6 +64,8 @@ class DaemonMetrics {
   Family<Gauge>* grad_norm_ = nullptr;
   Family<Counter>* pushed_ = nullptr;
   Family<Counter>* pulled_ = nullptr;
+  Family<Counter>* reader_bytes_ = nullptr;
+  Family<Counter>* reader_throttled_ = nullptr;
   std::array<std::shared_ptr<Histogram>, kPhases.size()> phase_;
   std::shared_ptr<Histogram> step_;
   std::shared_ptr<Gauge> jobs_, shards_, state_bytes_, lease_;

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import unittest
 
 import numpy as np
@@ -309,6 +310,40 @@ class WeightReaderTest(unittest.TestCase):
             return False
         except mainstay.Error as e:
             return e.code == "PERMISSION_DENIED"
+
+
+class ReaderCapTest(unittest.TestCase):
+    """mainstayd --reader-bytes-per-sec: readers are slowed to the cap, trainers are not."""
+
+    def setUp(self):
+        self.cluster = process_cluster.Cluster(daemons=2, lease_ms=3000,
+                                               daemon_flags=["--reader-bytes-per-sec", "1000000"])
+
+    def tearDown(self):
+        self.cluster.stop()
+
+    def test_readers_are_capped_and_trainers_are_not(self):
+        c = mainstay.Client(self.cluster.address, spec_json=json.dumps(spec("capped", "bf16_mixed")), rank=0,
+                            timeout_s=60)
+        for b in range(len(c.layout.buckets)):
+            c.push_initial_params(b, np.ones(c.layout.buckets[b]["numel"], np.float32), all_shards=True, wait=True)
+        reader = mainstay.WeightReader(self.cluster.address, c.job_id, c.get_reader_token(), timeout_s=60)
+        reads = 5
+        t0 = time.monotonic()
+        for _ in range(reads):
+            total = sum(as_numpy(t).nbytes for _, t in reader.tensors(0, as_="published"))
+        reader_s = time.monotonic() - t0
+        # 5 reads of ~1.5 MB, half from each daemon at 1 MB/s after a 1 MB burst: >= 2.75 s.
+        per_daemon = reads * total / 2
+        self.assertGreater(reader_s, (per_daemon - 1e6) / 1e6 * 0.6, "the readers were not slowed to the cap")
+        t0 = time.monotonic()
+        for _ in range(reads):
+            for b in range(len(c.layout.buckets)):
+                c.pull_bucket(b, 0)
+        trainer_s = time.monotonic() - t0
+        print("capped at 1 MB/s per daemon: %d reads of %.2f MB by a reader %.2f s, by a trainer %.2f s"
+              % (reads, total / 1e6, reader_s, trainer_s))
+        self.assertLess(trainer_s, reader_s / 2, "the trainer's pulls went through the readers' cap")
 
 
 if __name__ == "__main__":
