@@ -20,6 +20,13 @@
 //              [--transport auto|grpc|ucx]   (UCX_TLS in the environment reaches the daemons too)
 //              [--move-at-step S] [--replication R [--kill-at-step S] [--lease-ttl-ms N]]
 //              [--grad-norm 0.5]   (every step's global gradient norm; the job clips above 1)
+//              [--readers N]       (then --steps more steps with N readers polling every version)
+//
+// With --readers N, N reader threads (each its own Client with the job's reader token: the
+// weight-serving path of docs/weight_serving.md) start after the measured steps and read every
+// new version in full (every bucket, every tensor's published form) while --steps more steps
+// run; reported: both medians and their ratio. Then one reader's full read of the last version
+// against a trainer's pull of the same buckets and a memcpy of as many bytes, in the same run.
 //
 // Two baselines, measured in the same run: the whole model's update on --baseline-threads
 // threads (the ratio the tables before 2026-12-06 report), and the in-process distributed
@@ -58,6 +65,7 @@
 #include "kernels/cpu/executor.h"
 #include "kernels/kernels.h"
 #include "mainstay/client.h"
+#include "mainstay/published.h"
 #include "mainstay/v1/admin.grpc.pb.h"
 #include "mainstay/v1/coordinator.grpc.pb.h"
 #include "tests/testing/subprocess.h"
@@ -83,6 +91,7 @@ struct Flags {
   int kill_at_step = -1;  // with replication: SIGKILL rank 0's daemon just before this step
   int lease_ttl_ms = 0;   // the daemons' --lease-ttl-ms; 0: the coordinator's default
   double grad_norm = 0.5; // of every step's gradients (max_grad_norm is 1: 0.5 does not clip)
+  int readers = 0;        // > 0: --steps more steps with this many readers polling every version
 };
 
 [[noreturn]] void Die(const std::string& message) {
@@ -108,11 +117,15 @@ Flags ParseFlags(int argc, char** argv) {
     else if (name == "--kill-at-step") f.kill_at_step = std::atoi(value.c_str());
     else if (name == "--lease-ttl-ms") f.lease_ttl_ms = std::atoi(value.c_str());
     else if (name == "--grad-norm") f.grad_norm = std::atof(value.c_str());
+    else if (name == "--readers") f.readers = std::atoi(value.c_str());
     else Die("unknown flag " + name);
   }
   if (f.coordinator_bin.empty() || f.daemon_bin.empty()) Die("--coordinator-bin and --daemon-bin are required");
   if (f.dp < 1 || f.steps < 1 || f.params < 1e6) Die("bad --dp, --steps or --params");
   if (!(f.grad_norm > 0.0)) Die("--grad-norm must be > 0");
+  if (f.readers < 0 || (f.readers > 0 && (f.replication > 1 || f.move_at_step > 0))) {
+    Die("--readers must be >= 0 and does not combine with --replication or --move-at-step");
+  }
   if (f.move_at_step == 0 || f.move_at_step > f.steps) Die("--move-at-step must be in [1, --steps] (step 0 warms up)");
   if (f.replication < 1 || f.replication > kMaxReplicationFactor) Die("--replication must be in [1, 3]");
   if (f.replication > 1 && f.move_at_step > 0) Die("--replication and --move-at-step do not combine");
@@ -289,6 +302,49 @@ double PerRankBaseline(const ResolvedJob& job, int ranks, int threads, int reps,
   return *std::max_element(times.begin(), times.end());
 }
 
+// A reader: reads every version published after `from` in full (every bucket, every tensor's
+// published form) until `stop`; a version gone before it was read is skipped for the newest.
+struct ReaderTally {
+  std::atomic<int64_t> versions{0}, bytes{0};
+};
+
+int64_t ReadVersion(Client& reader, int64_t version, int64_t* bytes,
+                    std::chrono::milliseconds wait = std::chrono::milliseconds(0)) {
+  const Layout& layout = reader.layout();
+  std::vector<PullHandle> pulls;
+  for (const Bucket& b : layout.buckets) pulls.push_back(reader.PullBucket(b.index, version, wait));
+  std::vector<PulledBucket> pulled;
+  for (PullHandle& p : pulls) {
+    absl::StatusOr<PulledBucket> got = p.Wait();
+    if (!got.ok()) return -1;
+    pulled.push_back(*std::move(got));
+  }
+  for (size_t t = 0; t < layout.tensors.size(); ++t) {
+    absl::StatusOr<std::vector<NamedTensor>> named =
+        PublishedTensors(pulled[static_cast<size_t>(layout.tensors[t].bucket)], static_cast<int32_t>(t));
+    if (!named.ok()) Die("PublishedTensors: " + named.status().ToString());
+    for (const NamedTensor& n : *named) *bytes += static_cast<int64_t>(n.bytes().size());
+  }
+  return version;
+}
+
+void ReaderLoop(Client& reader, int64_t from, const std::atomic<bool>& stop, ReaderTally& tally) {
+  int64_t version = from;
+  while (!stop.load()) {
+    int64_t bytes = 0;
+    // (A bounded wait: the loop sees `stop` after the last step.)
+    if (ReadVersion(reader, version + 1, &bytes, std::chrono::seconds(3)) >= 0) {
+      ++version;
+      tally.versions += 1;
+      tally.bytes += bytes;
+      continue;
+    }
+    // Evicted before it was read (or a wait that timed out): go on from the newest.
+    absl::StatusOr<PulledBucket> newest = reader.PullShard(0, 0, Client::kLatestVersion).Wait();
+    if (newest.ok()) version = std::max(version, newest->version() - 1);
+  }
+}
+
 int Main(int argc, char** argv) {
   const Flags f = ParseFlags(argc, argv);
   const JobSpec spec = MakeSpec(f);
@@ -389,7 +445,32 @@ int Main(int argc, char** argv) {
     double failover_s = -1;  // --kill-at-step: from the kill until every trainer's FinishStep returned
     int64_t move_done_step = -1;
     std::atomic<int64_t> current_step{0};
-    for (int64_t step = 0; step < f.steps + 1; ++step) {  // step 0 is a warm-up
+    std::vector<double> read_totals;  // the steps with readers polling
+    std::vector<std::unique_ptr<Client>> readers;
+    std::vector<std::thread> reader_threads;
+    std::vector<ReaderTally> tallies(static_cast<size_t>(f.readers));
+    std::atomic<bool> stop_readers{false};
+    const int64_t last_step = f.readers > 0 ? 2 * f.steps : f.steps;
+    for (int64_t step = 0; step < last_step + 1; ++step) {  // step 0 is a warm-up
+      if (f.readers > 0 && step == f.steps + 1) {
+        absl::StatusOr<std::string> token = clients[0]->GetReaderToken();
+        if (!token.ok()) Die(token.status().ToString());
+        for (int r = 0; r < f.readers; ++r) {
+          ClientOptions o;
+          o.coordinator = address;
+          o.job_id = clients[0]->job_id();
+          o.reader_token = *token;
+          o.transport = f.transport;
+          o.timeout = std::chrono::minutes(10);
+          absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+          if (!c.ok()) Die(c.status().ToString());
+          readers.push_back(*std::move(c));
+        }
+        for (int r = 0; r < f.readers; ++r) {
+          reader_threads.emplace_back([&, r] { ReaderLoop(*readers[static_cast<size_t>(r)], step, stop_readers, tallies[static_cast<size_t>(r)]); });
+        }
+        std::printf("%d reader(s) polling from here\n", f.readers);
+      }
       current_step = step;
       if (step == f.move_at_step) {
         mover = std::thread([&] {
@@ -429,7 +510,11 @@ int Main(int argc, char** argv) {
         failover_s = Seconds(killed_at, t_steps) + finished;
         continue;
       }
-      if (step > 0) totals.push_back(slowest.total);
+      if (step > f.steps) {
+        read_totals.push_back(slowest.total);
+      } else if (step > 0) {
+        totals.push_back(slowest.total);
+      }
     }
     if (mover.joinable()) mover.join();
     if (failover_s >= 0) {
@@ -448,8 +533,46 @@ int Main(int argc, char** argv) {
                   f.dp - 1, f.move_at_step, state_bytes / 1e9, move_s, static_cast<long long>(move_done_step), copy_s,
                   move_s / copy_s);
     }
+    stop_readers = true;
+    for (std::thread& t : reader_threads) t.join();
     std::sort(totals.begin(), totals.end());
     const double median = totals[totals.size() / 2];
+    if (f.readers > 0) {
+      std::sort(read_totals.begin(), read_totals.end());
+      const double with_readers = read_totals[read_totals.size() / 2];
+      int64_t versions = 0, bytes = 0;
+      for (const ReaderTally& t : tallies) {
+        versions += t.versions;
+        bytes += t.bytes;
+      }
+      std::printf("\nstep with %d reader(s) polling: %.2f s against %.2f s without, same run: ratio %.2f "
+                  "(the readers read %lld versions, %.2f GB)\n",
+                  f.readers, with_readers, median, with_readers / median, static_cast<long long>(versions),
+                  static_cast<double>(bytes) / 1e9);
+      // One reader's full read of the last version against a trainer's pull of it and a memcpy.
+      const int64_t last = last_step + 1;
+      double read_s = 1e30, pull_s = 1e30;
+      int64_t read_bytes = 0;
+      for (int rep = 0; rep < 3; ++rep) {
+        Clock::time_point t0 = Clock::now();
+        read_bytes = 0;
+        if (ReadVersion(*readers[0], last, &read_bytes) < 0) Die("the reader could not read the last version");
+        read_s = std::min(read_s, Seconds(t0, Clock::now()));
+        t0 = Clock::now();
+        std::vector<PullHandle> pulls;
+        for (const Bucket& b : layout.buckets) pulls.push_back(clients[0]->PullBucket(b.index, last));
+        for (PullHandle& p : pulls) {
+          if (!p.Wait().ok()) Die(p.Wait().status().ToString());
+        }
+        pull_s = std::min(pull_s, Seconds(t0, Clock::now()));
+      }
+      const double copy_s = MemcpySeconds(read_bytes);
+      std::printf("full read of version %lld by a reader: %.2f GB in %.3f s (%.2f GB/s); a trainer's pull of it: "
+                  "%.3f s (%.2f GB/s): ratio %.2f; memcpy of as many bytes %.3f s\n",
+                  static_cast<long long>(last), read_bytes / 1e9, read_s, read_bytes / 1e9 / read_s, pull_s,
+                  read_bytes / 1e9 / pull_s, pull_s / read_s, copy_s);
+      readers.clear();
+    }
     std::printf("slice step at R=%d (median of %zu): %.2f s\n", replication, totals.size(), median);
     const std::string job_id = clients[0]->job_id();
     clients.clear();

@@ -34,7 +34,7 @@ namespace {
 class SafetensorsFile {
  public:
   void Add(NamedTensor t) {
-    bytes_ += static_cast<int64_t>(t.bytes.size());
+    bytes_ += static_cast<int64_t>(t.bytes().size());
     tensors_.push_back(std::move(t));
   }
   int64_t bytes() const { return bytes_; }
@@ -47,7 +47,7 @@ class SafetensorsFile {
     header["__metadata__"] = metadata;
     int64_t offset = 0;
     for (const NamedTensor& t : tensors_) {
-      const int64_t end = offset + static_cast<int64_t>(t.bytes.size());
+      const int64_t end = offset + static_cast<int64_t>(t.bytes().size());
       header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, end}}};
       offset = end;
     }
@@ -63,7 +63,8 @@ class SafetensorsFile {
       out.write(reinterpret_cast<const char*>(length), 8);
       out.write(text.data(), static_cast<std::streamsize>(text.size()));
       for (const NamedTensor& t : tensors_) {
-        out.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
+        const std::span<const uint8_t> bytes = t.bytes();
+        out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
       }
       out.flush();
       if (!out) {
@@ -161,7 +162,7 @@ absl::Status RunExport(const Args& args, Output& output) {
       named.push_back(std::move(one));
     }
     int64_t size = 0;
-    for (const NamedTensor& n : named) size += static_cast<int64_t>(n.bytes.size());
+    for (const NamedTensor& n : named) size += static_cast<int64_t>(n.bytes().size());
     if (!files.back().empty() && files.back().bytes() + size > max_file_bytes) files.emplace_back();
     for (NamedTensor& n : named) files.back().Add(std::move(n));
   }

@@ -165,10 +165,11 @@ void BindPulled(py::module_& m) {
     }
     std::vector<py::ssize_t> shape(t.shape.begin(), t.shape.end());
     py::array a(dtype, shape);
-    if (static_cast<size_t>(a.size()) * item != t.bytes.size()) {
+    const std::span<const uint8_t> bytes = t.bytes();
+    if (static_cast<size_t>(a.size()) * item != bytes.size()) {
       throw std::runtime_error("published tensor " + t.name + ": size does not match its shape");
     }
-    std::memcpy(a.mutable_data(), t.bytes.data(), t.bytes.size());
+    std::memcpy(a.mutable_data(), bytes.data(), bytes.size());
     return py::make_tuple(t.name, t.dtype, a);
   };
   py::class_<PulledBucket>(m, "PulledBucket",

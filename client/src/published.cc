@@ -14,9 +14,16 @@ std::vector<uint8_t> Bytes(const void* p, size_t n) {
   return std::vector<uint8_t>(b, b + n);
 }
 
-NamedTensor Scalar(std::string name, float value) {
-  return {std::move(name), "F32", {}, Bytes(&value, sizeof(value))};
+NamedTensor Owned(std::string name, std::string dtype, std::vector<int64_t> shape, std::vector<uint8_t> bytes) {
+  NamedTensor t;
+  t.name = std::move(name);
+  t.dtype = std::move(dtype);
+  t.shape = std::move(shape);
+  t.owned = std::move(bytes);
+  return t;
 }
+
+NamedTensor Scalar(std::string name, float value) { return Owned(std::move(name), "F32", {}, Bytes(&value, sizeof(value))); }
 
 }  // namespace
 
@@ -29,7 +36,11 @@ absl::StatusOr<std::vector<NamedTensor>> PublishedTensors(const PulledBucket& bu
   }
   const LayoutTensor& t = *view->info;
   std::vector<NamedTensor> out;
-  NamedTensor data{t.name, "U8", t.shape, Bytes(view->data.data(), view->data.size())};
+  NamedTensor data;
+  data.name = t.name;
+  data.dtype = "U8";
+  data.shape = t.shape;
+  data.view = view->data;
   switch (view->format) {
     case Format::kBF16:
       data.dtype = "BF16";
@@ -60,12 +71,12 @@ absl::StatusOr<std::vector<NamedTensor>> PublishedTensors(const PulledBucket& bu
     case Format::kFP8Block:
       data.dtype = "F8_E4M3";
       out.push_back(std::move(data));
-      out.push_back({t.name + "_scale_inv", "F32", {g.rows, g.cols}, *std::move(grid)});
+      out.push_back(Owned(t.name + "_scale_inv", "F32", {g.rows, g.cols}, *std::move(grid)));
       return out;
     case Format::kMXFP8:
       data.dtype = "F8_E4M3";
       out.push_back(std::move(data));
-      out.push_back({t.name + "_scale", "U8", {g.rows, g.cols}, *std::move(grid)});
+      out.push_back(Owned(t.name + "_scale", "U8", {g.rows, g.cols}, *std::move(grid)));
       return out;
     case Format::kNVFP4: {
       data.shape = {rows, cols / 2};
@@ -75,7 +86,7 @@ absl::StatusOr<std::vector<NamedTensor>> PublishedTensors(const PulledBucket& bu
       for (int64_t r = 0; r < rows; ++r) {
         std::memcpy(expanded.data() + r * g.cols, grid->data() + (r / 16) * g.cols, static_cast<size_t>(g.cols));
       }
-      out.push_back({t.name + "_scale", "F8_E4M3", {rows, g.cols}, std::move(expanded)});
+      out.push_back(Owned(t.name + "_scale", "F8_E4M3", {rows, g.cols}, std::move(expanded)));
       out.push_back(Scalar(t.name + "_scale_2", view->scale_inv));
       return out;
     }
@@ -90,17 +101,22 @@ absl::StatusOr<NamedTensor> DequantizedTensor(const PulledBucket& bucket, int32_
   if (!view.ok()) return view.status();
   const LayoutTensor& t = *view->info;
   if (bf16 && view->format == Format::kBF16 && view->complete) {
-    return NamedTensor{t.name, "BF16", t.shape, Bytes(view->data.data(), view->data.size())};
+    NamedTensor same;
+    same.name = t.name;
+    same.dtype = "BF16";
+    same.shape = t.shape;
+    same.view = view->data;
+    return same;
   }
   absl::StatusOr<std::vector<float>> values = bucket.Dequantize(tensor);
   if (!values.ok()) return values.status();
-  if (!bf16) return NamedTensor{t.name, "F32", t.shape, Bytes(values->data(), values->size() * sizeof(float))};
+  if (!bf16) return Owned(t.name, "F32", t.shape, Bytes(values->data(), values->size() * sizeof(float)));
   std::vector<uint8_t> bits(values->size() * 2);
   for (size_t i = 0; i < values->size(); ++i) {
     const uint16_t b = kernels::FloatToBf16((*values)[i]);
     std::memcpy(bits.data() + 2 * i, &b, 2);
   }
-  return NamedTensor{t.name, "BF16", t.shape, std::move(bits)};
+  return Owned(t.name, "BF16", t.shape, std::move(bits));
 }
 
 }  // namespace mainstay

@@ -18,6 +18,7 @@
 #define MAINSTAY_CLIENT_PUBLISHED_H_
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -31,7 +32,11 @@ struct NamedTensor {
   std::string name;
   std::string dtype;            // safetensors dtype string
   std::vector<int64_t> shape;   // empty: a scalar
-  std::vector<uint8_t> bytes;
+  // The bytes: a view into the PulledBucket's data (no copy; valid while any copy of that
+  // PulledBucket lives), or bytes computed here (scalars, merged scale grids, dequantized values).
+  std::span<const uint8_t> view;
+  std::vector<uint8_t> owned;
+  std::span<const uint8_t> bytes() const { return owned.empty() ? view : std::span<const uint8_t>(owned); }
 };
 
 // The published data and scales of tensor `tensor` (an index into Layout::tensors).
