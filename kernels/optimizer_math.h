@@ -33,13 +33,11 @@ struct AdamWConstants {
   float bc2_sqrt;   // sqrt(1 - beta2^step)
 };
 
-// Host-side: bias corrections in double, then rounded once to FP32.
-inline AdamWConstants MakeAdamWConstants(const AdamWHyper& h) {
-  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
-  return {1.0f - h.beta1, 1.0f - h.beta2, 1.0f - h.lr * h.weight_decay,
-          static_cast<float>(static_cast<double>(h.lr) / bc1), static_cast<float>(std::sqrt(bc2))};
-}
+// Host-side: bias corrections in double, then rounded once to FP32. Defined once, in
+// optimizer_math.cc, built with -ffp-contract=off for the CPU and CUDA backends alike (an inline
+// definition would be compiled with each includer's flags, and `1 - lr * weight_decay` could
+// become one fused multiply-add in one of them).
+AdamWConstants MakeAdamWConstants(const AdamWHyper& h);
 
 // One element. `g` already includes grad_multiplier. Updates master, m, v in place (FP32).
 MAINSTAY_HD void AdamWElement(const AdamWHyper& h, const AdamWConstants& c, float g, float& master, float& m,
