@@ -530,6 +530,12 @@ class PartitionTest(unittest.TestCase):
             if r.returncode != 0:
                 self.tearDownNet()
                 self.skipTest("network namespaces are not available here (%s: %s)" % (" ".join(argv), r.stderr.strip()))
+        # The trainers reach the daemons over gRPC here: over UCX's TCP transport, a trainer
+        # whose daemon was cut off aborted inside UCX 1.13 in about one run of three (an
+        # assertion in tcp_ep.c, docs/transports.md "Known issues"). What this test checks is the
+        # coordinator's recovery from the partition, which is the same on every transport.
+        self.transport = os.environ.get("MAINSTAY_TRANSPORT")
+        os.environ["MAINSTAY_TRANSPORT"] = "grpc"
         self.cluster = Cluster(host=self.outside, daemon_hosts={
             0: (self.outside, []), 1: (self.inside, ["ip", "netns", "exec", self.ns])})
 
@@ -540,6 +546,10 @@ class PartitionTest(unittest.TestCase):
     def tearDown(self):
         self.cluster.stop()
         self.tearDownNet()
+        if self.transport is None:
+            os.environ.pop("MAINSTAY_TRANSPORT", None)
+        else:
+            os.environ["MAINSTAY_TRANSPORT"] = self.transport
 
     def test_a_partitioned_daemon_is_replaced_from_the_checkpoint_and_the_run_ends_exactly(self):
         test = RecoveryTest()
