@@ -555,15 +555,22 @@ class PartitionTest(unittest.TestCase):
         test = RecoveryTest()
         test.cluster = self.cluster
         pause = os.path.join(self.cluster.dir, "pause")
-        ps = [self.cluster.trainer(r, "run", "--pause-file", pause) for r in range(D)]
+        ps = [self.cluster.trainer(r, "run", "--pause-file", pause, "--step-sleep", "0.1") for r in range(D)]
         RecoveryTest.wait_step(test, "run", 0, 4)
         open(pause, "w").close()
         time.sleep(0.5)
         ckpt = RecoveryTest.checkpoint(test, "run")
         os.remove(pause)
         RecoveryTest.wait_step(test, "run", 0, int(ckpt["version"]) + 2)
+        # Held for the partition, with steps left, until the coordinator restores the job:
+        # unheld, the trainers could finish their last steps within the lease, and nothing would
+        # be restored.
+        open(pause, "w").close()
+        time.sleep(0.5)
         r = sh("ip", "link", "set", self.veth + "a", "down")  # the partition
         self.assertEqual(r.returncode, 0, r.stderr)
+        wait_for(lambda: "restoring from checkpoint" in self.cluster.log("coordinator"), "the restore", 60)
+        os.remove(pause)
         for p in ps:
             self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
         self.assertIn("restoring from checkpoint " + ckpt["checkpoint_id"], self.cluster.log("coordinator"))
