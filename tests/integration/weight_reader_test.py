@@ -126,9 +126,10 @@ def run_reader(address, job_id, token, out_dir, last_version):
         version = reader.version
         reader.pin(version)
         fp32 = {n: as_numpy(t) for n, t in reader.tensors(version, as_="fp32")}
+        bf16 = {n: as_numpy(t) for n, t in reader.tensors(version, as_="bf16")}
         reader.unpin(version)
         np.savez(os.path.join(out_dir, "v%d.npz" % version), **{"p:" + k: v for k, v in published.items()},
-                 **{"f:" + k: v for k, v in fp32.items()})
+                 **{"f:" + k: v for k, v in fp32.items()}, **{"b:" + k: v for k, v in bf16.items()})
     print("reader read up to version %d, %d bytes" % (version, reader.bytes_read), flush=True)
 
 
@@ -205,11 +206,16 @@ class WeightReaderTest(unittest.TestCase):
             with np.load(os.path.join(out_dir, "v%d.npz" % v)) as z:
                 items = {k[2:]: z[k] for k in z.files if k.startswith("p:")}
                 fp32 = {k[2:]: z[k] for k in z.files if k.startswith("f:")}
+                bf16 = {k[2:]: z[k] for k in z.files if k.startswith("b:")}
             self.assertEqual(set(fp32), set(pulled[v]))
             for name, (data, values, fmt) in pulled[v].items():
                 formats.add(fmt)
                 self.assertEqual(items[name].tobytes(), data, "%s: version %d of %s" % (recipe, v, name))
                 np.testing.assert_array_equal(fp32[name], values, "%s v%d %s" % (recipe, v, name))
+                # as_="bf16": the dequantized values rounded to nearest even (bf16 ones as published).
+                bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+                rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+                np.testing.assert_array_equal(bf16[name], rounded, "%s v%d %s as bf16" % (recipe, v, name))
                 decoded = decode_published(fmt, items, name).reshape(values.shape)
                 np.testing.assert_allclose(decoded, values, rtol=2e-7, atol=0,
                                            err_msg="%s: the published convention of %s" % (recipe, fmt))
