@@ -9,7 +9,6 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <optional>
 #include <map>
 #include <memory>
 #include <string>
@@ -117,19 +116,10 @@ absl::Status RunExport(const Args& args, Output& output) {
   const Layout& layout = client->layout();
 
   // The newest version unless one was named; pinned while its buckets are pulled.
-  std::optional<VersionPin> pin;
-  for (int attempt = 0; !pin.has_value(); ++attempt) {
-    if (args.Has("version") == false) {
-      MAINSTAY_ASSIGN_OR_RETURN(PulledBucket newest, client->PullShard(0, 0, Client::kLatestVersion).Wait());
-      version = newest.version();
-    }
-    absl::StatusOr<VersionPin> pinned = client->PinVersion(version, std::chrono::minutes(10));
-    if (pinned.ok()) {
-      pin = *std::move(pinned);
-    } else if (args.Has("version") || pinned.status().code() != absl::StatusCode::kFailedPrecondition || attempt > 20) {
-      return pinned.status();  // (the newest can be evicted by a newer one first: then try that)
-    }
-  }
+  MAINSTAY_ASSIGN_OR_RETURN(const VersionPin pin, args.Has("version")
+                                                      ? client->PinVersion(version, std::chrono::minutes(10))
+                                                      : client->PinNewestVersion(std::chrono::minutes(10)));
+  version = pin.version;
   std::vector<PullHandle> handles;
   for (const Bucket& b : layout.buckets) handles.push_back(client->PullBucket(b.index, version));
   std::vector<PulledBucket> pulled;
@@ -137,18 +127,18 @@ absl::Status RunExport(const Args& args, Output& output) {
   for (size_t b = 0; b < handles.size(); ++b) {
     absl::StatusOr<PulledBucket> p = handles[b].Wait();
     if (!p.ok()) {
-      (void)client->ReleasePin(*pin);
+      (void)client->ReleasePin(pin);
       return p.status();
     }
     if (p->unchanged()) {
-      (void)client->ReleasePin(*pin);
+      (void)client->ReleasePin(pin);
       return absl::FailedPreconditionError(absl::StrCat("version ", version, " was never published (its step was skipped)"));
     }
     pulled_bytes += static_cast<int64_t>(p->data().size());
     pulled.push_back(*std::move(p));
     std::cerr << absl::StrFormat("pulled bucket %d of %d (%.1f MB)\n", b + 1, handles.size(), pulled_bytes / 1e6);
   }
-  (void)client->ReleasePin(*pin);
+  (void)client->ReleasePin(pin);
 
   // Tensors in layout order, into files of at most --max-file-bytes (a larger tensor alone).
   std::vector<SafetensorsFile> files(1);

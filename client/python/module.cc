@@ -262,6 +262,14 @@ PYBIND11_MODULE(_mainstay, m) {
         return Take(std::move(pin));
       }, py::arg("version"), py::arg("ttl_s") = 60.0,
          "Keeps `version` from eviction on every daemon for ttl_s seconds (at most 600); returns a VersionPin.")
+      .def("pin_newest_version", [](PyClient& c, double ttl_s) {
+        absl::StatusOr<VersionPin> pin;
+        {
+          py::gil_scoped_release release;
+          pin = c.client().PinNewestVersion(Millis(ttl_s));
+        }
+        return Take(std::move(pin));
+      }, py::arg("ttl_s") = 60.0, "The newest published version, pinned (VersionPin.version says which).")
       .def("release_pin", [](PyClient& c, const VersionPin& pin) {
         absl::Status s;
         {

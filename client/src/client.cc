@@ -465,10 +465,7 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
                                 " param groups (its tensors' param_group); got hyperparameters for ", groups.size());
   }
   MAINSTAY_RETURN_IF_ERROR(CheckStepHyper(groups, absl::StrCat("FinishStep(", step, ")")));
-  if (impl_->reader) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", job_id(), ": this client attached with a reader token, which only pulls published versions"));
-  }
+  if (impl_->reader) return impl_->ReaderRefusal();
   const Deadline deadline = impl_->DeadlineAfter(timeout);
   std::vector<client_internal::StepPush> pushes;
   {
@@ -598,11 +595,28 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
   return stats;
 }
 
+absl::Status Client::Impl::ReaderRefusal() const {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "job ", job_id, ": this client attached with a reader token, which only pulls published versions"));
+}
+
+absl::StatusOr<v1::PinVersionResponse> Client::Impl::PinCall(v1::Shard::Stub& stub, int64_t version, int64_t ttl_ms,
+                                                             uint64_t pin_id, Deadline deadline) {
+  v1::PinVersionRequest request;
+  request.set_job_id(job_id);
+  request.set_job_token(job_token);
+  request.set_version(version);
+  request.set_ttl_ms(ttl_ms);
+  request.set_pin_id(pin_id);
+  v1::PinVersionResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(deadline);
+  MAINSTAY_RETURN_IF_ERROR(client_internal::StatusFromCall(stub.PinVersion(&context, request, &response), &context));
+  return response;
+}
+
 absl::StatusOr<std::string> Client::GetReaderToken(bool rotate) {
-  if (impl_->reader) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", job_id(), ": this client attached with a reader token; the job_token is needed to get one"));
-  }
+  if (impl_->reader) return impl_->ReaderRefusal();
   const Deadline deadline = impl_->DeadlineAfter(impl_->options.timeout);
   v1::GetReaderTokenRequest request;
   request.set_job_id(impl_->job_id);
@@ -635,47 +649,37 @@ absl::StatusOr<VersionPin> Client::PinVersion(int64_t version, std::chrono::mill
   }
   VersionPin pin;
   pin.version = version;
-  absl::Status failed;
   for (const auto& [address, route] : daemons) {
-    v1::PinVersionRequest request;
-    request.set_job_id(impl_->job_id);
-    request.set_job_token(impl_->job_token);
-    request.set_version(version);
-    request.set_ttl_ms(ttl.count());
-    v1::PinVersionResponse response;
-    grpc::ClientContext context;
-    context.set_deadline(deadline);
-    absl::Status s = client_internal::StatusFromCall(route.stub->PinVersion(&context, request, &response), &context);
-    if (!s.ok()) {
-      failed = Annotate(s, absl::StrCat("PinVersion(", version, ") at daemon ", route.daemon_id));
-      break;
+    absl::StatusOr<v1::PinVersionResponse> pinned = impl_->PinCall(*route.stub, version, ttl.count(), 0, deadline);
+    if (!pinned.ok()) {
+      (void)ReleasePin(pin);  // no half-pinned version left behind (and they expire anyway)
+      return Annotate(pinned.status(), absl::StrCat("PinVersion(", version, ") at daemon ", route.daemon_id));
     }
-    pin.pins.push_back({address, response.pin_id()});
-    pin.expires_unix_ms = pin.expires_unix_ms == 0 ? response.expires_unix_ms()
-                                                   : std::min(pin.expires_unix_ms, response.expires_unix_ms());
-  }
-  if (!failed.ok()) {
-    (void)ReleasePin(pin);  // no half-pinned version left behind (and they expire anyway)
-    return failed;
+    pin.pins.push_back({address, pinned->pin_id()});
+    pin.expires_unix_ms = pin.expires_unix_ms == 0 ? pinned->expires_unix_ms()
+                                                   : std::min(pin.expires_unix_ms, pinned->expires_unix_ms());
   }
   return pin;
+}
+
+absl::StatusOr<VersionPin> Client::PinNewestVersion(std::chrono::milliseconds ttl) {
+  // A newer version can evict the newest between learning it and pinning it: then the next.
+  absl::Status last;
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    absl::StatusOr<PulledBucket> newest = PullShard(0, 0, kLatestVersion).Wait();
+    if (!newest.ok()) return newest.status();
+    absl::StatusOr<VersionPin> pin = PinVersion(newest->version(), ttl);
+    if (pin.ok() || pin.status().code() != absl::StatusCode::kFailedPrecondition) return pin;
+    last = pin.status();
+  }
+  return Annotate(last, "no version of the job stayed long enough to be pinned (20 tries)");
 }
 
 absl::Status Client::ReleasePin(const VersionPin& pin) {
   const Deadline deadline = impl_->DeadlineAfter(impl_->options.timeout);
   absl::Status first;
   for (const auto& [address, id] : pin.pins) {
-    v1::PinVersionRequest request;
-    request.set_job_id(impl_->job_id);
-    request.set_job_token(impl_->job_token);
-    request.set_version(pin.version);
-    request.set_ttl_ms(0);
-    request.set_pin_id(id);
-    v1::PinVersionResponse response;
-    grpc::ClientContext context;
-    context.set_deadline(deadline);
-    absl::Status s = client_internal::StatusFromCall(impl_->StubFor(address)->PinVersion(&context, request, &response),
-                                                     &context);
+    absl::Status s = impl_->PinCall(*impl_->StubFor(address), pin.version, 0, id, deadline).status();
     if (!s.ok() && first.ok()) first = Annotate(s, absl::StrCat("releasing the pin of version ", pin.version, " at ", address));
   }
   return first;

@@ -116,6 +116,12 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   absl::StatusOr<client_internal::Route> RouteForAddress(const std::string& address, const std::string& daemon_id);
   std::shared_ptr<v1::Shard::Stub> StubFor(const std::string& address);
 
+  // FAILED_PRECONDITION for what a reader client (ClientOptions::reader_token) may not do.
+  absl::Status ReaderRefusal() const;
+  // One PinVersion call at `stub`: a pin of `version` for ttl_ms, or its release (ttl_ms 0).
+  absl::StatusOr<v1::PinVersionResponse> PinCall(v1::Shard::Stub& stub, int64_t version, int64_t ttl_ms,
+                                                 uint64_t pin_id, Deadline deadline);
+
   // Runs attempts until success, a non-retryable error or the deadline (see client.h).
   // `route` may be empty for coordinator calls (no placement).
   absl::Status Retry(absl::string_view what, Deadline deadline, const client_internal::RouteFn& route,

@@ -227,10 +227,7 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
 PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_t>& shards, int64_t step,
                                         v1::PushKind kind, const std::vector<ElementSpan>& data,
                                         int32_t num_contributors, const PushOptions& push_options) {
-  if (reader) {
-    return PushHandle::Ready(absl::FailedPreconditionError(absl::StrCat(
-        "job ", job_id, ": this client attached with a reader token, which only pulls published versions")));
-  }
+  if (reader) return PushHandle::Ready(ReaderRefusal());
   const Deadline deadline = DeadlineAfter(push_options.timeout);
   auto countdown = std::make_shared<PushCountdown>();
   {

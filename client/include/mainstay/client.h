@@ -315,6 +315,9 @@ class MAINSTAY_CLIENT_EXPORT Client {
   // keeps it; RESOURCE_EXHAUSTED when a daemon holds 4 pinned versions of the job already. On
   // an error nothing stays pinned. Readers and trainers alike.
   absl::StatusOr<VersionPin> PinVersion(int64_t version, std::chrono::milliseconds ttl);
+  // The newest published version, pinned (VersionPin::version says which): when a newer one
+  // evicts it before the pin lands, the newer one is pinned instead.
+  absl::StatusOr<VersionPin> PinNewestVersion(std::chrono::milliseconds ttl);
   // Releases the pin on every daemon (an expired one is released already). The first error.
   absl::Status ReleasePin(const VersionPin& pin);
   // Stats of a decided step without waiting (UNAVAILABLE while undecided), from the daemon

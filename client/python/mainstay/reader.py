@@ -90,18 +90,6 @@ class WeightReader:
                     return newest
             wanted += 1  # step wanted - 1 was skipped: its version does not exist
 
-    def _pin_latest(self):
-        """(newest version, its pin): a newer version can evict the newest between the two calls,
-        and then the next newest is pinned."""
-        for _ in range(100):
-            version = self.latest()
-            try:
-                return version, self._client.pin_version(version, 120.0)
-            except _mainstay.Error as e:
-                if e.code != "FAILED_PRECONDITION":
-                    raise
-        raise RuntimeError("job %s: no version stayed long enough to be pinned" % self.job_id)
-
     def pin(self, version, ttl_s=60.0):
         """Keeps `version` on every daemon for ttl_s seconds (at most 600; pin again to renew),
         while training goes on. tensors() pins what it reads by itself; pin to read a version
@@ -149,7 +137,8 @@ class WeightReader:
         # several versions meanwhile, and the daemons keep only a few.
         own_pin = None
         if version is None:
-            version, own_pin = self._pin_latest()
+            own_pin = self._client.pin_newest_version(120.0)
+            version = own_pin.version
         elif version not in self._pins:
             try:
                 own_pin = self._client.pin_version(version, 120.0)
