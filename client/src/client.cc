@@ -219,7 +219,7 @@ absl::StatusOr<Route> Client::Impl::RouteForAddress(const std::string& address, 
 }
 
 absl::Status Client::Impl::Retry(absl::string_view what, Deadline deadline, const client_internal::RouteFn& route_fn,
-                                 const client_internal::AttemptFn& attempt) {
+                                 const client_internal::AttemptFn& attempt, client_internal::CallGroup* group) {
   using client_internal::RetryAction;
   auto backoff = std::chrono::duration_cast<std::chrono::milliseconds>(options.initial_backoff);
   const auto start = std::chrono::system_clock::now();
@@ -234,6 +234,7 @@ absl::Status Client::Impl::Retry(absl::string_view what, Deadline deadline, cons
         status = r.status();
       }
     }
+    if (group != nullptr && group->abandoned()) return absl::CancelledError(absl::StrCat(what, ": given up"));
     if (status.ok()) {
       grpc::ClientContext context;
       context.set_deadline(deadline);
@@ -244,13 +245,20 @@ absl::Status Client::Impl::Retry(absl::string_view what, Deadline deadline, cons
         if (!cancelled) active_calls.insert(&context);
       }
       if (cancelled) return absl::CancelledError(absl::StrCat(what, ": the client is shutting down"));
+      if (group != nullptr && !group->Register(&context)) {
+        absl::MutexLock lock(&mu);
+        active_calls.erase(&context);
+        return absl::CancelledError(absl::StrCat(what, ": given up"));
+      }
       status = attempt(route, &context);
+      if (group != nullptr) group->Unregister(&context);
       {
         absl::MutexLock lock(&mu);
         active_calls.erase(&context);
         cancelled = shutting_down;
       }
       if (status.ok()) return status;
+      if (group != nullptr && group->abandoned()) return absl::CancelledError(absl::StrCat(what, ": given up"));
       // Not cancelled here, so by the server: a gRPC server that is shutting down cancels the
       // calls that reach it in its last moments. Retried like any stopping server's UNAVAILABLE.
       if (status.code() == absl::StatusCode::kCancelled && !cancelled) {
@@ -515,6 +523,11 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
   // step there may wait for this very rank. A daemon that failed and no longer owns any shard
   // this rank pushed is passed over.
   absl::Mutex mu;
+  // An ABORTED answer (the step failed, or this daemon lacks this rank's pushes) ends the whole
+  // call at once: the step must be pushed again, and the other daemons' attempts cannot
+  // succeed without the new pushes, so waiting for them only puts the daemons' next attempts
+  // out of step with each other (docs/architecture.md, "Agreed outcome of a step").
+  client_internal::CallGroup calls;
   std::set<std::string> asked;  // daemon ids
   std::vector<std::pair<std::string, v1::FinishStepResponse>> responses;  // daemon id, answer
   std::vector<std::thread> threads;
@@ -528,7 +541,13 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
           r.set_placement_epoch(route.epoch);
           r.set_redirected(t.redirected);
           return client_internal::StatusFromCall(route.stub->FinishStep(context, r, &answer), context);
-        });
+        },
+        &calls);
+    if (!status.ok() && status.code() != absl::StatusCode::kAborted && calls.abandoned()) {
+      absl::MutexLock lock(&mu);  // given up: another daemon's ABORTED decides the call
+      --running;
+      return;
+    }
     // Where the shards this rank pushed are now (the cache; re-read after a failure): a shard
     // whose owner changed since its push landed moved with the push, and its new owner needs
     // this rank's FinishStep too, whether this call succeeded (the daemon kept other shards)
@@ -545,10 +564,13 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
     absl::MutexLock lock(&mu);
     if (status.ok()) {
       responses.emplace_back(t.id, std::move(answer));
+    } else if (!passed_over && status.code() == absl::StatusCode::kAborted) {
+      calls.Abandon();
+      if (failed.code() != absl::StatusCode::kAborted) failed = status;
     } else if (!passed_over && failed.ok()) {
       failed = status;
     }
-    if (status.ok() || passed_over) {
+    if ((status.ok() || passed_over) && !calls.abandoned()) {
       for (const auto& [id, address] : owners) {
         if (!asked.insert(id).second) continue;
         ++running;

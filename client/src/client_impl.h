@@ -54,6 +54,39 @@ struct StepRecord {
   std::map<std::string, std::string> daemons;  // address -> daemon id, of acknowledged pushes
 };
 
+// Calls made together that can be given up together: FinishStep's calls at several daemons,
+// once one of them answers that the step must be pushed again (the others then wait for an
+// attempt that cannot succeed without this rank's new pushes). Thread-safe.
+class CallGroup {
+ public:
+  // Cancels the group's calls in flight, and every attempt registered later is refused.
+  void Abandon() {
+    absl::MutexLock lock(&mu_);
+    abandoned_ = true;
+    for (grpc::ClientContext* context : calls_) context->TryCancel();
+  }
+  bool abandoned() const {
+    absl::MutexLock lock(&mu_);
+    return abandoned_;
+  }
+  // False (nothing registered) once abandoned.
+  bool Register(grpc::ClientContext* context) {
+    absl::MutexLock lock(&mu_);
+    if (abandoned_) return false;
+    calls_.insert(context);
+    return true;
+  }
+  void Unregister(grpc::ClientContext* context) {
+    absl::MutexLock lock(&mu_);
+    calls_.erase(context);
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(mu_);
+};
+
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const ChannelSecurity& security);
 StepStats StepStatsFromProto(const v1::StepStats& proto);
 
@@ -123,9 +156,10 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
                                                  uint64_t pin_id, Deadline deadline);
 
   // Runs attempts until success, a non-retryable error or the deadline (see client.h).
-  // `route` may be empty for coordinator calls (no placement).
+  // `route` may be empty for coordinator calls (no placement). With `group`, the call ends with
+  // CANCELLED as soon as the group is abandoned (its attempt in flight is cancelled).
   absl::Status Retry(absl::string_view what, Deadline deadline, const client_internal::RouteFn& route,
-                     const client_internal::AttemptFn& attempt);
+                     const client_internal::AttemptFn& attempt, client_internal::CallGroup* group = nullptr);
 
   // ---- Data plane (data_plane.cc).
   // Starts the transports `transport_request` needs and attaches to every daemon of the placement.

@@ -574,35 +574,47 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
   if (step >= 0 && rewound_ && step > next_step_) return RewoundError("FinishStep", step);
   const bool open = step >= 0 && !Decided(step) && executing_step_ != step && !failures_.count(step);
   // A FinishStep must find the rank's pushes of the step here: the client sends it only once
-  // they were acknowledged. A move brings pushes along (`redirected`); a restore or failover
-  // that re-placed the job at a newer epoch since the pushes (`placement_epoch` older than this
-  // daemon's) may have dropped them. Waiting would then last until the deadline: the step
-  // cannot run without them.
-  if (open && (request.redirected() || (request.placement_epoch() < epoch_ && !Fenced()))) {
-    // In a step of unreduced pushes the rank pushed every shard, so one primary lacking its push
-    // means that push was lost (with a move's source that died before its copy, which then came
-    // from a replica: replicas hold no trainers' pushes), and the step would wait for it for ever.
-    bool incoming = false, pushed = false, unreduced = false, lacking = false;
+  // they were acknowledged. Where one is missing it was lost, and the step would wait for it
+  // until the deadline: it cannot run without it. The rank pushed its own shard (bucket, rank)
+  // of every bucket, and in a step of unreduced pushes every shard. Pushes are lost
+  //  - with a move's source that died before its copy, which then came from a replica (replicas
+  //    hold no trainers' pushes): a `redirected` FinishStep;
+  //  - with a restore or failover that re-placed the job at a newer epoch since the pushes
+  //    (`placement_epoch` older than this daemon's);
+  //  - with a failed attempt of the step here, whose failure another rank's new push cleared
+  //    before this call arrived (same epoch; without a failed attempt a missing push may still
+  //    come).
+  // A shard still being copied here brings its pushes along: the call is retried after it.
+  if (open) {
+    const bool moved = request.redirected() || (request.placement_epoch() < epoch_ && !Fenced());
+    bool incoming = false, pushed = false, unreduced = false, lacking_own = false, lacking_any = false;
     auto in = pending_.find(step);
     for (const auto& [key, state] : shards_) {
       incoming |= state->incoming;
-      if (in == pending_.end()) continue;
-      auto sit = in->second.shards.find(key);
-      const bool has = sit != in->second.shards.end() && sit->second.by_rank.count(request.rank()) > 0;
+      const ShardInputs* sin = nullptr;
+      if (in != pending_.end()) {
+        auto sit = in->second.shards.find(key);
+        if (sit != in->second.shards.end()) sin = &sit->second;
+      }
+      const bool has = sin != nullptr && sin->by_rank.count(request.rank()) > 0;
       pushed |= has;
-      unreduced |= sit != in->second.shards.end() && sit->second.num_contributors > 1;
-      lacking |= !state->replica && !has;
+      unreduced |= sin != nullptr && sin->num_contributors > 1;
+      if (state->replica || state->incoming || has) continue;
+      lacking_any = true;
+      lacking_own |= key.second == request.rank();
     }
-    if (incoming) {
+    if (moved && incoming) {
       return absl::UnavailableError(absl::StrCat("FinishStep: job ", job_id_,
                                                  ": shards are being copied to this daemon; retry"));
     }
-    if (!pushed || (unreduced && lacking)) {
+    const bool dropped = !moved && failed_attempts_.count(step) > 0 && (lacking_own || (unreduced && lacking_any));
+    if ((moved && (!pushed || (unreduced && lacking_any))) || dropped) {
       return ErrorWithDetail(absl::AbortedError(absl::StrCat(
           "FinishStep: this daemon lacks pushes of rank ", request.rank(), " for step ", step, " of job ", job_id_,
-          request.redirected() ? " (they were lost with the daemon they went to)"
-                               : absl::StrCat(" (pushed at placement epoch ", request.placement_epoch(),
-                                              "; the job was re-placed at epoch ", epoch_, " without them)"),
+          request.redirected()                       ? " (they were lost with the daemon they went to)"
+          : request.placement_epoch() < epoch_ ? absl::StrCat(" (pushed at placement epoch ", request.placement_epoch(),
+                                                              "; the job was re-placed at epoch ", epoch_, " without them)")
+                                               : " (a failed attempt of the step dropped them)",
           ": push step ", step, " again")));
     }
   }

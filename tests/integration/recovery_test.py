@@ -11,6 +11,7 @@ run of the same job spec: each test compares the final published weights of the 
 Run with `--trainer ...` it is the trainer process itself.
 """
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -62,6 +63,7 @@ def trainer_main(argv):
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
     ap.add_argument("--replication", type=int, default=1, help="the job's replication_factor")
     args = ap.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1)  # Cluster.finish asks a hung trainer where it waits
     if args.rank == 0 and not args.resume:
         client = mainstay.Client(args.coordinator, spec_json=json.dumps(spec(args.name, args.replication)), rank=0, timeout_s=90,
                                  max_backoff_s=0.5)
@@ -158,7 +160,7 @@ class RecoveryTest(unittest.TestCase):
         """The same spec, uninterrupted, on the same cluster: its final weights."""
         ps = [self.cluster.trainer(r, "reference", *extra) for r in range(D)]
         for p in ps:
-            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         return final_of(self.cluster.log("reference.rank0"))
 
     def wait_step(self, name, rank, step):
@@ -186,8 +188,8 @@ class RecoveryTest(unittest.TestCase):
         self.cluster.kill(killed)
         os.remove(pause)
         restarted = self.cluster.trainer(1, "run", "--resume")
-        self.assertEqual(ps[0].wait(timeout=300), 0, self.cluster.logs())
-        self.assertEqual(restarted.wait(timeout=300), 0, self.cluster.logs())
+        self.assertEqual(self.cluster.finish(ps[0]), 0, self.cluster.logs())
+        self.assertEqual(self.cluster.finish(restarted), 0, self.cluster.logs())
         self.assertIn("rank 1 resumed at step 1", self.cluster.log("run.rank1"))
         self.assertEqual(final_of(self.cluster.log("run.rank0")), self.run_reference())
 
@@ -213,7 +215,7 @@ class RecoveryTest(unittest.TestCase):
             self.cluster.start_daemon(1)
         os.remove(pause)
         for p in ps:
-            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         log = self.cluster.log("run.rank")
         # Each rank learns of the restore either from the daemons (ABORTED carrying the step to
         # resume from) or from its client (the daemon it was waiting on left the placement, so it
@@ -237,7 +239,7 @@ class RecoveryTest(unittest.TestCase):
         self.cluster = Cluster(coordinator_flags=["--checkpoint-every-steps", "3", "--checkpoint-keep", "2"])
         ps = [self.cluster.trainer(r, "run", "--steps", "30", "--step-sleep", "0.1") for r in range(D)]
         for p in ps:
-            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         time.sleep(1.0)  # a periodic checkpoint started by the last heartbeat finishes
         taken = self.cluster.log("coordinator").count("checkpoint policy: job")
         self.assertGreaterEqual(taken, 3, self.cluster.log("coordinator"))
@@ -266,7 +268,7 @@ class RecoveryTest(unittest.TestCase):
                    and l.startswith("rank 0 step"))
         os.remove(pause)
         for p in ps:
-            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         log = self.cluster.log("run.rank")
         for rank in range(D):  # no step is redone: the checkpoint holds the last one decided
             self.assertNotRegex(log, r"rank %d (REWOUND to|RETRYING from) step (?!%d:)" % (rank, done + 1), log)
@@ -280,7 +282,7 @@ class RecoveryTest(unittest.TestCase):
         self.cluster = Cluster(flags_of_daemon={1: ["--inject-fault", "lose-reduction:5:amax"]})
         ps = [self.cluster.trainer(r, "run") for r in range(D)]
         for p in ps:
-            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         self.assertIn("injected fault: the result of reduction 1 of step 5 was lost", self.cluster.log("daemon1"))
         self.assertRegex(self.cluster.log("daemon1"), r"but daemon daemon-\d+ decided it: finishing it with that decision")
         self.assertNotRegex(self.cluster.log("run.rank"), r"REWOUND|RETRYING", self.cluster.logs())
@@ -331,7 +333,7 @@ class RecoveryTest(unittest.TestCase):
             replica = [s["replica_daemon_ids"][0] for s in shards if s["shard"].get("shard", 0) == 0][0]
         self.cluster.kill(self.daemon_process(victim))
         for p in ps:
-            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         self.assertEqual(self.owner_of(job, 0), replica)
         wait_for(lambda: "fail over to their replicas" in self.cluster.log("coordinator"), "the failover",
                  logs=self.cluster.logs)
@@ -380,7 +382,7 @@ class RecoveryTest(unittest.TestCase):
         self.cluster = Cluster(daemons=3, flags_of_daemon={0: ["--inject-fault", "crash-after-decision:5"]})
         ps = [self.cluster.trainer(r, "run", "--replication", "2") for r in range(D)]
         for p in ps:
-            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         self.assertIn("SIGKILL after deciding step 5", self.cluster.log("daemon0"))
         self.assertIn("fail over to their replicas", self.cluster.log("coordinator"))
         for rank in range(D):
@@ -409,7 +411,7 @@ class RecoveryTest(unittest.TestCase):
         r = self.cluster.ctl("daemons", "drain", victim, "--yes")
         self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
         for p in ps:
-            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         self.assertIn("SIGKILL when asked for a copy", self.cluster.log("daemon0"))
         self.assertIn("lost its source " + victim, self.cluster.log("coordinator"))
         self.assertNotIn("restoring from checkpoint", self.cluster.log("coordinator"))
@@ -455,7 +457,7 @@ class RecoveryTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
         self.assertIn("moves from " + second + " to " + first, r.stdout)
         for p in ps:
-            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         self.assertEqual(self.owner_of(job, 1), first)
         log = self.cluster.log("run.rank")
         # Nothing was lost (no rewind) and no step was pushed again: the pushes a source held
@@ -470,7 +472,7 @@ class RecoveryTest(unittest.TestCase):
     def test_draining_the_last_daemon_of_a_job_is_refused_and_drops_nothing(self):
         ps = [self.cluster.trainer(r, "run", "--steps", "6") for r in range(D)]
         for p in ps:
-            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         r = self.cluster.ctl("daemons", "list", "--json")
         ids = [d["endpoint"]["daemon_id"] for d in json.loads(r.stdout)["daemons"]]
         self.assertEqual(self.cluster.ctl("daemons", "drain", ids[0], "--yes").returncode, 0)
@@ -496,7 +498,7 @@ class RecoveryTest(unittest.TestCase):
         self.wait_step("run", 0, 8)  # steps go on without the coordinator
         self.cluster.start_coordinator()
         for p in ps:
-            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         ckpt = self.checkpoint("run")  # control operations work again
         self.assertEqual(int(ckpt["version"]), STEPS)
         self.assertEqual(final_of(self.cluster.log("run.rank0")), self.run_reference())
@@ -572,7 +574,7 @@ class PartitionTest(unittest.TestCase):
         wait_for(lambda: "restoring from checkpoint" in self.cluster.log("coordinator"), "the restore", 60)
         os.remove(pause)
         for p in ps:
-            self.assertEqual(p.wait(timeout=300), 0, self.cluster.logs())
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         self.assertIn("restoring from checkpoint " + ckpt["checkpoint_id"], self.cluster.log("coordinator"))
         self.assertIn("missed its lease", self.cluster.log("coordinator"))
         final = final_of(self.cluster.log("run.rank0"))

@@ -49,6 +49,7 @@ class Cluster:
         self.flags_of_daemon = flags_of_daemon or {}
         self.dir = tempfile.mkdtemp(prefix="mainstay-recovery.")
         self.procs = {}
+        self.trainers = []
         self.lease_ms = lease_ms
         self.coordinator_flags = list(coordinator_flags)
         self.daemon_flags = list(daemon_flags)
@@ -93,10 +94,25 @@ class Cluster:
         self.procs[name].send_signal(signal.SIGKILL)
         self.procs[name].wait()
 
+    def finish(self, proc, timeout=300):
+        """`proc`'s exit status; past `timeout` seconds it is killed and the failure carries every
+        log (a hung trainer's last lines are what says where it waited)."""
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            if proc in self.trainers:  # they dump their Python stacks on SIGUSR1 (faulthandler)
+                proc.send_signal(signal.SIGUSR1)
+                time.sleep(1)
+            proc.kill()
+            proc.wait()
+            raise AssertionError("%s did not end within %d s\n%s" % (" ".join(proc.args[:6]), timeout, self.logs(80)))
+
     def trainer(self, rank, name, *extra):
-        return self._start("%s.rank%d.%d" % (name, rank, time.time_ns()),
-                           [PYTHON, self.TRAINER, "--trainer", "--coordinator", self.address, "--rank",
-                            str(rank), "--job-file", os.path.join(self.dir, name + ".job"), "--name", name] + list(extra))
+        p = self._start("%s.rank%d.%d" % (name, rank, time.time_ns()),
+                        [PYTHON, self.TRAINER, "--trainer", "--coordinator", self.address, "--rank",
+                         str(rank), "--job-file", os.path.join(self.dir, name + ".job"), "--name", name] + list(extra))
+        self.trainers.append(p)
+        return p
 
     def ctl(self, *args):
         return subprocess.run([os.environ["MAINSTAYCTL_BIN"]] + list(args) + ["--coordinator", self.address],
@@ -109,8 +125,8 @@ class Cluster:
                 out += read(os.path.join(self.dir, f))
         return out
 
-    def logs(self):
-        return "\n".join("--- %s\n%s" % (f, "\n".join(read(os.path.join(self.dir, f)).splitlines()[-25:]))
+    def logs(self, lines=25):
+        return "\n".join("--- %s\n%s" % (f, "\n".join(read(os.path.join(self.dir, f)).splitlines()[-lines:]))
                          for f in sorted(os.listdir(self.dir)) if f.endswith(".log"))
 
     def stop(self):

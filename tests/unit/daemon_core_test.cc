@@ -590,6 +590,56 @@ TEST(AgreedOutcomeTest, ALostStatsReductionOfAnUpdatingStepFailsItEverywhereAndT
   ExpectMatchesReference(cluster, f.ref, 2);
 }
 
+TEST(AgreedOutcomeTest, AFinishStepWhosePushAFailedAttemptDroppedIsAbortedAtOnce) {
+  // Unreduced pushes (every rank pushes every shard, half of the reduced gradient each). Step 1
+  // fails everywhere (the lost stats reduction) and drops its pushes; rank 1 pushes it again,
+  // which clears the failure, and rank 0's FinishStep arrives without rank 0's new pushes (a
+  // trainer that was still waiting elsewhere). It must not wait until its deadline for pushes
+  // that will not come: ABORTED at once, and the retry commits.
+  FaultedCluster f(LoseReduction(1, 0));
+  Cluster& cluster = f.cluster;
+  auto push_unreduced = [&](int32_t rank) {
+    for (const Bucket& b : cluster.layout().buckets) {
+      for (const Shard& s : b.shards) {
+        auto values = cluster.ShardValues(b, s, [&](int32_t t, int64_t i) { return GradValue(t, i, 1) * 0.5f; });
+        ASSERT_THAT(cluster.Push(b.index, s.rank, 1, rank, values, v1::PUSH_KIND_GRADIENT, 2).status(), IsOk());
+      }
+    }
+  };
+  auto finish = [&](int32_t rank, int daemon) {
+    v1::FinishStepRequest req;
+    req.set_job_id(kJob);
+    req.set_job_token(kToken);
+    req.set_placement_epoch(1);
+    req.set_step(1);
+    req.set_rank(rank);
+    req.set_lr(1e-3);
+    return cluster.daemon(daemon).FinishStep(req, absl::Now() + absl::Seconds(30)).status();
+  };
+  // Every rank finishes on every daemon (each holds pushes of both), in parallel.
+  auto finish_all = [&] {
+    std::vector<absl::Status> out(4);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 4; ++i) threads.emplace_back([&, i] { out[static_cast<size_t>(i)] = finish(i / 2, i % 2); });
+    for (std::thread& t : threads) t.join();
+    return out;
+  };
+  push_unreduced(0);
+  push_unreduced(1);
+  for (const absl::Status& s : finish_all()) {
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kAborted, ::testing::HasSubstr("push step 1 again")));
+  }
+  push_unreduced(1);
+  const absl::Time start = absl::Now();
+  EXPECT_THAT(finish(0, 0),
+              StatusIs(absl::StatusCode::kAborted, ::testing::HasSubstr("a failed attempt of the step dropped them")));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  push_unreduced(0);
+  for (const absl::Status& s : finish_all()) ASSERT_THAT(s, IsOk());
+  f.ref.Step(1, 1e-3f);
+  ExpectMatchesReference(cluster, f.ref, 2);
+}
+
 TEST(AgreedOutcomeTest, WithoutAskingPeersTheLostReductionSplitsTheStep) {
   // The behaviour the protocol removes, kept as a check that the fault really splits the step:
   // daemon 0 commits step 1, daemon 1 gives it up.

@@ -291,7 +291,8 @@ class MAINSTAY_CLIENT_EXPORT Client {
   // calls FinishStep on every daemon those pushes went to (in parallel) and returns their
   // StepStats, checked to agree. Blocks until the step is committed or skipped on all of them.
   // A failed push of the step is returned (its code) without calling the daemons: push it again,
-  // then call FinishStep again. ABORTED: the step failed on a daemon, push the step again.
+  // then call FinishStep again. ABORTED: the step failed on a daemon, push the step again (it is
+  // returned as soon as one daemon answers it; the calls at the others are cancelled).
   // FAILED_PRECONDITION when nothing was pushed for `step`. A shard that moved to another daemon
   // after its push landed (a drain or `shards move`) moved with the push: FinishStep follows it
   // to the new owner, and the step goes on without an error.
