@@ -15,6 +15,7 @@ PACKAGES=(
   nlohmann-json3-dev libssl-dev
   libhwy-dev
   libucx-dev ucx-utils
+  etcd-server golang-etcd-server-dev
   libgloo-dev
   pybind11-dev python3-dev python3-numpy
   python3-torch
