@@ -59,7 +59,7 @@ absl::StatusOr<CoordinatorConnection> CoordinatorConnection::FromArgs(const Args
   }
   grpc::ChannelArguments channel_args;
   channel_args.SetMaxReceiveMessageSize(256 << 20);
-  c.channel_ = security.CreateChannel(c.address_, channel_args);
+  MAINSTAY_ASSIGN_OR_RETURN(c.channel_, security.CreateCoordinatorChannel(c.address_, channel_args));
   c.coordinator_ = v1::Coordinator::NewStub(c.channel_);
   c.admin_ = v1::Admin::NewStub(c.channel_);
   return c;

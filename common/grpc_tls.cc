@@ -1,11 +1,15 @@
 #include "common/grpc_tls.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
 #include <openssl/bio.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
+#include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -14,7 +18,11 @@
 
 #include <grpcpp/support/client_interceptor.h>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/status.h"
 
 namespace mainstay {
@@ -188,6 +196,54 @@ std::shared_ptr<::grpc::Channel> ChannelSecurity::CreateChannel(const std::strin
   interceptors.push_back(std::make_unique<SecretInterceptorFactory>(secret_.value()));
   return ::grpc::experimental::CreateCustomChannelWithInterceptors(address, credentials_, args,
                                                                    std::move(interceptors));
+}
+
+absl::StatusOr<std::shared_ptr<::grpc::Channel>> ChannelSecurity::CreateCoordinatorChannel(
+    const std::string& addresses, ::grpc::ChannelArguments args) const {
+  // A coordinator that restarts, or a standby that takes over, must be found within a second,
+  // not after gRPC's default reconnect backoff (up to 2 minutes).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  if (addresses.find(',') == std::string::npos) return CreateChannel(addresses, args);
+  std::vector<std::string> v4, v6;
+  for (absl::string_view part : absl::StrSplit(addresses, ',', absl::SkipWhitespace())) {
+    const std::string entry(absl::StripAsciiWhitespace(part));
+    const size_t colon = entry.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(entry.substr(colon + 1), &port) || port <= 0 ||
+        port > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("coordinator address list '", addresses, "': '", entry, "' is not HOST:PORT"));
+    }
+    std::string host = entry.substr(0, colon);
+    if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    if (const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found); rc != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("coordinator address list '", addresses, "': cannot resolve '",
+                                                     host, "': ", ::gai_strerror(rc)));
+    }
+    for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      char ip[INET6_ADDRSTRLEN] = {0};
+      if (a->ai_family == AF_INET) {
+        ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, ip, sizeof(ip));
+        const std::string one = absl::StrCat(ip, ":", port);
+        if (std::find(v4.begin(), v4.end(), one) == v4.end()) v4.push_back(one);
+      } else if (a->ai_family == AF_INET6) {
+        ::inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, ip, sizeof(ip));
+        const std::string one = absl::StrCat("[", ip, "]:", port);
+        if (std::find(v6.begin(), v6.end(), one) == v6.end()) v6.push_back(one);
+      }
+    }
+    ::freeaddrinfo(found);
+  }
+  // gRPC's ipv4: and ipv6: targets take one family each: IPv4 where there is any.
+  if (v4.empty() && v6.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("coordinator address list '", addresses, "': no address"));
+  }
+  const std::string target = v4.empty() ? absl::StrCat("ipv6:", absl::StrJoin(v6, ",")) : absl::StrCat("ipv4:", absl::StrJoin(v4, ","));
+  return CreateChannel(target, args);
 }
 
 }  // namespace mainstay

@@ -42,6 +42,14 @@ class ChannelSecurity {
   // Every call on it carries the cluster secret when one is set (WithClusterSecret).
   std::shared_ptr<::grpc::Channel> CreateChannel(const std::string& address, ::grpc::ChannelArguments args) const;
   bool tls() const { return tls_; }
+  // A channel to the coordinator(s) at `addresses`: one "host:port" (or a gRPC target such as
+  // dns:///name:port, whose every address is tried), or a comma-separated list of them, e.g.
+  // the coordinators sharing one etcd. Calls go to the first that accepts connections (a
+  // standby does not listen), and move on when it goes (gRPC's pick_first over the list's
+  // addresses, resolved once here; reconnecting within a second). INVALID_ARGUMENT for a bad
+  // entry or a name that does not resolve.
+  absl::StatusOr<std::shared_ptr<::grpc::Channel>> CreateCoordinatorChannel(const std::string& addresses,
+                                                                          ::grpc::ChannelArguments args) const;
 
   // The same security, presenting `secret` on every call of the channels made from it: for
   // the servers' calls to each other (common/cluster_secret.h), never for trainers or admins.

@@ -11,6 +11,7 @@
 #include <signal.h>
 
 #include <csignal>
+#include <ctime>
 
 namespace mainstay {
 
@@ -32,6 +33,12 @@ class StopSignals {
     while (sigwait(&set_, &signal_number) != 0) {
     }
     return signal_number;
+  }
+  // The stop signal received within `ms` milliseconds, or 0.
+  int WaitFor(long ms) const {
+    const timespec timeout{ms / 1000, (ms % 1000) * 1000000};
+    const int signal_number = sigtimedwait(&set_, nullptr, &timeout);
+    return signal_number > 0 ? signal_number : 0;
   }
 
  private:

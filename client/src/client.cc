@@ -27,6 +27,10 @@ using client_internal::StepRecord;
 namespace client_internal {
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const ChannelSecurity& security) {
+  return security.CreateChannel(address, ChannelArgs());
+}
+
+grpc::ChannelArguments ChannelArgs() {
   grpc::ChannelArguments args;
   // Chunks are at most 4 MiB of payload; layouts of large models are a few MiB.
   args.SetMaxReceiveMessageSize(256 << 20);
@@ -37,7 +41,7 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Cha
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 5000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
-  return security.CreateChannel(address, args);
+  return args;
 }
 
 StepStats StepStatsFromProto(const v1::StepStats& p) {
@@ -322,7 +326,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   MAINSTAY_ASSIGN_OR_RETURN(impl->security, ChannelSecurity::Create(options.tls));
-  impl->coordinator_channel = client_internal::MakeChannel(options.coordinator, impl->security);
+  MAINSTAY_ASSIGN_OR_RETURN(impl->coordinator_channel,
+                            impl->security.CreateCoordinatorChannel(options.coordinator, client_internal::ChannelArgs()));
   impl->coordinator = v1::Coordinator::NewStub(impl->coordinator_channel);
   const Deadline deadline = impl->DeadlineAfter(options.timeout);
   const std::string where = absl::StrCat("coordinator ", options.coordinator);

@@ -87,6 +87,8 @@ class CallGroup {
   absl::flat_hash_set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(mu_);
 };
 
+// The arguments of the client's channels (message sizes, keepalive), and a channel with them.
+grpc::ChannelArguments ChannelArgs();
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const ChannelSecurity& security);
 StepStats StepStatsFromProto(const v1::StepStats& proto);
 

@@ -88,6 +88,14 @@ absl::StatusOr<std::unique_ptr<EtcdLeadership>> EtcdLeadership::TryAcquire(EtcdC
   return std::unique_ptr<EtcdLeadership>(new EtcdLeadership(etcd, key, *lease, r->header().revision()));
 }
 
+absl::StatusOr<std::string> EtcdLeadership::Holder(EtcdClient* etcd) {
+  RangeRequest read;
+  read.set_key(etcd->options().prefix + "leader");
+  absl::StatusOr<etcdserverpb::RangeResponse> r = etcd->Range(read);
+  if (!r.ok()) return r.status();
+  return r->kvs().empty() ? std::string() : r->kvs(0).value();
+}
+
 void EtcdLeadership::Start(std::function<void(const absl::Status&)> on_lost) {
   keep_alive_ = std::thread([this, on_lost = std::move(on_lost)] { KeepAliveLoop(on_lost); });
 }

@@ -35,6 +35,9 @@ class EtcdLeadership {
   // UNAVAILABLE when etcd does not answer.
   static absl::StatusOr<std::unique_ptr<EtcdLeadership>> TryAcquire(EtcdClient* etcd, const std::string& value,
                                                                    std::string* holder);
+  // The current leader's value, or "" when nobody leads (a standby polls this, cheaply, and
+  // tries TryAcquire only when it is empty). UNAVAILABLE when etcd does not answer.
+  static absl::StatusOr<std::string> Holder(EtcdClient* etcd);
   // Stops the keep-alive and revokes the lease, so that a standby takes over at once.
   ~EtcdLeadership();
 

@@ -8,7 +8,9 @@
 // locked or corrupt): exit 1.
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -32,6 +34,7 @@
 #include "common/stop_signals.h"
 #include "common/status.h"
 #include "server/coordinator/admin_auth.h"
+#include "server/coordinator/etcd_state_store.h"
 #include "server/grpc/coordinator_service.h"
 #include "server/metrics/metrics_server.h"
 #include "server/metrics/registry.h"
@@ -39,7 +42,7 @@
 namespace mainstay::coordinator {
 namespace {
 
-constexpr char kUsage[] = R"(usage: mainstay-coordinator --state-dir DIR [flags]
+constexpr char kUsage[] = R"(usage: mainstay-coordinator (--state-dir DIR | --etcd-endpoints LIST) [flags]
 
 The Mainstay coordinator: daemon membership, jobs, layouts, placement, a small KV store and
 admin RPCs, over gRPC (services mainstay.v1.Coordinator and mainstay.v1.Admin, plus
@@ -47,7 +50,19 @@ grpc.health.v1.Health and server reflection).
 
 flags:
   --listen HOST:PORT        address to serve on (default 0.0.0.0:7070; port 0 picks one)
-  --state-dir DIR           directory of the durable state (required unless the config has it)
+  --state-dir DIR           directory of the durable state (one coordinator; required unless
+                            --etcd-endpoints or the config gives the state's place)
+  --etcd-endpoints LIST     keep the state in etcd instead (comma-separated [http://|https://]
+                            HOST:PORT): run several coordinators against it; one leads, the
+                            others wait as standbys and take over when its lease ends
+                            (docs/coordinator.md, "State on etcd")
+  --etcd-prefix P           key prefix of this cluster's state in etcd (default /mainstay/)
+  --etcd-lease-ttl-ms N     the leader's lease: a dead leader is replaced after about this long
+                            (default 5000, at least 2000)
+  --etcd-timeout-ms N       one call to one etcd member (default 2000)
+  --etcd-ca-file FILE       PEM CA certificates that verify https:// etcd members
+  --etcd-cert-file FILE     PEM client certificate for etcd (with --etcd-key-file)
+  --etcd-key-file FILE      PEM private key of --etcd-cert-file
   --lease-ttl-ms N          default daemon lease in ms (default 10000)
   --tick-ms N               how often leases and KV TTLs are checked, ms (default 200)
   --coordinator-id ID       id reported to daemons (default <hostname>-<pid>)
@@ -60,7 +75,8 @@ flags:
   --checkpoint-every-seconds N  ... or N seconds after its last one, if it decided a step since
                             (default 0: off)
   --checkpoint-keep N       periodic checkpoints kept per job, the newest (default 3; 0: all)
-  --config FILE             JSON object with the keys listen, state_dir, lease_ttl_ms, tick_ms,
+  --config FILE             JSON object with the keys listen, state_dir, etcd_endpoints,
+                            etcd_prefix, lease_ttl_ms, tick_ms,
                             coordinator_id, max_message_bytes, checkpoint_dir, cluster_secret_file
                             (and the other file and TLS flags' names); flags override it
   --port-file FILE          write the bound port to FILE once serving (for scripts and tests)
@@ -98,6 +114,8 @@ SIGTERM or SIGINT: graceful shutdown, exit 0. Bad flags or config: exit 2.
 struct Settings {
   std::optional<std::string> listen;
   std::optional<std::string> state_dir;
+  std::optional<std::string> etcd_endpoints, etcd_prefix, etcd_ca_file, etcd_cert_file, etcd_key_file;
+  std::optional<int64_t> etcd_lease_ttl_ms, etcd_timeout_ms;
   std::optional<int64_t> lease_ttl_ms;
   std::optional<int64_t> tick_ms;
   std::optional<std::string> coordinator_id;
@@ -146,7 +164,9 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
         "--tls-cert-file",   "--tls-key-file",    "--tls-ca-file",     "--tls-client-auth",
         "--tls-server-name", "--admin-token-file", "--metrics-listen", "--metrics-port-file",
         "--health-listen",   "--tls-internal-name", "--checkpoint-dir", "--checkpoint-every-steps",
-        "--checkpoint-every-seconds", "--checkpoint-keep", "--cluster-secret-file"};
+        "--checkpoint-every-seconds", "--checkpoint-keep", "--cluster-secret-file",
+        "--etcd-endpoints",  "--etcd-prefix",     "--etcd-lease-ttl-ms", "--etcd-timeout-ms",
+        "--etcd-ca-file",    "--etcd-cert-file",  "--etcd-key-file"};
     if (name == "--no-restore-on-loss") {
       s.no_restore_on_loss = true;
       continue;
@@ -162,6 +182,11 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
     }
     if (name == "--listen") s.listen = *value;
     if (name == "--state-dir") s.state_dir = *value;
+    if (name == "--etcd-endpoints") s.etcd_endpoints = *value;
+    if (name == "--etcd-prefix") s.etcd_prefix = *value;
+    if (name == "--etcd-ca-file") s.etcd_ca_file = *value;
+    if (name == "--etcd-cert-file") s.etcd_cert_file = *value;
+    if (name == "--etcd-key-file") s.etcd_key_file = *value;
     if (name == "--coordinator-id") s.coordinator_id = *value;
     if (name == "--config") s.config = *value;
     if (name == "--port-file") s.port_file = *value;
@@ -179,6 +204,10 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
     if (name == "--metrics-port-file") s.metrics_port_file = *value;
     if (name == "--lease-ttl-ms") {
       MAINSTAY_ASSIGN_OR_RETURN(s.lease_ttl_ms, ParsePositive(name, *value));
+    } else if (name == "--etcd-lease-ttl-ms") {
+      MAINSTAY_ASSIGN_OR_RETURN(s.etcd_lease_ttl_ms, ParsePositive(name, *value));
+    } else if (name == "--etcd-timeout-ms") {
+      MAINSTAY_ASSIGN_OR_RETURN(s.etcd_timeout_ms, ParsePositive(name, *value));
     } else if (name == "--tick-ms") {
       MAINSTAY_ASSIGN_OR_RETURN(s.tick_ms, ParsePositive(name, *value));
     } else if (name == "--max-message-bytes") {
@@ -226,7 +255,8 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
       "listen",          "state_dir",       "lease_ttl_ms",    "tick_ms",          "coordinator_id",
       "max_message_bytes", "tls_cert_file", "tls_key_file",    "tls_ca_file",      "tls_client_auth",
       "tls_server_name", "admin_token_file", "metrics_listen", "health_listen", "tls_internal_name",
-      "checkpoint_dir", "cluster_secret_file"};
+      "checkpoint_dir", "cluster_secret_file", "etcd_endpoints", "etcd_prefix", "etcd_ca_file",
+      "etcd_cert_file", "etcd_key_file", "etcd_lease_ttl_ms", "etcd_timeout_ms"};
   for (const auto& [key, value] : j.items()) {
     if (!kKeys.count(key)) {
       return absl::InvalidArgumentError(
@@ -235,6 +265,13 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
   }
   MAINSTAY_RETURN_IF_ERROR(get_string("listen", s.listen));
   MAINSTAY_RETURN_IF_ERROR(get_string("state_dir", s.state_dir));
+  MAINSTAY_RETURN_IF_ERROR(get_string("etcd_endpoints", s.etcd_endpoints));
+  MAINSTAY_RETURN_IF_ERROR(get_string("etcd_prefix", s.etcd_prefix));
+  MAINSTAY_RETURN_IF_ERROR(get_string("etcd_ca_file", s.etcd_ca_file));
+  MAINSTAY_RETURN_IF_ERROR(get_string("etcd_cert_file", s.etcd_cert_file));
+  MAINSTAY_RETURN_IF_ERROR(get_string("etcd_key_file", s.etcd_key_file));
+  MAINSTAY_RETURN_IF_ERROR(get_int("etcd_lease_ttl_ms", s.etcd_lease_ttl_ms));
+  MAINSTAY_RETURN_IF_ERROR(get_int("etcd_timeout_ms", s.etcd_timeout_ms));
   MAINSTAY_RETURN_IF_ERROR(get_string("checkpoint_dir", s.checkpoint_dir));
   MAINSTAY_RETURN_IF_ERROR(get_string("coordinator_id", s.coordinator_id));
   MAINSTAY_RETURN_IF_ERROR(get_string("tls_cert_file", s.tls_cert_file));
@@ -259,10 +296,17 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
   if (o.listen_address.rfind(':') == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("--listen: expected HOST:PORT, got '", o.listen_address, "'"));
   }
-  if (!s.state_dir || s.state_dir->empty()) {
-    return absl::InvalidArgumentError("--state-dir is required (or state_dir in --config)");
+  const bool etcd = s.etcd_endpoints.has_value();
+  if (etcd && s.state_dir) {
+    return absl::InvalidArgumentError("--state-dir and --etcd-endpoints: the state lives in one place, give one");
   }
-  o.state_dir = *s.state_dir;
+  if (!etcd && (!s.state_dir || s.state_dir->empty())) {
+    return absl::InvalidArgumentError("--state-dir or --etcd-endpoints is required (or state_dir in --config)");
+  }
+  if (!etcd && (s.etcd_prefix || s.etcd_lease_ttl_ms || s.etcd_timeout_ms || s.etcd_ca_file || s.etcd_cert_file)) {
+    return absl::InvalidArgumentError("--etcd-* flags need --etcd-endpoints");
+  }
+  if (s.state_dir) o.state_dir = *s.state_dir;
   if (s.checkpoint_dir) o.checkpoint_dir = *s.checkpoint_dir;
   o.restore_on_daemon_loss = !s.no_restore_on_loss;
   const bool policy = s.checkpoint_every_steps.value_or(0) > 0 || s.checkpoint_every_seconds.value_or(0) > 0;
@@ -311,6 +355,18 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
   return o;
 }
 
+absl::StatusOr<std::unique_ptr<EtcdClient>> ConnectEtcd(const Settings& s) {
+  EtcdOptions o;
+  MAINSTAY_ASSIGN_OR_RETURN(o.endpoints, ParseEtcdEndpoints(*s.etcd_endpoints));
+  if (s.etcd_prefix) o.prefix = *s.etcd_prefix;
+  if (s.etcd_lease_ttl_ms) o.lease_ttl = absl::Milliseconds(*s.etcd_lease_ttl_ms);
+  if (s.etcd_timeout_ms) o.call_timeout = absl::Milliseconds(*s.etcd_timeout_ms);
+  o.ca_file = s.etcd_ca_file.value_or("");
+  o.cert_file = s.etcd_cert_file.value_or("");
+  o.key_file = s.etcd_key_file.value_or("");
+  return EtcdClient::Create(o);
+}
+
 int Main(int argc, char** argv) {
   // First: any thread started later (gRPC's and UCX's own ones, started by credentials and
   // contexts as the flags are read) inherits the mask, so only Wait below takes SIGTERM.
@@ -337,6 +393,62 @@ int Main(int argc, char** argv) {
   std::unique_ptr<metrics::Registry> registry;  // null: --metrics-listen off
   if (metrics_listen != "off") registry = std::make_unique<metrics::Registry>();
   options->metrics = registry.get();
+
+  // With etcd: wait as a standby until this coordinator holds the leader key, then serve from
+  // the state in etcd. Losing the lease later stops the coordinator (exit 1): a supervisor
+  // restarts it as a standby.
+  std::unique_ptr<EtcdClient> etcd;
+  std::unique_ptr<EtcdLeadership> leadership;
+  std::unique_ptr<StateStore> etcd_store;
+  static std::atomic<bool> leadership_lost{false};
+  if (settings->etcd_endpoints) {
+    absl::StatusOr<std::unique_ptr<EtcdClient>> client = ConnectEtcd(*settings);
+    if (!client.ok()) {
+      std::fprintf(stderr, "mainstay-coordinator: %s\n(see --help)\n", std::string(client.status().message()).c_str());
+      return 2;
+    }
+    etcd = *std::move(client);
+    if (options->coordinator_id.empty()) options->coordinator_id = CoordinatorServer::DefaultCoordinatorId();
+    const std::string who = absl::StrCat(options->coordinator_id, " at ", options->listen_address);
+    std::string last_holder;
+    absl::Time next_warning = absl::InfinitePast();
+    while (leadership == nullptr) {
+      absl::StatusOr<std::string> holder = EtcdLeadership::Holder(etcd.get());
+      if (holder.ok() && holder->empty()) {
+        std::string taken;
+        absl::StatusOr<std::unique_ptr<EtcdLeadership>> won = EtcdLeadership::TryAcquire(etcd.get(), who, &taken);
+        if (won.ok() && *won != nullptr) {
+          leadership = *std::move(won);
+          break;
+        }
+        holder = won.ok() ? absl::StatusOr<std::string>(taken) : won.status();
+      }
+      if (!holder.ok() && absl::Now() >= next_warning) {
+        Log(LogLevel::kWarning, "coordinator", absl::StrCat("standby: etcd does not answer: ", holder.status().message()));
+        next_warning = absl::Now() + absl::Seconds(10);
+      } else if (holder.ok() && *holder != last_holder) {
+        Log(LogLevel::kInfo, "coordinator",
+            absl::StrCat("standby: ", *holder, " leads (etcd key ", etcd->options().prefix,
+                         "leader); taking over when its lease ends"));
+        last_holder = *holder;
+      }
+      if (const int signal_number = stop_signals.WaitFor(300); signal_number != 0) {
+        Log(LogLevel::kInfo, "coordinator", absl::StrCat("signal ", signal_number, ": standby stopping"));
+        return 0;
+      }
+    }
+    Log(LogLevel::kInfo, "coordinator",
+        absl::StrCat("leading (etcd key ", leadership->key(), ", lease ", leadership->lease(), ", TTL ",
+                     absl::FormatDuration(etcd->options().lease_ttl), ")"));
+    etcd_store = NewEtcdStateStore(etcd.get(), leadership.get());
+    options->store = etcd_store.get();
+    options->state_description = absl::StrCat("etcd ", *settings->etcd_endpoints, " prefix ", etcd->options().prefix);
+    leadership->Start([](const absl::Status& why) {
+      Log(LogLevel::kError, "coordinator", absl::StrCat(why.message(), "; stopping (exit 1)"));
+      leadership_lost = true;
+      ::kill(::getpid(), SIGTERM);
+    });
+  }
 
   absl::StatusOr<std::unique_ptr<CoordinatorServer>> server = CoordinatorServer::Start(*options);
   if (!server.ok()) {
@@ -396,7 +508,7 @@ int Main(int argc, char** argv) {
   (*server)->Shutdown();
   if (metrics_server != nullptr) metrics_server->Shutdown();
   server->reset();
-  return 0;
+  return leadership_lost ? 1 : 0;
 }
 
 }  // namespace

@@ -21,21 +21,19 @@ void SetDeadline(::grpc::ClientContext* context, absl::Time deadline) {
 
 }  // namespace
 
-CoordinatorLink::CoordinatorLink(Options options) : options_(std::move(options)) {
-  ::grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);
-  // A restarted coordinator must be found again within a heartbeat or two, not after gRPC's
-  // default reconnect backoff (up to 2 minutes), during which every call fails at once.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  channel_ = options_.security.CreateChannel(options_.coordinator_address, args);
-  stub_ = v1::Coordinator::NewStub(channel_);
-  admin_ = v1::Admin::NewStub(channel_);
-}
+CoordinatorLink::CoordinatorLink(Options options) : options_(std::move(options)) {}
 
 absl::StatusOr<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(Options options) {
   if (options.coordinator_address.empty()) return absl::InvalidArgumentError("coordinator address: required");
   std::unique_ptr<CoordinatorLink> link(new CoordinatorLink(std::move(options)));
+  // A restarted coordinator (or a standby taking over) is found again within a heartbeat or
+  // two: CreateCoordinatorChannel reconnects within a second.
+  ::grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  MAINSTAY_ASSIGN_OR_RETURN(link->channel_,
+                            link->options_.security.CreateCoordinatorChannel(link->options_.coordinator_address, args));
+  link->stub_ = v1::Coordinator::NewStub(link->channel_);
+  link->admin_ = v1::Admin::NewStub(link->channel_);
   MAINSTAY_RETURN_IF_ERROR(link->Register(absl::Now() + link->options_.register_timeout));
   link->heartbeat_ = std::thread([raw = link.get()] { raw->RunHeartbeat(); });
   return link;

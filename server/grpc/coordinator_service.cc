@@ -414,12 +414,6 @@ class AdminService final : public v1::Admin::CallbackService {
   const AdminAuth* const auth_;
 };
 
-std::string DefaultCoordinatorId() {
-  char host[256] = {};
-  if (::gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "coordinator");
-  return absl::StrCat(host, "-", ::getpid());
-}
-
 // Holds an exclusive lock on <dir>/LOCK for the process's life, so that two coordinators
 // never append to the same log. The lock dies with the process (kill -9 included).
 absl::StatusOr<int> LockStateDir(const std::string& dir) {
@@ -505,6 +499,12 @@ struct CoordinatorServer::Impl {
   }
 };
 
+std::string CoordinatorServer::DefaultCoordinatorId() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "coordinator");
+  return absl::StrCat(host, "-", ::getpid());
+}
+
 CoordinatorServer::CoordinatorServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CoordinatorServer::~CoordinatorServer() = default;
 
@@ -515,7 +515,9 @@ void CoordinatorServer::Shutdown() { impl_->Shutdown(); }
 
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Options options) {
   if (options.listen_address.empty()) return absl::InvalidArgumentError("listen_address: must not be empty");
-  if (options.state_dir.empty()) return absl::InvalidArgumentError("state_dir: required");
+  if (options.state_dir.empty() == (options.store == nullptr)) {
+    return absl::InvalidArgumentError("state_dir or an external store: exactly one is required");
+  }
   if (options.tick_interval_ms <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("tick_interval_ms: must be > 0, got ", options.tick_interval_ms));
   }
@@ -545,11 +547,15 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
   if (options.metrics != nullptr) {
     MAINSTAY_ASSIGN_OR_RETURN(impl->metrics, metrics::CoordinatorMetrics::Create(options.metrics));
   }
-  MAINSTAY_ASSIGN_OR_RETURN(impl->lock_fd, LockStateDir(options.state_dir));
-  MAINSTAY_ASSIGN_OR_RETURN(impl->store, OpenFileStateStore(options.state_dir));
+  StateStore* store = options.store;
+  if (store == nullptr) {
+    MAINSTAY_ASSIGN_OR_RETURN(impl->lock_fd, LockStateDir(options.state_dir));
+    MAINSTAY_ASSIGN_OR_RETURN(impl->store, OpenFileStateStore(options.state_dir));
+    store = impl->store.get();
+  }
   impl->assigner = std::make_unique<GrpcShardAssigner>(assigner_options);
   CoordinatorOptions core_options;
-  core_options.store = impl->store.get();
+  core_options.store = store;
   core_options.assigner = impl->assigner.get();
   core_options.default_lease_ttl_ms = options.lease_ttl_ms;
   core_options.coordinator_id = options.coordinator_id;
@@ -617,7 +623,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
       absl::StrCat("serving on port ", impl->port,
                    options.tls.ServerEnabled() ? (options.tls.require_client_cert ? " with mutual TLS" : " with TLS")
                                                : " in plaintext",
-                   " (state ", options.state_dir, ", lease ", options.lease_ttl_ms, " ms, id ", options.coordinator_id,
+                   " (state ", options.store != nullptr ? options.state_description : options.state_dir, ", lease ", options.lease_ttl_ms, " ms, id ", options.coordinator_id,
                    impl->auth.enabled() ? ", admin token required" : ", no admin token", ", ",
                    grpc_server::DescribeInternalPeers(internal), ")"));
   return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(std::move(impl)));

@@ -41,6 +41,7 @@
 #include "absl/status/statusor.h"
 #include "common/cluster_secret.h"
 #include "common/tls.h"
+#include "server/coordinator/state_store.h"
 
 namespace mainstay::metrics {
 class Registry;
@@ -50,11 +51,19 @@ namespace mainstay::coordinator {
 
 class CoordinatorServer {
  public:
+  // "<hostname>-<pid>": the id of a coordinator not given one.
+  static std::string DefaultCoordinatorId();
+
   struct Options {
     // "host:port"; port 0 picks a free port (see port()).
     std::string listen_address = "127.0.0.1:0";
-    // Directory of the durable state (created if missing). Required.
+    // Directory of the durable state (created if missing, locked against a second
+    // coordinator). Required unless `store` is given.
     std::string state_dir;
+    // The durable state elsewhere (the etcd store of a leader: etcd_state_store.h), not owned;
+    // it must outlive the server. `state_description` names it in the log.
+    StateStore* store = nullptr;
+    std::string state_description;
     int64_t lease_ttl_ms = 10'000;     // default daemon lease
     int64_t tick_interval_ms = 200;    // how often leases and KV TTLs are checked
     std::string coordinator_id;        // empty: "<hostname>-<pid>"

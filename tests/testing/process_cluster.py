@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 PYTHON = sys.executable
 
@@ -43,9 +44,12 @@ class Cluster:
     TRAINER = None  # the trainer script (`trainer` runs it with --trainer)
 
     def __init__(self, daemons=2, lease_ms=1500, coordinator_flags=(), daemon_flags=(), host="127.0.0.1",
-                 daemon_hosts=None, flags_of_daemon=None):
+                 daemon_hosts=None, flags_of_daemon=None, coordinators=0):
         """`daemon_hosts[i]`: (address to listen on, command prefix), e.g. a network namespace.
-        `flags_of_daemon[i]`: extra flags of daemon i only."""
+        `flags_of_daemon[i]`: extra flags of daemon i only. `coordinators` > 0: that many
+        coordinators ("coordinatorI", on loopback) keep the state in a real etcd ("etcd", Debian's
+        etcd-server) instead of a state directory; the first leads, the others are standbys, and
+        every client is given all their addresses."""
         self.flags_of_daemon = flags_of_daemon or {}
         self.dir = tempfile.mkdtemp(prefix="mainstay-recovery.")
         self.procs = {}
@@ -58,24 +62,72 @@ class Cluster:
         self.address = "%s:%d" % (host, self.port)
         self.listen = "0.0.0.0:%d" % self.port if host != "127.0.0.1" else self.address
         # The internal calls need it (docs/operations.md, "Threat model"): the coordinator makes
-        # it on its first start, the daemons read it.
+        # it on its first start, the daemons (and the other coordinators) read it.
         self.secret = os.path.join(self.dir, "cluster.secret")
-        self.start_coordinator()
+        self.coordinator_ports = [free_port() for _ in range(coordinators)]
+        if coordinators:
+            self.start_etcd()
+            self.address = ",".join("127.0.0.1:%d" % p for p in self.coordinator_ports)
+            for i in range(coordinators):
+                self.start_coordinator(i)
+        else:
+            self.start_coordinator()
         for i in range(daemons):
             self.start_daemon(i)
+
+    def start_etcd(self):
+        """A one-member etcd on loopback, on the same data across restarts."""
+        if not hasattr(self, "etcd_ports"):
+            self.etcd_ports = (free_port(), free_port())
+        client, peer = ("http://127.0.0.1:%d" % p for p in self.etcd_ports)
+        self.etcd_endpoint = client
+        self._start("etcd", [os.environ.get("MAINSTAY_ETCD_BIN", "/usr/bin/etcd"), "--name", "t", "--data-dir",
+                             os.path.join(self.dir, "etcd"), "--listen-client-urls", client, "--advertise-client-urls",
+                             client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                             "--initial-cluster", "t=" + peer, "--log-level", "warn"])
+
+        def healthy():
+            try:
+                with urllib.request.urlopen(client + "/health", timeout=1) as r:
+                    return b'"health":"true"' in r.read()
+            except OSError:
+                return False
+        wait_for(healthy, "etcd", logs=self.logs)
+
+    def leader(self):
+        """The name of the live coordinator that leads (its log says so last), or None."""
+        for i in range(len(self.coordinator_ports)):
+            name = "coordinator%d" % i
+            p = self.procs.get(name)
+            if p is not None and p.poll() is None and "I coordinator: leading (" in self.log(name + "."):
+                return name
+        return None
 
     def _start(self, name, argv):
         with open(os.path.join(self.dir, name + ".log"), "a") as log:
             self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         return self.procs[name]
 
-    def start_coordinator(self):
-        self._start("coordinator", [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", self.listen,
-                                    "--state-dir", os.path.join(self.dir, "state"),
-                                    "--checkpoint-dir", os.path.join(self.dir, "checkpoints"), "--tick-ms", "100",
-                                    "--cluster-secret-file", self.secret, "--metrics-listen", "off"]
-                    + self.coordinator_flags)
-        wait_for(lambda: self.ctl("health").returncode == 0, "the coordinator")
+    def start_coordinator(self, i=None):
+        """The coordinator; with etcd, coordinator `i` (the first to start leads: wait for it)."""
+        common = ["--checkpoint-dir", os.path.join(self.dir, "checkpoints"), "--tick-ms", "100",
+                  "--cluster-secret-file", self.secret, "--metrics-listen", "off"]
+        if i is None:
+            self._start("coordinator", [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", self.listen,
+                                        "--state-dir", os.path.join(self.dir, "state")] + common
+                        + self.coordinator_flags)
+            wait_for(lambda: self.ctl("health").returncode == 0, "the coordinator")
+            return
+        name = "coordinator%d" % i
+        first = self.leader() is None
+        self._start(name, [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen",
+                           "127.0.0.1:%d" % self.coordinator_ports[i], "--etcd-endpoints", self.etcd_endpoint,
+                           "--etcd-lease-ttl-ms", "3000", "--coordinator-id", name] + common + self.coordinator_flags)
+        if first:
+            wait_for(lambda: self.ctl("health").returncode == 0, name, logs=self.logs)
+        else:
+            wait_for(lambda: "standby:" in self.log(name + ".") or self.leader() == name, name + " as a standby",
+                     logs=self.logs)
 
     def start_daemon(self, i):
         pf = os.path.join(self.dir, "daemon%d.port" % i)

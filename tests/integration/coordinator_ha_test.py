@@ -1,0 +1,140 @@
+"""Coordinators on etcd (docs/coordinator.md, "State on etcd"): three mainstay-coordinator
+processes share one real etcd (Debian's etcd-server); one leads, two wait. Daemons, trainers and
+mainstayctl are given all three addresses. The leader is killed with SIGKILL at chosen moments; a
+standby takes over and the run goes on without a trainer restart, ending with the bytes of an
+uninterrupted run (recovery_test's trainer and reference).
+
+    MAINSTAY_COORDINATOR_BIN=... MAINSTAYD_BIN=... MAINSTAYCTL_BIN=... \\
+    PYTHONPATH=<build>/client/python /usr/bin/python3 coordinator_ha_test.py
+"""
+import json
+import os
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import recovery_test  # noqa: E402  (its trainer, spec and reference)
+from recovery_test import D, STEPS, final_of  # noqa: E402
+from process_cluster import read, wait_for  # noqa: E402
+
+
+class HaCluster(recovery_test.Cluster):
+    def __init__(self, **kwargs):
+        super().__init__(coordinators=3, **kwargs)
+
+
+class CoordinatorHaTest(unittest.TestCase):
+    def setUp(self):
+        self.cluster = HaCluster()
+
+    def tearDown(self):
+        self.cluster.stop()
+
+    def kill_leader(self):
+        """SIGKILLs the leader; returns (its name, the standby that took over, seconds from the
+        kill to the first successful mutating call through the address list)."""
+        old = self.cluster.leader()
+        self.assertIsNotNone(old, self.cluster.logs())
+        self.cluster.kill(old)
+        killed = time.time()
+        # A mutating call (CreateJob with an idempotency key: a retry that reached the old
+        # leader first returns the same job), retried until some coordinator takes it.
+        spec = os.path.join(self.cluster.dir, "probe.json")
+        with open(spec, "w") as f:
+            json.dump(recovery_test.spec("probe-after-" + old), f)
+        wait_for(lambda: self.cluster.ctl("jobs", "create", "--spec", spec, "--request-id", "probe-" + old, "--yes",
+                                          "--timeout-ms", "1000").returncode == 0,
+                 "a mutating call after the failover", timeout=60, logs=self.cluster.logs)
+        took = time.time() - killed
+        new = self.cluster.leader()
+        self.assertIsNotNone(new, self.cluster.logs())
+        self.assertNotEqual(new, old)
+        return old, new, took
+
+    def wait_step(self, rank, step):
+        wait_for(lambda: ("rank %d step %d " % (rank, step)) in self.cluster.log("run.rank%d" % rank),
+                 "run rank %d step %d" % (rank, step), timeout=120, logs=self.cluster.logs)
+
+    def finish_run(self, ps):
+        for p in ps:
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
+        log = self.cluster.log("run.rank")
+        self.assertNotRegex(log, "REWOUND|RETRYING", self.cluster.logs())  # the data plane never noticed
+        final = final_of(self.cluster.log("run.rank0"))
+        self.assertEqual(final, final_of(self.cluster.log("run.rank1")))
+        return final
+
+    def test_the_leader_killed_while_trainers_train_is_replaced_and_the_run_ends_exactly(self):
+        ps = [self.cluster.trainer(r, "run", "--step-sleep", "0.1") for r in range(D)]
+        self.wait_step(0, 3)
+        old, new, took = self.kill_leader()
+        print("failover: %s -> %s, %.2f s from SIGKILL to the first mutating call (lease TTL 3 s)"
+              % (old, new, took), file=sys.stderr)
+        self.assertLess(took, 3 + 5, self.cluster.logs())  # TTL + the standby's poll + slack
+        final = self.finish_run(ps)
+        # The new leader holds everything the old one committed.
+        job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
+        r = self.cluster.ctl("jobs", "show", job, "--json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn(job, r.stdout)
+        r = self.cluster.ctl("daemons", "list", "--json")
+        self.assertEqual(json.loads(r.stdout)["daemons"].__len__(), 2, r.stdout)
+        self.assertIn("state loaded from etcd", self.cluster.log(new + "."))
+        self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
+
+    def test_the_leader_killed_during_a_drain_leaves_the_move_to_its_successor(self):
+        ps = [self.cluster.trainer(r, "run", "--step-sleep", "0.1") for r in range(D)]
+        self.wait_step(0, 3)
+        r = self.cluster.ctl("daemons", "list", "--json")
+        daemons = [d["endpoint"]["daemon_id"] for d in json.loads(r.stdout)["daemons"]]
+        self.cluster.start_daemon(2)  # somewhere for the drained shards to go
+        wait_for(lambda: len(json.loads(self.cluster.ctl("daemons", "list", "--json").stdout)["daemons"]) == 3,
+                 "the third daemon", logs=self.cluster.logs)
+        r = self.cluster.ctl("daemons", "drain", daemons[0], "--yes")
+        self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
+        self.kill_leader()
+        final = self.finish_run(ps)
+        # The drain completes under the new leader: nothing is placed on the drained daemon.
+        job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
+        wait_for(lambda: daemons[0] not in self.cluster.ctl("placement", "--job", job, "--json").stdout,
+                 "the drain to finish under the new leader", timeout=60, logs=self.cluster.logs)
+        self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
+
+    def test_the_leader_killed_in_an_idle_moment_keeps_every_record(self):
+        ps = [self.cluster.trainer(r, "run") for r in range(D)]
+        final = self.finish_run(ps)
+        before = {what: self.cluster.ctl(*args).stdout for what, args in
+                  {"jobs": ("jobs", "list", "--json"), "daemons": ("daemons", "list", "--json")}.items()}
+        self.kill_leader()
+        after = json.loads(self.cluster.ctl("jobs", "list", "--json").stdout)
+        probe = [j for j in after["jobs"] if j["spec"]["name"].startswith("probe")]
+        self.assertEqual(len(probe), 1, after)
+        after["jobs"] = [j for j in after["jobs"] if j not in probe]
+
+        def durable(jobs):  # (committed_step and version come from the daemons' heartbeats)
+            return [{k: v for k, v in j.items() if k not in ("committed_step", "version")} for j in jobs]
+        self.assertEqual(durable(json.loads(before["jobs"])["jobs"]), durable(after["jobs"]))
+        wait_for(lambda: self.cluster.ctl("daemons", "list").stdout.count("READY") == 2, "both daemons READY",
+                 logs=self.cluster.logs)
+        self.assertIn("FINAL", final)
+
+    def test_an_etcd_restart_is_ridden_through(self):
+        ps = [self.cluster.trainer(r, "run", "--step-sleep", "0.1") for r in range(D)]
+        self.wait_step(0, 3)
+        leader = self.cluster.leader()
+        self.cluster.kill("etcd")
+        time.sleep(1)
+        self.cluster.start_etcd()
+        final = self.finish_run(ps)
+        self.assertEqual(self.cluster.leader(), leader)  # no takeover: the lease outlived the restart
+        spec = os.path.join(self.cluster.dir, "probe.json")
+        with open(spec, "w") as f:
+            json.dump(recovery_test.spec("probe"), f)
+        r = self.cluster.ctl("jobs", "create", "--spec", spec, "--request-id", "probe", "--yes")
+        self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
+        self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
