@@ -97,7 +97,8 @@ absl::Status Args::CheckKnown(const std::vector<std::string>& known) const {
 }
 
 constexpr char kRemoteHelp[] =
-    "\n  --coordinator ADDR  coordinator host:port (default $MAINSTAY_COORDINATOR, else 127.0.0.1:7070)"
+    "\n  --coordinator ADDR  coordinator host:port, or a comma-separated list of the coordinators\n"
+    "                      sharing one etcd (default $MAINSTAY_COORDINATOR, else 127.0.0.1:7070)"
     "\n  --timeout-ms N      deadline of each call (default 10000)"
     "\n  --tls-ca-file F     connect with TLS, verifying the coordinator with the PEM CA in F"
     "\n                      (default $MAINSTAY_TLS_CA_FILE)"

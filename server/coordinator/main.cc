@@ -431,6 +431,10 @@ int Main(int argc, char** argv) {
             absl::StrCat("standby: ", *holder, " leads (etcd key ", etcd->options().prefix,
                          "leader); taking over when its lease ends"));
         last_holder = *holder;
+        // A standby is a started unit (Type=notify): it runs as meant.
+        if (absl::Status s = SdNotify(absl::StrCat("READY=1\nSTATUS=standby: ", *holder, " leads")); !s.ok()) {
+          Log(LogLevel::kWarning, "coordinator", s.message());
+        }
       }
       if (const int signal_number = stop_signals.WaitFor(300); signal_number != 0) {
         Log(LogLevel::kInfo, "coordinator", absl::StrCat("signal ", signal_number, ": standby stopping"));

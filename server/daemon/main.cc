@@ -57,7 +57,8 @@ coordinator places on it, runs the optimizer step when the trainers' gradients h
 and serves the quantized parameters (gRPC service mainstay.v1.Shard, plus grpc.health.v1).
 
 flags:
-  --coordinator HOST:PORT     the coordinator to register with
+  --coordinator HOST:PORT     the coordinator to register with (or a comma-separated list of
+                              the coordinators sharing one etcd: the leader is found by connecting)
   --standalone                embed a coordinator in this process (one-node use)
   --state-dir DIR             the embedded coordinator's state directory (with --standalone)
   --coordinator-listen H:P    where the embedded coordinator serves (default 127.0.0.1:7070)

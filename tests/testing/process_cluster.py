@@ -95,11 +95,15 @@ class Cluster:
         wait_for(healthy, "etcd", logs=self.logs)
 
     def leader(self):
-        """The name of the live coordinator that leads (its log says so last), or None."""
+        """The name of the live coordinator that leads (the last of its log's "leading" and
+        "standby" lines says so: a restarted one appends to the same log), or None."""
         for i in range(len(self.coordinator_ports)):
             name = "coordinator%d" % i
             p = self.procs.get(name)
-            if p is not None and p.poll() is None and "I coordinator: leading (" in self.log(name + "."):
+            if p is None or p.poll() is not None:
+                continue
+            log = self.log(name + ".")
+            if log.rfind("I coordinator: leading (") > log.rfind("I coordinator: standby: "):
                 return name
         return None
 

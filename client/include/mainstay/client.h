@@ -50,7 +50,9 @@
 namespace mainstay {
 
 struct ClientOptions {
-  std::string coordinator;    // "host:port" of mainstay-coordinator; required
+  // "host:port" of mainstay-coordinator, or a comma-separated list of the coordinators sharing
+  // one etcd (the leader is found by connecting; docs/coordinator.md); required.
+  std::string coordinator;
   // Create a job: the job spec as JSON text (docs/job_spec.md). Exactly one of job_spec_json and
   // (job_id, job_token) is given.
   std::string job_spec_json;
