@@ -31,11 +31,11 @@ def main():
     args = ap.parse_args()
     cluster = process_cluster.Cluster(coordinators=3, coordinator_flags=["--etcd-lease-ttl-ms", str(args.ttl_ms)])
     try:
-        spec = os.path.join(cluster.dir, "probe.json")
-        with open(spec, "w") as f:
-            json.dump(SPEC, f)
         times = []
         for r in range(args.rounds):
+            spec = os.path.join(cluster.dir, "probe%d.json" % r)
+            with open(spec, "w") as f:
+                json.dump(dict(SPEC, name="probe-%d" % r), f)
             time.sleep(1.5)  # a quiet moment: the lease was renewed somewhere in the last TTL / 3
             old = cluster.leader()
             cluster.kill(old)

@@ -81,6 +81,7 @@ class CoordinatorHaTest(unittest.TestCase):
         r = self.cluster.ctl("daemons", "list", "--json")
         self.assertEqual(json.loads(r.stdout)["daemons"].__len__(), 2, r.stdout)
         self.assertIn("state loaded from etcd", self.cluster.log(new + "."))
+        self.assertNotIn("missed its lease", self.cluster.log(new + "."))  # nothing DOWN at takeover
         self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
 
     def test_the_leader_killed_during_a_drain_leaves_the_move_to_its_successor(self):
