@@ -49,6 +49,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Coordinat
   MAINSTAY_ASSIGN_OR_RETURN(v1::CoordinatorState loaded, options.store->Load());
   absl::MutexLock lock(&impl->mu);
   impl->state = State::FromProto(loaded);
+  impl->kv_history_floor = impl->state.counters.kv_revision();
   impl->written_seq.store(impl->state.sequence);
   {
     absl::MutexLock synced(&impl->sync_mu);

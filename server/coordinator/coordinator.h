@@ -131,6 +131,20 @@ class Coordinator {
   // Waits up to min(wait_ms, deadline) for a missing key / empty prefix.
   absl::StatusOr<v1::KvGetResponse> KvGet(const v1::KvGetRequest& request, absl::Time deadline);
   absl::StatusOr<v1::KvDeleteResponse> KvDelete(const v1::KvDeleteRequest& request);
+  // KvWatch's next changes: those of `request.key()` (or under it, with prefix) with revision
+  // > `after`, oldest first, up to `max`, and the revision read up to (the next `after`; the
+  // changes may be none when only other keys changed). DEADLINE_EXCEEDED when the KV has not
+  // changed since `after` (the caller waits for a change and asks again); OUT_OF_RANGE when
+  // changes after `after` are no longer kept (this coordinator keeps the last 10000, from its
+  // start: re-read with KvGet and watch from its revision); INVALID_ARGUMENT for a bad key or an
+  // `after` in the future.
+  struct KvChanges {
+    std::vector<v1::KvWatchResponse> changes;
+    int64_t revision = 0;
+  };
+  absl::StatusOr<KvChanges> KvChangesAfter(const v1::KvWatchRequest& request, int64_t after, size_t max);
+  // The KV's revision now (a watch "from now" starts after it).
+  int64_t KvRevision();
 
   // ---- Checkpoints (DESIGN.md section 8, docs/checkpoints.md). FAILED_PRECONDITION when
   // the coordinator has no checkpoint directory.

@@ -63,6 +63,7 @@ struct Batch {
   void PutKv(const v1::KvEntry& e) { *proto.add_records()->mutable_put_kv() = e; }
   void DeleteKv(const std::string& key) { proto.add_records()->set_delete_kv(key); }
   bool empty() const { return proto.records_size() == 0; }
+  bool kv_expiry = false;  // its KV deletions are TTL expiries (KvWatch reports them so)
 };
 
 struct Coordinator::Impl {
@@ -200,6 +201,7 @@ struct Coordinator::Impl {
     absl::Status written = options.store->Write(batch.proto);
     ExtendLeasesAfterStall(Mono() - before, "a state store write");
     MAINSTAY_RETURN_IF_ERROR(written);
+    RecordKvChanges(batch);
     state.Apply(batch.proto);
     written_seq.store(state.sequence);
     changed.SignalAll();
@@ -215,6 +217,38 @@ struct Coordinator::Impl {
     return absl::OkStatus();
   }
   absl::Status Commit(Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return Commit(batch, state.counters); }
+
+  // The KV's recent changes, for KvWatch (memory only: a restarted coordinator, or a new leader,
+  // starts with none). Complete for the revisions above kv_history_floor.
+  static constexpr size_t kKvHistoryKept = 10000;
+  std::deque<v1::KvWatchResponse> kv_history ABSL_GUARDED_BY(mu);
+  int64_t kv_history_floor ABSL_GUARDED_BY(mu) = 0;  // set when the state is loaded
+  // Before `batch` (whose counters are set) is applied: its KV changes.
+  void RecordKvChanges(const Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (const v1::StateRecord& r : batch.proto.records()) {
+      v1::KvWatchResponse change;
+      if (r.has_put_kv()) {
+        change.set_type(v1::KV_EVENT_TYPE_PUT);
+        *change.mutable_entry() = r.put_kv();
+        change.set_revision(r.put_kv().mod_revision());
+      } else if (r.change_case() == v1::StateRecord::kDeleteKv) {
+        change.set_type(batch.kv_expiry ? v1::KV_EVENT_TYPE_EXPIRE : v1::KV_EVENT_TYPE_DELETE);
+        change.mutable_entry()->set_key(r.delete_kv());
+        if (auto it = state.kv.find(r.delete_kv()); it != state.kv.end()) {
+          change.mutable_entry()->set_version(it->second.version());
+        }
+        change.set_revision(batch.proto.counters().kv_revision());
+      } else {
+        continue;
+      }
+      kv_history.push_back(std::move(change));
+    }
+    while (kv_history.size() > kKvHistoryKept) {
+      kv_history_floor = kv_history.front().revision();
+      // (Changes of one revision go together: a prefix delete's keys share one.)
+      while (!kv_history.empty() && kv_history.front().revision() == kv_history_floor) kv_history.pop_front();
+    }
+  }
 
   // A Write (not its sync: that runs without the lock) that blocks this long under the lock
   // (write(2) to a stalled disk) extends every lease by as much, rather than declaring live
@@ -473,6 +507,7 @@ struct Coordinator::Impl {
     }
     if (batch.empty()) return;
     if (expired_kv) counters.set_kv_revision(counters.kv_revision() + 1);
+    batch.kv_expiry = expired_kv;
     AddJobHealth(batch);
     absl::Status s = Commit(batch, counters);
     if (!s.ok()) Log(LogLevel::kError, "coordinator", absl::StrCat("tick not saved: ", s.message()));

@@ -1,4 +1,6 @@
 // Coordinator: the small KV used for peer rendezvous (compare-and-set, TTLs, waits).
+#include <algorithm>
+
 #include "server/coordinator/coordinator_impl.h"
 
 namespace mainstay::coordinator {
@@ -111,6 +113,43 @@ absl::StatusOr<v1::KvDeleteResponse> Coordinator::KvDelete(const v1::KvDeleteReq
   }
   response.set_revision(s.state.counters.kv_revision());
   return response;
+}
+
+int64_t Coordinator::KvRevision() {
+  Impl& s = *impl_;
+  Impl::StateLock lock(s);
+  return s.state.counters.kv_revision();
+}
+
+absl::StatusOr<Coordinator::KvChanges> Coordinator::KvChangesAfter(const v1::KvWatchRequest& request, int64_t after,
+                                                                    size_t max) {
+  if (!request.prefix()) MAINSTAY_RETURN_IF_ERROR(CheckKey(request.key()));
+  Impl& s = *impl_;
+  Impl::StateLock lock(s);
+  s.TickLocked();  // expiries due now are changes too
+  const int64_t now = s.state.counters.kv_revision();
+  if (after > now) {
+    return absl::InvalidArgumentError(absl::StrCat("start_revision ", after, " is ahead of the KV's revision ", now));
+  }
+  if (after < s.kv_history_floor) {
+    return absl::OutOfRangeError(absl::StrCat("the KV's changes after revision ", after,
+                                              " are no longer kept (this coordinator keeps them from revision ",
+                                              s.kv_history_floor, "): re-read with KvGet and watch from its revision"));
+  }
+  if (after == now) return absl::DeadlineExceededError("no change yet");
+  KvChanges out;
+  out.revision = after;
+  for (auto it = std::upper_bound(s.kv_history.begin(), s.kv_history.end(), after,
+                                  [](int64_t r, const v1::KvWatchResponse& c) { return r < c.revision(); });
+       it != s.kv_history.end(); ++it) {
+    // Whole revisions only: a prefix delete's changes share one, and go in one answer.
+    if (out.changes.size() >= max && it->revision() != out.revision) break;
+    const std::string& key = it->entry().key();
+    if (request.prefix() ? HasPrefix(key, request.key()) : key == request.key()) out.changes.push_back(*it);
+    out.revision = it->revision();
+  }
+  if (out.changes.size() < max) out.revision = now;  // read to the end
+  return out;
 }
 
 }  // namespace mainstay::coordinator

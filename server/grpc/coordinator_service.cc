@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -139,6 +140,85 @@ class WatchPlacementReactor final : public ::grpc::ServerWriteReactor<v1::WatchP
   // Touched by one thread at a time (each answer, then its OnWriteDone).
   int64_t known_epoch_;
   v1::WatchPlacementResponse response_;  // the write in flight
+};
+
+// KvWatch: parked like WatchPlacement until the KV changes past the last revision sent, then
+// the matching changes are written one by one, oldest first; the next wait starts once they are
+// all written. Ends at the call's deadline (DEADLINE_EXCEEDED), when the watcher goes, at the
+// server's wait limit (UNAVAILABLE: watch again from the last revision received), with
+// OUT_OF_RANGE when the history it needs is gone (a restarted coordinator keeps none), or at
+// shutdown.
+class KvWatchReactor final : public ::grpc::ServerWriteReactor<v1::KvWatchResponse> {
+ public:
+  KvWatchReactor(Coordinator* core, Calls* calls, grpc_server::Waiters* waiters,
+                 ::grpc::CallbackServerContext* context, const v1::KvWatchRequest& request)
+      : core_(core), calls_(calls), waiters_(waiters), context_(context), request_(request) {
+    if (!calls_->Enter()) {
+      Finish(ShuttingDown());
+      return;
+    }
+    entered_ = true;
+    if (request_.start_revision() < 0) {
+      Finish(::grpc::Status(::grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("start_revision: must be >= 0, got ", request_.start_revision())));
+      return;
+    }
+    after_ = request_.start_revision() > 0 ? request_.start_revision() : core_->KvRevision();
+    WaitForNext();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(::grpc::Status(::grpc::StatusCode::CANCELLED, "the watcher went away"));
+      return;
+    }
+    WriteNextOrWait();
+  }
+  void OnDone() override {
+    if (entered_) calls_->Exit();
+    delete this;
+  }
+
+ private:
+  static constexpr size_t kMaxPerAnswer = 256;
+
+  void WaitForNext() {
+    grpc_server::AnswerWhenReady<Coordinator::KvChanges>(
+        calls_, waiters_, context_, kKvWaitKey, CallDeadline(context_),
+        [this] { return core_->KvChangesAfter(request_, after_, kMaxPerAnswer); },
+        grpc_server::DeadlinePassed<Coordinator::KvChanges>,
+        [this](absl::StatusOr<Coordinator::KvChanges> changes) {
+          if (!changes.ok()) {
+            Finish(ToGrpcStatus(changes.status()));
+            return;
+          }
+          after_ = changes->revision;
+          pending_.assign(std::make_move_iterator(changes->changes.begin()),
+                          std::make_move_iterator(changes->changes.end()));
+          WriteNextOrWait();
+        },
+        FromGrpcStatus(ShuttingDown()));
+  }
+  void WriteNextOrWait() {
+    if (pending_.empty()) {
+      WaitForNext();
+      return;
+    }
+    response_ = std::move(pending_.front());
+    pending_.pop_front();
+    StartWrite(&response_);
+  }
+
+  Coordinator* const core_;
+  Calls* const calls_;
+  grpc_server::Waiters* const waiters_;
+  ::grpc::CallbackServerContext* const context_;
+  const v1::KvWatchRequest request_;
+  bool entered_ = false;
+  // Touched by one thread at a time (each answer, then its writes' OnWriteDone).
+  int64_t after_ = 0;
+  std::deque<v1::KvWatchResponse> pending_;
+  v1::KvWatchResponse response_;  // the write in flight
 };
 
 class CoordinatorService final : public v1::Coordinator::CallbackService {
@@ -285,10 +365,12 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
       return core_->KvDelete(*request);
     });
   }
-  ::grpc::ServerWriteReactor<v1::KvWatchResponse>* KvWatch(::grpc::CallbackServerContext*,
-                                                           const v1::KvWatchRequest*) override {
-    return new grpc_server::FinishedWriter<v1::KvWatchResponse>(::grpc::Status(
-        ::grpc::StatusCode::UNIMPLEMENTED, "KvWatch is not implemented yet by the file state store: poll KvGet with wait_ms"));
+  ::grpc::ServerWriteReactor<v1::KvWatchResponse>* KvWatch(::grpc::CallbackServerContext* context,
+                                                           const v1::KvWatchRequest* request) override {
+    if (absl::Status s = grpc_server::CheckInternalPeer(context, internal_, "KvWatch"); !s.ok()) {
+      return new grpc_server::FinishedWriter<v1::KvWatchResponse>(ToGrpcStatus(s));
+    }
+    return new KvWatchReactor(core_, calls_, waiters_, context, *request);
   }
 
  private:

@@ -4,13 +4,13 @@
 // reflection, so grpcurl / grpc_health_probe work out of the box.
 //
 // Start opens the file state store in options.state_dir (locked against a second
-// coordinator), loads the durable state, starts a tick thread (lease expiry, KV TTLs) and
-// serves with gRPC's callback API. Calls that wait (KvGet with wait_ms, WatchPlacement) wait
-// on helper threads, never on gRPC's callback threads. AssignShard / DropShard reach the
-// daemons through a GrpcShardAssigner.
+// coordinator), or uses options.store (etcd), loads the durable state, starts a tick thread
+// (lease expiry, KV TTLs) and serves with gRPC's callback API. Calls that wait (KvGet with
+// wait_ms, WatchPlacement, KvWatch) wait on helper threads, never on gRPC's callback threads.
+// AssignShard / DropShard reach the daemons through a GrpcShardAssigner.
 //
-// Not implemented yet (answered UNIMPLEMENTED with the reason): KvWatch (callers poll KvGet
-// with wait_ms), Admin MoveShard, GetShardStats, DumpTensor and the checkpoint RPCs.
+// Not implemented yet (answered UNIMPLEMENTED with the reason): Admin GetShardStats and
+// DumpTensor.
 //
 // Security (DESIGN.md section 8): options.tls makes every port TLS or mutual TLS and is also
 // how AssignShard / DropShard reach the daemons. A per-job token that is not the job's is

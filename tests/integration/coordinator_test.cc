@@ -658,12 +658,37 @@ TEST_F(CoordinatorTest, KvCompareAndSetTtlWaitAndDelete) {
   MAINSTAY_ASSERT_OK_AND_ASSIGN(v1::KvDeleteResponse deleted, Rpc(stub(), &CoordinatorStub::KvDelete, del));
   EXPECT_EQ(deleted.deleted(), 3);
 
+  // KvWatch: the changes under a prefix after a revision, streamed as they happen.
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(v1::KvPutResponse base, put("w/0", "before"));
   ::grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + kRpcTimeout));
-  auto watch = stub().KvWatch(&context, v1::KvWatchRequest());
-  v1::KvWatchResponse ignored;
-  EXPECT_FALSE(watch->Read(&ignored));
-  EXPECT_THAT(FromGrpcStatus(watch->Finish()), StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("KvGet")));
+  v1::KvWatchRequest watch_request;
+  watch_request.set_key("w/");
+  watch_request.set_prefix(true);
+  watch_request.set_start_revision(base.current().mod_revision());
+  auto watch = stub().KvWatch(&context, watch_request);
+  ASSERT_THAT(put("w/1", "one"), IsOk());
+  ASSERT_THAT(put("elsewhere", "x"), IsOk());
+  ASSERT_THAT(put("w/1", "uno"), IsOk());
+  del.set_key("w/1");
+  del.set_prefix(false);
+  ASSERT_THAT(Rpc(stub(), &CoordinatorStub::KvDelete, del).status(), IsOk());
+  std::vector<std::string> seen;
+  v1::KvWatchResponse change;
+  while (seen.size() < 3 && watch->Read(&change)) {
+    seen.push_back(absl::StrCat(v1::KvEventType_Name(change.type()), " ", change.entry().key(), " ",
+                                change.entry().value()));
+  }
+  EXPECT_THAT(seen, ::testing::ElementsAre("KV_EVENT_TYPE_PUT w/1 one", "KV_EVENT_TYPE_PUT w/1 uno",
+                                           "KV_EVENT_TYPE_DELETE w/1 "));
+  context.TryCancel();
+  watch->Finish().ok();
+  ::grpc::ClientContext ahead;
+  ahead.set_deadline(absl::ToChronoTime(absl::Now() + kRpcTimeout));
+  watch_request.set_start_revision(1'000'000);
+  auto refused = stub().KvWatch(&ahead, watch_request);
+  EXPECT_FALSE(refused->Read(&change));
+  EXPECT_THAT(FromGrpcStatus(refused->Finish()), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ahead")));
 }
 
 TEST_F(CoordinatorTest, WatchPlacementStreamsTheNewEpochAfterDrainDaemon) {

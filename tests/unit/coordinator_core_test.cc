@@ -1288,6 +1288,57 @@ TEST_F(CoordinatorCoreTest, KvCompareAndSetAndTtl) {
   EXPECT_THAT(coordinator_->KvPut(bad), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("value")));
 }
 
+TEST_F(CoordinatorCoreTest, KvWatchSeesPutsDeletesAndExpiriesInOrderAndSaysWhenHistoryIsGone) {
+  auto put = [&](const std::string& key, const std::string& value, int64_t ttl_ms = 0) {
+    v1::KvPutRequest r;
+    r.set_key(key);
+    r.set_value(value);
+    r.set_ttl_ms(ttl_ms);
+    ASSERT_THAT(coordinator_->KvPut(r), IsOk());
+  };
+  v1::KvWatchRequest watch;
+  watch.set_key("peer/");
+  watch.set_prefix(true);
+  const int64_t start = coordinator_->KvRevision();
+  EXPECT_THAT(coordinator_->KvChangesAfter(watch, start, 100), StatusIs(absl::StatusCode::kDeadlineExceeded));
+  put("peer/a", "1");
+  put("other/x", "not watched");
+  put("peer/b", "2", /*ttl_ms=*/100);
+  put("peer/a", "3");
+  v1::KvDeleteRequest del;
+  del.set_key("peer/a");
+  ASSERT_THAT(coordinator_->KvDelete(del), IsOk());
+  clock_.Advance(101);  // peer/b expires
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(Coordinator::KvChanges all, coordinator_->KvChangesAfter(watch, start, 100));
+  std::vector<std::string> seen;
+  int64_t last = start;
+  for (const v1::KvWatchResponse& c : all.changes) {
+    EXPECT_GT(c.revision(), last);  // oldest first, one revision each here
+    last = c.revision();
+    seen.push_back(absl::StrCat(v1::KvEventType_Name(c.type()), " ", c.entry().key(), " v", c.entry().version(),
+                                c.type() == v1::KV_EVENT_TYPE_PUT ? " " + c.entry().value() : ""));
+  }
+  EXPECT_THAT(seen, ::testing::ElementsAre("KV_EVENT_TYPE_PUT peer/a v1 1", "KV_EVENT_TYPE_PUT peer/b v1 2",
+                                           "KV_EVENT_TYPE_PUT peer/a v2 3", "KV_EVENT_TYPE_DELETE peer/a v2",
+                                           "KV_EVENT_TYPE_EXPIRE peer/b v1"));
+  EXPECT_EQ(all.revision, coordinator_->KvRevision());
+  // One key, and a limit: the next call goes on from the revision returned.
+  watch.set_key("peer/a");
+  watch.set_prefix(false);
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(Coordinator::KvChanges first, coordinator_->KvChangesAfter(watch, start, 1));
+  ASSERT_EQ(first.changes.size(), 1u);
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(Coordinator::KvChanges rest, coordinator_->KvChangesAfter(watch, first.revision, 100));
+  EXPECT_EQ(rest.changes.size(), 2u);
+  EXPECT_THAT(coordinator_->KvChangesAfter(watch, coordinator_->KvRevision() + 1, 100),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ahead")));
+  // A restarted coordinator keeps the KV but not its history.
+  const int64_t before_restart = coordinator_->KvRevision();
+  Restart(std::move(store_));
+  EXPECT_THAT(coordinator_->KvChangesAfter(watch, start, 100),
+              StatusIs(absl::StatusCode::kOutOfRange, HasSubstr("re-read with KvGet")));
+  EXPECT_THAT(coordinator_->KvChangesAfter(watch, before_restart, 100), StatusIs(absl::StatusCode::kDeadlineExceeded));
+}
+
 class FileStoreTest : public ::testing::Test {
  protected:
   void SetUp() override {
