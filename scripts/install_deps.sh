@@ -6,6 +6,8 @@
 # libcpp-httplib-dev serves mainstayd's /metrics; prometheus (and its promtool) is only for the
 # metrics tests, which skip those checks without it. clang (with libFuzzer) builds the fuzz
 # targets (scripts/fuzz.sh); iproute2's `ip netns` runs the network-partition test.
+# golang-etcd-server-dev ships etcd's .proto files (the coordinator's etcd client is generated
+# from them); etcd-server and etcd-client (etcdctl) run the coordinator's etcd tests.
 set -euo pipefail
 
 PACKAGES=(
@@ -15,7 +17,7 @@ PACKAGES=(
   nlohmann-json3-dev libssl-dev
   libhwy-dev
   libucx-dev ucx-utils
-  etcd-server golang-etcd-server-dev
+  etcd-server etcd-client golang-etcd-server-dev
   libgloo-dev
   pybind11-dev python3-dev python3-numpy
   python3-torch

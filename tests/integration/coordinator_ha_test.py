@@ -7,8 +7,10 @@ uninterrupted run (recovery_test's trainer and reference).
     MAINSTAY_COORDINATOR_BIN=... MAINSTAYD_BIN=... MAINSTAYCTL_BIN=... \\
     PYTHONPATH=<build>/client/python /usr/bin/python3 coordinator_ha_test.py
 """
+import base64
 import json
 import os
+import subprocess
 import sys
 import time
 import unittest
@@ -22,6 +24,47 @@ from process_cluster import read, wait_for  # noqa: E402
 class HaCluster(recovery_test.Cluster):
     def __init__(self, **kwargs):
         super().__init__(coordinators=3, **kwargs)
+
+
+PROTO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "proto")
+
+
+def parse_text_proto(text):
+    """protoc --decode's text format as nested dicts: every field is a list of values (strings for
+    scalars, dicts for messages)."""
+    root = {}
+    stack = [root]
+    for line in text.splitlines():
+        line = line.strip()
+        if line.endswith("{"):
+            child = {}
+            stack[-1].setdefault(line[:-1].strip(), []).append(child)
+            stack.append(child)
+        elif line == "}":
+            stack.pop()
+        elif ":" in line:
+            name, value = line.split(":", 1)
+            stack[-1].setdefault(name.strip(), []).append(value.strip())
+    return root
+
+
+def committed_placements(cluster):
+    """[(batch sequence, job id, epoch, shards)] of every placement in the state log in etcd, in
+    commit order (the tests never write 1000 batches, so no snapshot has cut the log)."""
+    r = cluster.etcdctl("get", "--prefix", "/mainstay/state/log/", "-w", "json")
+    assert r.returncode == 0, r.stderr
+    out = []
+    for kv in json.loads(r.stdout).get("kvs", []):
+        decoded = subprocess.run(["protoc", "--decode=mainstay.v1.StateBatch", "-I", PROTO_DIR,
+                                  "mainstay/v1/state.proto"], input=base64.b64decode(kv["value"]),
+                                 capture_output=True, check=True)
+        batch = parse_text_proto(decoded.stdout.decode())
+        for record in batch.get("records", []):
+            for job in record.get("put_job", []):
+                placement = job["placement"][0]
+                out.append((int(batch["sequence"][0]), job["info"][0]["job_id"][0].strip('"'),
+                            int(placement["epoch"][0]), repr(placement.get("shards"))))
+    return sorted(out)
 
 
 class CoordinatorHaTest(unittest.TestCase):
@@ -56,6 +99,19 @@ class CoordinatorHaTest(unittest.TestCase):
         wait_for(lambda: ("rank %d step %d " % (rank, step)) in self.cluster.log("run.rank%d" % rank),
                  "run rank %d step %d" % (rank, step), timeout=120, logs=self.cluster.logs)
 
+    def assert_no_epoch_issued_twice(self):
+        """From etcd's copy of the state log: one placement per (job, epoch), and a job's epoch
+        never goes down from one committed batch to the next, across every leader."""
+        seen = {}
+        last = {}
+        placements = committed_placements(self.cluster)
+        self.assertTrue(placements)
+        for sequence, job, epoch, shards in placements:
+            self.assertEqual(seen.setdefault((job, epoch), shards), shards,
+                             "job %s epoch %d was issued twice (batch %d)" % (job, epoch, sequence))
+            self.assertGreaterEqual(epoch, last.get(job, 0), "job %s's epoch went down at batch %d" % (job, sequence))
+            last[job] = epoch
+
     def finish_run(self, ps):
         for p in ps:
             self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
@@ -82,6 +138,7 @@ class CoordinatorHaTest(unittest.TestCase):
         self.assertEqual(json.loads(r.stdout)["daemons"].__len__(), 2, r.stdout)
         self.assertIn("state loaded from etcd", self.cluster.log(new + "."))
         self.assertNotIn("missed its lease", self.cluster.log(new + "."))  # nothing DOWN at takeover
+        self.assert_no_epoch_issued_twice()
         self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
 
     def test_the_leader_killed_during_a_drain_leaves_the_move_to_its_successor(self):
@@ -100,6 +157,7 @@ class CoordinatorHaTest(unittest.TestCase):
         job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
         wait_for(lambda: daemons[0] not in self.cluster.ctl("placement", "--job", job, "--json").stdout,
                  "the drain to finish under the new leader", timeout=60, logs=self.cluster.logs)
+        self.assert_no_epoch_issued_twice()
         self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
 
     def test_the_leader_killed_in_an_idle_moment_keeps_every_record(self):
@@ -135,6 +193,32 @@ class CoordinatorHaTest(unittest.TestCase):
         r = self.cluster.ctl("jobs", "create", "--spec", spec, "--request-id", "probe", "--yes")
         self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
         self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
+
+
+class ThreeMemberEtcdTest(unittest.TestCase):
+    def setUp(self):
+        self.cluster = HaCluster(etcd_members=3)
+
+    def tearDown(self):
+        self.cluster.stop()
+
+    def test_one_etcd_member_killed_changes_nothing(self):
+        ps = [self.cluster.trainer(r, "run", "--step-sleep", "0.1") for r in range(D)]
+        wait_for(lambda: "rank 0 step 3 " in self.cluster.log("run.rank0"), "step 3", timeout=120,
+                 logs=self.cluster.logs)
+        leader = self.cluster.leader()
+        # The member the coordinators talk to first (the first endpoint) goes.
+        self.cluster.kill("etcd0")
+        for p in ps:
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
+        self.assertNotRegex(self.cluster.log("run.rank"), "REWOUND|RETRYING", self.cluster.logs())
+        spec = os.path.join(self.cluster.dir, "probe.json")
+        with open(spec, "w") as f:
+            json.dump(recovery_test.spec("probe"), f)
+        r = self.cluster.ctl("jobs", "create", "--spec", spec, "--request-id", "probe", "--yes")
+        self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
+        self.assertEqual(self.cluster.leader(), leader)  # the lease was kept alive through the others
+        self.assertEqual(final_of(self.cluster.log("run.rank0")), final_of(self.cluster.log("run.rank1")))
 
 
 if __name__ == "__main__":

@@ -44,12 +44,12 @@ class Cluster:
     TRAINER = None  # the trainer script (`trainer` runs it with --trainer)
 
     def __init__(self, daemons=2, lease_ms=1500, coordinator_flags=(), daemon_flags=(), host="127.0.0.1",
-                 daemon_hosts=None, flags_of_daemon=None, coordinators=0):
+                 daemon_hosts=None, flags_of_daemon=None, coordinators=0, etcd_members=1):
         """`daemon_hosts[i]`: (address to listen on, command prefix), e.g. a network namespace.
         `flags_of_daemon[i]`: extra flags of daemon i only. `coordinators` > 0: that many
         coordinators ("coordinatorI", on loopback) keep the state in a real etcd ("etcd", Debian's
         etcd-server) instead of a state directory; the first leads, the others are standbys, and
-        every client is given all their addresses."""
+        every client is given all their addresses. `etcd_members`: the size of that etcd cluster."""
         self.flags_of_daemon = flags_of_daemon or {}
         self.dir = tempfile.mkdtemp(prefix="mainstay-recovery.")
         self.procs = {}
@@ -65,6 +65,7 @@ class Cluster:
         # it on its first start, the daemons (and the other coordinators) read it.
         self.secret = os.path.join(self.dir, "cluster.secret")
         self.coordinator_ports = [free_port() for _ in range(coordinators)]
+        self.etcd_members = etcd_members
         if coordinators:
             self.start_etcd()
             self.address = ",".join("127.0.0.1:%d" % p for p in self.coordinator_ports)
@@ -75,24 +76,36 @@ class Cluster:
         for i in range(daemons):
             self.start_daemon(i)
 
-    def start_etcd(self):
-        """A one-member etcd on loopback, on the same data across restarts."""
+    def start_etcd(self, member=None):
+        """etcd on loopback: one member ("etcd"), or with etcd_members > 1 member `member` of
+        that many ("etcdI"; all of them when None), each on the same data across restarts."""
+        n = self.etcd_members
         if not hasattr(self, "etcd_ports"):
-            self.etcd_ports = (free_port(), free_port())
-        client, peer = ("http://127.0.0.1:%d" % p for p in self.etcd_ports)
-        self.etcd_endpoint = client
-        self._start("etcd", [os.environ.get("MAINSTAY_ETCD_BIN", "/usr/bin/etcd"), "--name", "t", "--data-dir",
-                             os.path.join(self.dir, "etcd"), "--listen-client-urls", client, "--advertise-client-urls",
-                             client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                             "--initial-cluster", "t=" + peer, "--log-level", "warn"])
+            self.etcd_ports = [(free_port(), free_port()) for _ in range(n)]
+        urls = [("http://127.0.0.1:%d" % c, "http://127.0.0.1:%d" % p) for c, p in self.etcd_ports]
+        self.etcd_endpoint = ",".join(client for client, _ in urls)
+        initial = ",".join("t%d=%s" % (i, peer) for i, (_, peer) in enumerate(urls))
+        for i in ([member] if member is not None else range(n)):
+            client, peer = urls[i]
+            self._start("etcd" if n == 1 else "etcd%d" % i,
+                        [os.environ.get("MAINSTAY_ETCD_BIN", "/usr/bin/etcd"), "--name", "t%d" % i, "--data-dir",
+                         os.path.join(self.dir, "etcd%d" % i), "--listen-client-urls", client,
+                         "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                         "--initial-advertise-peer-urls", peer, "--initial-cluster", initial, "--log-level", "warn"])
 
-        def healthy():
+        def healthy(client):
             try:
                 with urllib.request.urlopen(client + "/health", timeout=1) as r:
                     return b'"health":"true"' in r.read()
             except OSError:
                 return False
-        wait_for(healthy, "etcd", logs=self.logs)
+        for i in ([member] if member is not None else range(n)):
+            wait_for(lambda: healthy(urls[i][0]), "etcd member %d" % i, logs=self.logs)
+
+    def etcdctl(self, *args):
+        """etcdctl (v3 API, Debian's etcd-client) against the cluster's etcd."""
+        return subprocess.run(["etcdctl", "--endpoints", self.etcd_endpoint] + list(args), capture_output=True,
+                              text=True, timeout=60, env=dict(os.environ, ETCDCTL_API="3"))
 
     def leader(self):
         """The name of the live coordinator that leads (the last of its log's "leading" and
