@@ -5,7 +5,7 @@ usage: check_deploy_flags.py --source-dir DIR COORDINATOR_BIN DAEMON_BIN
 
 1. Every --flag written in deploy/ (systemd units, env files, Kubernetes manifests; comments
    excluded) is a flag of the binary that file configures, as its --help lists them: a typo
-   there would stop the service with exit 2 only at deploy time.
+   there would stop the service with exit 2 only at deploy time. (etcd*.yaml: etcd's flags.)
 2. Every flag of each binary's --help appears in the binary's section of docs/operations.md's
    configuration reference, so adding a flag without documenting it fails here.
 Plain Python (no PyYAML): manifests are scanned as text.
@@ -13,6 +13,7 @@ Plain Python (no PyYAML): manifests are scanned as text.
 import argparse
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -61,6 +62,10 @@ def main():
     args = parser.parse_args()
     root = pathlib.Path(args.source_dir)
     binaries = {"mainstay-coordinator": help_flags(args.coordinator), "mainstayd": help_flags(args.daemon)}
+    # The HA overlay's etcd (deploy/k8s/overlays/ha/etcd.yaml) is checked against etcd's own
+    # --help (Debian's etcd-server), not documented in operations.md.
+    etcd = shutil.which("etcd")
+    etcd_flags = help_flags(etcd) if etcd else None
 
     failures = []
     checked = 0
@@ -71,6 +76,12 @@ def main():
         name = path.name
         owner = ("mainstay-coordinator" if "coordinator" in name else "mainstayd" if "mainstayd" in name else None)
         used = set(FLAG.findall(code_text(path)))
+        if owner is None and name.startswith("etcd") and etcd_flags is not None:
+            for flag in sorted(used):
+                checked += 1
+                if flag not in etcd_flags:
+                    failures.append(f"{path.relative_to(root)}: {flag} is not a flag of etcd (see etcd --help)")
+            continue
         if owner is None:
             if used:
                 failures.append(f"{path.relative_to(root)}: flags {sorted(used)} in a file of neither binary")

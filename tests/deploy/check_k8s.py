@@ -116,6 +116,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", choices=["gpu", "cpu"], required=True)
     parser.add_argument("--tls", action="store_true")
+    parser.add_argument("--ha", action="store_true", help="the HA overlay: coordinators on etcd")
     parser.add_argument("--kubectl", default=None)
     parser.add_argument("dir")
     args = parser.parse_args()
@@ -130,7 +131,7 @@ def main():
     minor = kubectl_minor(kubectl)
     # kubectl <= 1.20 embeds kustomize v2.0.3, which reads neither a directory in `resources:`
     # nor `patches:`; the base sticks to fields it knows.
-    if (args.variant == "cpu" or args.tls) and (minor is None or minor < 21):
+    if (args.variant == "cpu" or args.tls or args.ha) and (minor is None or minor < 21):
         skip(f"kubectl 1.{minor} embeds kustomize v2.0.3, too old for overlays (needs kubectl >= 1.21)")
 
     rendered = subprocess.run([kubectl, "kustomize", args.dir], capture_output=True, text=True)
@@ -140,6 +141,9 @@ def main():
         return 1
     docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
     c = Checker()
+    if args.ha:
+        check_ha(c, docs)
+        return report(c, args)
     by_kind = {}
     for d in docs:
         by_kind.setdefault(d["kind"], []).append(d)
@@ -233,6 +237,62 @@ def main():
     return report(c, args)
 
 
+def check_ha(c, docs):
+    """The HA overlay: three coordinators (a Deployment, Ready only while leading) on a
+    three-member etcd StatefulSet, the daemons still dialling the coordinator's Service."""
+    by_kind = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], []).append(d)
+    named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    for d in docs:
+        if d["kind"] != "Namespace":
+            c.check(d["metadata"].get("namespace") == "mainstay", f"{d['kind']}/{d['metadata']['name']} is not in namespace mainstay")
+    c.check(("StatefulSet", "mainstay-coordinator") not in named, "ha: the single-writer coordinator StatefulSet is still there")
+    c.check(("Service", "mainstay-coordinator-headless") not in named, "ha: the StatefulSet's headless Service is still there")
+    dep = named.get(("Deployment", "mainstay-coordinator"))
+    etcd = named.get(("StatefulSet", "mainstay-etcd"))
+    if not c.check(dep is not None and etcd is not None, "ha: no coordinator Deployment or etcd StatefulSet"):
+        return
+    c.check(dep["spec"]["replicas"] >= 3, "ha: fewer than three coordinators")
+    template = dep["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    cargs = container.get("args", [])
+    c.check(flag_value(cargs, "--state-dir") is None, "ha: a coordinator still has --state-dir")
+    endpoints = (flag_value(cargs, "--etcd-endpoints") or "").split(",")
+    etcd_service = etcd["spec"]["serviceName"]
+    members = ["%s-%d.%s" % (etcd["metadata"]["name"], i, etcd_service) for i in range(etcd["spec"]["replicas"])]
+    c.check(sorted(e.split("//")[-1].rsplit(":", 1)[0] for e in endpoints if e) == sorted(members),
+            f"ha: --etcd-endpoints {endpoints} are not the etcd members {members}")
+    c.check(etcd["spec"]["replicas"] == 3, "ha: etcd has not three members")
+    eargs = etcd["spec"]["template"]["spec"]["containers"][0].get("args", [])
+    initial = flag_value(eargs, "--initial-cluster") or ""
+    c.check(sorted(m.split("=")[0] for m in initial.split(",")) == sorted(m.split(".")[0] for m in members),
+            f"ha: etcd's --initial-cluster {initial!r} does not list its {len(members)} pods")
+    headless = named.get(("Service", etcd_service))
+    c.check(headless is not None and headless["spec"].get("clusterIP") == "None"
+            and selects(headless["spec"]["selector"], etcd["spec"]["template"]["metadata"]["labels"]),
+            "ha: etcd's serviceName is not a headless Service selecting its pods")
+    ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+    ready = container.get("readinessProbe", {}).get("grpc", {})
+    c.check(ready.get("port") == ports.get("grpc"), "ha: the coordinators' readiness is not a gRPC probe of their port")
+    for probe in ("livenessProbe", "startupProbe"):
+        c.check(container.get(probe, {}).get("grpc", {}).get("port") != ports.get("grpc"),
+                f"ha: a {probe} on the gRPC port would restart every standby (standbys do not listen)")
+    check_secret_file(c, "coordinator", template, container, flag_value(cargs, "--cluster-secret-file"),
+                      "--cluster-secret-file")
+    labels = template["metadata"]["labels"]
+    service = named.get(("Service", "mainstay-coordinator"))
+    c.check(service is not None and selects(service["spec"]["selector"], labels),
+            "ha: the mainstay-coordinator Service does not select the coordinators")
+    pdb = named.get(("PodDisruptionBudget", "mainstay-coordinator"))
+    c.check(pdb is not None and pdb["spec"].get("maxUnavailable") == 1
+            and selects(pdb["spec"]["selector"]["matchLabels"], labels),
+            "ha: the coordinators' PodDisruptionBudget is not maxUnavailable 1 over them")
+    ds = by_kind.get("DaemonSet", [{}])[0]
+    dargs = ds.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [{}])[0].get("args", [])
+    c.check(flag_value(dargs, "--coordinator") is not None, "ha: mainstayd has no --coordinator")
+
+
 def health_port(args):
     value = flag_value(args, "--health-listen")
     return port_of(value) if value else None
@@ -265,7 +325,7 @@ def report(c, args):
         print("FAIL:", f)
     if c.failures:
         return 1
-    print(f"PASS: {args.variant}{' tls' if args.tls else ''} ({args.dir}): {c.passed} checks")
+    print(f"PASS: {args.variant}{' tls' if args.tls else ''}{' ha' if args.ha else ''} ({args.dir}): {c.passed} checks")
     return 0
 
 
