@@ -160,6 +160,37 @@ class CoordinatorHaTest(unittest.TestCase):
         self.assert_no_epoch_issued_twice()
         self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
 
+    def test_the_leader_killed_as_a_checkpoint_starts_leaves_no_torn_checkpoint(self):
+        # (This job's checkpoint takes milliseconds: the kill lands at its start or just after
+        # its commit. A kill in the middle of a long write needs a slower checkpoint.)
+        ps = [self.cluster.trainer(r, "run", "--step-sleep", "0.1") for r in range(D)]
+        self.wait_step(0, 3)
+        job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
+        ctl = [os.environ["MAINSTAYCTL_BIN"], "checkpoint", "create", "--job", job, "--wait", "--yes", "--json",
+               "--timeout-ms", "60000", "--coordinator", self.cluster.address]
+        creating = subprocess.Popen(ctl, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.05)  # the call is in: the daemons are writing
+        self.kill_leader()
+        out, err = creating.communicate(timeout=120)
+        print("the interrupted checkpoint create: exit %d %s" % (creating.returncode, (out + err).strip()[:300]),
+              file=sys.stderr)
+        final = self.finish_run(ps)
+        # Whatever the interrupted checkpoint became, none is CORRUPT, and each COMMITTED one has
+        # its manifest; a new checkpoint under the new leader commits.
+        r = self.cluster.ctl("checkpoint", "create", "--job", job, "--wait", "--yes", "--json", "--timeout-ms", "60000")
+        self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
+        r = self.cluster.ctl("checkpoint", "list", "--job", job, "--json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        listed = json.loads(r.stdout).get("checkpoints", [])
+        print("checkpoints after the failover: %s" % [(c["checkpoint_id"], c["state"]) for c in listed], file=sys.stderr)
+        self.assertTrue(any(c["state"] == "CHECKPOINT_STATE_COMMITTED" for c in listed), listed)
+        for c in listed:
+            self.assertNotEqual(c["state"], "CHECKPOINT_STATE_CORRUPT", c)
+            if c["state"] == "CHECKPOINT_STATE_COMMITTED":
+                self.assertTrue(os.path.exists(c["manifest_uri"]), c)
+        self.assert_no_epoch_issued_twice()
+        self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
+
     def test_the_leader_killed_in_an_idle_moment_keeps_every_record(self):
         ps = [self.cluster.trainer(r, "run") for r in range(D)]
         final = self.finish_run(ps)
