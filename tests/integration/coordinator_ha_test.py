@@ -127,7 +127,9 @@ class CoordinatorHaTest(unittest.TestCase):
         old, new, took = self.kill_leader()
         print("failover: %s -> %s, %.2f s from SIGKILL to the first mutating call (lease TTL 3 s)"
               % (old, new, took), file=sys.stderr)
-        self.assertLess(took, 3 + 5, self.cluster.logs())  # TTL + the standby's poll + slack
+        # TTL + the standby's poll + the client's reconnect, with slack for a loaded CI machine (the
+        # measured number is in docs/benchmarks.md: about the TTL).
+        self.assertLess(took, 3 + 7, self.cluster.logs())
         final = self.finish_run(ps)
         # The new leader holds everything the old one committed.
         job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
