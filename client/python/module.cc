@@ -235,6 +235,8 @@ PYBIND11_MODULE(_mainstay, m) {
   py::class_<VersionPin>(m, "VersionPin", "A version pinned on every daemon that serves the job's pulls.")
       .def_readonly("version", &VersionPin::version)
       .def_readonly("expires_unix_ms", &VersionPin::expires_unix_ms)
+      .def_property_readonly("daemons", [](const VersionPin& p) { return p.pins.size(); },
+                             "how many daemons hold the pin (primaries, and the replicas that keep the version)")
       .def("__repr__", [](const VersionPin& p) {
         return absl::StrCat("VersionPin(version=", p.version, ", daemons=", p.pins.size(), ")");
       });

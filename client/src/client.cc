@@ -686,6 +686,27 @@ absl::StatusOr<VersionPin> Client::PinVersion(int64_t version, std::chrono::mill
     pin.expires_unix_ms = pin.expires_unix_ms == 0 ? pinned->expires_unix_ms()
                                                    : std::min(pin.expires_unix_ms, pinned->expires_unix_ms());
   }
+  // The replicas too (replication_factor >= 2), so that the pin survives a failover that
+  // promotes one. Best effort: a replica still being copied does not keep the version yet, and
+  // the pin on the primaries is what the reader needs now.
+  std::map<std::string, std::string> replicas;  // address -> daemon id
+  {
+    absl::MutexLock lock(&impl_->mu);
+    std::map<std::string, std::string> address_of;
+    for (const v1::DaemonEndpoint& d : impl_->placement.daemons()) address_of[d.daemon_id()] = d.address();
+    for (const v1::ShardPlacement& s : impl_->placement.shards()) {
+      for (const std::string& id : s.replica_daemon_ids()) {
+        auto it = address_of.find(id);
+        if (it != address_of.end() && !daemons.count(it->second)) replicas[it->second] = id;
+      }
+    }
+  }
+  for (const auto& [address, id] : replicas) {
+    absl::StatusOr<client_internal::Route> route = impl_->RouteForAddress(address, id);
+    if (!route.ok()) continue;
+    absl::StatusOr<v1::PinVersionResponse> pinned = impl_->PinCall(*route->stub, version, ttl.count(), 0, deadline);
+    if (pinned.ok()) pin.pins.push_back({address, pinned->pin_id()});
+  }
   return pin;
 }
 
@@ -707,6 +728,9 @@ absl::Status Client::ReleasePin(const VersionPin& pin) {
   absl::Status first;
   for (const auto& [address, id] : pin.pins) {
     absl::Status s = impl_->PinCall(*impl_->StubFor(address), pin.version, 0, id, deadline).status();
+    // A daemon that cannot be reached (lost in a failover) took its pins with it, or drops
+    // them when they expire: nothing to release there.
+    if (absl::IsUnavailable(s)) continue;
     if (!s.ok() && first.ok()) first = Annotate(s, absl::StrCat("releasing the pin of version ", pin.version, " at ", address));
   }
   return first;

@@ -367,6 +367,32 @@ class RecoveryTest(unittest.TestCase):
         final, reference = self.kill_a_primary_with_replicas()
         self.assertEqual(final, reference)
 
+    def test_with_replicas_a_pinned_version_outlives_the_failover(self):
+        # A reader pins version 3 while training goes on with replication_factor 2; the daemon
+        # holding rank 0's primary is SIGKILLed; the promoted replica still serves version 3,
+        # long after newer versions would have evicted it (mainstayd keeps 4 by default).
+        self.cluster.stop()
+        self.cluster = Cluster(daemons=3)
+        ps = [self.cluster.trainer(r, "run", "--replication", "2", "--step-sleep", "0.1") for r in range(D)]
+        self.wait_step("run", 0, 3)
+        job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
+        r = self.cluster.ctl("jobs", "reader-token", job)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        reader = mainstay.Client(self.cluster.address, job_id=job, reader_token=r.stdout.strip().split()[-1],
+                                 timeout_s=60)
+        pin = reader.pin_version(3, ttl_s=300)
+        self.assertEqual(pin.daemons, 3, "the primaries and the replicas hold the pin: %r" % pin)
+        before = {b: reader.pull_bucket(b, 3).dequantize_all() for b in range(len(reader.layout.buckets))}
+        self.cluster.kill(self.daemon_process(self.owner_of(job, 0)))
+        for p in ps:
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
+        for b, tensors in before.items():
+            pulled = reader.pull_bucket(b, 3)
+            self.assertEqual(pulled.version, 3)
+            for name, values in pulled.dequantize_all().items():
+                self.assertTrue(np.array_equal(values, tensors[name]), name)
+        reader.release_pin(pin)
+
     def test_a_daemon_holding_only_replicas_killed_loses_nothing(self):
         final, reference = self.kill_a_primary_with_replicas(replicas_only=True)
         self.assertEqual(final, reference)

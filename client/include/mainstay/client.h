@@ -316,12 +316,15 @@ class MAINSTAY_CLIENT_EXPORT Client {
   // most 10 minutes; pin again to renew), so that a reader can pull all of it while training
   // goes on. FAILED_PRECONDITION (ErrorDetail.version = the newest) when a daemon no longer
   // keeps it; RESOURCE_EXHAUSTED when a daemon holds 4 pinned versions of the job already. On
-  // an error nothing stays pinned. Readers and trainers alike.
+  // an error nothing stays pinned. Readers and trainers alike. With replicas (replication_factor
+  // >= 2) the version is pinned on them too, where they keep it, so that the pin outlives a
+  // failover that promotes one.
   absl::StatusOr<VersionPin> PinVersion(int64_t version, std::chrono::milliseconds ttl);
   // The newest published version, pinned (VersionPin::version says which): when a newer one
   // evicts it before the pin lands, the newer one is pinned instead.
   absl::StatusOr<VersionPin> PinNewestVersion(std::chrono::milliseconds ttl);
-  // Releases the pin on every daemon (an expired one is released already). The first error.
+  // Releases the pin on every daemon (an expired one is released already; an unreachable one
+  // keeps it until it expires, and is no error). The first error.
   absl::Status ReleasePin(const VersionPin& pin);
   // Stats of a decided step without waiting (UNAVAILABLE while undecided), from the daemon
   // owning this rank's shard of bucket 0.
