@@ -109,6 +109,8 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(const EtcdOptions
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 1000);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    // Load pages the log, but one page of batches (each up to 1 MiB) can pass gRPC's 4 MiB.
+    args.SetMaxReceiveMessageSize(-1);
     std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
         target, tls ? grpc::SslCredentials(ssl) : grpc::InsecureChannelCredentials(), args);
     auto endpoint = std::make_unique<Endpoint>();
@@ -121,7 +123,7 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(const EtcdOptions
 }
 
 template <typename Fn>
-absl::Status EtcdClient::OnSomeEndpoint(const char* what, Fn call) {
+absl::Status EtcdClient::OnSomeEndpoint(const char* what, Fn call, absl::Duration timeout) {
   const size_t n = endpoints_.size();
   const size_t first = current_.load();
   absl::Status last;
@@ -130,8 +132,10 @@ absl::Status EtcdClient::OnSomeEndpoint(const char* what, Fn call) {
     const size_t index = (first + i) % n;
     Endpoint& e = *endpoints_[index];
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.call_timeout));
-    context.set_wait_for_ready(true);
+    context.set_deadline(absl::ToChronoTime(absl::Now() + std::min(timeout, options_.call_timeout)));
+    // One endpoint: wait for it to come back (a restart) within the call's time. Several: a
+    // member that is down fails at once and the next one is asked.
+    context.set_wait_for_ready(n == 1);
     last = FromGrpc(call(e, &context), absl::StrCat("etcd ", what, " at ", e.name));
     if (!TryNext(last)) {
       current_.store(index);
@@ -176,12 +180,14 @@ absl::StatusOr<int64_t> EtcdClient::GrantLease(absl::Duration ttl) {
 
 absl::StatusOr<int64_t> EtcdClient::KeepAlive(int64_t lease) {
   etcdserverpb::LeaseKeepAliveResponse response;
+  // A round must leave time for the next endpoint (and the next round) within the lease.
   absl::Status s = OnSomeEndpoint("LeaseKeepAlive", [&](Endpoint& e, grpc::ClientContext* c) {
     auto stream = e.lease->LeaseKeepAlive(c);
     etcdserverpb::LeaseKeepAliveRequest request;
     request.set_id(lease);
     if (!stream->Write(request) || !stream->Read(&response)) {
-      c->TryCancel();
+      // (Finish without cancelling first: a cancel would turn the real error into CANCELLED,
+      // which does not move on to the next endpoint.)
       grpc::Status finished = stream->Finish();
       return finished.ok() ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "the keep-alive stream closed") : finished;
     }
@@ -189,7 +195,7 @@ absl::StatusOr<int64_t> EtcdClient::KeepAlive(int64_t lease) {
     c->TryCancel();  // one round is all we need
     stream->Finish();
     return grpc::Status::OK;
-  });
+  }, options_.lease_ttl / 4);
   if (!s.ok()) return s;
   return response.ttl();
 }

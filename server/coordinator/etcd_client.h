@@ -4,7 +4,10 @@
 //
 // Endpoints: every call goes to the endpoint that answered last; UNAVAILABLE (or no answer
 // within the call's timeout) moves to the next one, until every endpoint was tried once. A
-// member of a healthy etcd cluster forwards writes to its leader, so any member serves.
+// member of a healthy etcd cluster forwards writes to its leader, so any member serves. With one
+// endpoint a call waits for it to reconnect (a restart) within its timeout; with several, a
+// member that is down fails at once. A keep-alive round gives each endpoint a quarter of the
+// lease TTL at most, so a dead member cannot make the leader miss its renewal.
 //
 // Thread safety: every method may be called from any thread.
 #ifndef MAINSTAY_SERVER_COORDINATOR_ETCD_CLIENT_H_
@@ -66,9 +69,10 @@ class EtcdClient {
   struct Endpoint;
   explicit EtcdClient(EtcdOptions options);
   // Runs `call` on each endpoint in turn from the current one until one answers (anything but
-  // UNAVAILABLE or DEADLINE_EXCEEDED); that one becomes current.
+  // UNAVAILABLE or DEADLINE_EXCEEDED); that one becomes current. Each try gets
+  // min(`timeout`, call_timeout).
   template <typename Fn>
-  absl::Status OnSomeEndpoint(const char* what, Fn call);
+  absl::Status OnSomeEndpoint(const char* what, Fn call, absl::Duration timeout = absl::InfiniteDuration());
 
   const EtcdOptions options_;
   std::vector<std::unique_ptr<Endpoint>> endpoints_;

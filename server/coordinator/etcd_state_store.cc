@@ -25,6 +25,7 @@ constexpr char kComponent[] = "coordinator-etcd";
 // etcd refuses requests above 1.5 MiB and transactions above 128 operations (its defaults).
 constexpr size_t kMaxTxnBytes = 1 << 20;
 constexpr int kMaxTxnOps = 100;
+constexpr int64_t kLoadPage = 64;  // log batches per Range in Load
 
 // The end of the range of every key that starts with `prefix`.
 std::string PrefixEnd(std::string prefix) {
@@ -71,6 +72,7 @@ void AddCompare(TxnRequest& txn, const std::string& key, Compare::CompareTarget 
 absl::StatusOr<std::unique_ptr<EtcdLeadership>> EtcdLeadership::TryAcquire(EtcdClient* etcd, const std::string& value,
                                                                            std::string* holder) {
   const std::string key = etcd->options().prefix + "leader";
+  const absl::Time asked = absl::Now();
   absl::StatusOr<int64_t> lease = etcd->GrantLease(etcd->options().lease_ttl);
   if (!lease.ok()) return lease.status();
   TxnRequest txn;
@@ -78,14 +80,22 @@ absl::StatusOr<std::unique_ptr<EtcdLeadership>> EtcdLeadership::TryAcquire(EtcdC
   AddPut(txn, key, value, *lease);
   txn.add_failure()->mutable_request_range()->set_key(key);
   absl::StatusOr<etcdserverpb::TxnResponse> r = etcd->Txn(txn);
-  if (!r.ok() || !r->succeeded()) {
-    etcd->RevokeLease(*lease).IgnoreError();
-    if (!r.ok()) return r.status();
+  if (r.ok() && !r->succeeded()) {
     const auto& kvs = r->responses(0).response_range().kvs();
+    // An earlier copy of this transaction (sent to another endpoint, its answer lost) created
+    // the key: under our lease, it is ours.
+    if (!kvs.empty() && kvs[0].lease() == *lease) {
+      return std::unique_ptr<EtcdLeadership>(new EtcdLeadership(etcd, key, *lease, kvs[0].create_revision(), asked));
+    }
+    etcd->RevokeLease(*lease).IgnoreError();
     *holder = kvs.empty() ? "(its lease just expired)" : kvs[0].value();
     return std::unique_ptr<EtcdLeadership>();
   }
-  return std::unique_ptr<EtcdLeadership>(new EtcdLeadership(etcd, key, *lease, r->header().revision()));
+  if (!r.ok()) {
+    etcd->RevokeLease(*lease).IgnoreError();  // (a key made under it goes with it)
+    return r.status();
+  }
+  return std::unique_ptr<EtcdLeadership>(new EtcdLeadership(etcd, key, *lease, r->header().revision(), asked));
 }
 
 absl::StatusOr<std::string> EtcdLeadership::Holder(EtcdClient* etcd) {
@@ -102,16 +112,17 @@ void EtcdLeadership::Start(std::function<void(const absl::Status&)> on_lost) {
 
 void EtcdLeadership::KeepAliveLoop(std::function<void(const absl::Status&)> on_lost) {
   const absl::Duration ttl = etcd_->options().lease_ttl;
-  absl::Time renewed = absl::Now();
+  absl::Time renewed = granted_;
   absl::Status last;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), ttl / 3)) return;
     }
+    const absl::Time sent = absl::Now();  // etcd renews it at some moment after this
     absl::StatusOr<int64_t> left = etcd_->KeepAlive(lease_);
     if (left.ok() && *left > 0) {
-      renewed = absl::Now();
+      renewed = sent;
       continue;
     }
     last = left.ok() ? absl::FailedPreconditionError(absl::StrCat("etcd says lease ", lease_, " has expired"))
@@ -178,24 +189,31 @@ class EtcdStateStore : public StateStore {
       }
       state = State::FromProto(proto);
     }
-    RangeRequest log;
-    log.set_key(LogKey(prefix_, state.sequence + 1));
-    log.set_range_end(PrefixEnd(prefix_ + "state/log/"));
-    log.set_revision(at);
-    log.set_sort_order(RangeRequest::ASCEND);
-    log.set_sort_target(RangeRequest::KEY);
-    absl::StatusOr<etcdserverpb::RangeResponse> l = etcd_->Range(log);
-    if (!l.ok()) return l.status();
-    for (const auto& kv : l->kvs()) {
-      v1::StateBatch batch;
-      if (!batch.ParseFromString(kv.value())) {
-        return absl::DataLossError(absl::StrCat("etcd key ", kv.key(), " is not a StateBatch"));
+    // The log after the snapshot, a page at a time (each batch up to 1 MiB), all at revision `at`.
+    int64_t replayed = 0;
+    while (true) {
+      RangeRequest log;
+      log.set_key(LogKey(prefix_, state.sequence + 1));
+      log.set_range_end(PrefixEnd(prefix_ + "state/log/"));
+      log.set_revision(at);
+      log.set_sort_order(RangeRequest::ASCEND);
+      log.set_sort_target(RangeRequest::KEY);
+      log.set_limit(kLoadPage);
+      absl::StatusOr<etcdserverpb::RangeResponse> l = etcd_->Range(log);
+      if (!l.ok()) return l.status();
+      for (const auto& kv : l->kvs()) {
+        v1::StateBatch batch;
+        if (!batch.ParseFromString(kv.value())) {
+          return absl::DataLossError(absl::StrCat("etcd key ", kv.key(), " is not a StateBatch"));
+        }
+        if (batch.sequence() != state.sequence + 1) {
+          return absl::DataLossError(absl::StrCat("etcd's state log jumps from batch ", state.sequence, " to ",
+                                                  batch.sequence(), " (key ", kv.key(), ")"));
+        }
+        state.Apply(batch);
+        ++replayed;
       }
-      if (batch.sequence() != state.sequence + 1) {
-        return absl::DataLossError(absl::StrCat("etcd's state log jumps from batch ", state.sequence, " to ",
-                                                batch.sequence(), " (key ", kv.key(), ")"));
-      }
-      state.Apply(batch);
+      if (!l->more()) break;
     }
     if (state.sequence != head_sequence) {
       return absl::DataLossError(absl::StrCat("etcd's state log ends at batch ", state.sequence, " but ", head_key_,
@@ -206,7 +224,7 @@ class EtcdStateStore : public StateStore {
     head_sequence_ = head_sequence;
     loaded_ = true;
     Log(LogLevel::kInfo, kComponent,
-        absl::StrCat("state loaded from etcd (", prefix_, "): batch ", state.sequence, ", ", l->kvs_size(),
+        absl::StrCat("state loaded from etcd (", prefix_, "): batch ", state.sequence, ", ", replayed,
                      " after the snapshot"));
     return state.ToProto();
   }
@@ -270,7 +288,13 @@ class EtcdStateStore : public StateStore {
         absl::MutexLock lock(&mu_);
         head = head_sequence_;
       }
-      MAINSTAY_RETURN_IF_ERROR(Commit(txn, head));
+      // (A snapshot that cannot be written is no error, as for the file store: the log stays
+      // whole. Only a fence that moved breaks the store, in Commit.)
+      if (absl::Status s = Commit(txn, head, /*fatal=*/false); !s.ok()) {
+        if (absl::IsFailedPrecondition(s)) return s;
+        Log(LogLevel::kWarning, kComponent,
+            absl::StrCat("snapshot not written to etcd (the log keeps growing; a later one tries again): ", s.message()));
+      }
     }
     return absl::OkStatus();
   }
@@ -295,9 +319,12 @@ class EtcdStateStore : public StateStore {
   }
 
   // `txn`'s success operations, plus the head update to `head`, under the fence. Retries an
-  // unanswered attempt (etcd restarting, a member down) until its lease's worth of time has
-  // passed: a retry that finds the fence moved checks whether its own earlier attempt landed.
-  absl::Status Commit(TxnRequest txn, int64_t head) {
+  // unanswered attempt (etcd restarting, a member down) until twice the lease TTL has passed.
+  // A failed compare may be this store's own earlier attempt that landed without an answer
+  // (the client resends a timed-out call to the next endpoint): it is checked before the fence
+  // is declared moved. A moved fence breaks the store; another error does so only when
+  // `fatal` (a snapshot's is not).
+  absl::Status Commit(TxnRequest txn, int64_t head, bool fatal = true) {
     int64_t expected;
     {
       absl::MutexLock lock(&mu_);
@@ -307,8 +334,8 @@ class EtcdStateStore : public StateStore {
     AddCompare(txn, head_key_, Compare::MOD, expected);
     AddPut(txn, head_key_, absl::StrCat(head));
     const absl::Time give_up = absl::Now() + 2 * etcd_->options().lease_ttl;
-    bool uncertain = false;  // an earlier attempt may have landed
     absl::Duration backoff = absl::Milliseconds(50);
+    absl::Status last;
     while (true) {
       absl::StatusOr<etcdserverpb::TxnResponse> r = etcd_->Txn(txn);
       if (r.ok() && r->succeeded()) {
@@ -317,38 +344,55 @@ class EtcdStateStore : public StateStore {
         head_sequence_ = head;
         return absl::OkStatus();
       }
-      if (r.ok() && uncertain) {
-        // Did the unanswered attempt land? Then the head says `head` and we still lead.
-        RangeRequest read;
-        read.set_key(head_key_);
-        absl::StatusOr<etcdserverpb::RangeResponse> h = etcd_->Range(read);
-        RangeRequest leader;
-        leader.set_key(leadership_->key());
-        absl::StatusOr<etcdserverpb::RangeResponse> l = etcd_->Range(leader);
-        if (h.ok() && l.ok() && !h->kvs().empty() && h->kvs(0).value() == absl::StrCat(head) &&
-            !l->kvs().empty() && l->kvs(0).create_revision() == leadership_->revision()) {
-          absl::MutexLock lock(&mu_);
-          head_revision_ = h->kvs(0).mod_revision();
-          head_sequence_ = head;
-          return absl::OkStatus();
+      if (r.ok()) {
+        // Did an earlier copy land? Then the head says `head`, moved on from `expected`, and
+        // we still lead.
+        absl::StatusOr<bool> landed = Landed(head, expected);
+        if (landed.ok() && *landed) return absl::OkStatus();
+        if (landed.ok()) {
+          return Break(absl::FailedPreconditionError(
+              "the etcd transaction's fence failed: this coordinator is no longer the leader, or another "
+              "coordinator wrote the state"));
+        }
+        last = landed.status();
+      } else {
+        last = r.status();
+        if (!absl::IsUnavailable(last) && !absl::IsDeadlineExceeded(last)) {
+          return fatal ? Break(last) : last;
         }
       }
-      if (r.ok()) {
-        return Break(absl::FailedPreconditionError(
-            "the etcd transaction's fence failed: this coordinator is no longer the leader, or another "
-            "coordinator wrote the state"));
-      }
-      if (!absl::IsUnavailable(r.status()) && !absl::IsDeadlineExceeded(r.status())) return Break(r.status());
-      uncertain = true;
       if (absl::Now() + backoff >= give_up) {
-        return Break(absl::UnavailableError(absl::StrCat("etcd did not take the state for ",
-                                                         absl::FormatDuration(2 * etcd_->options().lease_ttl), ": ",
-                                                         r.status().message())));
+        absl::Status why = absl::UnavailableError(absl::StrCat("etcd did not take the state for ",
+                                                               absl::FormatDuration(2 * etcd_->options().lease_ttl),
+                                                               ": ", last.message()));
+        return fatal ? Break(why) : why;
       }
-      Log(LogLevel::kWarning, kComponent, absl::StrCat("writing the state to etcd: ", r.status().message(), "; retrying"));
+      Log(LogLevel::kWarning, kComponent, absl::StrCat("writing the state to etcd: ", last.message(), "; retrying"));
       absl::SleepFor(backoff);
       backoff = std::min(backoff * 2, absl::Seconds(1));
     }
+  }
+
+  // Whether the head key holds `head`, written after `expected` by this leader (whose key has
+  // still the create revision it was elected with).
+  absl::StatusOr<bool> Landed(int64_t head, int64_t expected) {
+    RangeRequest read;
+    read.set_key(head_key_);
+    absl::StatusOr<etcdserverpb::RangeResponse> h = etcd_->Range(read);
+    if (!h.ok()) return h.status();
+    RangeRequest leader;
+    leader.set_key(leadership_->key());
+    leader.set_revision(h->header().revision());
+    absl::StatusOr<etcdserverpb::RangeResponse> l = etcd_->Range(leader);
+    if (!l.ok()) return l.status();
+    if (h->kvs().empty() || h->kvs(0).value() != absl::StrCat(head) || h->kvs(0).mod_revision() <= expected ||
+        l->kvs().empty() || l->kvs(0).create_revision() != leadership_->revision()) {
+      return false;
+    }
+    absl::MutexLock lock(&mu_);
+    head_revision_ = h->kvs(0).mod_revision();
+    head_sequence_ = head;
+    return true;
   }
 
   absl::Status Break(absl::Status why) {

@@ -51,14 +51,15 @@ class EtcdLeadership {
   int64_t lease() const { return lease_; }
 
  private:
-  EtcdLeadership(EtcdClient* etcd, std::string key, int64_t lease, int64_t revision)
-      : etcd_(etcd), key_(std::move(key)), lease_(lease), revision_(revision) {}
+  EtcdLeadership(EtcdClient* etcd, std::string key, int64_t lease, int64_t revision, absl::Time granted)
+      : etcd_(etcd), key_(std::move(key)), lease_(lease), revision_(revision), granted_(granted) {}
   void KeepAliveLoop(std::function<void(const absl::Status&)> on_lost);
 
   EtcdClient* const etcd_;
   const std::string key_;
   const int64_t lease_;
   const int64_t revision_;
+  const absl::Time granted_;  // before the lease was asked for: it runs out TTL after this at the latest
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread keep_alive_;
