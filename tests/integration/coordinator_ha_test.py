@@ -17,7 +17,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import recovery_test  # noqa: E402  (its trainer, spec and reference)
-from recovery_test import D, STEPS, final_of  # noqa: E402
+from recovery_test import D, STEPS, final_of, steps_done  # noqa: E402
 from process_cluster import read, wait_for  # noqa: E402
 
 
@@ -122,8 +122,7 @@ class CoordinatorHaTest(unittest.TestCase):
         if not retries:
             self.assertNotRegex(log, "REWOUND|RETRYING", self.cluster.logs())
         for rank in range(D):
-            steps = [int(l.split()[3]) for l in self.cluster.log("run.rank%d" % rank).splitlines()
-                     if l.startswith("rank %d step " % rank)]
+            steps = steps_done(self.cluster, "run", rank)
             self.assertEqual(steps, list(range(STEPS)), log)
         final = final_of(self.cluster.log("run.rank0"))
         self.assertEqual(final, final_of(self.cluster.log("run.rank1")))

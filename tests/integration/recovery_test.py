@@ -143,6 +143,12 @@ class Cluster(process_cluster.Cluster):
 
 
 
+def steps_done(cluster, name, rank):
+    """The steps trainer `rank` of run `name` logged as done, in order."""
+    return [int(l.split()[3]) for l in cluster.log("%s.rank%d" % (name, rank)).splitlines()
+            if l.startswith("rank %d step " % rank)]
+
+
 def final_of(log):
     lines = [l for l in log.splitlines() if l.startswith("FINAL ")]
     assert lines, "no FINAL line in:\n" + log[-3000:]
@@ -349,8 +355,7 @@ class RecoveryTest(unittest.TestCase):
         # (A step that failed is ABORTED with the committed step, which the trainer logs as
         # REWOUND or RETRYING; the step it then pushes again must be the one in flight.)
         for rank in range(D):
-            steps = [int(l.split()[3]) for l in self.cluster.log("run.rank%d" % rank).splitlines()
-                     if l.startswith("rank %d step " % rank)]
+            steps = steps_done(self.cluster, "run", rank)
             self.assertEqual(steps, list(range(STEPS)), log)  # no step done twice, none skipped
         final = final_of(self.cluster.log("run.rank0"))
         self.assertEqual(final, final_of(self.cluster.log("run.rank1")))
@@ -412,8 +417,7 @@ class RecoveryTest(unittest.TestCase):
         self.assertIn("SIGKILL after deciding step 5", self.cluster.log("daemon0"))
         self.assertIn("fail over to their replicas", self.cluster.log("coordinator"))
         for rank in range(D):
-            steps = [int(l.split()[3]) for l in self.cluster.log("run.rank%d" % rank).splitlines()
-                     if l.startswith("rank %d step " % rank)]
+            steps = steps_done(self.cluster, "run", rank)
             self.assertEqual(steps, list(range(STEPS)), self.cluster.log("run.rank"))
         final = final_of(self.cluster.log("run.rank0"))
         self.assertEqual(final, final_of(self.cluster.log("run.rank1")))
@@ -444,8 +448,7 @@ class RecoveryTest(unittest.TestCase):
         # (The step in flight at the new epoch may fail and be pushed again: each step still
         # commits once, in order.)
         for rank in range(D):
-            steps = [int(l.split()[3]) for l in self.cluster.log("run.rank%d" % rank).splitlines()
-                     if l.startswith("rank %d step " % rank)]
+            steps = steps_done(self.cluster, "run", rank)
             self.assertEqual(steps, list(range(16)), self.cluster.log("run.rank"))
         final = final_of(self.cluster.log("run.rank0"))
         self.assertEqual(final, final_of(self.cluster.log("run.rank1")))
