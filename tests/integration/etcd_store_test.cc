@@ -169,7 +169,7 @@ TEST_F(EtcdStoreTest, AnEtcdRestartIsRiddenThrough) {
   EXPECT_THAT(result, IsOk()) << etcd_->Log();
   auto again = NewEtcdStateStore(a.get(), leader.get());
   absl::StatusOr<v1::CoordinatorState> l = again->Load();
-  ASSERT_THAT(l.status(), IsOk()) << etcd_->Running() << etcd_->Log();
+  ASSERT_THAT(l.status(), IsOk()) << etcd_->Log();
   v1::CoordinatorState loaded = *l;
   EXPECT_EQ(loaded.sequence(), 2);
   EXPECT_EQ(loaded.kv(0).value(), "during");

@@ -75,7 +75,6 @@ class EtcdServer {
     return absl::DeadlineExceededError(absl::StrCat("etcd did not serve within 30 s; see ", log_));
   }
   absl::Status Kill() { return process_->Kill().status(); }
-  bool Running() { return process_ != nullptr && process_->Running(); }
 
  private:
   explicit EtcdServer(std::unique_ptr<TempDir> dir) : dir_(std::move(dir)), log_(dir_->File("etcd.log")) {}
