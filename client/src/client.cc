@@ -338,7 +338,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     v1::CreateJobRequest request;
     JobSpecToProto(spec, request.mutable_spec());
     request.set_admin_token(options.admin_token);
-    request.set_request_id(RandomRequestId());  // makes retrying CreateJob safe
+    // Both make retrying CreateJob safe, also across a coordinator restart or takeover (the
+    // coordinator keeps only the token's hash, so it cannot return one it made before).
+    request.set_request_id(RandomRequestId());
+    request.set_job_token(RandomRequestId() + RandomRequestId());
     v1::CreateJobResponse response;
     MAINSTAY_RETURN_IF_ERROR(self->Retry(absl::StrCat("CreateJob at ", where), deadline, nullptr,
                                          [&](const Route&, grpc::ClientContext* context) {

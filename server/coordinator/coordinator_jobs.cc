@@ -3,6 +3,8 @@
 #include "common/layout_proto.h"
 #include "server/coordinator/coordinator_impl.h"
 
+#include "absl/strings/ascii.h"
+
 namespace mainstay::coordinator {
 
 namespace {
@@ -43,6 +45,21 @@ absl::Status CheckJobSize(const JobSpec& spec, const CoordinatorOptions& o) {
   return absl::OkStatus();
 }
 
+// A caller's own job_token (CreateJobRequest.job_token): long and plain enough to be a secret
+// that survives being passed around in files and environment variables.
+absl::Status CheckCallerToken(const std::string& token) {
+  if (token.empty()) return absl::OkStatus();
+  if (token.size() < 32 || token.size() > 256) {
+    return absl::InvalidArgumentError(absl::StrCat("job_token: 32 to 256 characters, got ", token.size()));
+  }
+  for (const char c : token) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-') {
+      return absl::InvalidArgumentError("job_token: only [0-9A-Za-z_-]");
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJobRequest& request) {
@@ -52,20 +69,30 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
   absl::StatusOr<ResolvedJob> resolved = ResolveJob(*spec);
   if (!resolved.ok()) return absl::Status(resolved.status().code(), absl::StrCat("spec.", resolved.status().message()));
 
+  MAINSTAY_RETURN_IF_ERROR(CheckCallerToken(request.job_token()));
+
   Impl& s = *impl_;
   Impl::StateLock lock(s);
   s.TickLocked();
   for (const auto& [id, job] : s.state.jobs) {
     if (!request.request_id().empty() && job.request_id() == request.request_id()) {
-      auto token = s.tokens.find(id);
-      if (token == s.tokens.end()) {
+      // The retry of a CreateJob that was committed: the same job, and the same token, which
+      // is the one this coordinator made (kept in memory only) or the caller's own.
+      const std::string& chosen = request.job_token();
+      auto made = s.tokens.find(id);
+      if (!chosen.empty() && Sha256(chosen) != job.job_token_sha256()) {
+        return absl::FailedPreconditionError(absl::StrCat("request ", request.request_id(), " created job ", id,
+                                                          " with another job_token"));
+      }
+      if (chosen.empty() && made == s.tokens.end()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "request ", request.request_id(), " already created job ", id,
-            " before a coordinator restart; its token was returned then and is not kept (delete and recreate)"));
+            " before a coordinator restart or takeover; its token was returned then and is not kept (delete and "
+            "recreate; a CreateJob that sets job_token as well as request_id can be retried across one)"));
       }
       v1::CreateJobResponse response;
       response.set_job_id(id);
-      response.set_job_token(token->second);
+      response.set_job_token(chosen.empty() ? made->second : chosen);
       *response.mutable_job() = job.info();
       return response;
     }
@@ -84,7 +111,7 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
   v1::StateCounters counters = s.state.counters;
   counters.set_next_job(counters.next_job() + 1);
   const std::string job_id = absl::StrCat("job-", counters.next_job());
-  const std::string token = RandomHex(32);
+  const std::string token = request.job_token().empty() ? RandomHex(32) : request.job_token();
   v1::StoredJob job;
   job.set_request_id(request.request_id());
   job.set_job_token_sha256(Sha256(token));

@@ -522,6 +522,38 @@ TEST_F(CoordinatorCoreTest, IdempotentCreateReturnsTheSameJob) {
   EXPECT_EQ(coordinator_->ListJobs({}).jobs_size(), 1);
 }
 
+TEST_F(CoordinatorCoreTest, ARetryWithTheCallersOwnTokenReturnsTheJobAfterARestart) {
+  // The CreateJob was committed and the coordinator died before answering: a coordinator on the
+  // same state (a restart, or a standby taking over) keeps only the token's hash.
+  Register("n1", kGiB);
+  v1::CreateJobRequest req;
+  *req.mutable_spec() = SmallSpec("j", 1);
+  req.set_request_id("launch-8");
+  req.set_job_token(std::string(40, 'a') + "-token_1");
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(v1::CreateJobResponse first, coordinator_->CreateJob(req));
+  EXPECT_EQ(first.job_token(), req.job_token());
+  Restart(std::move(store_));
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(v1::CreateJobResponse retried, coordinator_->CreateJob(req));
+  EXPECT_EQ(retried.job_id(), first.job_id());
+  EXPECT_EQ(retried.job_token(), req.job_token());
+  EXPECT_EQ(coordinator_->ListJobs({}).jobs_size(), 1);
+  // Whoever knows the request id but not the token gets nothing.
+  v1::CreateJobRequest other = req;
+  other.set_job_token(std::string(48, 'b'));
+  EXPECT_THAT(coordinator_->CreateJob(other), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("another")));
+  other.clear_job_token();
+  EXPECT_THAT(coordinator_->CreateJob(other),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("sets job_token as well as request_id")));
+  // A token the caller chooses must look like one.
+  v1::CreateJobRequest bad;
+  *bad.mutable_spec() = SmallSpec("k", 1);
+  bad.set_job_token("short");
+  EXPECT_THAT(coordinator_->CreateJob(bad), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_token: 32")));
+  bad.set_job_token(std::string(40, 'x') + " space");
+  EXPECT_THAT(coordinator_->CreateJob(bad), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_token: only")));
+  EXPECT_EQ(coordinator_->ListJobs({}).jobs_size(), 1);
+}
+
 TEST_F(CoordinatorCoreTest, DeleteDropsShardsOnEveryDaemon) {
   Register("n1", kGiB);
   Register("n2", kGiB);
