@@ -45,7 +45,7 @@ class ChannelSecurity {
   // A channel to the coordinator(s) at `addresses`: one "host:port" (or a gRPC target such as
   // dns:///name:port, whose every address is tried), or a comma-separated list of them, e.g.
   // the coordinators sharing one etcd. Calls go to the first that accepts connections (a
-  // standby does not listen), and move on when it goes (gRPC's pick_first over the list's
+  // standby forwards them to the leader), and move on when it goes (gRPC's pick_first over the list's
   // addresses, resolved once here; reconnecting within a second). INVALID_ARGUMENT for a bad
   // entry or a name that does not resolve.
   absl::StatusOr<std::shared_ptr<::grpc::Channel>> CreateCoordinatorChannel(const std::string& addresses,

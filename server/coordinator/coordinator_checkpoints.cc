@@ -139,6 +139,7 @@ v1::CheckpointInfo Coordinator::Impl::RunCheckpoint(v1::CheckpointInfo info, int
                                                  " shards"));
     }
     for (v1::CheckpointFile& f : files) *manifest.add_files() = std::move(f);
+    if (failure.ok() && options.fault_point) options.fault_point("checkpoint-shards-written");
     if (failure.ok()) failure = checkpoint::WriteManifest(fs, dir, manifest);
     break;
   }

@@ -36,6 +36,7 @@
 #include "server/coordinator/admin_auth.h"
 #include "server/coordinator/etcd_state_store.h"
 #include "server/grpc/coordinator_service.h"
+#include "server/grpc/standby_forwarder.h"
 #include "server/metrics/metrics_server.h"
 #include "server/metrics/registry.h"
 
@@ -56,6 +57,10 @@ flags:
                             HOST:PORT): run several coordinators against it; one leads, the
                             others wait as standbys and take over when its lease ends
                             (docs/coordinator.md, "State on etcd")
+  --advertise-address HOST:PORT  with --etcd-endpoints: where the other coordinators reach this one
+                            (default: the --listen host, or this host's name when that is a
+                            wildcard, and the bound port); a standby passes every call it gets
+                            to the leader's advertised address
   --etcd-prefix P           key prefix of this cluster's state in etcd (default /mainstay/)
   --etcd-lease-ttl-ms N     the leader's lease: a dead leader is replaced after about this long
                             (default 5000, at least 2000)
@@ -105,6 +110,10 @@ flags:
   --metrics-listen HOST:PORT  where Prometheus scrapes GET /metrics over HTTP (default
                             0.0.0.0:9464; port 0 picks one; "off": no metrics)
   --metrics-port-file FILE  write the metrics port to FILE once serving
+  --inject-fault crash-at:POINT  tests only: SIGKILL this process at POINT, one of
+                            create-job-committed (a CreateJob is durable, not yet answered) and
+                            checkpoint-shards-written (the daemons wrote a checkpoint's shards,
+                            its manifest is not written)
   --help                    this text
 
 SIGTERM or SIGINT: graceful shutdown, exit 0. Bad flags or config: exit 2.
@@ -112,7 +121,7 @@ SIGTERM or SIGINT: graceful shutdown, exit 0. Bad flags or config: exit 2.
 
 // Values given on the command line or in the config; unset = not given.
 struct Settings {
-  std::optional<std::string> listen;
+  std::optional<std::string> listen, advertise_address;
   std::optional<std::string> state_dir;
   std::optional<std::string> etcd_endpoints, etcd_prefix, etcd_ca_file, etcd_cert_file, etcd_key_file;
   std::optional<int64_t> etcd_lease_ttl_ms, etcd_timeout_ms;
@@ -132,6 +141,7 @@ struct Settings {
   bool insecure = false;
   std::optional<std::string> health_listen;
   std::optional<std::string> metrics_listen, metrics_port_file;
+  std::optional<std::string> inject_fault;
   bool help = false;
 };
 
@@ -166,7 +176,8 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
         "--health-listen",   "--tls-internal-name", "--checkpoint-dir", "--checkpoint-every-steps",
         "--checkpoint-every-seconds", "--checkpoint-keep", "--cluster-secret-file",
         "--etcd-endpoints",  "--etcd-prefix",     "--etcd-lease-ttl-ms", "--etcd-timeout-ms",
-        "--etcd-ca-file",    "--etcd-cert-file",  "--etcd-key-file"};
+        "--etcd-ca-file",    "--etcd-cert-file",  "--etcd-key-file", "--advertise-address",
+        "--inject-fault"};
     if (name == "--no-restore-on-loss") {
       s.no_restore_on_loss = true;
       continue;
@@ -181,6 +192,8 @@ absl::StatusOr<Settings> ParseFlags(int argc, char** argv) {
       value = argv[++i];
     }
     if (name == "--listen") s.listen = *value;
+    if (name == "--advertise-address") s.advertise_address = *value;
+    if (name == "--inject-fault") s.inject_fault = *value;
     if (name == "--state-dir") s.state_dir = *value;
     if (name == "--etcd-endpoints") s.etcd_endpoints = *value;
     if (name == "--etcd-prefix") s.etcd_prefix = *value;
@@ -256,7 +269,7 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
       "max_message_bytes", "tls_cert_file", "tls_key_file",    "tls_ca_file",      "tls_client_auth",
       "tls_server_name", "admin_token_file", "metrics_listen", "health_listen", "tls_internal_name",
       "checkpoint_dir", "cluster_secret_file", "etcd_endpoints", "etcd_prefix", "etcd_ca_file",
-      "etcd_cert_file", "etcd_key_file", "etcd_lease_ttl_ms", "etcd_timeout_ms"};
+      "etcd_cert_file", "etcd_key_file", "etcd_lease_ttl_ms", "etcd_timeout_ms", "advertise_address"};
   for (const auto& [key, value] : j.items()) {
     if (!kKeys.count(key)) {
       return absl::InvalidArgumentError(
@@ -264,6 +277,7 @@ absl::Status ApplyConfig(const std::string& path, Settings& s) {
     }
   }
   MAINSTAY_RETURN_IF_ERROR(get_string("listen", s.listen));
+  MAINSTAY_RETURN_IF_ERROR(get_string("advertise_address", s.advertise_address));
   MAINSTAY_RETURN_IF_ERROR(get_string("state_dir", s.state_dir));
   MAINSTAY_RETURN_IF_ERROR(get_string("etcd_endpoints", s.etcd_endpoints));
   MAINSTAY_RETURN_IF_ERROR(get_string("etcd_prefix", s.etcd_prefix));
@@ -303,8 +317,13 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
   if (!etcd && (!s.state_dir || s.state_dir->empty())) {
     return absl::InvalidArgumentError("--state-dir or --etcd-endpoints is required (or state_dir in --config)");
   }
-  if (!etcd && (s.etcd_prefix || s.etcd_lease_ttl_ms || s.etcd_timeout_ms || s.etcd_ca_file || s.etcd_cert_file)) {
-    return absl::InvalidArgumentError("--etcd-* flags need --etcd-endpoints");
+  if (!etcd && (s.etcd_prefix || s.etcd_lease_ttl_ms || s.etcd_timeout_ms || s.etcd_ca_file || s.etcd_cert_file ||
+                s.advertise_address)) {
+    return absl::InvalidArgumentError("--etcd-* flags and --advertise-address need --etcd-endpoints");
+  }
+  if (s.advertise_address && s.advertise_address->rfind(':') == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--advertise-address: expected HOST:PORT, got '", *s.advertise_address, "'"));
   }
   if (s.state_dir) o.state_dir = *s.state_dir;
   if (s.checkpoint_dir) o.checkpoint_dir = *s.checkpoint_dir;
@@ -347,6 +366,20 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
     MAINSTAY_ASSIGN_OR_RETURN(o.cluster_secret, ClusterSecret::Load(*s.cluster_secret_file, /*create=*/true));
   }
   o.insecure = s.insecure;
+  if (s.inject_fault) {
+    static const std::set<std::string> kPoints = {"create-job-committed", "checkpoint-shards-written"};
+    const std::string spec = *s.inject_fault;
+    const std::string point = spec.rfind("crash-at:", 0) == 0 ? spec.substr(9) : "";
+    if (!kPoints.count(point)) {
+      return absl::InvalidArgumentError(absl::StrCat("--inject-fault: expected crash-at:POINT with POINT one of ",
+                                                     absl::StrJoin(kPoints, ", "), ", got '", spec, "'"));
+    }
+    o.fault_point = [point](const std::string& at) {
+      if (at != point) return;
+      Log(LogLevel::kError, "coordinator", absl::StrCat("--inject-fault: killing this process at ", at));
+      ::raise(SIGKILL);
+    };
+  }
   if (const std::string m = s.metrics_listen.value_or("0.0.0.0:9464"); m != "off") {
     if (absl::Status st = metrics::SplitHostPort(m).status(); !st.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("--metrics-listen: ", st.message()));
@@ -365,6 +398,25 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> ConnectEtcd(const Settings& s) {
   o.cert_file = s.etcd_cert_file.value_or("");
   o.key_file = s.etcd_key_file.value_or("");
   return EtcdClient::Create(o);
+}
+
+// The leader key's value: "<coordinator id> at <advertised address>".
+std::string LeaderKeyValue(const std::string& id, const std::string& address) { return absl::StrCat(id, " at ", address); }
+std::string LeaderAddressOf(const std::string& value) {
+  const size_t at = value.rfind(" at ");
+  return at == std::string::npos ? "" : value.substr(at + 4);
+}
+
+// Where the other coordinators reach this one: --advertise-address, else the listen host (this
+// host's name for a wildcard) with the bound port.
+std::string AdvertisedAddress(const Settings& s, const std::string& listen_host, int port) {
+  if (s.advertise_address) return *s.advertise_address;
+  std::string host = listen_host;
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::") {
+    char name[256] = {};
+    host = ::gethostname(name, sizeof(name) - 1) == 0 ? name : "localhost";
+  }
+  return absl::StrCat(host, ":", port);
 }
 
 int Main(int argc, char** argv) {
@@ -387,29 +439,58 @@ int Main(int argc, char** argv) {
     return 2;
   }
 
-  // Before any thread starts (gRPC's threads inherit the mask).
+  if (settings->inject_fault) {
+    Log(LogLevel::kWarning, "coordinator", absl::StrCat("fault injection on: --inject-fault ", *settings->inject_fault));
+  }
 
   const std::string metrics_listen = settings->metrics_listen.value_or("0.0.0.0:9464");
   std::unique_ptr<metrics::Registry> registry;  // null: --metrics-listen off
   if (metrics_listen != "off") registry = std::make_unique<metrics::Registry>();
   options->metrics = registry.get();
 
-  // With etcd: wait as a standby until this coordinator holds the leader key, then serve from
-  // the state in etcd. Losing the lease later stops the coordinator (exit 1): a supervisor
-  // restarts it as a standby.
+  // With etcd: wait as a standby until this coordinator holds the leader key, passing every
+  // call made to it to the leader meanwhile (server/grpc/standby_forwarder.h); then serve from
+  // the state in etcd, on the same port. Losing the lease later stops the coordinator (exit 1):
+  // a supervisor restarts it as a standby.
   std::unique_ptr<EtcdClient> etcd;
   std::unique_ptr<EtcdLeadership> leadership;
   std::unique_ptr<StateStore> etcd_store;
   static std::atomic<bool> leadership_lost{false};
+  const std::string listen_host = options->listen_address.substr(0, options->listen_address.rfind(':'));
+  bool port_file_written = false;
   if (settings->etcd_endpoints) {
     absl::StatusOr<std::unique_ptr<EtcdClient>> client = ConnectEtcd(*settings);
-    if (!client.ok()) {
-      std::fprintf(stderr, "mainstay-coordinator: %s\n(see --help)\n", std::string(client.status().message()).c_str());
+    absl::Status checked = client.ok() ? CoordinatorServer::CheckOptions(*options) : client.status();
+    if (!checked.ok()) {
+      std::fprintf(stderr, "mainstay-coordinator: %s\n(see --help)\n", std::string(checked.message()).c_str());
       return 2;
     }
     etcd = *std::move(client);
     if (options->coordinator_id.empty()) options->coordinator_id = CoordinatorServer::DefaultCoordinatorId();
-    const std::string who = absl::StrCat(options->coordinator_id, " at ", options->listen_address);
+    grpc_server::StandbyForwarder::Options forwarding;
+    forwarding.listen_address = options->listen_address;
+    forwarding.tls = options->tls;
+    forwarding.max_message_bytes = options->max_message_bytes;
+    forwarding.internal = CoordinatorServer::InternalPeersOf(*options);
+    forwarding.id = options->coordinator_id;
+    absl::StatusOr<std::unique_ptr<grpc_server::StandbyForwarder>> forwarder =
+        grpc_server::StandbyForwarder::Start(forwarding);
+    if (!forwarder.ok()) {
+      std::fprintf(stderr, "mainstay-coordinator: %s\n", forwarder.status().ToString().c_str());
+      return forwarder.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    }
+    // The port stays this coordinator's: the leader's server binds it again at takeover.
+    const int port = (*forwarder)->port();
+    options->listen_address = absl::StrCat(listen_host, ":", port);
+    const std::string advertised = AdvertisedAddress(*settings, listen_host, port);
+    const std::string who = LeaderKeyValue(options->coordinator_id, advertised);
+    if (settings->port_file) {
+      if (absl::Status s = WritePortFile(*settings->port_file, port); !s.ok()) {
+        std::fprintf(stderr, "mainstay-coordinator: %s\n", std::string(s.message()).c_str());
+        return 1;
+      }
+      port_file_written = true;
+    }
     std::string last_holder;
     absl::Time next_warning = absl::InfinitePast();
     while (leadership == nullptr) {
@@ -427,9 +508,10 @@ int Main(int argc, char** argv) {
         Log(LogLevel::kWarning, "coordinator", absl::StrCat("standby: etcd does not answer: ", holder.status().message()));
         next_warning = absl::Now() + absl::Seconds(10);
       } else if (holder.ok() && *holder != last_holder) {
+        (*forwarder)->SetLeader(LeaderAddressOf(*holder));
         Log(LogLevel::kInfo, "coordinator",
             absl::StrCat("standby: ", *holder, " leads (etcd key ", etcd->options().prefix,
-                         "leader); taking over when its lease ends"));
+                         "leader); calls to ", advertised, " go to it, and this one takes over when its lease ends"));
         last_holder = *holder;
         // A standby is a started unit (Type=notify): it runs as meant.
         if (absl::Status s = SdNotify(absl::StrCat("READY=1\nSTATUS=standby: ", *holder, " leads")); !s.ok()) {
@@ -438,12 +520,14 @@ int Main(int argc, char** argv) {
       }
       if (const int signal_number = stop_signals.WaitFor(300); signal_number != 0) {
         Log(LogLevel::kInfo, "coordinator", absl::StrCat("signal ", signal_number, ": standby stopping"));
+        (*forwarder)->Shutdown();
         return 0;
       }
     }
+    (*forwarder)->Shutdown();
     Log(LogLevel::kInfo, "coordinator",
         absl::StrCat("leading (etcd key ", leadership->key(), ", lease ", leadership->lease(), ", TTL ",
-                     absl::FormatDuration(etcd->options().lease_ttl), ")"));
+                     absl::FormatDuration(etcd->options().lease_ttl), ", advertised as ", advertised, ")"));
     etcd_store = NewEtcdStateStore(etcd.get(), leadership.get());
     options->store = etcd_store.get();
     options->state_description = absl::StrCat("etcd ", *settings->etcd_endpoints, " prefix ", etcd->options().prefix);
@@ -459,13 +543,13 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "mainstay-coordinator: %s\n", server.status().ToString().c_str());
     return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
-  const std::string host = options->listen_address.substr(0, options->listen_address.rfind(':'));
+  const std::string& host = listen_host;
   std::fprintf(stderr, "mainstay-coordinator listening on %s:%d\n", host.c_str(), (*server)->port());
   if ((*server)->health_port() != 0) {
     std::fprintf(stderr, "mainstay-coordinator: plaintext health port %d\n", (*server)->health_port());
   }
   std::fflush(stderr);
-  if (settings->port_file) {
+  if (settings->port_file && !port_file_written) {
     absl::Status s = WritePortFile(*settings->port_file, (*server)->port());
     if (!s.ok()) {
       std::fprintf(stderr, "mainstay-coordinator: %s\n", std::string(s.message()).c_str());

@@ -52,8 +52,17 @@ struct InternalPeers {
   bool open() const { return tls_name.empty() && !secret.enabled(); }
 };
 
-// True when the call meets `internal` (always, when it is open).
+// Metadata a standby coordinator adds to the calls it passes to the leader
+// (server/grpc/standby_forwarder.h): its id, and the mark of a caller that is not an internal
+// peer there. The leader sees the standby's certificate, so the mark is what keeps a trainer's
+// call from becoming internal on the way; a caller sending the mark itself only loses rights.
+inline constexpr char kForwardedByMetadata[] = "mainstay-forwarded-by";
+inline constexpr char kNotInternalMetadata[] = "mainstay-not-internal";
+
+// True when the call meets `internal` (always, when it is open) and no standby marked it as
+// coming from elsewhere.
 inline bool IsInternalPeer(const ::grpc::ServerContextBase* context, const InternalPeers& internal) {
+  if (context->client_metadata().count(kNotInternalMetadata) != 0) return false;
   if (internal.secret.enabled()) {
     const auto& metadata = context->client_metadata();
     auto it = metadata.find(kClusterSecretMetadata);

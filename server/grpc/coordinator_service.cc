@@ -225,8 +225,13 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
  public:
   // Daemons' calls (membership, the KV) need an internal peer (server/grpc/peer_identity.h).
   CoordinatorService(Coordinator* core, Calls* calls, grpc_server::Waiters* waiters, const AdminAuth* auth,
-                     grpc_server::InternalPeers internal)
-      : core_(core), calls_(calls), waiters_(waiters), auth_(auth), internal_(std::move(internal)) {}
+                     grpc_server::InternalPeers internal, std::function<void(const std::string&)> fault_point)
+      : core_(core),
+        calls_(calls),
+        waiters_(waiters),
+        auth_(auth),
+        internal_(std::move(internal)),
+        fault_point_(std::move(fault_point)) {}
 
   ::grpc::ServerUnaryReactor* RegisterDaemon(::grpc::CallbackServerContext* context,
                                              const v1::RegisterDaemonRequest* request,
@@ -264,7 +269,9 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
                                         v1::CreateJobResponse* response) override {
     return Serve(calls_, context, response, [&]() -> absl::StatusOr<v1::CreateJobResponse> {
       MAINSTAY_RETURN_IF_ERROR(auth_->Check(grpc_server::AdminTokenOf(context, request->admin_token()), "CreateJob"));
-      return core_->CreateJob(*request);
+      absl::StatusOr<v1::CreateJobResponse> created = core_->CreateJob(*request);
+      if (created.ok() && fault_point_) fault_point_("create-job-committed");
+      return created;
     });
   }
   ::grpc::ServerUnaryReactor* GetJob(::grpc::CallbackServerContext* context, const v1::GetJobRequest* request,
@@ -389,6 +396,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   grpc_server::Waiters* const waiters_;
   const AdminAuth* const auth_;
   const grpc_server::InternalPeers internal_;
+  const std::function<void(const std::string&)> fault_point_;
 };
 
 // Every Admin RPC needs the admin token when one is configured (read-only ones too: they
@@ -595,26 +603,33 @@ int CoordinatorServer::health_port() const { return impl_->health_port == nullpt
 
 void CoordinatorServer::Shutdown() { impl_->Shutdown(); }
 
-absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Options options) {
+grpc_server::InternalPeers CoordinatorServer::InternalPeersOf(const Options& options) {
+  return grpc_server::InternalPeers{options.internal_peer_name, options.cluster_secret};
+}
+
+absl::Status CoordinatorServer::CheckOptions(const Options& options) {
   if (options.listen_address.empty()) return absl::InvalidArgumentError("listen_address: must not be empty");
-  if (options.state_dir.empty() == (options.store == nullptr)) {
-    return absl::InvalidArgumentError("state_dir or an external store: exactly one is required");
-  }
   if (options.tick_interval_ms <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("tick_interval_ms: must be > 0, got ", options.tick_interval_ms));
   }
   if (options.max_message_bytes <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("max_message_bytes: must be > 0, got ", options.max_message_bytes));
   }
-  if (options.coordinator_id.empty()) options.coordinator_id = DefaultCoordinatorId();
   if (!options.internal_peer_name.empty() && !options.tls.require_client_cert) {
     return absl::InvalidArgumentError(
         "--tls-internal-name needs mutual TLS (--tls-client-auth require): the name is read from client certificates");
   }
+  return grpc_server::CheckListenerIsSafe(InternalPeersOf(options), options.listen_address, options.insecure,
+                                          "mainstay-coordinator");
+}
 
-  const grpc_server::InternalPeers internal{options.internal_peer_name, options.cluster_secret};
-  MAINSTAY_RETURN_IF_ERROR(
-      grpc_server::CheckListenerIsSafe(internal, options.listen_address, options.insecure, "mainstay-coordinator"));
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Options options) {
+  MAINSTAY_RETURN_IF_ERROR(CheckOptions(options));
+  if (options.state_dir.empty() == (options.store == nullptr)) {
+    return absl::InvalidArgumentError("state_dir or an external store: exactly one is required");
+  }
+  if (options.coordinator_id.empty()) options.coordinator_id = DefaultCoordinatorId();
+  const grpc_server::InternalPeers internal = InternalPeersOf(options);
 
   // TLS files first: a bad one is the operator's to fix (INVALID_ARGUMENT), before any state is touched.
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<::grpc::ServerCredentials> credentials, MakeServerCredentials(options.tls));
@@ -646,6 +661,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
   core_options.checkpoint_every_steps = options.checkpoint_every_steps;
   core_options.checkpoint_every_ms = options.checkpoint_every_ms;
   core_options.checkpoint_keep = options.checkpoint_keep;
+  core_options.fault_point = options.fault_point;
   if (impl->metrics != nullptr) {
     core_options.on_lease_expired = [m = impl->metrics.get()](const std::string&) { m->LeaseExpired(); };
   }
@@ -656,7 +672,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
   impl->waiters = std::make_unique<grpc_server::Waiters>(waits);
   impl->core->SetChangeListener([waiters = impl->waiters.get()] { waiters->NotifyAll(); });
   impl->coordinator_service = std::make_unique<CoordinatorService>(impl->core.get(), &impl->calls,
-                                                                   impl->waiters.get(), &impl->auth, internal);
+                                                                   impl->waiters.get(), &impl->auth, internal,
+                                                                   options.fault_point);
   impl->admin_service = std::make_unique<AdminService>(impl->core.get(), &impl->calls, &impl->auth);
   ::grpc::EnableDefaultHealthCheckService(true);
   ::grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -35,6 +35,7 @@
 #define MAINSTAY_SERVER_GRPC_COORDINATOR_SERVICE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -42,6 +43,7 @@
 #include "common/cluster_secret.h"
 #include "common/tls.h"
 #include "server/coordinator/state_store.h"
+#include "server/grpc/caller_identity.h"
 
 namespace mainstay::metrics {
 class Registry;
@@ -99,7 +101,16 @@ class CoordinatorServer {
     // "host:port" of a plaintext port serving only grpc.health.v1 with the same statuses
     // (server/grpc/health_port.h), for probes that cannot speak TLS; empty: none.
     std::string health_listen_address;
+    // Tests only: CoordinatorOptions::fault_point, plus "create-job-committed" (a CreateJob is
+    // durable and about to be answered).
+    std::function<void(const std::string& point)> fault_point;
   };
+
+  // The checks of Start that need no state: INVALID_ARGUMENT naming the bad option (the TLS
+  // files are read later, by Start). A standby runs them before it listens (main.cc).
+  static absl::Status CheckOptions(const Options& options);
+  // The rule for the internal calls that these options make (caller_identity.h).
+  static grpc_server::InternalPeers InternalPeersOf(const Options& options);
 
   // INVALID_ARGUMENT for bad options (unreadable or mismatched TLS files included),
   // FAILED_PRECONDITION when another coordinator holds the state directory, DATA_LOSS for a corrupt state, UNAVAILABLE when the address cannot be

@@ -238,7 +238,7 @@ def main():
 
 
 def check_ha(c, docs):
-    """The HA overlay: three coordinators (a Deployment, Ready only while leading) on a
+    """The HA overlay: three coordinators (a Deployment, standbys forwarding to the leader) on a
     three-member etcd StatefulSet, the daemons still dialling the coordinator's Service."""
     by_kind = {}
     for d in docs:
@@ -277,7 +277,14 @@ def check_ha(c, docs):
     c.check(ready.get("port") == ports.get("grpc"), "ha: the coordinators' readiness is not a gRPC probe of their port")
     for probe in ("livenessProbe", "startupProbe"):
         c.check(container.get(probe, {}).get("grpc", {}).get("port") != ports.get("grpc"),
-                f"ha: a {probe} on the gRPC port would restart every standby (standbys do not listen)")
+                f"ha: a {probe} on the gRPC port would restart every coordinator while none leads")
+    # Standbys forward to the leader's advertised address: the pod IP (a pod's name does not
+    # resolve without a headless Service), from the downward API.
+    env = {e["name"]: e for e in container.get("env", [])}
+    advertised = flag_value(cargs, "--advertise-address") or ""
+    c.check(advertised == "$(POD_IP):%s" % ports.get("grpc")
+            and env.get("POD_IP", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP",
+            f"ha: --advertise-address {advertised!r} is not $(POD_IP):<grpc port> with POD_IP from status.podIP")
     check_secret_file(c, "coordinator", template, container, flag_value(cargs, "--cluster-secret-file"),
                       "--cluster-secret-file")
     labels = template["metadata"]["labels"]

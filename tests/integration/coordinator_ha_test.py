@@ -10,6 +10,7 @@ uninterrupted run (recovery_test's trainer and reference).
 import base64
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -218,6 +219,39 @@ class CoordinatorHaTest(unittest.TestCase):
                  logs=self.cluster.logs)
         self.assertIn("FINAL", final)
 
+    def test_trainers_and_mainstayctl_given_only_a_standby_are_served_through_it(self):
+        # Standbys pass every call to the leader (docs/coordinator.md): the trainers, and
+        # mainstayctl, know only coordinator2's address, which never leads in this test.
+        standby = "127.0.0.1:%d" % self.cluster.coordinator_ports[2]
+        self.assertNotEqual(self.cluster.leader(), "coordinator2")
+        self.cluster.address = standby
+        for args in (("jobs", "list"), ("daemons", "list"), ("health",)):
+            r = self.cluster.ctl(*args)
+            self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
+        ps = [self.cluster.trainer(r, "run", "--step-sleep", "0.1") for r in range(D)]
+        self.wait_step(0, 3)
+        # The leader goes; coordinator1 takes over (coordinator2 is stopped meanwhile, so that it
+        # cannot), and coordinator2 passes the calls to the new leader.
+        self.cluster.procs["coordinator2"].send_signal(signal.SIGSTOP)
+        old = self.cluster.leader()
+        self.cluster.kill(old)
+        wait_for(lambda: self.cluster.leader() not in (None, old), "a new leader", timeout=60, logs=self.cluster.logs)
+        self.cluster.procs["coordinator2"].send_signal(signal.SIGCONT)
+        final = self.finish_run(ps)
+        self.assertEqual(self.cluster.leader(), "coordinator1")
+        wait_for(lambda: "standby: coordinator1 at " in self.cluster.log("coordinator2."),
+                 "coordinator2 to follow the new leader", logs=self.cluster.logs)
+        job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
+        r = self.cluster.ctl("jobs", "show", job, "--json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        spec = os.path.join(self.cluster.dir, "probe.json")
+        with open(spec, "w") as f:
+            json.dump(recovery_test.spec("probe"), f)
+        r = self.cluster.ctl("jobs", "create", "--spec", spec, "--request-id", "probe", "--yes")
+        self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
+        self.assertIn("state loaded from etcd", self.cluster.log("coordinator1."))
+        self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
+
     def test_an_etcd_restart_is_ridden_through(self):
         ps = [self.cluster.trainer(r, "run", "--step-sleep", "0.1") for r in range(D)]
         self.wait_step(0, 3)
@@ -232,6 +266,76 @@ class CoordinatorHaTest(unittest.TestCase):
             json.dump(recovery_test.spec("probe"), f)
         r = self.cluster.ctl("jobs", "create", "--spec", spec, "--request-id", "probe", "--yes")
         self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
+        self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
+
+
+class LeaderKilledAtAnExactMomentTest(unittest.TestCase):
+    """The leader SIGKILLs itself at one exact moment (mainstay-coordinator --inject-fault
+    crash-at:POINT, given to coordinator0 only: its successors run without it)."""
+
+    def start(self, point):
+        self.cluster = HaCluster(flags_of_coordinator={0: ["--inject-fault", "crash-at:" + point]})
+
+    def tearDown(self):
+        self.cluster.stop()
+
+    def test_the_leader_killed_between_create_jobs_commit_and_its_answer(self):
+        # Rank 0 creates the job through the client library: coordinator0 commits it and dies
+        # before answering. The client's retry (same request id) reaches the new leader, which
+        # answers with the job already committed: one job, and the run ends exactly.
+        self.start("create-job-committed")
+        ps = [self.cluster.trainer(r, "run") for r in range(D)]
+        for p in ps:
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
+        log0 = self.cluster.log("coordinator0.")
+        self.assertIn("--inject-fault: killing this process at create-job-committed", log0)
+        self.assertNotEqual(self.cluster.leader(), "coordinator0")
+        job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
+        self.assertIn("job %s 'run' created" % job, log0)  # the job coordinator0 committed
+        jobs = json.loads(self.cluster.ctl("jobs", "list", "--json").stdout)["jobs"]
+        self.assertEqual([j["job_id"] for j in jobs], [job], jobs)
+        for rank in range(D):
+            self.assertEqual(steps_done(self.cluster, "run", rank), list(range(STEPS)))
+        final = final_of(self.cluster.log("run.rank0"))
+        self.assertEqual(final, final_of(self.cluster.log("run.rank1")))
+        self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
+
+    def test_the_leader_killed_mid_checkpoint_leaves_it_unloadable_and_training_untouched(self):
+        # coordinator0 dies after every daemon wrote its shards of the checkpoint and before the
+        # manifest: the checkpoint must never count as committed, and training goes on.
+        self.start("checkpoint-shards-written")
+        ps = [self.cluster.trainer(r, "run", "--step-sleep", "0.1") for r in range(D)]
+        wait_for(lambda: "rank 0 step 3 " in self.cluster.log("run.rank0"), "step 3", timeout=120,
+                 logs=self.cluster.logs)
+        job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
+        r = self.cluster.ctl("checkpoint", "create", "--job", job, "--wait", "--yes", "--json", "--timeout-ms", "60000")
+        self.assertNotEqual(r.returncode, 0, r.stdout)  # its coordinator died before answering
+        self.assertIn("--inject-fault: killing this process at checkpoint-shards-written",
+                      self.cluster.log("coordinator0."))
+        for p in ps:
+            self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
+        self.assertNotRegex(self.cluster.log("run.rank"), "REWOUND", self.cluster.logs())
+        for rank in range(D):
+            self.assertEqual(steps_done(self.cluster, "run", rank), list(range(STEPS)))
+        # The shards are on disk, the manifest is not: listed as FAILED, never restorable.
+        torn = [d for d in os.listdir(os.path.join(self.cluster.dir, "checkpoints"))]
+        self.assertEqual(len(torn), 1, torn)
+        self.assertTrue(os.listdir(os.path.join(self.cluster.dir, "checkpoints", torn[0])))
+        wait_for(lambda: self.cluster.ctl("checkpoint", "list", "--json").returncode == 0, "the new leader",
+                 logs=self.cluster.logs)
+        listed = json.loads(self.cluster.ctl("checkpoint", "list", "--json").stdout).get("checkpoints", [])
+        self.assertEqual([(c["checkpoint_id"], c["state"]) for c in listed], [(torn[0], "CHECKPOINT_STATE_FAILED")])
+        self.assertIn("no manifest", listed[0]["error"])
+        r = self.cluster.ctl("checkpoint", "restore", torn[0], "--job", job, "--yes")
+        self.assertNotEqual(r.returncode, 0, r.stdout)
+        # A checkpoint under the new leader commits, and the torn one can be deleted.
+        r = self.cluster.ctl("checkpoint", "create", "--job", job, "--wait", "--yes", "--json", "--timeout-ms", "60000")
+        self.assertEqual(r.returncode, 0, r.stderr + self.cluster.logs())
+        r = self.cluster.ctl("checkpoint", "delete", torn[0], "--yes")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        CoordinatorHaTest.assert_no_epoch_issued_twice(self)
+        final = final_of(self.cluster.log("run.rank0"))
+        self.assertEqual(final, final_of(self.cluster.log("run.rank1")))
         self.assertEqual(final, recovery_test.RecoveryTest.run_reference(self))
 
 

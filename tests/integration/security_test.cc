@@ -33,6 +33,7 @@
 #include "mainstay/v1/admin.grpc.pb.h"
 #include "mainstay/v1/coordinator.grpc.pb.h"
 #include "mainstay/v1/shard.grpc.pb.h"
+#include "tests/testing/etcd_server.h"
 #include "tests/testing/reference_model.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/subprocess.h"
@@ -503,6 +504,59 @@ TEST_F(SecurityTest, AdminCallsWithoutOrWithAWrongAdminTokenArePermissionDenied)
   fake.set_address("127.0.0.1:1");
   v1::RegisterDaemonResponse registered;
   EXPECT_THAT(Call(*coordinator, &CoordinatorStub::RegisterDaemon, fake, &registered), denied);
+}
+
+// Standby coordinators (etcd) pass calls to the leader under their own certificate, which names
+// the internal peer name: the caller's rights must not grow on the way.
+TEST_F(SecurityTest, AStandbyPassesCallsOnWithoutLendingTrainersItsCertificate) {
+  using CoordinatorStub = v1::Coordinator::Stub;
+  using AdminStub = v1::Admin::Stub;
+  if (!testing::EtcdServer::Available()) GTEST_SKIP() << "no etcd-server";
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(std::unique_ptr<testing::EtcdServer> etcd, testing::EtcdServer::Start());
+  std::vector<std::unique_ptr<Subprocess>> coordinators;
+  std::string standby;
+  for (const std::string id : {"ha-lead", "ha-standby"}) {
+    std::vector<std::string> argv = {MAINSTAY_COORDINATOR_BIN, "--listen", "127.0.0.1:0", "--etcd-endpoints",
+                                     etcd->endpoint(), "--etcd-prefix", "/security/", "--coordinator-id", id,
+                                     "--port-file", dir_->File(id + ".port"), "--metrics-listen", "off",
+                                     "--admin-token-file", dir_->File("admin-token"), "--tls-cert-file",
+                                     dir_->File("server.pem"), "--tls-key-file", dir_->File("server.key"),
+                                     "--tls-ca-file", dir_->File("cluster-ca.pem"), "--tls-client-auth", "require",
+                                     "--tls-internal-name", kInternalName};
+    auto started = Subprocess::Start({argv, dir_->File(id + ".log")});
+    ASSERT_THAT(started.status(), IsOk());
+    coordinators.push_back(*std::move(started));
+    absl::StatusOr<int> port = testing::WaitForPortFile(dir_->File(id + ".port"), *coordinators.back(), kStartTimeout);
+    ASSERT_THAT(port.status(), IsOk()) << ReadFileOrEmpty(dir_->File(id + ".log"));
+    standby = absl::StrCat("127.0.0.1:", *port);
+    const absl::Time deadline = absl::Now() + kStartTimeout;
+    const std::string line = id == "ha-lead" ? "I coordinator: leading (" : "I coordinator: standby: ha-lead at ";
+    while (!absl::StrContains(ReadFileOrEmpty(dir_->File(id + ".log")), line) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    ASSERT_THAT(ReadFileOrEmpty(dir_->File(id + ".log")), HasSubstr(line));
+  }
+  v1::KvPutRequest put;
+  put.set_key("through-a-standby");
+  put.set_value("v");
+  v1::KvPutResponse put_response;
+  auto as_trainer = v1::Coordinator::NewStub(Channel(standby, TrainerTls()));
+  EXPECT_THAT(Call(*as_trainer, &CoordinatorStub::KvPut, put, &put_response),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr(kInternalName)));
+  v1::RegisterDaemonRequest fake;
+  fake.set_address("127.0.0.1:1");
+  v1::RegisterDaemonResponse registered;
+  EXPECT_THAT(Call(*as_trainer, &CoordinatorStub::RegisterDaemon, fake, &registered),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  auto as_server = v1::Coordinator::NewStub(Channel(standby, ServerTls()));
+  EXPECT_THAT(Call(*as_server, &CoordinatorStub::KvPut, put, &put_response), IsOk());
+  // The admin token goes along: an admin call from a trainer's certificate works with it.
+  auto admin = v1::Admin::NewStub(Channel(standby, TrainerTls()));
+  v1::ListCheckpointsResponse checkpoints;
+  EXPECT_THAT(Call(*admin, &AdminStub::ListCheckpoints, {}, &checkpoints),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  EXPECT_THAT(Call(*admin, &AdminStub::ListCheckpoints, {}, &checkpoints, *admin_token_),
+              Not(StatusIs(absl::StatusCode::kPermissionDenied)));
 }
 
 TEST_F(SecurityTest, AClientOfJobANeverReadsOrWritesJobB) {

@@ -44,13 +44,15 @@ class Cluster:
     TRAINER = None  # the trainer script (`trainer` runs it with --trainer)
 
     def __init__(self, daemons=2, lease_ms=1500, coordinator_flags=(), daemon_flags=(), host="127.0.0.1",
-                 daemon_hosts=None, flags_of_daemon=None, coordinators=0, etcd_members=1):
+                 daemon_hosts=None, flags_of_daemon=None, coordinators=0, etcd_members=1, flags_of_coordinator=None):
         """`daemon_hosts[i]`: (address to listen on, command prefix), e.g. a network namespace.
         `flags_of_daemon[i]`: extra flags of daemon i only. `coordinators` > 0: that many
         coordinators ("coordinatorI", on loopback) keep the state in a real etcd ("etcd", Debian's
         etcd-server) instead of a state directory; the first leads, the others are standbys, and
-        every client is given all their addresses. `etcd_members`: the size of that etcd cluster."""
+        every client is given all their addresses. `etcd_members`: the size of that etcd cluster.
+        `flags_of_coordinator[i]`: extra flags of coordinator i only (its first start)."""
         self.flags_of_daemon = flags_of_daemon or {}
+        self.flags_of_coordinator = flags_of_coordinator or {}
         self.dir = tempfile.mkdtemp(prefix="mainstay-recovery.")
         self.procs = {}
         self.trainers = []
@@ -139,7 +141,8 @@ class Cluster:
         first = self.leader() is None
         self._start(name, [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen",
                            "127.0.0.1:%d" % self.coordinator_ports[i], "--etcd-endpoints", self.etcd_endpoint,
-                           "--etcd-lease-ttl-ms", "3000", "--coordinator-id", name] + common + self.coordinator_flags)
+                           "--etcd-lease-ttl-ms", "3000", "--coordinator-id", name] + common + self.coordinator_flags
+                           + list(self.flags_of_coordinator.pop(i, [])))
         if first:
             wait_for(lambda: self.ctl("health").returncode == 0, name, logs=self.logs)
         else:
