@@ -87,8 +87,9 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
       if (chosen.empty() && made == s.tokens.end()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "request ", request.request_id(), " already created job ", id,
-            " before a coordinator restart or takeover; its token was returned then and is not kept (delete and "
-            "recreate; a CreateJob that sets job_token as well as request_id can be retried across one)"));
+            "; its token is not kept here (only its hash: the first call chose it, or this coordinator restarted or "
+            "took over since). Retry with that job_token, or delete and recreate (a CreateJob that sets job_token "
+            "as well as request_id can be retried across a restart)"));
       }
       v1::CreateJobResponse response;
       response.set_job_id(id);
@@ -138,7 +139,9 @@ absl::StatusOr<v1::CreateJobResponse> Coordinator::CreateJob(const v1::CreateJob
   Batch batch;
   batch.PutJob(job);
   MAINSTAY_RETURN_IF_ERROR(s.Commit(batch, counters));
-  s.tokens[job_id] = token;
+  // Only a token this coordinator made is kept in memory, to answer a retry until a restart;
+  // one the caller chose must be presented again.
+  if (request.job_token().empty()) s.tokens[job_id] = token;
   s.SendAssignments(job, {}, "");
   Log(LogLevel::kInfo, "coordinator", absl::StrCat("job ", job_id, " '", spec->name, "' created: D=",
                                                    spec->data_parallel_size, ", ", info->num_buckets(), " bucket(s)"));

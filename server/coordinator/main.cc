@@ -8,12 +8,14 @@
 // locked or corrupt): exit 1.
 #include <pthread.h>
 #include <signal.h>
+#include <netdb.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -25,6 +27,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -400,23 +403,47 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> ConnectEtcd(const Settings& s) {
   return EtcdClient::Create(o);
 }
 
-// The leader key's value: "<coordinator id> at <advertised address>".
-std::string LeaderKeyValue(const std::string& id, const std::string& address) { return absl::StrCat(id, " at ", address); }
+// The leader key's value: "<coordinator id> at <advertised address> (takes forwarded calls)".
+// The suffix says the leader reads the standbys' mark of callers that are not internal peers
+// (caller_identity.h): a leader of an older version would not, and is never forwarded to.
+constexpr char kTakesForwardedCalls[] = " (takes forwarded calls)";
+std::string LeaderKeyValue(const std::string& id, const std::string& address) {
+  return absl::StrCat(id, " at ", address, kTakesForwardedCalls);
+}
+// The leader's advertised address; "" when the value is not of a leader that takes forwarded calls.
 std::string LeaderAddressOf(const std::string& value) {
-  const size_t at = value.rfind(" at ");
-  return at == std::string::npos ? "" : value.substr(at + 4);
+  if (!absl::EndsWith(value, kTakesForwardedCalls)) return "";
+  const std::string head = value.substr(0, value.size() - std::strlen(kTakesForwardedCalls));
+  const size_t at = head.rfind(" at ");
+  return at == std::string::npos ? "" : head.substr(at + 4);
 }
 
 // Where the other coordinators reach this one: --advertise-address, else the listen host (this
 // host's name for a wildcard) with the bound port.
-std::string AdvertisedAddress(const Settings& s, const std::string& listen_host, int port) {
-  if (s.advertise_address) return *s.advertise_address;
-  std::string host = listen_host;
-  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::") {
-    char name[256] = {};
-    host = ::gethostname(name, sizeof(name) - 1) == 0 ? name : "localhost";
+// INVALID_ARGUMENT when its host does not resolve here (it must resolve at the other
+// coordinators too: a standby forwards every call there).
+absl::StatusOr<std::string> AdvertisedAddress(const Settings& s, const std::string& listen_host, int port) {
+  std::string address;
+  if (s.advertise_address) {
+    address = *s.advertise_address;
+  } else {
+    std::string host = listen_host;
+    if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::") {
+      char name[256] = {};
+      host = ::gethostname(name, sizeof(name) - 1) == 0 ? name : "localhost";
+    }
+    address = absl::StrCat(host, ":", port);
   }
-  return absl::StrCat(host, ":", port);
+  std::string host = address.substr(0, address.rfind(':'));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  addrinfo* found = nullptr;
+  if (const int err = ::getaddrinfo(host.c_str(), nullptr, nullptr, &found); err != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--advertise-address: '", host, "' (of ", address,
+                                                   ") does not resolve here: ", ::gai_strerror(err),
+                                                   "; give --advertise-address HOST:PORT that the other coordinators reach"));
+  }
+  ::freeaddrinfo(found);
+  return address;
 }
 
 int Main(int argc, char** argv) {
@@ -482,7 +509,12 @@ int Main(int argc, char** argv) {
     // The port stays this coordinator's: the leader's server binds it again at takeover.
     const int port = (*forwarder)->port();
     options->listen_address = absl::StrCat(listen_host, ":", port);
-    const std::string advertised = AdvertisedAddress(*settings, listen_host, port);
+    absl::StatusOr<std::string> advertised_or = AdvertisedAddress(*settings, listen_host, port);
+    if (!advertised_or.ok()) {
+      std::fprintf(stderr, "mainstay-coordinator: %s\n", std::string(advertised_or.status().message()).c_str());
+      return 2;
+    }
+    const std::string advertised = *advertised_or;
     const std::string who = LeaderKeyValue(options->coordinator_id, advertised);
     if (settings->port_file) {
       if (absl::Status s = WritePortFile(*settings->port_file, port); !s.ok()) {
@@ -508,7 +540,14 @@ int Main(int argc, char** argv) {
         Log(LogLevel::kWarning, "coordinator", absl::StrCat("standby: etcd does not answer: ", holder.status().message()));
         next_warning = absl::Now() + absl::Seconds(10);
       } else if (holder.ok() && *holder != last_holder) {
-        (*forwarder)->SetLeader(LeaderAddressOf(*holder));
+        // Not to itself (a key this coordinator wrote before a restart, its lease not ended).
+        const std::string leader = LeaderAddressOf(*holder);
+        (*forwarder)->SetLeader(leader == advertised ? "" : leader);
+        if (leader.empty() && !holder->empty()) {
+          Log(LogLevel::kWarning, "coordinator",
+              absl::StrCat("standby: the leader (", *holder, ") does not take forwarded calls (an older version): ",
+                           "calls here are refused until a coordinator of this version leads"));
+        }
         Log(LogLevel::kInfo, "coordinator",
             absl::StrCat("standby: ", *holder, " leads (etcd key ", etcd->options().prefix,
                          "leader); calls to ", advertised, " go to it, and this one takes over when its lease ends"));
@@ -524,6 +563,12 @@ int Main(int argc, char** argv) {
         return 0;
       }
     }
+    // The lease is kept alive from now on: closing the standby's port may take a second or two.
+    leadership->Start([](const absl::Status& why) {
+      Log(LogLevel::kError, "coordinator", absl::StrCat(why.message(), "; stopping (exit 1)"));
+      leadership_lost = true;
+      ::kill(::getpid(), SIGTERM);
+    });
     (*forwarder)->Shutdown();
     Log(LogLevel::kInfo, "coordinator",
         absl::StrCat("leading (etcd key ", leadership->key(), ", lease ", leadership->lease(), ", TTL ",
@@ -531,11 +576,6 @@ int Main(int argc, char** argv) {
     etcd_store = NewEtcdStateStore(etcd.get(), leadership.get());
     options->store = etcd_store.get();
     options->state_description = absl::StrCat("etcd ", *settings->etcd_endpoints, " prefix ", etcd->options().prefix);
-    leadership->Start([](const absl::Status& why) {
-      Log(LogLevel::kError, "coordinator", absl::StrCat(why.message(), "; stopping (exit 1)"));
-      leadership_lost = true;
-      ::kill(::getpid(), SIGTERM);
-    });
   }
 
   absl::StatusOr<std::unique_ptr<CoordinatorServer>> server = CoordinatorServer::Start(*options);

@@ -680,6 +680,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Opti
   ::grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, credentials, &impl->port);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  // Two coordinators given one host:port must not share it silently (etcd standbys listen too).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Clients and standbys ping every 5 s during calls (client_internal::ChannelArgs), long polls included.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   if (impl->metrics != nullptr) {
     std::vector<std::unique_ptr<::grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
     interceptors.push_back(grpc_server::MakeRpcCounter(impl->metrics.get()));

@@ -51,26 +51,16 @@ class ForwardingService;
 // object is deleted in the downstream OnDone, which gRPC calls last.
 class ForwardedCall : public ::grpc::ServerGenericBidiReactor {
  public:
+  // Registers with `service` before it starts anything (so its OnDone always finds it there).
   ForwardedCall(ForwardingService* service, ::grpc::GenericCallbackServerContext* context,
-                std::shared_ptr<::grpc::Channel> channel, const InternalPeers& internal, const std::string& id)
-      : service_(service), context_(context), channel_(std::move(channel)), upstream_(this) {
-    client_context_.set_deadline(context->deadline());
-    for (const auto& [key, value] : context->client_metadata()) {
-      if (IsTransportMetadata(View(key))) continue;
-      client_context_.AddMetadata(std::string(View(key)), std::string(View(value)));
-    }
-    client_context_.AddMetadata(kForwardedByMetadata, id);
-    if (!IsInternalPeer(context, internal)) client_context_.AddMetadata(kNotInternalMetadata, "1");
-    ::grpc::GenericStub stub(channel_);
-    stub.PrepareBidiStreamingCall(&client_context_, context->method(), ::grpc::StubOptions(), &upstream_);
-    upstream_.AddHold();  // released at the upstream's last read (upstream_open_); needs the bound call
-    StartRead(&request_);
-    upstream_.StartRead(&response_);
-    upstream_.StartCall();
-  }
+                std::shared_ptr<::grpc::Channel> channel, const InternalPeers& internal, const std::string& id);
 
   // Downstream (the caller).
   void OnReadDone(bool ok) override {
+    if (!ok && context_->IsCancelled()) {  // a cut-off stream must not look complete upstream
+      client_context_.TryCancel();
+      return;
+    }
     if (!HoldUpstream()) return;
     if (ok) {
       upstream_.StartWrite(&request_);
@@ -103,8 +93,15 @@ class ForwardedCall : public ::grpc::ServerGenericBidiReactor {
   void OnCancel() override { client_context_.TryCancel(); }
   void OnDone() override;
 
-  // Ends the call (the standby stops forwarding): UNAVAILABLE to the caller, who retries.
-  void Cancel() { client_context_.TryCancel(); }
+  // Ends the call (the standby stops forwarding, or the leader changed): UNAVAILABLE to the
+  // caller, who retries.
+  void Cancel(const std::string& why) {
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_because_ = why;
+    }
+    client_context_.TryCancel();
+  }
   // The service's references while it cancels calls; gRPC holds the first one until OnDone.
   void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
   void Unref() {
@@ -176,6 +173,7 @@ class ForwardedCall : public ::grpc::ServerGenericBidiReactor {
   bool upstream_done_ ABSL_GUARDED_BY(mu_) = false;
   bool downstream_writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::string cancelled_because_ ABSL_GUARDED_BY(mu_);  // set by Cancel
   ::grpc::Status status_;  // written before finished_ is set, read after
 };
 
@@ -184,6 +182,8 @@ class ForwardingService : public ::grpc::CallbackGenericService {
   ForwardingService(const StandbyForwarder::Options& options, ChannelSecurity security)
       : options_(options), security_(std::move(security)) {}
 
+  // Calls already forwarded to another leader end with UNAVAILABLE (their client retries here,
+  // and reaches the new one).
   void SetLeader(const std::string& address) {
     std::shared_ptr<::grpc::Channel> channel;
     if (!address.empty()) {
@@ -192,10 +192,25 @@ class ForwardingService : public ::grpc::CallbackGenericService {
       args.SetMaxSendMessageSize(-1);
       args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
       args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+      // A leader whose host vanished (no RST) must not hold forwarded streams for minutes.
+      args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 5000);
+      args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
       channel = security_.CreateChannel(address, args);
     }
+    {
+      absl::MutexLock lock(&mu_);
+      if (closing_ || address == leader_) return;
+      leader_ = address;
+      channel_ = std::move(channel);
+    }
+    CancelCalls(/*closing=*/false, absl::StrCat("the leader changed (now ", address.empty() ? "none" : address, ")"));
+  }
+
+  // False when the service is closing (the call must end at once).
+  bool Register(ForwardedCall* call) {
     absl::MutexLock lock(&mu_);
-    if (!closing_) channel_ = std::move(channel);
+    calls_.insert(call);
+    return !closing_;
   }
 
   ::grpc::ServerGenericBidiReactor* CreateReactor(::grpc::GenericCallbackServerContext* context) override {
@@ -222,39 +237,17 @@ class ForwardingService : public ::grpc::CallbackGenericService {
                                         absl::StrCat("no coordinator leads now (", options_.id,
                                                      " is a standby): retry in a moment")));
     }
-    auto* call = new ForwardedCall(this, context, std::move(channel), options_.internal, options_.id);
-    absl::MutexLock lock(&mu_);
-    calls_.insert(call);
-    return call;
+    return new ForwardedCall(this, context, std::move(channel), options_.internal, options_.id);
   }
 
   // From now on no call is forwarded, and those in flight end with UNAVAILABLE.
-  void CloseAll() {
-    std::vector<ForwardedCall*> calls;
-    {
-      absl::MutexLock lock(&mu_);
-      closing_ = true;
-      channel_ = nullptr;
-      for (ForwardedCall* call : calls_) {
-        call->Ref();
-        calls.push_back(call);
-      }
-    }
-    for (ForwardedCall* call : calls) {
-      call->Cancel();
-      call->Unref();
-    }
-  }
+  void CloseAll() { CancelCalls(/*closing=*/true, "it is taking over or stopping"); }
   // Waits up to `timeout` for the calls in flight to end.
   void WaitIdle(absl::Duration timeout) {
     absl::MutexLock lock(&mu_);
     mu_.AwaitWithTimeout(absl::Condition(
                              +[](absl::flat_hash_set<ForwardedCall*>* calls) { return calls->empty(); }, &calls_),
                          timeout);
-  }
-  bool closing() {
-    absl::MutexLock lock(&mu_);
-    return closing_;
   }
   void Forget(ForwardedCall* call) {
     absl::MutexLock lock(&mu_);
@@ -266,10 +259,52 @@ class ForwardingService : public ::grpc::CallbackGenericService {
   const StandbyForwarder::Options options_;
   const ChannelSecurity security_;
   absl::Mutex mu_;
+  // Ends the calls in flight with UNAVAILABLE saying `why` (and, `closing`, every later one).
+  void CancelCalls(bool closing, const std::string& why) {
+    std::vector<ForwardedCall*> calls;
+    {
+      absl::MutexLock lock(&mu_);
+      if (closing) {
+        closing_ = true;
+        channel_ = nullptr;
+      }
+      for (ForwardedCall* call : calls_) {
+        call->Ref();
+        calls.push_back(call);
+      }
+    }
+    for (ForwardedCall* call : calls) {
+      call->Cancel(why);
+      call->Unref();
+    }
+  }
+
+  std::string leader_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<::grpc::Channel> channel_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<ForwardedCall*> calls_ ABSL_GUARDED_BY(mu_);
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+ForwardedCall::ForwardedCall(ForwardingService* service, ::grpc::GenericCallbackServerContext* context,
+                             std::shared_ptr<::grpc::Channel> channel, const InternalPeers& internal,
+                             const std::string& id)
+    : service_(service), context_(context), channel_(std::move(channel)), upstream_(this) {
+  const bool open = service_->Register(this);
+  client_context_.set_deadline(context->deadline());
+  for (const auto& [key, value] : context->client_metadata()) {
+    if (IsTransportMetadata(View(key))) continue;
+    client_context_.AddMetadata(std::string(View(key)), std::string(View(value)));
+  }
+  client_context_.AddMetadata(kForwardedByMetadata, id);
+  if (!IsInternalPeer(context, internal)) client_context_.AddMetadata(kNotInternalMetadata, "1");
+  ::grpc::GenericStub stub(channel_);
+  stub.PrepareBidiStreamingCall(&client_context_, context->method(), ::grpc::StubOptions(), &upstream_);
+  upstream_.AddHold();  // released at the upstream's last read (upstream_open_); needs the bound call
+  StartRead(&request_);
+  upstream_.StartRead(&response_);
+  upstream_.StartCall();
+  if (!open) Cancel("it is taking over or stopping");  // CloseAll ran while this call came in
+}
 
 void ForwardedCall::OnDone() {
   service_->Forget(this);
@@ -280,10 +315,15 @@ void ForwardedCall::FinishDownstream() {
   for (const auto& [key, value] : client_context_.GetServerTrailingMetadata()) {
     if (!IsTransportMetadata(View(key))) context_->AddTrailingMetadata(std::string(View(key)), std::string(View(value)));
   }
-  if (status_.error_code() == ::grpc::StatusCode::CANCELLED && service_->closing()) {
+  std::string why;
+  {
+    absl::MutexLock lock(&mu_);
+    why = cancelled_because_;
+  }
+  if (status_.error_code() == ::grpc::StatusCode::CANCELLED && !why.empty()) {
     status_ = ::grpc::Status(::grpc::StatusCode::UNAVAILABLE,
-                             absl::StrCat("coordinator ", service_->id(), " stopped passing calls to the leader (it is ",
-                                          "taking over or stopping): retry"));
+                             absl::StrCat("coordinator ", service_->id(), " stopped passing this call on: ", why,
+                                          "; retry"));
   }
   Finish(status_);
 }
@@ -330,6 +370,11 @@ absl::StatusOr<std::unique_ptr<StandbyForwarder>> StandbyForwarder::Start(Option
   ::grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, *credentials, &impl->port);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  // Two coordinators given one host:port must not share it silently.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Clients ping every 5 s during calls (client_internal::ChannelArgs), long polls included.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   builder.RegisterCallbackGenericService(impl->service.get());
   impl->server = builder.BuildAndStart();
   if (impl->server == nullptr || impl->port == 0) {

@@ -532,6 +532,10 @@ TEST_F(CoordinatorCoreTest, ARetryWithTheCallersOwnTokenReturnsTheJobAfterAResta
   req.set_job_token(std::string(40, 'a') + "-token_1");
   MAINSTAY_ASSERT_OK_AND_ASSIGN(v1::CreateJobResponse first, coordinator_->CreateJob(req));
   EXPECT_EQ(first.job_token(), req.job_token());
+  // Knowing the request id is not enough to learn a token the caller chose, before a restart too.
+  v1::CreateJobRequest without = req;
+  without.clear_job_token();
+  EXPECT_THAT(coordinator_->CreateJob(without), StatusIs(absl::StatusCode::kFailedPrecondition));
   Restart(std::move(store_));
   MAINSTAY_ASSERT_OK_AND_ASSIGN(v1::CreateJobResponse retried, coordinator_->CreateJob(req));
   EXPECT_EQ(retried.job_id(), first.job_id());
@@ -543,7 +547,7 @@ TEST_F(CoordinatorCoreTest, ARetryWithTheCallersOwnTokenReturnsTheJobAfterAResta
   EXPECT_THAT(coordinator_->CreateJob(other), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("another")));
   other.clear_job_token();
   EXPECT_THAT(coordinator_->CreateJob(other),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("sets job_token as well as request_id")));
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("Retry with that job_token")));
   // A token the caller chooses must look like one.
   v1::CreateJobRequest bad;
   *bad.mutable_spec() = SmallSpec("k", 1);
