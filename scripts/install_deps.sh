@@ -8,13 +8,14 @@
 # targets (scripts/fuzz.sh); iproute2's `ip netns` runs the network-partition test.
 # golang-etcd-server-dev ships etcd's .proto files (the coordinator's etcd client is generated
 # from them); etcd-server and etcd-client (etcdctl) run the coordinator's etcd tests.
+# libxxhash-dev: XXH3-64, the chunk hash of delta pulls (header only, common/chunk_hash.h).
 set -euo pipefail
 
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libabsl-dev libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc
   libgtest-dev libgmock-dev libbenchmark-dev
-  nlohmann-json3-dev libssl-dev
+  nlohmann-json3-dev libssl-dev libxxhash-dev
   libhwy-dev
   libucx-dev ucx-utils
   etcd-server etcd-client golang-etcd-server-dev

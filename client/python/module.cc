@@ -366,10 +366,16 @@ PYBIND11_MODULE(_mainstay, m) {
         }
         return StepStatsDict(Take(std::move(s)));
       })
-      .def("pull_bucket", [](PyClient& c, int32_t bucket, int64_t version, bool wait, double timeout_s) {
+      .def("pull_bucket", [](PyClient& c, int32_t bucket, int64_t version, bool wait, double timeout_s,
+                             const PulledBucket* since) {
+        if (since != nullptr) return c.Pull(c.client().PullBucketSince(bucket, version, *since, Millis(timeout_s)), wait);
         return c.Pull(c.client().PullBucket(bucket, version, Millis(timeout_s)), wait);
       }, py::arg("bucket"), py::arg("version"), py::arg("wait") = true, py::arg("timeout_s") = 0.0,
-         "Every shard of the bucket at `version` (Client.LATEST: the newest), in parallel.")
+         py::arg("since") = nullptr,
+         "Every shard of the bucket at `version` (Client.LATEST: the newest), in parallel. since: a whole "
+         "earlier pull of the bucket (a PulledBucket): only the 64 KiB chunks of data that changed since then "
+         "come (delta sync, over grpc); the result is a new PulledBucket, checked against the daemons' "
+         "CRC-32C, and `since` is left as it is.")
       .def("pull_shard", [](PyClient& c, int32_t bucket, int32_t shard, int64_t version, bool wait, double timeout_s) {
         return c.Pull(c.client().PullShard(bucket, shard, version, Millis(timeout_s)), wait);
       }, py::arg("bucket"), py::arg("shard"), py::arg("version"), py::arg("wait") = true, py::arg("timeout_s") = 0.0)

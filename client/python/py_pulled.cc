@@ -178,6 +178,12 @@ void BindPulled(py::module_& m) {
       .def_property_readonly("bucket", &PulledBucket::bucket)
       .def_property_readonly("version", &PulledBucket::version)
       .def_property_readonly("unchanged", &PulledBucket::unchanged)
+      .def_property_readonly("data_bytes_received", [](const PulledBucket& p) {
+        int64_t n = 0;
+        for (const PulledShard& s : p.shards()) n += s.data_bytes_received;
+        return n;
+      }, "Bytes of packed data that came over the wire: all of data, or after a delta pull (pull_bucket(since=)) "
+         "only the chunks that changed.")
       .def_property_readonly("format", [](const PulledBucket& p) { return std::string(FormatName(p.format())); })
       .def_property_readonly("shard_begin", &PulledBucket::shard_begin)
       .def_property_readonly("shard_end", &PulledBucket::shard_end)

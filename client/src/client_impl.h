@@ -178,11 +178,16 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   PushHandle SchedulePushes(int32_t bucket, const std::vector<int32_t>& shards, int64_t step, v1::PushKind kind,
                             const std::vector<ElementSpan>& data, int32_t num_contributors,
                             const PushOptions& options);
-  // Pulls one shard into `data_out` (its slice of the packed bucket buffer), blocking.
+  // Pulls one shard into `data_out` (its slice of the packed bucket buffer), blocking. With
+  // `have` (the XXH3-64 of each `delta_chunk_bytes` chunk of what data_out holds already) a
+  // delta pull, over the grpc transport: only the chunks that changed come.
   absl::StatusOr<PulledShard> PullShardSync(int32_t bucket, int32_t shard, int64_t version,
-                                            std::span<uint8_t> data_out, Deadline deadline);
+                                            std::span<uint8_t> data_out, Deadline deadline,
+                                            const std::vector<uint64_t>* have = nullptr,
+                                            int64_t delta_chunk_bytes = 0);
+  // `since`: a delta pull of the whole bucket, starting from a copy of its data.
   PullHandle SchedulePull(int32_t bucket, int32_t shard_begin, int32_t shard_end, int64_t version,
-                          std::chrono::milliseconds timeout);
+                          std::chrono::milliseconds timeout, const PulledBucket* since = nullptr);
 };
 
 }  // namespace mainstay

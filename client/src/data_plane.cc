@@ -2,12 +2,14 @@
 // streams (one shard, or every shard of a bucket into one packed buffer).
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <optional>
 #include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "client/src/client_impl.h"
+#include "common/chunk_hash.h"
 #include "common/crc32c.h"
 #include "client/src/pull_assembly.h"
 #include "client/src/rpc_errors.h"
@@ -328,7 +330,9 @@ PushHandle Client::PushInitialParams(int32_t bucket, std::span<const float> data
 // Pulls.
 
 absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t shard, int64_t version,
-                                                        std::span<uint8_t> data_out, Deadline deadline) {
+                                                        std::span<uint8_t> data_out, Deadline deadline,
+                                                        const std::vector<uint64_t>* have,
+                                                        int64_t delta_chunk_bytes) {
   v1::PullParamsRequest request;
   request.set_job_id(job_id);
   request.set_job_token(job_token);
@@ -341,16 +345,24 @@ absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t 
     request.set_version(version);
   }
   request.set_max_chunk_bytes(options.chunk_bytes);
+  if (have != nullptr) {
+    request.set_delta_chunk_bytes(delta_chunk_bytes);
+    request.mutable_have_chunk_hashes()->Assign(have->begin(), have->end());
+  }
   absl::StatusOr<PulledShard> result;
   const std::string what = absl::StrCat("PullParams bucket ", bucket, " shard ", shard, " version ", version);
   MAINSTAY_RETURN_IF_ERROR(Retry(
       what, deadline, [&] { return RouteForShard(bucket, shard); },
       [&](const Route& route, grpc::ClientContext* context) -> absl::Status {
-        MAINSTAY_ASSIGN_OR_RETURN(client_internal::DataTransport * transport, TransportFor(route.endpoint));
+        client_internal::DataTransport* transport = grpc_transport.get();  // deltas go over grpc only
+        if (have == nullptr) {
+          MAINSTAY_ASSIGN_OR_RETURN(transport, TransportFor(route.endpoint));
+        }
         request.set_placement_epoch(route.epoch);
         client_internal::ShardPullAssembler assembler(*layout, bucket, shard,
                                                       version == Client::kLatestVersion ? -1 : version, data_out,
                                                       options.verify_crc32c);
+        if (have != nullptr) assembler.ExpectDelta(delta_chunk_bytes);
         MAINSTAY_RETURN_IF_ERROR(transport->Pull(route, request, assembler, deadline, context));
         result = assembler.Finish();
         return result.status();
@@ -359,7 +371,7 @@ absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t 
 }
 
 PullHandle Client::Impl::SchedulePull(int32_t bucket, int32_t shard_begin, int32_t shard_end, int64_t version,
-                                      std::chrono::milliseconds timeout) {
+                                      std::chrono::milliseconds timeout, const PulledBucket* since) {
   struct PullState {
     absl::Mutex mu;
     int remaining ABSL_GUARDED_BY(mu) = 0;
@@ -373,17 +385,29 @@ PullHandle Client::Impl::SchedulePull(int32_t bucket, int32_t shard_begin, int32
   const int64_t base = DataBytes(b.format, shard_begin * b.shard_numel);
   state->data = pull_buffers->Acquire(DataBytes(b.format, shard_end * b.shard_numel) - base);
   state->shards.resize(shard_end - shard_begin);
+  // A delta pull patches a copy of `since` (left as it is, whatever happens): 64 KiB chunks,
+  // smaller when the client's messages are (a chunk travels as one message).
+  int64_t delta_chunk = 0;
+  if (since != nullptr) {
+    std::memcpy(state->data.span().data(), since->data().data(), state->data.span().size());
+    const int64_t message_bytes = options.chunk_bytes > 0 ? options.chunk_bytes : (int64_t{1} << 20);
+    delta_chunk = int64_t{64} << 10;
+    while (delta_chunk > message_bytes && delta_chunk > 4096) delta_chunk /= 2;
+  }
   {
     absl::MutexLock lock(&state->mu);
     state->remaining = shard_end - shard_begin;
   }
   PullHandle handle(state->promise.get_future().share());
   for (int32_t shard = shard_begin; shard < shard_end; ++shard) {
-    pull_pool->Schedule([this, state, bucket, shard, shard_begin, shard_end, version, deadline, base] {
+    pull_pool->Schedule([this, state, bucket, shard, shard_begin, shard_end, version, deadline, base, delta_chunk] {
       const Bucket& bk = layout->buckets[bucket];
       const IndexRange bytes = ShardByteRange(bk, shard);
       std::span<uint8_t> out = state->data.span().subspan(bytes.begin - base, bytes.size());
-      absl::StatusOr<PulledShard> r = PullShardSync(bucket, shard, version, out, deadline);
+      std::vector<uint64_t> have;
+      if (delta_chunk > 0) have = ChunkHashes(out, delta_chunk);
+      absl::StatusOr<PulledShard> r =
+          PullShardSync(bucket, shard, version, out, deadline, delta_chunk > 0 ? &have : nullptr, delta_chunk);
       {
         absl::MutexLock lock(&state->mu);
         state->shards[shard - shard_begin] = std::move(r);
@@ -420,6 +444,22 @@ PullHandle Client::PullBucket(int32_t bucket, int64_t version, std::chrono::mill
   if (s.ok() && version < kLatestVersion) s = InvalidArgumentError("version", "must be >= 0 or kLatestVersion");
   if (!s.ok()) return PullHandle::Ready(s);
   return impl_->SchedulePull(bucket, 0, static_cast<int32_t>(data_parallel_size()), version, timeout);
+}
+
+PullHandle Client::PullBucketSince(int32_t bucket, int64_t version, const PulledBucket& since,
+                                   std::chrono::milliseconds timeout) {
+  absl::Status s = CheckBucketIndex(*impl_->layout, bucket);
+  if (s.ok() && version < 0) s = InvalidArgumentError("version", "must be >= 0 (a delta needs a version)");
+  if (s.ok() && (since.bucket() != bucket || !since.complete() || since.unchanged() ||
+                 since.layout().buckets.size() != impl_->layout->buckets.size() ||
+                 since.data().size() != static_cast<size_t>(DataBytes(impl_->layout->buckets[bucket].format,
+                                                                      impl_->layout->buckets[bucket].numel)))) {
+    s = InvalidArgumentError("since", "must be a whole pull of bucket ", bucket, " of this job (PullBucket), got bucket ",
+                             since.bucket(), " shards [", since.shard_begin(), ", ", since.shard_end(), ")",
+                             since.unchanged() ? ", unchanged" : "");
+  }
+  if (!s.ok()) return PullHandle::Ready(s);
+  return impl_->SchedulePull(bucket, 0, static_cast<int32_t>(data_parallel_size()), version, timeout, &since);
 }
 
 }  // namespace mainstay

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/chunk_hash.h"
 #include "common/crc32c.h"
 #include "common/layout_proto.h"
 #include "common/status.h"
@@ -112,6 +113,18 @@ absl::Status ShardPullAssembler::OnHeader(const v1::PullParamsHeader& h) {
   result_.num_scales = scales;
   result_.scales.assign(scales * scale_entry_bytes_, 0);
   expected_crc_ = h.data_crc32c();
+  if (h.delta()) {
+    if (delta_chunk_bytes_ == 0) return Violation("a delta that was not asked for");
+    if (h.data_crc32c() == 0) return Violation("a delta without the CRC-32C of the result");
+    const int64_t chunks = ChunkCount(data_bytes, delta_chunk_bytes_);
+    int64_t last = -1;
+    for (const int32_t c : h.delta_chunks()) {
+      if (c <= last || c >= chunks) return Violation("delta chunk ", c, " (of ", chunks, ", ascending)");
+      last = c;
+    }
+    delta_ = true;
+    delta_chunks_.assign(h.delta_chunks().begin(), h.delta_chunks().end());
+  }
   return absl::OkStatus();
 }
 
@@ -119,6 +132,7 @@ absl::Status ShardPullAssembler::OnData(const v1::ParamChunk& chunk) {
   if (!have_header_) return Violation("data before the header");
   if (result_.unchanged) return Violation("data after an unchanged header");
   if (next_scale_ > 0) return Violation("data after scales");
+  if (delta_) return OnDeltaData(chunk);
   if (chunk.element_offset() != next_element_) {
     return Violation("data chunk at element ", chunk.element_offset(), ", expected ", next_element_);
   }
@@ -131,14 +145,33 @@ absl::Status ShardPullAssembler::OnData(const v1::ParamChunk& chunk) {
   }
   std::memcpy(data_out_.data() + DataBytes(bucket_.format, next_element_), chunk.data().data(), bytes);
   next_element_ += elements;
+  result_.data_bytes_received += bytes;
   DataLanded(bytes);  // while the chunk is in cache
+  return absl::OkStatus();
+}
+
+absl::Status ShardPullAssembler::OnDeltaData(const v1::ParamChunk& chunk) {
+  if (next_delta_ >= delta_chunks_.size()) return Violation("more delta chunks than the header listed");
+  const auto size = static_cast<int64_t>(data_out_.size());
+  const int64_t begin = delta_chunks_[next_delta_] * delta_chunk_bytes_;
+  const int64_t bytes = std::min(delta_chunk_bytes_, size - begin);
+  const int bits = Describe(bucket_.format).bits_per_element;
+  if (chunk.element_offset() != begin * 8 / bits || static_cast<int64_t>(chunk.data().size()) != bytes) {
+    return Violation("delta chunk at element ", chunk.element_offset(), " of ", chunk.data().size(),
+                     " bytes, expected chunk ", delta_chunks_[next_delta_], ": element ", begin * 8 / bits, ", ",
+                     bytes, " bytes");
+  }
+  std::memcpy(data_out_.data() + begin, chunk.data().data(), static_cast<size_t>(bytes));
+  result_.data_bytes_received += bytes;
+  ++next_delta_;
   return absl::OkStatus();
 }
 
 absl::Status ShardPullAssembler::OnScales(const v1::ScaleChunk& chunk) {
   if (!have_header_) return Violation("scales before the header");
   if (result_.unchanged) return Violation("scales after an unchanged header");
-  if (next_element_ != bucket_.shard_numel) return Violation("scales before all data");
+  if (delta_ && next_delta_ != delta_chunks_.size()) return Violation("scales before every delta chunk");
+  if (!delta_ && next_element_ != bucket_.shard_numel) return Violation("scales before all data");
   if (chunk.scale_offset() != next_scale_) {
     return Violation("scale chunk at entry ", chunk.scale_offset(), ", expected ", next_scale_);
   }
@@ -164,6 +197,8 @@ absl::Status ShardPullAssembler::Placed() {
   if (!have_header_) return Violation("data before the header");
   if (result_.unchanged) return Violation("data after an unchanged header");
   if (next_element_ != 0 || next_scale_ != 0) return Violation("data placed after chunks");
+  if (delta_) return Violation("a delta placed as a whole shard");
+  result_.data_bytes_received = static_cast<int64_t>(data_out_.size());
   next_element_ = bucket_.shard_numel;
   next_scale_ = result_.num_scales;
   return absl::OkStatus();
@@ -171,6 +206,23 @@ absl::Status ShardPullAssembler::Placed() {
 
 absl::StatusOr<PulledShard> ShardPullAssembler::Finish() {
   if (!have_header_) return Violation("stream without a header");
+  if (delta_) {
+    if (next_delta_ != delta_chunks_.size()) {
+      return Violation("stream ended after ", next_delta_, " of the delta's ", delta_chunks_.size(), " chunks");
+    }
+    if (next_scale_ != result_.num_scales) {
+      return Violation("stream ended after ", next_scale_, " of ", result_.num_scales, " scales");
+    }
+    // Always checked: the unsent chunks are the reader's, so only the whole says it is this version.
+    const uint32_t crc = Crc32c(data_out_.data(), data_out_.size());
+    if (crc != expected_crc_) {
+      return absl::DataLossError(absl::StrCat("delta of bucket ", bucket_.index, " shard ", shard_.rank,
+                                              " gives data with CRC-32C ", crc, ", the daemon's version has ",
+                                              expected_crc_, " (a forged or damaged delta, or a copy that is not "
+                                              "what its hashes said)"));
+    }
+    return std::move(result_);
+  }
   if (!result_.unchanged) {
     if (next_element_ != bucket_.shard_numel) {
       return Violation("stream ended after ", next_element_, " of ", bucket_.shard_numel, " elements");

@@ -5,6 +5,11 @@
 // chunks in order without gaps, whole elements, inside the shard) and copies the data straight
 // into the caller's slice of the bucket buffer. MakePulledBucket joins consecutive shards.
 //
+// A delta pull (ExpectDelta: data_out already holds the reader's copy of the shard) takes only
+// the chunks the header lists, each whole and in order, patched into data_out, and then always
+// checks the CRC-32C of the whole result against the header's: a forged or truncated delta is
+// DATA_LOSS or INTERNAL, and the caller drops data_out (its copy is a fresh buffer).
+//
 // Errors: INTERNAL for a stream that breaks the protocol (the daemon's fault, not retried);
 // DATA_LOSS for a CRC-32C mismatch. Thread safety: an assembler belongs to one stream.
 #ifndef MAINSTAY_CLIENT_SRC_PULL_ASSEMBLY_H_
@@ -44,6 +49,9 @@ class ShardPullAssembler {
   ShardPullAssembler(const Layout& layout, int32_t bucket, int32_t shard, int64_t requested_version,
                      std::span<uint8_t> data_out, bool verify_crc32c);
 
+  // The request asked for a delta in chunks of `chunk_bytes` (PullParamsRequest.delta_chunk_bytes);
+  // the daemon may still answer with the whole shard.
+  void ExpectDelta(int64_t chunk_bytes) { delta_chunk_bytes_ = chunk_bytes; }
   absl::Status OnMessage(const v1::PullParamsResponse& message);
   // After the stream ended OK: everything announced arrived.
   absl::StatusOr<PulledShard> Finish();
@@ -63,6 +71,7 @@ class ShardPullAssembler {
   absl::Status OnHeader(const v1::PullParamsHeader& header);
   absl::Status OnData(const v1::ParamChunk& chunk);
   absl::Status OnScales(const v1::ScaleChunk& chunk);
+  absl::Status OnDeltaData(const v1::ParamChunk& chunk);
 
   const Layout& layout_;
   const Bucket& bucket_;
@@ -78,6 +87,12 @@ class ShardPullAssembler {
   int64_t crc_through_ = 0;
   int64_t next_element_ = 0;   // elements of data received
   int64_t next_scale_ = 0;     // scale entries received
+  // Delta pulls: the chunk size asked for (0: none), whether the header announced a delta, the
+  // chunks it listed and how many of them arrived.
+  int64_t delta_chunk_bytes_ = 0;
+  bool delta_ = false;
+  std::vector<int32_t> delta_chunks_;
+  size_t next_delta_ = 0;
   PulledShard result_;
 };
 

@@ -7,8 +7,11 @@
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/chunk_hash.h"
+#include "common/crc32c.h"
 #include "common/grpc_tls.h"
 #include "common/layout_proto.h"
 #include "common/logging.h"
@@ -343,8 +346,43 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
     bits_ = Describe(s.format).bits_per_element;
     scale_entry_ = s.num_scales > 0 ? static_cast<int64_t>(s.scales.size()) / s.num_scales : 1;
     *message_.mutable_header() = PullHeaderOf(result_);
-    if (result_.unchanged) data_off_ = scale_off_ = INT64_MAX;  // the header says it all
+    if (result_.unchanged) {
+      data_off_ = scale_off_ = INT64_MAX;  // the header says it all
+    } else if (request_.delta_chunk_bytes() != 0) {
+      if (absl::Status planned = PlanDelta(message_.mutable_header()); !planned.ok()) {
+        Finish(ToGrpcWithDetail(context_, planned));
+        return;
+      }
+      data_off_ = static_cast<int64_t>(result_.shard->data.size());  // only the delta's chunks
+    }
     StartWrite(&message_);
+  }
+
+  // A delta pull: the chunks whose XXH3-64 differs from the reader's copy's, listed in the
+  // header with the CRC-32C of the whole new data (docs/weight_serving.md, "Delta sync").
+  absl::Status PlanDelta(v1::PullParamsHeader* header) {
+    const std::vector<uint8_t>& data = result_.shard->data;
+    const int64_t chunk = request_.delta_chunk_bytes();
+    if (chunk < 4096 || (chunk & (chunk - 1)) != 0 || chunk > chunk_) {
+      return absl::InvalidArgumentError(absl::StrCat("delta_chunk_bytes: a power of two in [4096, ", chunk_,
+                                                     "] (max_chunk_bytes), got ", chunk));
+    }
+    const std::vector<uint64_t> hashes = ChunkHashes(data, chunk);
+    if (request_.have_chunk_hashes_size() != static_cast<int>(hashes.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("have_chunk_hashes: ", request_.have_chunk_hashes_size(),
+                                                     " hashes for the shard's ", hashes.size(), " chunks of ", chunk,
+                                                     " bytes"));
+    }
+    header->set_delta(true);
+    header->set_data_crc32c(Crc32c(data.data(), data.size()));
+    for (size_t i = 0; i < hashes.size(); ++i) {
+      if (hashes[i] != request_.have_chunk_hashes(static_cast<int>(i))) {
+        header->add_delta_chunks(static_cast<int32_t>(i));
+        delta_chunks_.push_back(static_cast<int64_t>(i));
+      }
+    }
+    delta_chunk_ = chunk;
+    return absl::OkStatus();
   }
 
   void WriteNext() {
@@ -352,7 +390,14 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
     const auto data_size = static_cast<int64_t>(s.data.size());
     const auto scales_size = static_cast<int64_t>(s.scales.size());
     message_.Clear();
-    if (data_off_ < data_size) {
+    if (next_delta_ < delta_chunks_.size()) {
+      const int64_t begin = delta_chunks_[next_delta_++] * delta_chunk_;
+      const int64_t n = std::min(delta_chunk_, data_size - begin);
+      message_.mutable_data()->set_element_offset(begin * 8 / bits_);
+      message_.mutable_data()->set_data(s.data.data() + begin, static_cast<size_t>(n));
+      payload_ = n;
+      delta_bytes_ += n;
+    } else if (data_off_ < data_size) {
       const int64_t n = std::min(chunk_, data_size - data_off_);
       message_.mutable_data()->set_element_offset(data_off_ * 8 / bits_);
       message_.mutable_data()->set_data(s.data.data() + data_off_, static_cast<size_t>(n));
@@ -366,8 +411,9 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
       payload_ = n;
     } else {
       if (!result_.unchanged) {
+        const int64_t sent = delta_chunk_ != 0 ? delta_bytes_ + scales_size : data_size + scales_size;
         core_->connections()->Record(request_.job_id(), request_.rank(), v1::TRANSPORT_GRPC, context_->peer(), 0,
-                                     data_size + scales_size);
+                                     sent);
       }
       Finish(::grpc::Status::OK);
       return;
@@ -390,6 +436,11 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
   int64_t data_off_ = 0;   // bytes of the data written
   int64_t scale_off_ = 0;  // bytes of the scales written
   int64_t payload_ = 0;    // payload bytes of the write in flight
+  // A delta pull (PlanDelta): the chunks to send, of delta_chunk_ bytes (0: not a delta).
+  std::vector<int64_t> delta_chunks_;
+  size_t next_delta_ = 0;
+  int64_t delta_chunk_ = 0;
+  int64_t delta_bytes_ = 0;
 };
 
 // FetchShardState: the move's copy (fenced when the request's epoch is newer), then its buffers

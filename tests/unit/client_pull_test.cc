@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -11,6 +12,8 @@
 #include <vector>
 
 #include "client/src/pull_assembly.h"
+#include "common/chunk_hash.h"
+#include "common/crc32c.h"
 #include "client/src/testing/fake_services.h"
 #include "client/src/testing/test_specs.h"
 #include "common/status.h"
@@ -368,6 +371,111 @@ TEST(ClientPullTest, ProtocolViolationsAreInternalErrors) {
                 "expected");
   ExpectRefused([](Stream& s) { (*s[1].mutable_data()->mutable_data())[0] ^= 1; }, absl::StatusCode::kDataLoss,
                 "CRC-32C");
+}
+
+// Delta pulls (PullParamsRequest.delta_chunk_bytes): a stream of version B's changed chunks,
+// built from two full streams the way the daemon builds it, patched into a copy of version A.
+struct DeltaCase {
+  std::shared_ptr<const Layout> layout;
+  int32_t bucket = 0;
+  std::vector<uint8_t> a, b;                  // shard 1's packed data of the two versions
+  std::vector<v1::PullParamsResponse> delta;  // header, changed chunks, B's scales
+  int64_t changed_bytes = 0;
+};
+
+std::vector<uint8_t> DataOf(const std::vector<v1::PullParamsResponse>& stream) {
+  std::vector<uint8_t> out;
+  for (const v1::PullParamsResponse& m : stream) {
+    if (m.has_data()) out.insert(out.end(), m.data().data().begin(), m.data().data().end());
+  }
+  return out;
+}
+
+DeltaCase MakeDelta(int64_t chunk) {
+  DeltaCase c;
+  c.layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::AllFormatsSpec(2)));
+  const int32_t mx = *FindTensor(*c.layout, "layers.0.mx.weight");
+  c.bucket = c.layout->tensors[mx].bucket;
+  std::vector<float> master = BucketMaster(*c.layout, c.bucket);
+  auto a = MakePullStream(*c.layout, c.bucket, 1, 7, master, 1 << 20);
+  for (size_t i = 0; i < master.size(); i += 997) master[i] *= 1.5f;  // a few values move
+  auto b = MakePullStream(*c.layout, c.bucket, 1, 7, master, 1 << 20);
+  EXPECT_TRUE(a.ok() && b.ok());
+  c.a = DataOf(*a);
+  c.b = DataOf(*b);
+  const int bits = Describe(c.layout->buckets[c.bucket].format).bits_per_element;
+  v1::PullParamsResponse header = (*b)[0];
+  header.mutable_header()->set_delta(true);
+  header.mutable_header()->set_data_crc32c(Crc32c(c.b.data(), c.b.size()));
+  c.delta.push_back(header);
+  const auto size = static_cast<int64_t>(c.b.size());
+  for (int64_t i = 0; i < ChunkCount(size, chunk); ++i) {
+    const int64_t begin = i * chunk, n = std::min(chunk, size - begin);
+    if (std::memcmp(c.a.data() + begin, c.b.data() + begin, n) == 0) continue;
+    c.delta[0].mutable_header()->add_delta_chunks(static_cast<int32_t>(i));
+    v1::PullParamsResponse m;
+    m.mutable_data()->set_element_offset(begin * 8 / bits);
+    m.mutable_data()->set_data(c.b.data() + begin, n);
+    c.delta.push_back(m);
+    c.changed_bytes += n;
+  }
+  for (const v1::PullParamsResponse& m : *b) {
+    if (m.has_scales()) c.delta.push_back(m);
+  }
+  return c;
+}
+
+absl::StatusOr<PulledShard> RunDelta(const DeltaCase& c, std::vector<uint8_t>& data, int64_t chunk, bool asked = true) {
+  ShardPullAssembler assembler(*c.layout, c.bucket, 1, 7, data, /*verify_crc32c=*/false);
+  if (asked) assembler.ExpectDelta(chunk);
+  for (const v1::PullParamsResponse& m : c.delta) MAINSTAY_RETURN_IF_ERROR(assembler.OnMessage(m));
+  return assembler.Finish();
+}
+
+TEST(ClientPullTest, ADeltaPatchesTheCopyIntoTheNewVersionByteForByte) {
+  constexpr int64_t kChunk = 512;  // (the daemon takes 4 KiB and up; this shard is 4 KiB)
+  const DeltaCase c = MakeDelta(kChunk);
+  ASSERT_GT(c.changed_bytes, 0);
+  ASSERT_LT(c.changed_bytes, static_cast<int64_t>(c.b.size()));  // some chunks stay the reader's
+  std::vector<uint8_t> data = c.a;
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledShard shard, RunDelta(c, data, kChunk));
+  EXPECT_EQ(data, c.b);
+  EXPECT_EQ(shard.data_bytes_received, c.changed_bytes);
+}
+
+TEST(ClientPullTest, AForgedTruncatedOrUnaskedDeltaIsRefused) {
+  constexpr int64_t kChunk = 512;
+  DeltaCase c = MakeDelta(kChunk);
+  ASSERT_GE(c.delta.size(), 3u);
+  std::vector<uint8_t> data = c.a;
+  // A changed byte in a chunk: the whole result's CRC-32C is not the daemon's.
+  DeltaCase forged = c;
+  (*forged.delta[1].mutable_data()->mutable_data())[5] ^= 0x40;
+  EXPECT_THAT(RunDelta(forged, data, kChunk), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("CRC-32C")));
+  // A chunk left out, or one the header did not list.
+  DeltaCase truncated = c;
+  truncated.delta.erase(truncated.delta.begin() + 1);
+  data = c.a;
+  EXPECT_THAT(RunDelta(truncated, data, kChunk), StatusIs(absl::StatusCode::kInternal));
+  DeltaCase unlisted = c;
+  unlisted.delta[0].mutable_header()->mutable_delta_chunks()->RemoveLast();
+  data = c.a;
+  EXPECT_THAT(RunDelta(unlisted, data, kChunk), StatusIs(absl::StatusCode::kInternal));
+  // A copy that is not what the reader's hashes claimed: the result is not the version.
+  const auto& listed = c.delta[0].header().delta_chunks();
+  int64_t kept = 0;  // a chunk the delta does not send
+  while (std::find(listed.begin(), listed.end(), kept) != listed.end()) ++kept;
+  ASSERT_LT(kept * kChunk, static_cast<int64_t>(c.a.size()));
+  data = c.a;
+  data[kept * kChunk] ^= 1;
+  EXPECT_THAT(RunDelta(c, data, kChunk), StatusIs(absl::StatusCode::kDataLoss));
+  // A delta nobody asked for, and chunk indexes out of order.
+  data = c.a;
+  EXPECT_THAT(RunDelta(c, data, kChunk, /*asked=*/false), StatusIs(absl::StatusCode::kInternal, HasSubstr("asked")));
+  DeltaCase disordered = c;
+  disordered.delta[0].mutable_header()->add_delta_chunks(0);
+  data = c.a;
+  EXPECT_THAT(RunDelta(disordered, data, kChunk), StatusIs(absl::StatusCode::kInternal, HasSubstr("ascending")));
 }
 
 TEST(BufferPoolTest, AReleasedBufferIsReusedForTheSameSizeOnly) {

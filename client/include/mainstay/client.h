@@ -336,6 +336,16 @@ class MAINSTAY_CLIENT_EXPORT Client {
                        std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   PullHandle PullBucket(int32_t bucket, int64_t version,
                         std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  // Delta sync (readers; docs/weight_serving.md): bucket `bucket` at `version`, given `since`, a
+  // whole earlier pull of it. Each daemon sends only the 64 KiB chunks of packed data whose
+  // XXH3-64 differs from since's (plus the block scales and metadata, which are small); the
+  // result is a new PulledBucket that starts as a copy of since's data with those chunks
+  // patched in, checked against the CRC-32C of the daemon's version before it is returned
+  // (DATA_LOSS otherwise; since is never changed). PulledShard::data_bytes_received says what
+  // came. Over the grpc transport whatever the client's transport. INVALID_ARGUMENT when since
+  // is not a whole, changed pull of this bucket or version is kLatestVersion.
+  PullHandle PullBucketSince(int32_t bucket, int64_t version, const PulledBucket& since,
+                             std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
   // Admin RPCs on this client's job, over the coordinator's channel (Admin service). The
   // coordinator checks the admin token when it has one (PERMISSION_DENIED); FAILED_PRECONDITION

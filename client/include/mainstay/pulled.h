@@ -58,6 +58,10 @@ struct PulledShard {
   int64_t num_scales = 0;                   // block-scale entries
   std::vector<uint8_t> scales;              // num_scales entries of the format's block_scale type
   std::vector<FragmentQuantInfo> fragments; // in shard order
+  // Bytes of packed data that came over the wire: the whole shard, or for a delta pull
+  // (Client::PullBucketSince) only the chunks that changed. 0 when unchanged or placed by a
+  // transport that does not count.
+  int64_t data_bytes_received = 0;
 };
 
 // One fragment of a tensor inside a PulledBucket.

@@ -42,6 +42,11 @@ class WeightReader:
         self.bytes_read = 0  # published bytes pulled so far (data and scales)
         self._pins = {}      # version -> VersionPin
         self.version = None  # the version the last tensors() call read
+        # Delta sync: what the last tensors() call pulled, per bucket (a copy of its published
+        # bytes, the base of the next tensors(since=...)), and how much of its data came.
+        self._held = {}
+        self.data_bytes_received = 0  # by the last tensors() call: packed data that came
+        self.data_bytes = 0           # ... and the packed data it read, sent or not
 
     @property
     def job_id(self):
@@ -103,9 +108,16 @@ class WeightReader:
         if pin is not None:
             self._client.release_pin(pin)
 
-    def tensors(self, version=None, names=None, as_="published"):
+    def tensors(self, version=None, names=None, as_="published", since=None):
         """Yields (name, tensor) for every tensor of the job (or those in `names`), whole and in
         model space, at `version` (None: the newest; `reader.version` says which it was).
+
+        since: the version the previous tensors() call read (`reader.version` then): delta sync.
+        Each daemon sends only the 64 KiB chunks of packed data that changed since then (and the
+        block scales, which are small); the reader patches a copy of what it holds and checks
+        the result against the daemons' CRC-32C before yielding anything. `delta_fraction()`
+        then says how much of the data came. The reader keeps the buckets of its last read for
+        this (the published size of what it read, in memory).
 
         as_="fp32": the dequantized values, float32, shaped like the tensor.
         as_="bf16": the same rounded to bfloat16 (nearest even); bf16 tensors as published.
@@ -120,6 +132,9 @@ class WeightReader:
         """
         if as_ not in ("published", "bf16", "fp32"):
             raise ValueError("as_ must be 'published', 'bf16' or 'fp32', got %r" % (as_,))
+        if since is not None and (since != self.version or not self._held):
+            raise ValueError("tensors(since=%r): a delta starts from the version the previous tensors() call read "
+                             "(%r)" % (since, self.version))
         torch = _torch()
         if names is None:
             wanted = [t["name"] for t in self._tensor_list]
@@ -148,7 +163,9 @@ class WeightReader:
                 own_pin = None  # not published yet: the pulls wait for it (and it is new)
         self.version = version
         try:
-            handles = {b: self._client.pull_bucket(b, version, wait=False) for b in buckets}
+            handles = {b: self._client.pull_bucket(b, version, wait=False,
+                                                   since=self._held.get(b) if since is not None else None)
+                       for b in buckets}
             pulled = {}
             for b in buckets:
                 p = handles[b].wait()
@@ -159,6 +176,9 @@ class WeightReader:
         finally:
             if own_pin is not None:
                 self._client.release_pin(own_pin)
+        self._held = pulled
+        self.data_bytes_received = sum(p.data_bytes_received for p in pulled.values())
+        self.data_bytes = sum(p.data.nbytes for p in pulled.values())
         for n in wanted:
             index = self._tensors[n][0]
             p = pulled[self._tensors[n][1]["bucket"]]
@@ -169,6 +189,11 @@ class WeightReader:
             for name, dtype, array in items:
                 self.bytes_read += array.nbytes
                 yield name, self._out(array, dtype, torch)
+
+    def delta_fraction(self):
+        """Of the packed data the last tensors() call read, the fraction that came over the wire
+        (1.0 for a full read; a delta's changed chunks otherwise)."""
+        return self.data_bytes_received / self.data_bytes if self.data_bytes else 0.0
 
     @staticmethod
     def _out(array, dtype, torch):
