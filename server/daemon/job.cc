@@ -582,12 +582,13 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
   //  - with a restore or failover that re-placed the job at a newer epoch since the pushes
   //    (`placement_epoch` older than this daemon's);
   //  - with a failed attempt of the step here, whose failure another rank's new push cleared
-  //    before this call arrived (same epoch; without a failed attempt a missing push may still
-  //    come).
+  //    before this call arrived (same epoch): the attempt recorded which pushes it dropped
+  //    (dropped_pushes_), and one of this rank's that is not here again will not come; without
+  //    that record a missing push may still come.
   // A shard still being copied here brings its pushes along: the call is retried after it.
   if (open) {
     const bool moved = request.redirected() || (request.placement_epoch() < epoch_ && !Fenced());
-    bool incoming = false, pushed = false, unreduced = false, lacking_own = false, lacking_any = false;
+    bool incoming = false, pushed = false, unreduced = false, lacking_any = false;
     auto in = pending_.find(step);
     for (const auto& [key, state] : shards_) {
       incoming |= state->incoming;
@@ -601,13 +602,23 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
       unreduced |= sin != nullptr && sin->num_contributors > 1;
       if (state->replica || state->incoming || has) continue;
       lacking_any = true;
-      lacking_own |= key.second == request.rank();
     }
     if (moved && incoming) {
       return absl::UnavailableError(absl::StrCat("FinishStep: job ", job_id_,
                                                  ": shards are being copied to this daemon; retry"));
     }
-    const bool dropped = !moved && failed_attempts_.count(step) > 0 && (lacking_own || (unreduced && lacking_any));
+    bool dropped = false;
+    if (auto d = dropped_pushes_.find(step); !moved && d != dropped_pushes_.end()) {
+      for (const auto& [key, rank] : d->second) {
+        if (rank != request.rank()) continue;
+        const ShardInputs* sin = nullptr;
+        if (in != pending_.end()) {
+          auto sit = in->second.shards.find(key);
+          if (sit != in->second.shards.end()) sin = &sit->second;
+        }
+        dropped |= sin == nullptr || sin->by_rank.count(rank) == 0;
+      }
+    }
     if ((moved && (!pushed || (unreduced && lacking_any))) || dropped) {
       return ErrorWithDetail(absl::AbortedError(absl::StrCat(
           "FinishStep: this daemon lacks pushes of rank ", request.rank(), " for step ", step, " of job ", job_id_,

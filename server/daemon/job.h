@@ -540,6 +540,10 @@ class Job : public std::enable_shared_from_this<Job> {
   // push does not clear it: a FinishStep that waited through a failed attempt learns of it even
   // when another rank's push has already started the next attempt (RecordFailureLocked).
   std::map<int64_t, std::pair<int64_t, absl::Status>> failed_attempts_ ABSL_GUARDED_BY(mu_);
+  // The pushes, (shard, rank), that failed attempts of each undecided step dropped here (or
+  // found lost with a move's source). A rank's FinishStep that finds one of its own not pushed
+  // again is ABORTED at once: it would wait for a push its trainer will not send.
+  std::map<int64_t, std::set<std::pair<Key, int32_t>>> dropped_pushes_ ABSL_GUARDED_BY(mu_);
   void RecordFailureLocked(int64_t step, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     failures_[step] = status;
     auto& [count, last] = failed_attempts_[step];

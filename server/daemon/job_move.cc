@@ -221,17 +221,24 @@ void Job::RunMovesIn() {
     bool unreduced = false;
     for (const auto& [key, in] : open->second.shards) unreduced |= in.num_contributors > 1;
     std::string lost;
+    std::set<std::pair<Key, int32_t>> lost_pushes;
     for (const auto& [key, copy] : copies) {
       if (shards_.at(key)->replica) continue;
       auto in = open->second.shards.find(key);
       for (const auto& [rank, hyper] : open->second.finished) {
         if ((unreduced || rank == key.second) && (in == open->second.shards.end() || !in->second.by_rank.count(rank))) {
           lost = absl::StrCat(ShardName(key.first, key.second), "'s push of rank ", rank);
+          lost_pushes.insert({key, rank});
         }
       }
     }
     if (!lost.empty()) {
       const int64_t step = next_step_;
+      // Lost, and dropped with the step here: each rank must push them again.
+      for (const auto& [key, in] : open->second.shards) {
+        for (const auto& [rank, data] : in.by_rank) lost_pushes.insert({key, rank});
+      }
+      dropped_pushes_[step].insert(lost_pushes.begin(), lost_pushes.end());
       RecordFailureLocked(step, ErrorWithDetail(absl::AbortedError(
           absl::StrCat("step ", step, " of job ", job_id_, " lost ", lost, " with the daemon it went to (",
                        move.source.daemon_id(), " or an earlier source); push step ", step, " again"))));

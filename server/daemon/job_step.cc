@@ -711,6 +711,9 @@ void Job::RunSteps() {
       RecordFailureLocked(step, ErrorWithDetail(result.status().code() == absl::StatusCode::kInvalidArgument
                                                     ? absl::InvalidArgumentError(message)
                                                     : absl::AbortedError(message)));
+      for (const auto& [key, in] : inputs.shards) {
+        for (const auto& [rank, data] : in.by_rank) dropped_pushes_[step].insert({key, rank});
+      }
       if (options_.metrics != nullptr) options_.metrics->StepFailed(job_id_);
       continue;
     }
@@ -734,6 +737,7 @@ void Job::RunSteps() {
     committed_scaling_ = ScalingProto();
     failures_.erase(step);
     failed_attempts_.erase(failed_attempts_.begin(), failed_attempts_.upper_bound(step));
+    dropped_pushes_.erase(dropped_pushes_.begin(), dropped_pushes_.upper_bound(step));
     loss_scale_now_ = loss_scale_.scale;
     const int64_t commit_ms = options_.clock->NowUnixMs();
     stats.set_version(version_);

@@ -640,6 +640,72 @@ TEST(AgreedOutcomeTest, AFinishStepWhosePushAFailedAttemptDroppedIsAbortedAtOnce
   ExpectMatchesReference(cluster, f.ref, 2);
 }
 
+TEST(AgreedOutcomeTest, ARankWhosePushesAnotherRankMadeIsNotTakenForOneWhoseFailedAttemptDroppedThem) {
+  // Reduced pushes through the general form (PushShard): rank 0 pushes every shard, rank 1 none.
+  // Step 1 fails everywhere and drops rank 0's pushes. Rank 0 starts pushing it again (which
+  // starts the next attempt), and rank 1's trainer, which has nothing to push, calls FinishStep
+  // again. Rank 1 lost no push, so the call waits for the step and gets its stats; the old rule
+  // took shard (b, 1) for rank 1's own and answered ABORTED, again at every retry, until rank 0's
+  // pushes were all in.
+  FaultedCluster f(LoseReduction(1, 0));
+  Cluster& cluster = f.cluster;
+  std::vector<std::pair<int32_t, int32_t>> shards;  // (bucket, shard)
+  for (const Bucket& b : cluster.layout().buckets) {
+    for (const Shard& s : b.shards) shards.emplace_back(b.index, s.rank);
+  }
+  auto push_from_rank0 = [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      const Bucket& b = cluster.layout().buckets[static_cast<size_t>(shards[i].first)];
+      const Shard& s = b.shards[static_cast<size_t>(shards[i].second)];
+      auto values = cluster.ShardValues(b, s, [&](int32_t t, int64_t e) { return GradValue(t, e, 1); });
+      ASSERT_THAT(cluster.Push(b.index, s.rank, 1, /*rank=*/0, values, v1::PUSH_KIND_GRADIENT, 1).status(), IsOk());
+    }
+  };
+  auto finish = [&](int32_t rank, int daemon) {
+    v1::FinishStepRequest req;
+    req.set_job_id(kJob);
+    req.set_job_token(kToken);
+    req.set_placement_epoch(1);
+    req.set_step(1);
+    req.set_rank(rank);
+    req.set_lr(1e-3);
+    return cluster.daemon(daemon).FinishStep(req, absl::Now() + absl::Seconds(30)).status();
+  };
+  push_from_rank0(0, shards.size());
+  {
+    std::vector<absl::Status> out(2);
+    std::thread a([&] { out[0] = finish(0, 0); });
+    std::thread b([&] { out[1] = finish(0, 1); });
+    a.join();
+    b.join();
+    for (const absl::Status& s : out) {
+      EXPECT_THAT(s, StatusIs(absl::StatusCode::kAborted, ::testing::HasSubstr("push step 1 again")));
+    }
+  }
+  // Each daemon gets one shard of rank 0's new pushes (daemon i owns shard i of every bucket),
+  // which starts the next attempt on both; the rest comes later.
+  ASSERT_GE(shards.size(), 3u);
+  std::set<int32_t> first;
+  size_t split = 0;
+  while (split < shards.size() && first.size() < 2) first.insert(cluster.Owner(shards[split++].second));
+  push_from_rank0(0, split);
+  std::vector<absl::Status> rank1(2);
+  std::thread w0([&] { rank1[0] = finish(1, 0); });
+  std::thread w1([&] { rank1[1] = finish(1, 1); });
+  absl::SleepFor(absl::Milliseconds(300));
+  push_from_rank0(split, shards.size());
+  std::vector<absl::Status> rank0(2);
+  std::thread r0a([&] { rank0[0] = finish(0, 0); });
+  std::thread r0b([&] { rank0[1] = finish(0, 1); });
+  for (std::thread* t : {&r0a, &r0b, &w0, &w1}) t->join();
+  for (const absl::Status& s : rank0) ASSERT_THAT(s, IsOk());
+  for (const absl::Status& s : rank1) {
+    EXPECT_THAT(s, IsOk()) << "rank 1 lost no push: it waits for the step";
+  }
+  f.ref.Step(1, 1e-3f);
+  ExpectMatchesReference(cluster, f.ref, 2);
+}
+
 TEST(AgreedOutcomeTest, WithoutAskingPeersTheLostReductionSplitsTheStep) {
   // The behaviour the protocol removes, kept as a check that the fault really splits the step:
   // daemon 0 commits step 1, daemon 1 gives it up.
