@@ -21,6 +21,7 @@
 //              [--move-at-step S] [--replication R [--kill-at-step S] [--lease-ttl-ms N]]
 //              [--grad-norm 0.5]   (every step's global gradient norm; the job clips above 1)
 //              [--readers N]       (then --steps more steps with N readers polling every version)
+//              [--reader-bytes-per-sec B]  (the daemons' cap on readers' traffic, mainstayd's flag)
 //
 // With --readers N, N reader threads (each its own Client with the job's reader token: the
 // weight-serving path of docs/weight_serving.md) start after the measured steps and read every
@@ -92,6 +93,7 @@ struct Flags {
   int lease_ttl_ms = 0;   // the daemons' --lease-ttl-ms; 0: the coordinator's default
   double grad_norm = 0.5; // of every step's gradients (max_grad_norm is 1: 0.5 does not clip)
   int readers = 0;        // > 0: --steps more steps with this many readers polling every version
+  std::string reader_bytes_per_sec;  // non-empty: mainstayd --reader-bytes-per-sec (the readers' cap)
 };
 
 [[noreturn]] void Die(const std::string& message) {
@@ -118,6 +120,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (name == "--lease-ttl-ms") f.lease_ttl_ms = std::atoi(value.c_str());
     else if (name == "--grad-norm") f.grad_norm = std::atof(value.c_str());
     else if (name == "--readers") f.readers = std::atoi(value.c_str());
+    else if (name == "--reader-bytes-per-sec") f.reader_bytes_per_sec = value;
     else Die("unknown flag " + name);
   }
   if (f.coordinator_bin.empty() || f.daemon_bin.empty()) Die("--coordinator-bin and --daemon-bin are required");
@@ -385,6 +388,7 @@ int Main(int argc, char** argv) {
                                      std::to_string(f.daemon_threads), "--retained-versions", "2", "--metrics-listen", "off",
                                      "--port-file", port_file};
     if (f.lease_ttl_ms > 0) argv.insert(argv.end(), {"--lease-ttl-ms", std::to_string(f.lease_ttl_ms)});
+    if (!f.reader_bytes_per_sec.empty()) argv.insert(argv.end(), {"--reader-bytes-per-sec", f.reader_bytes_per_sec});
     auto d = testing::Subprocess::Start({argv, (*dir)->File(absl::StrCat("daemon", i, ".log"))});
     if (!d.ok()) Die(d.status().ToString());
     if (!testing::WaitForPortFile(port_file, **d, absl::Seconds(60)).ok()) Die("daemon did not start");
