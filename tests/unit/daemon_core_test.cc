@@ -590,6 +590,18 @@ TEST(AgreedOutcomeTest, ALostStatsReductionOfAnUpdatingStepFailsItEverywhereAndT
   ExpectMatchesReference(cluster, f.ref, 2);
 }
 
+// Rank `rank`'s FinishStep(1) at daemon `daemon` (epoch 1, lr 1e-3), waiting up to 30 s.
+absl::Status FinishStep1(Cluster& cluster, int32_t rank, int daemon) {
+  v1::FinishStepRequest req;
+  req.set_job_id(kJob);
+  req.set_job_token(kToken);
+  req.set_placement_epoch(1);
+  req.set_step(1);
+  req.set_rank(rank);
+  req.set_lr(1e-3);
+  return cluster.daemon(daemon).FinishStep(req, absl::Now() + absl::Seconds(30)).status();
+}
+
 TEST(AgreedOutcomeTest, AFinishStepWhosePushAFailedAttemptDroppedIsAbortedAtOnce) {
   // Unreduced pushes (every rank pushes every shard, half of the reduced gradient each). Step 1
   // fails everywhere (the lost stats reduction) and drops its pushes; rank 1 pushes it again,
@@ -606,16 +618,7 @@ TEST(AgreedOutcomeTest, AFinishStepWhosePushAFailedAttemptDroppedIsAbortedAtOnce
       }
     }
   };
-  auto finish = [&](int32_t rank, int daemon) {
-    v1::FinishStepRequest req;
-    req.set_job_id(kJob);
-    req.set_job_token(kToken);
-    req.set_placement_epoch(1);
-    req.set_step(1);
-    req.set_rank(rank);
-    req.set_lr(1e-3);
-    return cluster.daemon(daemon).FinishStep(req, absl::Now() + absl::Seconds(30)).status();
-  };
+  auto finish = [&](int32_t rank, int daemon) { return FinishStep1(cluster, rank, daemon); };
   // Every rank finishes on every daemon (each holds pushes of both), in parallel.
   auto finish_all = [&] {
     std::vector<absl::Status> out(4);
@@ -661,16 +664,7 @@ TEST(AgreedOutcomeTest, ARankWhosePushesAnotherRankMadeIsNotTakenForOneWhoseFail
       ASSERT_THAT(cluster.Push(b.index, s.rank, 1, /*rank=*/0, values, v1::PUSH_KIND_GRADIENT, 1).status(), IsOk());
     }
   };
-  auto finish = [&](int32_t rank, int daemon) {
-    v1::FinishStepRequest req;
-    req.set_job_id(kJob);
-    req.set_job_token(kToken);
-    req.set_placement_epoch(1);
-    req.set_step(1);
-    req.set_rank(rank);
-    req.set_lr(1e-3);
-    return cluster.daemon(daemon).FinishStep(req, absl::Now() + absl::Seconds(30)).status();
-  };
+  auto finish = [&](int32_t rank, int daemon) { return FinishStep1(cluster, rank, daemon); };
   push_from_rank0(0, shards.size());
   {
     std::vector<absl::Status> out(2);
