@@ -385,14 +385,11 @@ PullHandle Client::Impl::SchedulePull(int32_t bucket, int32_t shard_begin, int32
   const int64_t base = DataBytes(b.format, shard_begin * b.shard_numel);
   state->data = pull_buffers->Acquire(DataBytes(b.format, shard_end * b.shard_numel) - base);
   state->shards.resize(shard_end - shard_begin);
-  // A delta pull patches a copy of `since` (left as it is, whatever happens): 64 KiB chunks,
-  // smaller when the client's messages are (a chunk travels as one message).
+  // A delta pull patches a copy of `since` (left as it is, whatever happens), in 64 KiB chunks.
   int64_t delta_chunk = 0;
   if (since != nullptr) {
     std::memcpy(state->data.span().data(), since->data().data(), state->data.span().size());
-    const int64_t message_bytes = options.chunk_bytes > 0 ? options.chunk_bytes : (int64_t{1} << 20);
     delta_chunk = int64_t{64} << 10;
-    while (delta_chunk > message_bytes && delta_chunk > 4096) delta_chunk /= 2;
   }
   {
     absl::MutexLock lock(&state->mu);

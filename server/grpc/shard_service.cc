@@ -363,9 +363,9 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
   absl::Status PlanDelta(v1::PullParamsHeader* header) {
     const std::vector<uint8_t>& data = result_.shard->data;
     const int64_t chunk = request_.delta_chunk_bytes();
-    if (chunk < 4096 || (chunk & (chunk - 1)) != 0 || chunk > chunk_) {
-      return absl::InvalidArgumentError(absl::StrCat("delta_chunk_bytes: a power of two in [4096, ", chunk_,
-                                                     "] (max_chunk_bytes), got ", chunk));
+    if (chunk < 4096 || (chunk & (chunk - 1)) != 0 || chunk > kMaxChunkBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("delta_chunk_bytes: a power of two in [4096, ", kMaxChunkBytes, "], got ", chunk));
     }
     const std::vector<uint64_t> hashes = ChunkHashes(data, chunk);
     if (request_.have_chunk_hashes_size() != static_cast<int>(hashes.size())) {
