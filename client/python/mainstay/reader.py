@@ -158,9 +158,13 @@ class WeightReader:
             try:
                 own_pin = self._client.pin_version(version, 120.0)
             except _mainstay.Error as e:
-                if e.code != "FAILED_PRECONDITION" or version <= self.latest():
+                # Not published yet on the daemon that refused (its newest is older; another
+                # daemon may have published it already): the pulls wait for it, and it is new.
+                # Evicted there (its newest is newer): gone.
+                newest = (e.info or {}).get("version")
+                if e.code != "FAILED_PRECONDITION" or (newest if newest is not None else self.latest()) >= version:
                     raise
-                own_pin = None  # not published yet: the pulls wait for it (and it is new)
+                own_pin = None
         self.version = version
         try:
             handles = {b: self._client.pull_bucket(b, version, wait=False,
