@@ -220,7 +220,8 @@ absl::Status RunJobsList(const Args& args, Output& output) {
   for (const v1::JobInfo& j : response.jobs()) {
     t.AddRow({j.job_id(), j.spec().name(), JobState(j.state()), absl::StrCat(j.spec().data_parallel_size()),
               j.spec().recipe(), absl::StrCat(j.num_buckets()), HumanCount(j.data_numel()),
-              absl::StrCat(j.placement_epoch()), absl::StrCat(j.version()), Time(j.created_unix_ms())});
+              absl::StrCat(j.placement_epoch()), j.progress_known() ? absl::StrCat(j.version()) : "?",
+              Time(j.created_unix_ms())});
   }
   t.Print(output.out);
   return absl::OkStatus();
@@ -251,8 +252,10 @@ absl::Status RunJobsShow(const Args& args, Output& output) {
   t.AddRow({"buckets", absl::StrCat(j.num_buckets())});
   t.AddRow({"elements", absl::StrCat(j.data_numel(), " (", j.total_numel(), " with padding)")});
   t.AddRow({"placement epoch", absl::StrCat(j.placement_epoch())});
-  t.AddRow({"committed step", absl::StrCat(j.committed_step())});
-  t.AddRow({"version", absl::StrCat(j.version())});
+  // Not known for a few heartbeats after a coordinator restart (JobInfo.progress_known).
+  constexpr absl::string_view kUnknown = "unknown (its daemons have not all reported since the coordinator started)";
+  t.AddRow({"committed step", j.progress_known() ? absl::StrCat(j.committed_step()) : std::string(kUnknown)});
+  t.AddRow({"version", j.progress_known() ? absl::StrCat(j.version()) : std::string(kUnknown)});
   if (response.has_last_step_stats()) {
     const v1::StepStats& st = response.last_step_stats();
     t.AddRow({"last step", absl::StrCat(st.step(), st.skipped() ? " (skipped: non-finite gradients)" : "")});

@@ -442,6 +442,7 @@ absl::StatusOr<v1::DrainDaemonResponse> Coordinator::DrainDaemon(const v1::Drain
   MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));
   // The targets copy the state from this daemon, which keeps it until they report it loaded
   // (ReconcileLocked sends the DropShard then).
+  if (!moved.empty()) s.FaultPoint("move-committed");
   for (const v1::StoredJob& job : moved) s.SendMoves(job);
   return response;
 }
@@ -490,6 +491,7 @@ absl::StatusOr<v1::MoveShardResponse> Coordinator::MoveShard(const v1::MoveShard
   Batch batch;
   batch.PutJob(updated);
   MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));
+  s.FaultPoint("move-committed");
   s.SendMoves(updated);
   v1::MoveShardResponse response;
   for (v1::ShardMove& m : moves) *response.add_moves() = std::move(m);

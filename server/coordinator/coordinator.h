@@ -55,9 +55,12 @@ struct CoordinatorOptions {
   // daemon marked DOWN because its lease ran out; metrics count them. Empty: nothing.
   std::function<void(const std::string& daemon_id)> on_lease_expired;
   // Tests only (mainstay-coordinator --inject-fault crash-at:POINT): called at named moments,
-  // without the coordinator's lock; the binary's hook kills the process at the one it was given.
+  // some under the coordinator's lock (the hook must not call into the coordinator); the
+  // binary's hook kills the process at the one it was given.
   // "checkpoint-shards-written": every daemon wrote its shards of a checkpoint, its manifest is
-  // not written yet. Empty: nothing.
+  // not written yet. "move-committed" (a drain's or a shards move's), "failover-committed",
+  // "re-replication-committed": that new placement epoch is durable and no daemon was sent it
+  // yet. Empty: nothing.
   std::function<void(const std::string& point)> fault_point;
   // Reconciliation: a daemon that reports a job it is placed on behind the placement epoch (or
   // not at all) for this long is sent its assignment again, and again every this long, for as

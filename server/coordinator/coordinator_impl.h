@@ -96,9 +96,11 @@ struct Coordinator::Impl {
     for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
       auto p = it->second.find(e.daemon_id());
       if (p == it->second.end()) return info;  // a daemon has not reported yet
+      if (p->second.loading()) continue;        // a move's target or a restore: no state yet
       if (least == nullptr || p->second.committed_step() < least->committed_step()) least = &p->second;
     }
     if (least == nullptr) return info;
+    info.set_progress_known(true);
     info.set_committed_step(least->committed_step());
     info.set_version(std::max<int64_t>(least->version(), 0));
     if (last_stats != nullptr && least->has_last_step_stats()) *last_stats = least->last_step_stats();
@@ -679,6 +681,12 @@ struct Coordinator::Impl {
     }
     for (const auto& [rank, from] : moving_in) SendAssignments(job, {rank}, from, nullptr, daemon_id);
     if (!rest.empty()) SendAssignments(job, rest, "", from_checkpoint, daemon_id);
+  }
+
+  // Tests only: CoordinatorOptions::fault_point at `point`, here under the lock (the hook only
+  // kills the process).
+  void FaultPoint(const char* point) const {
+    if (options.fault_point) options.fault_point(point);
   }
 
   // After PlanMoves' job is committed: every daemon of the placement gets the new epoch, each

@@ -96,6 +96,7 @@ bool Coordinator::Impl::FailoverLocked(const std::string& job_id) {
       absl::StrCat("job ", job_id, ": lost ", absl::StrJoin(lost_list, ", "), "; ", promoted,
                    " shard(s) fail over to their replicas at placement epoch ", updated.placement().epoch(),
                    " (nothing rewound; the job runs with fewer copies until re-replication)"));
+  FaultPoint("failover-committed");
   SendMoves(updated);  // a move's target gets its ranks from their (new) source
   return true;
 }
@@ -154,6 +155,7 @@ void Coordinator::Impl::ReReplicateLocked() {
                      "boundary)"));
     planned.push_back(std::move(updated));
   }
+  if (!planned.empty()) FaultPoint("re-replication-committed");
   for (const v1::StoredJob& job : planned) SendMoves(job);
 }
 

@@ -116,7 +116,9 @@ flags:
   --inject-fault crash-at:POINT  tests only: SIGKILL this process at POINT, one of
                             create-job-committed (a CreateJob is durable, not yet answered) and
                             checkpoint-shards-written (the daemons wrote a checkpoint's shards,
-                            its manifest is not written)
+                            its manifest is not written), move-committed, failover-committed,
+                            re-replication-committed (that placement epoch is durable, no
+                            daemon was sent it)
   --help                    this text
 
 SIGTERM or SIGINT: graceful shutdown, exit 0. Bad flags or config: exit 2.
@@ -370,7 +372,9 @@ absl::StatusOr<CoordinatorServer::Options> ToOptions(const Settings& s) {
   }
   o.insecure = s.insecure;
   if (s.inject_fault) {
-    static const std::set<std::string> kPoints = {"create-job-committed", "checkpoint-shards-written"};
+    static const std::set<std::string> kPoints = {"create-job-committed", "checkpoint-shards-written",
+                                                  "move-committed", "failover-committed",
+                                                  "re-replication-committed"};
     const std::string spec = *s.inject_fault;
     const std::string point = spec.rfind("crash-at:", 0) == 0 ? spec.substr(9) : "";
     if (!kPoints.count(point)) {

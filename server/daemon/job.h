@@ -97,7 +97,7 @@ struct JobOptions {
   // Not owned; null: a daemon whose peer reduction failed gives the step up without asking its
   // peers (only safe for jobs on one daemon).
   PeerClient* peer_client = nullptr;
-  StepFault fault;                             // tests only (mainstayd --inject-fault)
+  StepFaults faults;                           // tests only (mainstayd --inject-fault)
   ReaderLimiter* reader_limiter = nullptr;     // not owned; null: readers' pulls are not capped
   // Called with the job id, under the job's lock, whenever something a waiting PullParams or
   // FinishStep may be waiting for changed (a step decided, the job stopped, a new epoch or
@@ -462,6 +462,14 @@ class Job : public std::enable_shared_from_this<Job> {
   // Leaves a group that failed, so that peers still in its reductions fail at once, and raises
   // the shared generation past it, so that everyone rebuilds at the same key.
   void BreakGroup();
+  // Tests only (mainstayd --inject-fault crash-at:...): SIGKILLs this process, after logging
+  // `what`, when options_.faults hold a crash at `phase` for progress `s` and a daemon that holds
+  // a primary shard of the job (`holds_primary`) or a replica (`holds_replica`). The Locked
+  // form reads the roles from shards_.
+  void CrashIfInjected(StepFault::Phase phase, int64_t s, bool holds_primary, bool holds_replica,
+                       absl::string_view what) const;
+  void CrashIfInjectedLocked(StepFault::Phase phase, int64_t s, absl::string_view what) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Runs one of step `step`'s peer reductions (`index` 0: stats SUM, 1: amax MAX). GetStepOutcome
   // answers RUNNING meanwhile; when it completes, `decided` says whether its result fixes the
   // step's outcome and fills the decision, which is recorded before anyone can ask.
@@ -579,7 +587,7 @@ class Job : public std::enable_shared_from_this<Job> {
   std::string group_base_;        // the key of the group's generations ("mainstay/peer/JOB/EPOCH")
   int64_t group_generation_ = 0;  // the generation group_ was built at
   std::vector<std::string> group_members_;
-  bool fault_fired_ = false;      // options_.fault
+  bool fault_fired_ = false;      // options_.faults' lost reduction fired
   int restore_attempts_ = 0;      // failed attempts of the restore in progress (at most 3)
 
   double loss_scale_now_ ABSL_GUARDED_BY(mu_) = 1.0;  // copy for push validation

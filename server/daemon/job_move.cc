@@ -6,9 +6,6 @@
 // later steps; the target installs it and serves from the step after (the trainers send their
 // FinishStep to the new owner: the step goes on). The source keeps its copy until the
 // coordinator drops it, once the target reports the job loaded.
-#include <signal.h>
-#include <unistd.h>
-
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -40,12 +37,8 @@ absl::Status Job::FencedError(const char* call) const {
 absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest& request, absl::Time deadline) {
   const Key key{request.shard().bucket(), request.shard().shard()};
   absl::MutexLock lock(&mu_);
-  if (options_.fault.armed() && options_.fault.kind == StepFault::Kind::kCrashOnCopy &&
-      committed_step_ >= options_.fault.step) {
-    Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": injected fault: SIGKILL when asked for a copy of ",
-                                                   ShardName(key.first, key.second), " (--inject-fault)"));
-    ::kill(::getpid(), SIGKILL);
-  }
+  CrashIfInjectedLocked(StepFault::Phase::kCopy, committed_step_,
+                        absl::StrCat("when asked for a copy of ", ShardName(key.first, key.second)));
   const bool fence = request.placement_epoch() > epoch_;
   if (fence && request.placement_epoch() > fence_epoch_) {
     fence_epoch_ = request.placement_epoch();
@@ -136,6 +129,10 @@ void Job::RunMovesIn() {
   }
   mu_.Lock();
   if (stopping_) return;
+  if (failed.ok() && !copies.empty()) {
+    CrashIfInjectedLocked(StepFault::Phase::kInstall, copies.front().second->committed_step,
+                          absl::StrCat("with the copy from daemon ", move.source.daemon_id(), " not installed"));
+  }
   // All shards of one move come from one source at one step, or none is installed.
   // A daemon that holds no other shard of the job with state takes the source's progress (the
   // job is new here, or came with no shards); otherwise the copy must be at its step.

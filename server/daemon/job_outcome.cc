@@ -100,6 +100,24 @@ void Job::BreakGroup() {
   group_base_.clear();
 }
 
+void Job::CrashIfInjected(StepFault::Phase phase, int64_t s, bool holds_primary, bool holds_replica,
+                          absl::string_view what) const {
+  if (!options_.faults.CrashesAt(phase, s, holds_primary, holds_replica)) return;
+  Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": injected fault: SIGKILL ", what, " (--inject-fault)"));
+  ::kill(::getpid(), SIGKILL);
+}
+
+void Job::CrashIfInjectedLocked(StepFault::Phase phase, int64_t s, absl::string_view what) const {
+  if (!options_.faults.armed()) return;
+  bool primary = false;
+  bool replica = false;
+  for (const auto& [key, shard] : shards_) {
+    primary |= !shard->replica;
+    replica |= shard->replica;
+  }
+  CrashIfInjected(phase, s, primary, replica, what);
+}
+
 absl::Status Job::RunReduction(int64_t step, int index, const std::function<absl::Status()>& reduce,
                                const std::function<bool(v1::StepDecision*)>& decided) {
   {
@@ -107,7 +125,7 @@ absl::Status Job::RunReduction(int64_t step, int index, const std::function<absl
     reducing_ = true;
   }
   absl::Status status = reduce();
-  if (status.ok() && options_.fault.Is(StepFault::Kind::kLoseReduction, step) && options_.fault.reduction == index &&
+  if (status.ok() && options_.faults.LosesReduction(step, index) &&
       !fault_fired_) {
     fault_fired_ = true;
     status = absl::DeadlineExceededError(absl::StrCat("injected fault: the result of reduction ", index, " of step ",
@@ -121,11 +139,7 @@ absl::Status Job::RunReduction(int64_t step, int index, const std::function<absl
   if (status.ok() && decided(&decision)) {
     decisions_[step] = std::move(decision);
     while (decisions_.size() > kDecisionsKept) decisions_.erase(decisions_.begin());
-    if (options_.fault.Is(StepFault::Kind::kCrashAfterDecision, step)) {
-      Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": injected fault: SIGKILL after deciding step ",
-                                                     step, " (--inject-fault)"));
-      ::kill(::getpid(), SIGKILL);
-    }
+    CrashIfInjectedLocked(StepFault::Phase::kDecision, step, absl::StrCat("after deciding step ", step));
   }
   return status;
 }

@@ -113,6 +113,8 @@ absl::StatusOr<bool> Job::StoreReplicaInput(const v1::ReplicaInputHeader& h, std
   // A daemon that holds only replicas has no pushes to make its step ready: the input does.
   StepInputs& step = pending_[h.step()];
   if (step.first_push_ms == 0) step.first_push_ms = options_.clock->NowUnixMs();
+  CrashIfInjectedLocked(StepFault::Phase::kInput, h.step(),
+                        absl::StrCat("with the forward of step ", h.step(), " stored, not answered"));
   return false;
 }
 

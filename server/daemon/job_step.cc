@@ -297,7 +297,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     for (size_t i = 0; i < shards.size(); ++i) {
       if (!shards[i]->replica) continue;
       ReplicaInput& in = replica_in.at({shards[i]->bucket, shards[i]->shard});
-      if (options_.fault.Is(StepFault::Kind::kDropReplicaInput, step)) {
+      if (options_.faults.Is(StepFault::Kind::kDropReplicaInput, step)) {
         std::fill(in.data.begin(), in.data.end(), uint8_t{0});
         Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": injected fault: the replica of ",
                                                        ShardName(shards[i]->bucket, shards[i]->shard), " drops its "
@@ -611,6 +611,12 @@ void Job::ApplyStep(int64_t step, StepResult& result, const std::vector<std::sha
       std::abort();
     }
     result.published.push_back(std::move(update.snapshots[i]));
+    if (i == 0 && shards.size() > 1) {
+      const bool primary = std::any_of(shards.begin(), shards.end(), [](const auto& s) { return !s->replica; });
+      const bool replica = std::any_of(shards.begin(), shards.end(), [](const auto& s) { return s->replica; });
+      CrashIfInjected(StepFault::Phase::kUpdate, step, primary, replica,
+                      absl::StrCat("with 1 of its ", shards.size(), " shards updated by step ", step));
+    }
   }
   result.update.reset();  // the replicas' inputs are no longer needed
   result.stats.mutable_phases()->set_quantize_ms(MsSince(t));

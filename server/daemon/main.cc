@@ -128,14 +128,19 @@ flags:
   --health-listen HOST:PORT   a plaintext port serving only grpc.health.v1 (for probes that cannot
                               speak TLS, e.g. Kubernetes'); default none
   --admin-token-file FILE     the embedded coordinator's admin token (with --standalone)
-  --inject-fault SPEC         tests only: lose-reduction:STEP:stats|amax makes this daemon throw
+  --inject-fault SPEC[,SPEC]  tests only: lose-reduction:STEP:stats|amax makes this daemon throw
                               away the completed result of that peer reduction of STEP once, as
                               if it had timed out (docs/architecture.md, agreed outcome);
                               drop-replica-input:STEP makes its replicas update STEP with a zero
-                              gradient (the replication mutation check); crash-after-decision:STEP
-                              SIGKILLs it once it has decided STEP, before the commit;
-                              crash-on-copy:STEP SIGKILLs it when a move's target asks it for a
-                              shard's copy once STEP is committed; default none
+                              gradient (the replication mutation check);
+                              crash-at:PHASE:STEP[:ROLE] SIGKILLs it at PHASE of STEP (input,
+                              finish, update, decision; copy and install: a move's source asked
+                              for a copy, its target holding one, once STEP is committed) if it
+                              holds a primary (ROLE primary) or only replicas (replica-only) of
+                              the job, or either (any, the default); default none
+  --inject-fault-once FILE    tests only: the crash fires only if this daemon is the first to
+                              create FILE (give every daemon the fault and the same FILE: one
+                              of them crashes, whichever gets there first)
   --help                      this text
 )";
 
@@ -159,7 +164,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       "--drain-timeout-ms", "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-client-auth",
       "--tls-server-name", "--admin-token-file", "--health-listen", "--tls-internal-name",
       "--checkpoint-dir", "--transports", "--ucx-dedicated-workers",
-      "--ucx-shared-workers", "--inject-fault", "--cluster-secret-file", "--max-waiting-calls",
+      "--ucx-shared-workers", "--inject-fault", "--inject-fault-once", "--cluster-secret-file", "--max-waiting-calls",
       "--max-waiting-calls-per-job", "--max-waiting-calls-per-peer", "--max-wait-ms", "--reader-bytes-per-sec"};
   Flags f;
   for (int i = 1; i < argc; ++i) {
@@ -331,9 +336,9 @@ int Main(int argc, char** argv) {
     if (!secret.ok()) return Fail(secret.status(), 2);
   }
   *security = security->WithClusterSecret(*secret);
-  absl::StatusOr<StepFault> fault = ParseStepFault(flags->Get("--inject-fault"));
-  if (!fault.ok()) return Fail(fault.status(), 2);
-  if (fault->armed()) {
+  absl::StatusOr<StepFaults> faults = ParseStepFaults(flags->Get("--inject-fault"), flags->Get("--inject-fault-once"));
+  if (!faults.ok()) return Fail(faults.status(), 2);
+  if (faults->armed()) {
     Log(LogLevel::kWarning, "daemon", absl::StrCat("fault injection on: --inject-fault ", flags->Get("--inject-fault")));
   }
   std::string admin_token;
@@ -420,7 +425,7 @@ int Main(int argc, char** argv) {
   daemon_options.metrics = registry.get();
   GrpcPeerClient peer_client(*security);
   daemon_options.peer_client = &peer_client;
-  daemon_options.fault = *fault;
+  daemon_options.faults = *std::move(faults);
   ShardDaemon daemon(daemon_options);
   StepDrain drain;
 

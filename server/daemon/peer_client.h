@@ -16,6 +16,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -48,7 +49,7 @@ class PeerClient {
                                         std::span<const uint8_t> payload, absl::Time deadline) = 0;
 };
 
-// A fault for tests, at `step`, of one of two kinds:
+// A fault for tests, at `step`, of one of three kinds:
 // - kLoseReduction: the daemon throws away the result of its peer reduction number `reduction`
 //   (0: the gradient statistics' SUM, 1: the amaxes' MAX) after it completed, and acts as if the
 //   reduction had timed out, while the other daemons got the result. That is the split the
@@ -56,24 +57,56 @@ class PeerClient {
 // - kDropReplicaInput: the daemon's replica shards update with a zero gradient instead of their
 //   primary's forwarded input (every attempt of the step): the replicas silently diverge. The
 //   mutation check of replication: the failover tests must catch it.
-// - kCrashAfterDecision: the daemon SIGKILLs itself right after its deciding reduction of
-//   `step` returned (the decision is recorded, nothing is committed or acknowledged yet): a
-//   daemon lost between the last reduction and the commit.
-// - kCrashOnCopy: the daemon SIGKILLs itself when a move's target asks it for a copy of a shard
-//   (FetchShardState) once the job has committed `step`: a move's source lost mid-move.
+// - kCrash: the daemon SIGKILLs itself at `phase` of `step` (the fault matrix of
+//   docs/architecture.md), if it holds the job in `role` at that moment:
+//   - kInput: a trainer's push of `step` (a primary) or a primary's forward of it (a replica) was
+//     stored, and not yet answered: a daemon lost mid-push;
+//   - kFinish: a FinishStep of `step` arrived: lost while the trainers wait for the step;
+//   - kUpdate: the update of `step` wrote the first of the daemon's shards and not the others:
+//     lost mid-update, with its state half written;
+//   - kDecision: its deciding reduction of `step` returned (the decision is recorded, nothing is
+//     committed or acknowledged yet): lost between the last reduction and the commit;
+//   - kCopy: a move's target asks it for a copy of a shard (FetchShardState) once the job has
+//     committed `step`: a move's source lost mid-move;
+//   - kInstall: as a move's target it fetched every shard of a copy made once `step` was
+//     committed, and has not installed it: a move's (or a re-replication's) target lost mid-move.
+//   With `once_file`, the daemon fires only if it is the first to create that file: daemons
+//   given the same file (and the same fault) crash one of them, whichever reaches it first.
 struct StepFault {
   static constexpr int64_t kNever = std::numeric_limits<int64_t>::min();
-  enum class Kind { kLoseReduction, kDropReplicaInput, kCrashAfterDecision, kCrashOnCopy };
+  enum class Kind { kLoseReduction, kDropReplicaInput, kCrash };
+  enum class Phase { kInput, kFinish, kUpdate, kDecision, kCopy, kInstall };
+  enum class Role { kAny, kPrimary, kReplicaOnly };  // kPrimary: holds a primary shard of the job
   Kind kind = Kind::kLoseReduction;
   int64_t step = kNever;
   int reduction = 1;
+  Phase phase = Phase::kInput;
+  Role role = Role::kAny;
+  std::string once_file;
   bool armed() const { return step != kNever; }
   bool Is(Kind k, int64_t s) const { return armed() && kind == k && step == s; }
 };
 
-// Parses "lose-reduction:STEP:stats", "lose-reduction:STEP:amax", "drop-replica-input:STEP",
-// "crash-after-decision:STEP" or "crash-on-copy:STEP" ("" or "none": no fault). INVALID_ARGUMENT naming the accepted forms otherwise.
-absl::StatusOr<StepFault> ParseStepFault(absl::string_view spec);
+// The faults a daemon is given (several at once: e.g. a crash and the replication mutation).
+struct StepFaults {
+  std::vector<StepFault> list;
+  bool armed() const { return !list.empty(); }
+  // Whether one of them is a `kind` fault at `step`.
+  bool Is(StepFault::Kind kind, int64_t step) const;
+  // Whether one of them is kLoseReduction of reduction `index` at `step`.
+  bool LosesReduction(int64_t step, int index) const;
+  // Whether one of them is a kCrash at `phase` that applies when the job's progress is `s` (the
+  // step for kInput..kDecision, the committed step for kCopy and kInstall) and the daemon holds
+  // the job's shards as said (and, with its once_file, this daemon creates that file first).
+  bool CrashesAt(StepFault::Phase phase, int64_t s, bool holds_primary, bool holds_replica) const;
+};
+
+// Parses a comma-separated list of "lose-reduction:STEP:stats", "lose-reduction:STEP:amax",
+// "drop-replica-input:STEP" or "crash-at:PHASE:STEP[:ROLE]" with PHASE one of input, finish,
+// update, decision, copy, install and ROLE one of any (the default), primary, replica-only
+// ("" or "none": no fault); `once_file` goes to the crashes. INVALID_ARGUMENT naming the
+// accepted forms otherwise.
+absl::StatusOr<StepFaults> ParseStepFaults(absl::string_view spec, const std::string& once_file);
 
 }  // namespace mainstay::daemon
 

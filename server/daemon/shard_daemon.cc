@@ -120,7 +120,7 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
     options.metrics = metrics_.get();
     options.fs = options_.fs;
     options.peer_client = options_.peer_client;
-    options.fault = options_.fault;
+    options.faults = options_.faults;
     options.reader_limiter = reader_limiter_.get();
     options.on_change = [this](const std::string& job_id) {
       absl::MutexLock lock(&listener_mu_);

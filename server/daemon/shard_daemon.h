@@ -56,7 +56,7 @@ struct ShardDaemonOptions {
   // and how a move copies a shard from its source (peer_client.h). Null: it gives the step up
   // alone (safe only for one-daemon jobs), and moves cannot load.
   PeerClient* peer_client = nullptr;
-  StepFault fault;                          // tests only (mainstayd --inject-fault)
+  StepFaults faults;                        // tests only (mainstayd --inject-fault)
   // Bytes per second that readers (pulls with a job's reader token) may take from this daemon,
   // all jobs together (mainstayd --reader-bytes-per-sec; docs/weight_serving.md). 0: no cap.
   int64_t reader_bytes_per_sec = 0;

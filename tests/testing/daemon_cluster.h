@@ -157,7 +157,7 @@ class Cluster {
       o.peer_timeout = absl::Seconds(2);
       o.fs = fs;
       if (ask_peers) o.peer_client = &peer_client_;
-      if (auto f = faults.find(i); f != faults.end()) o.fault = f->second;
+      if (auto f = faults.find(i); f != faults.end()) o.faults.list = {f->second};
       daemons_.push_back(std::make_unique<ShardDaemon>(o));
       daemons_.back()->set_daemon_id(absl::StrCat("d", i));
     }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -513,6 +514,42 @@ TEST_F(StepProtocolTest, APeerThatDiesMidStepAbortsTheStepWithNothingChanged) {
   req.set_lr(1e-3);
   absl::Status s = cluster_.daemon_of(0).FinishStep(req, absl::Now() + absl::Seconds(30)).status();
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kAborted, ::testing::HasSubstr("push step 0 again")));
+}
+
+// mainstayd --inject-fault: several faults at once, the crash's phases and roles, and a clear
+// error naming the accepted forms.
+TEST(StepFaultsTest, ParsesListsOfFaultsAndRefusesAnythingElse) {
+  absl::StatusOr<StepFaults> none = ParseStepFaults("none", "");
+  ASSERT_THAT(none.status(), IsOk());
+  EXPECT_FALSE(none->armed());
+  const std::string once = ::testing::TempDir() + "/step_faults_test.once";
+  std::remove(once.c_str());
+  absl::StatusOr<StepFaults> f = ParseStepFaults("crash-at:update:5:primary,drop-replica-input:2", once);
+  ASSERT_THAT(f.status(), IsOk());
+  ASSERT_EQ(f->list.size(), 2u);
+  EXPECT_TRUE(f->Is(StepFault::Kind::kDropReplicaInput, 2));
+  EXPECT_FALSE(f->Is(StepFault::Kind::kDropReplicaInput, 3));
+  // The role decides: a daemon holding only replicas does not match "primary".
+  EXPECT_FALSE(f->CrashesAt(StepFault::Phase::kUpdate, 5, /*holds_primary=*/false, /*holds_replica=*/true));
+  EXPECT_FALSE(f->CrashesAt(StepFault::Phase::kDecision, 5, true, false));
+  EXPECT_FALSE(f->CrashesAt(StepFault::Phase::kUpdate, 4, true, false));
+  // The first to create the once-file fires; everyone after it does not.
+  EXPECT_TRUE(f->CrashesAt(StepFault::Phase::kUpdate, 5, true, true));
+  EXPECT_FALSE(f->CrashesAt(StepFault::Phase::kUpdate, 5, true, true));
+  std::remove(once.c_str());
+  // copy and install fire from the committed step on; replica-only needs no primary.
+  absl::StatusOr<StepFaults> g = ParseStepFaults("crash-at:install:2,crash-at:input:1:replica-only", "");
+  ASSERT_THAT(g.status(), IsOk());
+  EXPECT_TRUE(g->CrashesAt(StepFault::Phase::kInstall, 7, false, false));
+  EXPECT_FALSE(g->CrashesAt(StepFault::Phase::kInstall, 1, false, false));
+  EXPECT_TRUE(g->CrashesAt(StepFault::Phase::kInput, 1, false, true));
+  EXPECT_FALSE(g->CrashesAt(StepFault::Phase::kInput, 1, true, true));
+  for (const char* bad : {"crash-at:update", "crash-at:later:3", "crash-at:update:-1", "crash-at:update:3:leader",
+                          "drop-replica-input:2,", "lose-reduction:3:norm", "crash-after-decision:5"}) {
+    EXPECT_THAT(ParseStepFaults(bad, "").status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("crash-at:PHASE:STEP[:ROLE]")))
+        << bad;
+  }
 }
 
 // The agreed outcome of a step (docs/architecture.md): a daemon whose copy of a reduction is
