@@ -2,8 +2,9 @@
 // (py_layout.cc, py_pulled.cc). Built over the public C++ API of libmainstay_client only.
 //
 // The GIL is released during every blocking call (connect, waits, finish_step, dequantize).
-// Arrays given to an asynchronous push are kept alive by the handle and by the client until the
-// push is done; do not modify them before.
+// Arrays given to a push are kept alive by the handle and by the client: a gradient's until
+// finish_step of its step succeeded (finish_step may push it again: step_attempts), initial
+// parameters until the push is done. Do not modify them before.
 #include <chrono>
 #include <string>
 #include <utility>
@@ -57,8 +58,10 @@ class PyClient {
            const py::object& job_token, int32_t rank, double timeout_s, const std::string& admin_token,
            int64_t chunk_bytes, double initial_backoff_s, double max_backoff_s, const std::string& tls_ca_file,
            const std::string& tls_cert_file, const std::string& tls_key_file, const std::string& tls_server_name,
-           const std::string& transport, int64_t pull_buffer_cache_bytes, const py::object& reader_token) {
+           const std::string& transport, int64_t pull_buffer_cache_bytes, const py::object& reader_token,
+           int step_attempts) {
     ClientOptions o;
+    o.step_attempts = step_attempts;
     if (!reader_token.is_none()) o.reader_token = reader_token.cast<std::string>();
     o.transport = transport;
     o.pull_buffer_cache_bytes = pull_buffer_cache_bytes;
@@ -122,12 +125,14 @@ class PyClient {
     return d;
   }
 
-  // Registers an in-flight push: its array stays referenced until the push is done.
-  py::object Track(PushHandle handle, py::object keep, bool wait) {
+  // Registers a push of `step` (-1: initial parameters): its array stays referenced until the
+  // push is done and, for a gradient, FinishStep of a step >= `step` succeeded (the client may
+  // push it again until then).
+  py::object Track(PushHandle handle, py::object keep, bool wait, int64_t step) {
     Prune();
     PyPushHandle h(handle, keep);
+    pending_.push_back({handle, std::move(keep), step});
     if (wait) return h.wait();
-    pending_.emplace_back(std::move(handle), std::move(keep));
     return py::cast(std::move(h));
   }
 
@@ -171,6 +176,7 @@ class PyClient {
       py::gil_scoped_release release;
       stats = client_->FinishStep(step, hyper, Millis(timeout_s));
     }
+    if (stats.ok()) finished_ = std::max(finished_, step);
     Prune();
     return StepStatsDict(Take(std::move(stats)));
   }
@@ -182,15 +188,21 @@ class PyClient {
   }
 
  private:
+  struct Pending {
+    PushHandle handle;
+    py::object array;
+    int64_t step;  // -1: initial parameters
+  };
   void Prune() {
-    std::vector<std::pair<PushHandle, py::object>> still;
-    for (auto& p : pending_) {
-      if (!p.first.ready()) still.push_back(std::move(p));
+    std::vector<Pending> still;
+    for (Pending& p : pending_) {
+      if (!p.handle.ready() || (p.step >= 0 && p.step > finished_)) still.push_back(std::move(p));
     }
     pending_.swap(still);
   }
 
-  std::vector<std::pair<PushHandle, py::object>> pending_;  // declared first: released last
+  std::vector<Pending> pending_;  // declared first: released last
+  int64_t finished_ = -1;         // the newest step whose finish_step succeeded
   std::unique_ptr<Client> client_;
   PyLayout layout_;
 };
@@ -245,13 +257,13 @@ PYBIND11_MODULE(_mainstay, m) {
                        "steps and pulls. With job_id + reader_token instead it only pulls (see WeightReader). Methods are thread-safe; blocking calls release the GIL.")
       .def(py::init<const std::string&, const py::object&, const py::object&, const py::object&, int32_t, double,
                     const std::string&, int64_t, double, double, const std::string&, const std::string&,
-                    const std::string&, const std::string&, const std::string&, int64_t, const py::object&>(),
+                    const std::string&, const std::string&, const std::string&, int64_t, const py::object&, int>(),
            py::arg("coordinator"), py::arg("spec_json") = py::none(), py::arg("job_id") = py::none(),
            py::arg("job_token") = py::none(), py::arg("rank") = 0, py::arg("timeout_s") = 60.0,
            py::arg("admin_token") = "", py::arg("chunk_bytes") = 4 << 20, py::arg("initial_backoff_s") = 0.05,
            py::arg("max_backoff_s") = 2.0, py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "",
            py::arg("tls_key_file") = "", py::arg("tls_server_name") = "", py::arg("transport") = "",
-           py::arg("pull_buffer_cache_bytes") = -1, py::arg("reader_token") = py::none())
+           py::arg("pull_buffer_cache_bytes") = -1, py::arg("reader_token") = py::none(), py::arg("step_attempts") = 8)
       .def_readonly_static("LATEST", &Client::kLatestVersion)
       .def_property_readonly("reader", [](PyClient& c) { return c.client().reader(); },
                              "True when attached with a reader token (pulls only).")
@@ -320,7 +332,7 @@ PYBIND11_MODULE(_mainstay, m) {
                            double loss_scale, const std::string& dtype, double timeout_s) {
         py::object keep;
         ElementSpan span = SpanOf(grad, dtype, &keep);
-        return c.Track(c.client().PushGrad(bucket, step, span, c.Options(loss_scale, timeout_s)), keep, wait);
+        return c.Track(c.client().PushGrad(bucket, step, span, c.Options(loss_scale, timeout_s)), keep, wait, step);
       }, py::arg("bucket"), py::arg("step"), py::arg("grad"), py::arg("wait") = false, py::arg("loss_scale") = 0.0,
          py::arg("dtype") = "", py::arg("timeout_s") = 0.0,
          "Reduced mode: this rank's shard (shard_numel elements) of the bucket's reduced gradient.")
@@ -330,7 +342,7 @@ PYBIND11_MODULE(_mainstay, m) {
         py::object keep;
         ElementSpan span = SpanOf(grad, dtype, &keep);
         return c.Track(c.client().PushShard(bucket, shard, step, span, num_contributors,
-                                            c.Options(loss_scale, timeout_s)), keep, wait);
+                                            c.Options(loss_scale, timeout_s)), keep, wait, step);
       }, py::arg("bucket"), py::arg("shard"), py::arg("step"), py::arg("grad"), py::arg("num_contributors"),
          py::arg("wait") = false, py::arg("loss_scale") = 0.0, py::arg("dtype") = "", py::arg("timeout_s") = 0.0)
       .def("push_bucket_unreduced", [](PyClient& c, int32_t bucket, int64_t step, const py::array& grad, bool wait,
@@ -338,7 +350,7 @@ PYBIND11_MODULE(_mainstay, m) {
         py::object keep;
         ElementSpan span = SpanOf(grad, dtype, &keep);
         return c.Track(c.client().PushBucketUnreduced(bucket, step, span, c.Options(loss_scale, timeout_s)), keep,
-                       wait);
+                       wait, step);
       }, py::arg("bucket"), py::arg("step"), py::arg("grad"), py::arg("wait") = false, py::arg("loss_scale") = 0.0,
          py::arg("dtype") = "", py::arg("timeout_s") = 0.0,
          "Unreduced mode: this rank's own gradient of the whole bucket; the daemons sum the D ranks.")
@@ -348,7 +360,7 @@ PYBIND11_MODULE(_mainstay, m) {
         py::object keep = a;
         std::span<const float> values(a.data(), static_cast<size_t>(a.size()));
         return c.Track(c.client().PushInitialParams(bucket, values, all_shards, c.Options(0.0, timeout_s)), keep,
-                       wait);
+                       wait, -1);
       }, py::arg("bucket"), py::arg("params"), py::arg("all_shards") = false, py::arg("wait") = true,
          py::arg("timeout_s") = 0.0,
          "Initial FP32 parameters (version 0): the whole bucket or this rank's shard.")

@@ -185,6 +185,8 @@ py::dict StepStatsDict(const StepStats& s) {
   d["nonfinite_count"] = s.nonfinite_count;
   d["commit_unix_ms"] = s.commit_unix_ms;
   d["step_time_ms"] = s.step_time_ms;
+  d["attempts"] = s.attempts;
+  d["first_abort"] = s.first_abort;
   py::dict phases;
   phases["wait_inputs_ms"] = s.phases.wait_inputs_ms;
   phases["grad_stats_ms"] = s.phases.grad_stats_ms;

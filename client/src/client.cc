@@ -102,6 +102,9 @@ absl::Status CheckOptions(const ClientOptions& o) {
     return InvalidArgumentError("chunk_bytes", "must be in [1 KiB, 4 MiB], got ", o.chunk_bytes);
   }
   if (o.push_threads < 0 || o.pull_threads < 0) return InvalidArgumentError("push_threads", "must be >= 0");
+  if (o.step_attempts < 1 || o.step_attempts > 100) {
+    return InvalidArgumentError("step_attempts", "must be in [1, 100], got ", o.step_attempts);
+  }
   if (o.pull_buffer_cache_bytes < -1) {
     return InvalidArgumentError("pull_buffer_cache_bytes", "must be >= 0, or -1 for the job's parameter bytes");
   }
@@ -482,147 +485,178 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
   }
   MAINSTAY_RETURN_IF_ERROR(CheckStepHyper(groups, absl::StrCat("FinishStep(", step, ")")));
   if (impl_->reader) return impl_->ReaderRefusal();
-  const Deadline deadline = impl_->DeadlineAfter(timeout);
-  std::vector<client_internal::StepPush> pushes;
-  {
-    absl::MutexLock lock(&impl_->mu);
-    auto it = impl_->steps.find(step);
-    if (it != impl_->steps.end()) pushes = it->second.pushes;
-  }
-  if (pushes.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat("FinishStep(", step, "): rank ", rank(),
-                                                      " pushed nothing for this step through this client"));
-  }
-  // The daemons count this rank's pushes of the step only once they are acknowledged.
-  absl::Status failed;
-  for (const client_internal::StepPush& p : pushes) {  // all of them: none may still be running
-    const absl::Status& s = p.done.get();
-    if (!s.ok() && failed.ok()) {
-      failed = Annotate(s, absl::StrCat("FinishStep(", step, "): the push of bucket ", p.bucket, " shard ", p.shard,
-                                        " failed; push it again, then call FinishStep again"));
+  // One attempt: every push of the step done, FinishStep at the daemons they landed on.
+  auto attempt = [&]() -> absl::StatusOr<StepStats> {
+    const Deadline deadline = impl_->DeadlineAfter(timeout);
+    std::vector<client_internal::StepPush> pushes;
+    {
+      absl::MutexLock lock(&impl_->mu);
+      auto it = impl_->steps.find(step);
+      if (it != impl_->steps.end()) pushes = it->second.pushes;
     }
-  }
-  if (!failed.ok()) {
-    // The step's record goes: pushing the step again starts it afresh (a record kept here
-    // would fail every later FinishStep of this step with this old error).
-    absl::MutexLock lock(&impl_->mu);
-    impl_->steps.erase(step);
-    return failed;
-  }
-  struct Target {
-    std::string address, id;
-    bool redirected = false;  // a new owner of shards pushed elsewhere (moved meanwhile)
-  };
-  std::map<std::string, std::string> landed;  // address -> daemon id
-  {
-    absl::MutexLock lock(&impl_->mu);
-    landed = impl_->steps[step].daemons;
-  }
-  v1::FinishStepRequest request;
-  request.set_job_id(impl_->job_id);
-  request.set_job_token(impl_->job_token);
-  request.set_step(step);
-  request.set_rank(rank());
-  StepHyperToProto(groups, request.mutable_groups());
-
-  // Each call blocks until the step is decided: one thread per daemon, outside the pools. First
-  // the daemons the pushes landed on; then, as soon as a call ends, the new owners of shards
-  // that moved (with the pushes stored on them: job_move.cc) since their push landed: the
-  // step there may wait for this very rank. A daemon that failed and no longer owns any shard
-  // this rank pushed is passed over.
-  absl::Mutex mu;
-  // An ABORTED answer (the step failed, or this daemon lacks this rank's pushes) ends the whole
-  // call at once: the step must be pushed again, and the other daemons' attempts cannot
-  // succeed without the new pushes, so waiting for them only puts the daemons' next attempts
-  // out of step with each other (docs/architecture.md, "Agreed outcome of a step").
-  client_internal::CallGroup calls;
-  std::set<std::string> asked;  // daemon ids
-  std::vector<std::pair<std::string, v1::FinishStepResponse>> responses;  // daemon id, answer
-  std::vector<std::thread> threads;
-  int running = 0;
-  std::function<void(Target)> finish_at = [&](Target t) {
-    v1::FinishStepResponse answer;
-    absl::Status status = impl_->Retry(
-        absl::StrCat("FinishStep(", step, ")"), deadline, [&] { return impl_->RouteForAddress(t.address, t.id); },
-        [&](const Route& route, grpc::ClientContext* context) {
-          v1::FinishStepRequest r = request;
-          r.set_placement_epoch(route.epoch);
-          r.set_redirected(t.redirected);
-          return client_internal::StatusFromCall(route.stub->FinishStep(context, r, &answer), context);
-        },
-        &calls);
-    if (!status.ok() && status.code() != absl::StatusCode::kAborted && calls.abandoned()) {
-      absl::MutexLock lock(&mu);  // given up: another daemon's ABORTED decides the call
-      --running;
-      return;
+    if (pushes.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat("FinishStep(", step, "): rank ", rank(),
+                                                        " pushed nothing for this step through this client"));
     }
-    // Where the shards this rank pushed are now (the cache; re-read after a failure): a shard
-    // whose owner changed since its push landed moved with the push, and its new owner needs
-    // this rank's FinishStep too, whether this call succeeded (the daemon kept other shards)
-    // or failed (it kept none: the failure is passed over).
-    if (!status.ok() && !t.redirected) impl_->RefreshPlacement(deadline, 0).IgnoreError();
-    std::map<std::string, std::string> owners;  // id -> address
-    bool passed_over = !status.ok() && !t.redirected;
-    for (const client_internal::StepPush& p : pushes) {
-      absl::StatusOr<Route> owner = impl_->RouteForShard(p.bucket, p.shard);
-      // A shard without a live owner was lost, not moved: a failure stands.
-      passed_over &= owner.ok() && owner->daemon_id != t.id;
-      if (owner.ok()) owners[owner->daemon_id] = owner->address;
-    }
-    absl::MutexLock lock(&mu);
-    if (status.ok()) {
-      responses.emplace_back(t.id, std::move(answer));
-    } else if (!passed_over && status.code() == absl::StatusCode::kAborted) {
-      calls.Abandon();
-      if (failed.code() != absl::StatusCode::kAborted) failed = status;
-    } else if (!passed_over && failed.ok()) {
-      failed = status;
-    }
-    if ((status.ok() || passed_over) && !calls.abandoned()) {
-      for (const auto& [id, address] : owners) {
-        if (!asked.insert(id).second) continue;
-        ++running;
-        threads.emplace_back(finish_at, Target{address, id, true});
+    // The daemons count this rank's pushes of the step only once they are acknowledged.
+    absl::Status failed;
+    for (const client_internal::StepPush& p : pushes) {  // all of them: none may still be running
+      const absl::Status& s = p.done.get();
+      if (!s.ok() && failed.ok()) {
+        failed = Annotate(s, absl::StrCat("FinishStep(", step, "): the push of bucket ", p.bucket, " shard ", p.shard,
+                                          " failed; push it again, then call FinishStep again"));
       }
     }
-    --running;
-  };
-  {
-    absl::MutexLock lock(&mu);
-    for (const auto& [address, id] : landed) {
-      asked.insert(id);
-      ++running;
-      threads.emplace_back(finish_at, Target{address, id, false});
-    }
-    mu.Await(absl::Condition(+[](int* n) { return *n == 0; }, &running));
-  }
-  for (std::thread& t : threads) t.join();  // all have ended; none is added any more
-  if (!failed.ok()) {
-    if (failed.code() == absl::StatusCode::kAborted) {
+    if (!failed.ok()) {
+      // The step's record goes: pushing the step again starts it afresh (a record kept here
+      // would fail every later FinishStep of this step with this old error).
       absl::MutexLock lock(&impl_->mu);
-      impl_->steps.erase(step);  // the step must be pushed again from scratch
+      impl_->steps.erase(step);
+      return failed;
     }
-    return failed;
-  }
-  if (responses.empty()) {
-    return absl::AbortedError(absl::StrCat("FinishStep(", step, "): no daemon owns the shards rank ", rank(),
-                                           " pushed; push the step again"));
-  }
-  StepStats stats = client_internal::StepStatsFromProto(responses[0].second.stats());
-  for (size_t i = 1; i < responses.size(); ++i) {
-    const StepStats other = client_internal::StepStatsFromProto(responses[i].second.stats());
-    if (other.step != stats.step || other.version != stats.version || other.skipped != stats.skipped) {
-      return absl::InternalError(absl::StrCat("FinishStep(", step, "): daemons disagree: ", responses[0].first,
-                                              " says version ", stats.version, stats.skipped ? " (skipped)" : "",
-                                              ", ", responses[i].first, " says version ", other.version,
-                                              other.skipped ? " (skipped)" : ""));
+    struct Target {
+      std::string address, id;
+      bool redirected = false;  // a new owner of shards pushed elsewhere (moved meanwhile)
+    };
+    std::map<std::string, std::string> landed;  // address -> daemon id
+    {
+      absl::MutexLock lock(&impl_->mu);
+      landed = impl_->steps[step].daemons;
     }
+    v1::FinishStepRequest request;
+    request.set_job_id(impl_->job_id);
+    request.set_job_token(impl_->job_token);
+    request.set_step(step);
+    request.set_rank(rank());
+    StepHyperToProto(groups, request.mutable_groups());
+
+    // Each call blocks until the step is decided: one thread per daemon, outside the pools. First
+    // the daemons the pushes landed on; then, as soon as a call ends, the new owners of shards
+    // that moved (with the pushes stored on them: job_move.cc) since their push landed: the
+    // step there may wait for this very rank. A daemon that failed and no longer owns any shard
+    // this rank pushed is passed over.
+    absl::Mutex mu;
+    // An ABORTED answer (the step failed, or this daemon lacks this rank's pushes) ends the whole
+    // call at once: the step must be pushed again, and the other daemons' attempts cannot
+    // succeed without the new pushes, so waiting for them only puts the daemons' next attempts
+    // out of step with each other (docs/architecture.md, "Agreed outcome of a step").
+    client_internal::CallGroup calls;
+    std::set<std::string> asked;  // daemon ids
+    std::vector<std::pair<std::string, v1::FinishStepResponse>> responses;  // daemon id, answer
+    std::vector<std::thread> threads;
+    int running = 0;
+    std::function<void(Target)> finish_at = [&](Target t) {
+      v1::FinishStepResponse answer;
+      absl::Status status = impl_->Retry(
+          absl::StrCat("FinishStep(", step, ")"), deadline, [&] { return impl_->RouteForAddress(t.address, t.id); },
+          [&](const Route& route, grpc::ClientContext* context) {
+            v1::FinishStepRequest r = request;
+            r.set_placement_epoch(route.epoch);
+            r.set_redirected(t.redirected);
+            return client_internal::StatusFromCall(route.stub->FinishStep(context, r, &answer), context);
+          },
+          &calls);
+      if (!status.ok() && status.code() != absl::StatusCode::kAborted && calls.abandoned()) {
+        absl::MutexLock lock(&mu);  // given up: another daemon's ABORTED decides the call
+        --running;
+        return;
+      }
+      // Where the shards this rank pushed are now (the cache; re-read after a failure): a shard
+      // whose owner changed since its push landed moved with the push, and its new owner needs
+      // this rank's FinishStep too, whether this call succeeded (the daemon kept other shards)
+      // or failed (it kept none: the failure is passed over).
+      if (!status.ok() && !t.redirected) impl_->RefreshPlacement(deadline, 0).IgnoreError();
+      std::map<std::string, std::string> owners;  // id -> address
+      bool passed_over = !status.ok() && !t.redirected;
+      for (const client_internal::StepPush& p : pushes) {
+        absl::StatusOr<Route> owner = impl_->RouteForShard(p.bucket, p.shard);
+        // A shard without a live owner was lost, not moved: a failure stands.
+        passed_over &= owner.ok() && owner->daemon_id != t.id;
+        if (owner.ok()) owners[owner->daemon_id] = owner->address;
+      }
+      absl::MutexLock lock(&mu);
+      if (status.ok()) {
+        responses.emplace_back(t.id, std::move(answer));
+      } else if (!passed_over && status.code() == absl::StatusCode::kAborted) {
+        calls.Abandon();
+        if (failed.code() != absl::StatusCode::kAborted) failed = status;
+      } else if (!passed_over && failed.ok()) {
+        failed = status;
+      }
+      if ((status.ok() || passed_over) && !calls.abandoned()) {
+        for (const auto& [id, address] : owners) {
+          if (!asked.insert(id).second) continue;
+          ++running;
+          threads.emplace_back(finish_at, Target{address, id, true});
+        }
+      }
+      --running;
+    };
+    {
+      absl::MutexLock lock(&mu);
+      for (const auto& [address, id] : landed) {
+        asked.insert(id);
+        ++running;
+        threads.emplace_back(finish_at, Target{address, id, false});
+      }
+      mu.Await(absl::Condition(+[](int* n) { return *n == 0; }, &running));
+    }
+    for (std::thread& t : threads) t.join();  // all have ended; none is added any more
+    if (!failed.ok()) {
+      if (failed.code() == absl::StatusCode::kAborted) {
+        absl::MutexLock lock(&impl_->mu);
+        impl_->steps.erase(step);  // the step must be pushed again from scratch
+      }
+      return failed;
+    }
+    if (responses.empty()) {
+      return absl::AbortedError(absl::StrCat("FinishStep(", step, "): no daemon owns the shards rank ", rank(),
+                                             " pushed; push the step again"));
+    }
+    StepStats stats = client_internal::StepStatsFromProto(responses[0].second.stats());
+    for (size_t i = 1; i < responses.size(); ++i) {
+      const StepStats other = client_internal::StepStatsFromProto(responses[i].second.stats());
+      if (other.step != stats.step || other.version != stats.version || other.skipped != stats.skipped) {
+        return absl::InternalError(absl::StrCat("FinishStep(", step, "): daemons disagree: ", responses[0].first,
+                                                " says version ", stats.version, stats.skipped ? " (skipped)" : "",
+                                                ", ", responses[i].first, " says version ", other.version,
+                                                other.skipped ? " (skipped)" : ""));
+      }
+    }
+    {
+      absl::MutexLock lock(&impl_->mu);
+      impl_->steps.erase(step);
+    }
+    return stats;
+  };
+  // A step a daemon gave up (ABORTED, nothing changed: a peer or the placement changed
+  // mid-step) is pushed again from the caller's buffers and finished again, at most
+  // step_attempts times in all; a restore (the daemons' committed step is behind the step)
+  // and every other error go back to the caller.
+  std::string first_abort;
+  for (int n = 1;; ++n) {
+    std::vector<client_internal::StepPush> pushes;
+    {
+      absl::MutexLock lock(&impl_->mu);
+      auto it = impl_->steps.find(step);
+      if (it != impl_->steps.end()) pushes = it->second.pushes;
+    }
+    absl::StatusOr<StepStats> result = attempt();
+    if (result.ok()) {
+      result->attempts = n;
+      result->first_abort = first_abort;
+      return result;
+    }
+    if (result.status().code() != absl::StatusCode::kAborted || n >= impl_->options.step_attempts || pushes.empty()) {
+      return result;
+    }
+    const std::optional<ErrorInfo> info = GetErrorInfo(result.status());
+    if (info.has_value() && info->committed_step + 1 < step) return result;  // restored: the caller rewinds
+    if (absl::Status again = impl_->PushStepAgain(step, pushes); !again.ok()) {
+      return Annotate(result.status(), absl::StrCat("not pushed again by the client: ", again.message()));
+    }
+    if (first_abort.empty()) first_abort = std::string(result.status().message());
   }
-  {
-    absl::MutexLock lock(&impl_->mu);
-    impl_->steps.erase(step);
-  }
-  return stats;
 }
 
 absl::Status Client::Impl::ReaderRefusal() const {

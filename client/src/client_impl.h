@@ -43,11 +43,18 @@ using RouteFn = std::function<absl::StatusOr<Route>()>;
 // One attempt: returns the call's status (StatusFromCall) or a local error.
 using AttemptFn = std::function<absl::Status(const Route& route, grpc::ClientContext* context)>;
 
-// A push this rank made for a step, and where it landed.
+// A push this rank made for a step, and how to make it again (FinishStep pushes the step again
+// itself when a daemon gave it up: ClientOptions::step_attempts).
 struct StepPush {
   int32_t bucket = 0;
   int32_t shard = 0;
   std::shared_future<absl::Status> done;
+  ElementSpan data;  // the caller's, valid until FinishStep of the step returns
+  int32_t num_contributors = 1;
+  PushOptions options;
+  // The CRC-32C of `data` as pushed, set by the push before `done` is ready; empty when the data
+  // is not host-readable (device memory) or no attempt computed it: it cannot be pushed again.
+  std::shared_ptr<std::optional<uint32_t>> crc;
 };
 struct StepRecord {
   std::vector<StepPush> pushes;
@@ -170,14 +177,22 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   absl::StatusOr<client_internal::DataTransport*> TransportFor(const v1::DaemonEndpoint& daemon,
                                                                std::string* note = nullptr);
   // Pushes one shard (blocking). On success *landed is the daemon that acknowledged it.
+  // *crc_out (when given): the data's CRC-32C, when it was computed (host-readable data).
   absl::StatusOr<PushResult> PushShardSync(int32_t bucket, int32_t shard, int64_t step, v1::PushKind kind,
                                            ElementSpan data, int32_t num_contributors, const PushOptions& options,
-                                           Deadline deadline, client_internal::Route* landed);
+                                           Deadline deadline, client_internal::Route* landed,
+                                           std::optional<uint32_t>* crc_out = nullptr);
   // Schedules pushes of `shards` (data[i] for shards[i]) as one handle; gradient pushes are
   // recorded for FinishStep.
   PushHandle SchedulePushes(int32_t bucket, const std::vector<int32_t>& shards, int64_t step, v1::PushKind kind,
                             const std::vector<ElementSpan>& data, int32_t num_contributors,
                             const PushOptions& options);
+  // FinishStep's attempt `attempt` at `step` failed ABORTED (`aborted`), the step changed
+  // nothing: checks that each of `pushes` still holds the bytes it pushed (CRC-32C), then
+  // pushes them again at the current placement and waits for them. FAILED_PRECONDITION saying
+  // why when a push cannot be made again (its buffer changed or is not host-readable); the
+  // pushes' error otherwise.
+  absl::Status PushStepAgain(int64_t step, const std::vector<client_internal::StepPush>& pushes);
   // Pulls one shard into `data_out` (its slice of the packed bucket buffer), blocking. With
   // `have` (the XXH3-64 of each `delta_chunk_bytes` chunk of what data_out holds already) a
   // delta pull, over the grpc transport: only the chunks that changed come.

@@ -186,7 +186,7 @@ absl::StatusOr<client_internal::DataTransport*> Client::Impl::TransportFor(const
 absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t shard, int64_t step,
                                                        v1::PushKind kind, ElementSpan data, int32_t num_contributors,
                                                        const PushOptions& push_options, Deadline deadline,
-                                                       Route* landed) {
+                                                       Route* landed, std::optional<uint32_t>* crc_out) {
   v1::PushGradRequest header_message;
   v1::PushGradHeader* h = header_message.mutable_header();  // sent as is by every transport
   h->set_job_id(job_id);
@@ -213,9 +213,13 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
         // In the header for transports that send it first (device memory: 0, "not sent"); the
         // others compute it as the chunks go.
         h->clear_crc32c();
-        if (options.push_crc32c && transport->HostReadable(data.data) && !transport->ComputesPushCrc32c()) {
+        // A gradient's CRC is also what FinishStep checks before it pushes the step again
+        // (step_attempts): then it is computed here for every transport, and sent in the header.
+        const bool kept = kind == v1::PUSH_KIND_GRADIENT && options.step_attempts > 1 && crc_out != nullptr;
+        if (transport->HostReadable(data.data) &&
+            ((options.push_crc32c && !transport->ComputesPushCrc32c()) || kept)) {
           if (!crc) crc = ::mainstay::Crc32c(data.data, data.bytes());
-          h->set_crc32c(*crc);
+          if (options.push_crc32c) h->set_crc32c(*crc);
         }
         absl::StatusOr<v1::PushGradResponse> response = transport->Push(route, *h, data, deadline, context);
         if (!response.ok()) return response.status();
@@ -223,6 +227,7 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
         *landed = route;
         return absl::OkStatus();
       }));
+  if (crc_out != nullptr) *crc_out = crc;
   return result;
 }
 
@@ -239,17 +244,19 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
   PushHandle handle(countdown->promise.get_future().share());
   for (size_t i = 0; i < shards.size(); ++i) {
     auto done = std::make_shared<std::promise<absl::Status>>();
+    auto crc = std::make_shared<std::optional<uint32_t>>();
     if (kind == v1::PUSH_KIND_GRADIENT) {
       absl::MutexLock lock(&mu);
-      steps[step].pushes.push_back({bucket, shards[i], done->get_future().share()});
+      steps[step].pushes.push_back(
+          {bucket, shards[i], done->get_future().share(), data[i], num_contributors, push_options, crc});
     }
     const int32_t shard = shards[i];
     const ElementSpan part = data[i];
     push_pool->Schedule([this, bucket, shard, step, kind, part, num_contributors, push_options, deadline, done,
-                         countdown] {
+                         countdown, crc] {
       Route landed;
-      absl::StatusOr<PushResult> r =
-          PushShardSync(bucket, shard, step, kind, part, num_contributors, push_options, deadline, &landed);
+      absl::StatusOr<PushResult> r = PushShardSync(bucket, shard, step, kind, part, num_contributors, push_options,
+                                                   deadline, &landed, crc.get());
       if (r.ok() && kind == v1::PUSH_KIND_GRADIENT) {
         absl::MutexLock lock(&mu);
         steps[step].daemons[landed.address] = landed.daemon_id;
@@ -260,6 +267,33 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
     });
   }
   return handle;
+}
+
+absl::Status Client::Impl::PushStepAgain(int64_t step, const std::vector<client_internal::StepPush>& pushes) {
+  for (const client_internal::StepPush& p : pushes) {
+    const std::string which = absl::StrCat("bucket ", p.bucket, " shard ", p.shard);
+    if (!p.crc->has_value()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the push of ", which, " cannot be checked (its data is not host-readable) so it is not pushed again here"));
+    }
+    if (::mainstay::Crc32c(p.data.data, p.data.bytes()) != **p.crc) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the buffer pushed for ", which, " changed after its push (it must stay unchanged until "
+                       "FinishStep of its step returns for the client to push the step again)"));
+    }
+  }
+  RefreshPlacement(DeadlineAfter(std::chrono::milliseconds(0)), 0).IgnoreError();
+  std::vector<PushHandle> handles;
+  for (const client_internal::StepPush& p : pushes) {
+    handles.push_back(SchedulePushes(p.bucket, {p.shard}, step, v1::PUSH_KIND_GRADIENT, {p.data}, p.num_contributors,
+                                     p.options));
+  }
+  absl::Status first;
+  for (PushHandle& h : handles) {
+    const absl::StatusOr<PushResult>& r = h.Wait();
+    if (!r.ok() && first.ok()) first = r.status();
+  }
+  return first;
 }
 
 PushHandle Client::PushShard(int32_t bucket, int32_t shard, int64_t step, ElementSpan shard_data,

@@ -144,9 +144,10 @@ class UcxTransport final : public DataTransport {
                      static_cast<size_t>(std::min(chunk, total - off)));
       }
       if (context_.push_crc32c) {
-        // While the chunks are in flight (both only read the caller's buffer).
+        // While the chunks are in flight (both only read the caller's buffer), unless the
+        // client computed it already (it keeps gradients' CRCs: ClientOptions::step_attempts).
         v1::UcxPushTrailer trailer;
-        trailer.set_crc32c(Crc32c(bytes, static_cast<size_t>(total)));
+        trailer.set_crc32c(header.crc32c() != 0 ? header.crc32c() : Crc32c(bytes, static_cast<size_t>(total)));
         trailer_bytes = trailer.SerializeAsString();
         outcome.Send(*c->ep, ucx::DaemonTag(Kind::kPushTrailer, c->id, static_cast<uint32_t>(seq)),
                      trailer_bytes.data(), trailer_bytes.size());

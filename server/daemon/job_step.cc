@@ -84,6 +84,15 @@ bool NeedsAmaxBeforeCast(Format format, const kernels::Fragment& frag, bool adam
   return format == Format::kMXFP8 && !(adamw && kernels::CastsInAdamWPass(format, frag));
 }
 
+// Whether the cast of `format` takes only the tensor's reduced amax (one scale per tensor, no
+// block scales). A replica shard then skips the dry run: its primary, a member of the same
+// group, contributes the same fragment's amax to the MAX, and the replica casts with the
+// reduced value like every daemon (0, its contribution, is the MAX's identity).
+bool TensorScaleOnly(Format format) {
+  const ScalingMode mode = Describe(format).scaling;
+  return mode == ScalingMode::kCurrent || mode == ScalingMode::kDelayed;
+}
+
 kernels::AdamWHyper AdamWHyperOf(const OptimizerSpec& opt, const GroupHyper& h, int64_t step, float multiplier) {
   return kernels::AdamWHyper{static_cast<float>(h.lr), opt.beta1, opt.beta2, opt.eps,
                              static_cast<float>(h.weight_decay), step + 1, multiplier};
@@ -389,7 +398,8 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
         const float* master = s.scratch_master.data() + c.offset;
         MAINSTAY_RETURN_IF_ERROR(kernels::ComputePartialAmax(
             device, bucket.format, model, frag, std::span<const float>(master, static_cast<size_t>(frag.size())), amax));
-      } else if (!c.probed && NeedsAmaxBeforeCast(bucket.format, frag, adamw)) {
+      } else if (!c.probed && NeedsAmaxBeforeCast(bucket.format, frag, adamw) &&
+                 !(s.replica && TensorScaleOnly(bucket.format))) {
         kernels::StepOutputs out;
         out.amax = amax;
         out.dry_run = true;

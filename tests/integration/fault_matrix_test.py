@@ -163,7 +163,9 @@ class FaultMatrixTest(unittest.TestCase):
             self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         self.watch.stop()
         log = self.cluster.log("run.rank")
-        self.assertNotIn("REWOUND", log, self.cluster.logs())  # (a step pushed again is "RETRYING")
+        # No error reached the training loop: a step a daemon gave up was pushed again by the
+        # client's FinishStep itself (its "attempts" > 1), never by the loop (REWOUND, RETRYING).
+        self.assertNotRegex(log, "REWOUND|RETRYING", self.cluster.logs())
         self.assertNotIn("restoring from checkpoint", self.cluster.log("coordinator"))
         for rank in range(D):
             steps = steps_done(self.cluster, "run", rank)

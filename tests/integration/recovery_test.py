@@ -125,7 +125,7 @@ def trainer_main(argv):
                 threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
             stats = client.finish_step(step, lr=LR, weight_decay=0.0)
             version = stats["version"]
-            print("rank %d step %d version %d" % (args.rank, step, version), flush=True)
+            print("rank %d step %d version %d attempts %d" % (args.rank, step, version, stats["attempts"]), flush=True)
             step += 1
             time.sleep(args.step_sleep)
             while args.pause_file and os.path.exists(args.pause_file):

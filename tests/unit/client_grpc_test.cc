@@ -148,6 +148,105 @@ TEST_F(ClientGrpcTest, CreateAttachPushPullReducedModeStep) {
   }
 }
 
+// A step the daemons gave up having changed nothing (a peer daemon died mid-step, the placement
+// changed) is pushed again by FinishStep itself, from the caller's buffers: the training loop
+// sees no error, and the update is the one of a single attempt.
+TEST_F(ClientGrpcTest, FinishStepPushesAStepTheDaemonsGaveUpAgainItself) {
+  StartCluster();
+  ConnectRanks(testing_fakes::AllFormatsSpec(2), 2);
+  const Layout& layout = clients_[0]->layout();
+  const auto init = RandomBuckets(1);
+  PushInitial(init);
+  cluster_->GiveUpStep(0);
+  const auto grad = RandomBuckets(100);
+  for (int32_t r = 0; r < 2; ++r) {
+    for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
+      const int64_t n = layout.buckets[b].shard_numel;
+      clients_[r]->PushGrad(b, 0, ElementSpan::Fp32(std::span<const float>(grad[b]).subspan(r * n, n)));
+    }
+  }
+  for (const auto& s : FinishAll(0, 0.5, 0.0)) {
+    ASSERT_THAT(s, IsOk());
+    EXPECT_EQ(s->version, 1);
+    EXPECT_EQ(s->attempts, 2);
+    EXPECT_THAT(s->first_abort, HasSubstr("changed nothing"));
+  }
+  EXPECT_EQ(cluster_->GivenUp(0), 1);
+  for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
+    const std::vector<float> master = cluster_->Master(b);
+    for (int64_t i = 0; i < layout.buckets[b].numel; ++i) ASSERT_FLOAT_EQ(master[i], init[b][i] - 0.5f * grad[b][i]);
+  }
+
+  // A buffer reused after its push finished is caught (CRC-32C) and not pushed again: the
+  // ABORTED goes back to the caller, saying why. The caller's own push again then commits.
+  cluster_->GiveUpStep(1);
+  auto grad1 = RandomBuckets(200);
+  const auto kept = grad1;
+  std::vector<PushHandle> handles;
+  for (int32_t r = 0; r < 2; ++r) {
+    for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
+      const int64_t n = layout.buckets[b].shard_numel;
+      handles.push_back(
+          clients_[r]->PushGrad(b, 1, ElementSpan::Fp32(std::span<const float>(grad1[b]).subspan(r * n, n))));
+    }
+  }
+  for (PushHandle& h : handles) ASSERT_THAT(h.Wait(), IsOk());
+  for (auto& bucket : grad1) bucket[0] += 1.0f;  // shard 0 of every bucket: rank 0's data
+  absl::StatusOr<StepStats> rank0 = absl::UnknownError("not run");
+  std::thread t([&] { rank0 = clients_[0]->FinishStep(1, 0.5, 0.0, std::chrono::milliseconds(1500)); });
+  // Rank 1's data is intact: it pushes again, then waits for rank 0, which did not.
+  const absl::StatusOr<StepStats> rank1 = clients_[1]->FinishStep(1, 0.5, 0.0, std::chrono::milliseconds(1500));
+  t.join();
+  EXPECT_THAT(rank0, StatusIs(absl::StatusCode::kAborted, HasSubstr("changed after its push")));
+  EXPECT_FALSE(rank1.ok());
+  grad1 = kept;
+  handles.clear();
+  for (int32_t r = 0; r < 2; ++r) {
+    for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
+      const int64_t n = layout.buckets[b].shard_numel;
+      clients_[r]->PushGrad(b, 1, ElementSpan::Fp32(std::span<const float>(grad1[b]).subspan(r * n, n)));
+    }
+  }
+  for (const auto& s : FinishAll(1, 0.5, 0.0)) {
+    ASSERT_THAT(s, IsOk());
+    EXPECT_EQ(s->version, 2);
+  }
+}
+
+// step_attempts = 1: the caller pushes again itself, as before.
+TEST_F(ClientGrpcTest, WithOneStepAttemptAGivenUpStepIsTheCallersToPushAgain) {
+  StartCluster();
+  ClientOptions base;
+  base.step_attempts = 1;
+  ConnectRanks(testing_fakes::AllFormatsSpec(2), 2, base);
+  const Layout& layout = clients_[0]->layout();
+  PushInitial(RandomBuckets(1));
+  cluster_->GiveUpStep(0);
+  const auto grad = RandomBuckets(100);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    for (int32_t r = 0; r < 2; ++r) {
+      for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
+        const int64_t n = layout.buckets[b].shard_numel;
+        clients_[r]->PushGrad(b, 0, ElementSpan::Fp32(std::span<const float>(grad[b]).subspan(r * n, n)));
+      }
+    }
+    for (const auto& s : FinishAll(0, 0.5, 0.0)) {
+      if (attempt == 0) {
+        EXPECT_THAT(s, StatusIs(absl::StatusCode::kAborted, HasSubstr("push it again")));
+      } else {
+        ASSERT_THAT(s, IsOk());
+        EXPECT_EQ(s->attempts, 1);
+      }
+    }
+  }
+  ClientOptions bad = base;
+  bad.step_attempts = 0;
+  bad.coordinator = cluster_->coordinator_address();
+  bad.job_id = clients_[0]->job_id();
+  bad.job_token = clients_[0]->job_token();
+  EXPECT_THAT(Client::Connect(bad).status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("step_attempts")));
+}
+
 // The trainers' all-gather of quantized shards: each rank's pulled shard as a record, the D
 // records rebuilt into the bucket, which dequantizes bit for bit as the bucket pulled whole
 // (every format: the fake publishes each of them).

@@ -19,9 +19,11 @@
 // as a payload readable with GetErrorInfo.
 //
 // Ownership: the Client owns its channels (one per daemon address), its placement cache and two
-// small thread pools (pushes, pulls). Data handed to a push (ElementSpan) is NOT copied up
-// front: it must stay valid and unchanged until that push's handle is ready (Wait returned), or
-// FinishStep of its step returned, or the Client is destroyed. Destroying the Client cancels
+// small thread pools (pushes, pulls). Data handed to a gradient push (ElementSpan) is NOT copied:
+// it must stay valid until FinishStep of its step succeeded, the step was pushed again, or the
+// Client is destroyed (FinishStep may push it again: ClientOptions::step_attempts; a buffer
+// changed meanwhile is detected and not pushed again); initial parameters until the push's
+// handle is ready (Wait returned). Destroying the Client cancels
 // the operations still in flight (their handles complete with CANCELLED) and waits for them.
 // Thread safety: every method may be called concurrently from any thread. Handles may be waited
 // on from any thread, any number of times.
@@ -87,6 +89,13 @@ struct ClientOptions {
   // A shard moves as a pipeline of chunks, never as one message.
   int64_t chunk_bytes = 4 << 20;
   bool push_crc32c = true;        // send the CRC-32C of each pushed payload
+  // FinishStep's attempts at a step. When a daemon gives a step up having changed nothing
+  // (ABORTED: a peer daemon died mid-step, a failover or move changed the placement), FinishStep
+  // checks that each buffer pushed for the step still holds the pushed bytes (CRC-32C), pushes
+  // them again at the new placement and finishes again, so the training loop sees no error. 1:
+  // the caller pushes again itself. A buffer that changed, or one in device memory, is not
+  // pushed again: the ABORTED is returned, saying why.
+  int step_attempts = 8;
   bool verify_crc32c = true;      // check pulled data against the daemon's CRC-32C when sent
   int push_threads = 0;           // concurrent push streams; 0 = max(4, D)
   int pull_threads = 0;           // concurrent pull streams; 0 = max(4, D)
@@ -116,6 +125,10 @@ struct StepStats {
            quantize_ms = 0;
   } phases;
   std::vector<float> tensor_amax;  // per Layout::tensors index; empty for a skipped step
+  // FinishStep's attempts at the step (ClientOptions::step_attempts): 1, or more when it pushed
+  // the step again after a daemon gave it up; first_abort is that first ABORTED's message.
+  int attempts = 1;
+  std::string first_abort;
 };
 
 // A published version held against eviction on every daemon that serves the job's pulls

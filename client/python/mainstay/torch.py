@@ -166,7 +166,7 @@ class MainstayOptimizer(torch.optim.Optimizer):
         self._next_step = 0
         self.version = None
         self.last_stats = None
-        self.retried_steps = 0   # steps the daemons aborted and step() pushed again
+        self.retried_steps = 0   # attempts at steps the daemons aborted, pushed again by step() or the client
         self.rewinds = 0         # restores (or failovers to an older step) that step() resumed from
         self.allgather_bytes = 0  # bytes this rank sent in the parameter all-gather of the last version loaded
         self._sync = True
@@ -260,6 +260,11 @@ class MainstayOptimizer(torch.optim.Optimizer):
                 stats = self.client.finish_step(step, groups=groups, timeout_s=self._step_timeout_s)
                 for h in pushes:
                     h.wait()
+                if stats.get("attempts", 1) > 1:  # the client pushed the step again itself
+                    self.retried_steps += stats["attempts"] - 1
+                    print("mainstay.torch: step %d of job %s was aborted (%s); the client pushed it again "
+                          "(%d attempts)" % (step, self.client.job_id, stats["first_abort"], stats["attempts"]),
+                          file=sys.stderr, flush=True)
                 break
             except _mainstay.Error as e:
                 for h in pushes:  # settle every push of this attempt before the next one

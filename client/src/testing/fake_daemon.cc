@@ -176,10 +176,20 @@ class FakeDaemon final : public v1::Shard::Service {
     auto& ranks = s_->finished[request->step()];
     if (!ranks.empty() && ranks.begin()->second != hyper) return Invalid("lr / weight_decay differ between ranks");
     ranks[request->rank()] = hyper;
+    const int given_up = s_->given_up[request->step()];
     s_->TryCommit();
-    auto decided = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu) { return s_->results.count(request->step()) > 0; };
+    auto decided = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu) {
+      return s_->results.count(request->step()) > 0 || s_->given_up[request->step()] != given_up;
+    };
     if (!WaitFor(s_, context, decided)) {
       return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "step not decided before the deadline");
+    }
+    if (s_->results.count(request->step()) == 0) {
+      v1::ErrorDetail detail;
+      detail.set_committed_step(s_->committed_step);
+      return WithDetail(context, grpc::StatusCode::ABORTED,
+                        absl::StrCat("step ", request->step(), " failed on this daemon and changed nothing; push it again"),
+                        detail);
     }
     *response->mutable_stats() = s_->results[request->step()];
     return grpc::Status::OK;

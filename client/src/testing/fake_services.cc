@@ -323,6 +323,15 @@ void FakeCluster::FailNextCalls(int calls, grpc::StatusCode code) {
   state_->unavailable_left = calls;
   state_->unavailable_code = code;
 }
+void FakeCluster::GiveUpStep(int64_t step) {
+  absl::MutexLock lock(&state_->mu);
+  state_->give_up_step = step;
+}
+int FakeCluster::GivenUp(int64_t step) const {
+  absl::MutexLock lock(&state_->mu);
+  auto it = state_->given_up.find(step);
+  return it == state_->given_up.end() ? 0 : it->second;
+}
 std::vector<float> FakeCluster::Master(int32_t bucket) const {
   absl::MutexLock lock(&state_->mu);
   return state_->master.at(bucket);

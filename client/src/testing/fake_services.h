@@ -66,6 +66,11 @@ class FakeCluster {
   // Makes the daemons answer `code` (UNAVAILABLE; or e.g. CANCELLED, as a stopping gRPC server
   // does) to their next `calls` data-plane calls.
   void FailNextCalls(int calls, grpc::StatusCode code = grpc::StatusCode::UNAVAILABLE);
+  // Gives `step` up once, when it is complete (every rank finished, every push there): its
+  // FinishStep calls answer ABORTED (ErrorDetail.committed_step = the committed step) and its
+  // pushes are dropped, as a daemon whose peer died mid-step does. The next attempt commits.
+  void GiveUpStep(int64_t step);
+  int GivenUp(int64_t step) const;  // how often `step` was given up
   // Current FP32 master of a bucket (numel elements) and the current version (-1 before the
   // initial parameters are complete).
   std::vector<float> Master(int32_t bucket) const;

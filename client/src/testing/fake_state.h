@@ -56,6 +56,9 @@ struct FakeCluster::State {
   std::map<GradKey, int32_t> contributors ABSL_GUARDED_BY(mu);
   std::map<int64_t, std::map<int32_t, std::pair<double, double>>> finished ABSL_GUARDED_BY(mu);  // step -> rank -> lr, wd
   std::map<int64_t, v1::StepStats> results ABSL_GUARDED_BY(mu);
+  // GiveUpStep: the step given up once it is complete, and how often each step was given up.
+  int64_t give_up_step ABSL_GUARDED_BY(mu) = -2;
+  std::map<int64_t, int> given_up ABSL_GUARDED_BY(mu);
   FakeStats stats ABSL_GUARDED_BY(mu);
   // Checkpoints of the fake Admin service: id -> the masters, version and committed step saved.
   struct Checkpoint {
@@ -108,6 +111,21 @@ struct FakeCluster::State {
         auto g = grads.find(key);
         if (g == grads.end() || static_cast<int32_t>(g->second.size()) != contributors[key]) return;
       }
+    }
+    if (give_up_step == step) {  // as a daemon whose peer died mid-step: nothing changes
+      give_up_step = -2;
+      ++given_up[step];
+      finished.erase(step);
+      for (auto g = grads.begin(); g != grads.end();) {
+        if (std::get<0>(g->first) == step) {
+          contributors.erase(g->first);
+          g = grads.erase(g);
+        } else {
+          ++g;
+        }
+      }
+      changed.SignalAll();
+      return;
     }
     const auto [lr, wd] = fin->second.begin()->second;
     std::vector<std::vector<float>> updated = master;
