@@ -332,6 +332,13 @@ void Coordinator::Impl::FinishMovesLocked(const v1::StoredJob& job, const std::s
     drop.set_placement_epoch(job.placement().epoch());
     bool still_placed = false;
     for (const v1::DaemonEndpoint& e : job.placement().daemons()) still_placed |= e.daemon_id() == m.source_daemon_id();
+    // A source that left the placement may still be the source of another rank's move (a drain
+    // moves every rank it holds, each to its own target, each finishing on its own): it must
+    // keep that rank until its target has it. It drops the whole job only with the last one
+    // (or, with every move done at once, at its next heartbeat: no longer placed).
+    for (const v1::PendingMove& other : job.moves()) {
+      still_placed |= &other != &m && other.source_daemon_id() == m.source_daemon_id();
+    }
     if (still_placed) {  // only the moved rank's shards; an empty list would drop the whole job
       for (int b = 0; b < job.layout().buckets_size(); ++b) {
         v1::ShardRef* ref = drop.add_shards();

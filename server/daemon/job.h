@@ -216,6 +216,9 @@ class Job : public std::enable_shared_from_this<Job> {
   // was already applied (a duplicate, nothing stored).
   absl::StatusOr<bool> CheckReplicaInput(const v1::ReplicaInputHeader& header) const;
   absl::StatusOr<bool> StoreReplicaInput(const v1::ReplicaInputHeader& header, std::vector<uint8_t> payload);
+  // An input buffer of the last committed step of exactly `bytes`, its bytes unspecified (empty
+  // when none fits): a push or a forwarded input lands in it without page faults.
+  std::vector<uint8_t> TakeSpareBuffer(int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
   // A consistent copy of a shard's committed state (a primary's or a replica's).
   // FAILED_PRECONDITION when the daemon holds neither.
@@ -355,6 +358,9 @@ class Job : public std::enable_shared_from_this<Job> {
     // until ApplyStep has run `update` (every step >= 0).
     std::vector<std::shared_ptr<const QuantizedShard>> published;
     std::optional<StepUpdate> update;
+    // Buffers the step no longer needs (the replicas' forwarded inputs, once applied): they
+    // serve the next steps' inputs (spare_buffers_).
+    std::vector<std::vector<uint8_t>> spent;
   };
 
   Job(std::string job_id, ResolvedJob resolved, std::string token_sha256, JobOptions options);
@@ -389,8 +395,6 @@ class Job : public std::enable_shared_from_this<Job> {
                                                                 absl::Time deadline);
   absl::Status ApplyPlacement(const v1::AssignShardRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::PushGradResponse> StorePush(PushSession& session);
-  // An input buffer of the last committed step of exactly `bytes` (empty when none).
-  std::vector<uint8_t> TakeSpareBuffer(int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   bool Decided(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool Ready(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool ShouldWake() const ABSL_SHARED_LOCKS_REQUIRED(mu_);

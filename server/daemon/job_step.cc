@@ -628,6 +628,7 @@ void Job::ApplyStep(int64_t step, StepResult& result, const std::vector<std::sha
                       absl::StrCat("with 1 of its ", shards.size(), " shards updated by step ", step));
     }
   }
+  for (auto& [key, in] : update.replica_in) result.spent.push_back(std::move(in.data));
   result.update.reset();  // the replicas' inputs are no longer needed
   result.stats.mutable_phases()->set_quantize_ms(MsSince(t));
 }
@@ -750,6 +751,7 @@ void Job::RunSteps() {
     for (auto& [key, in] : inputs.shards) {
       for (auto& [rank, data] : in.by_rank) spare_buffers_.push_back(std::move(data));
     }
+    for (std::vector<uint8_t>& data : result->spent) spare_buffers_.push_back(std::move(data));
     committed_scaling_ = ScalingProto();
     failures_.erase(step);
     failed_attempts_.erase(failed_attempts_.begin(), failed_attempts_.upper_bound(step));

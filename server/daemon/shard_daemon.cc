@@ -296,6 +296,14 @@ absl::StatusOr<bool> ShardDaemon::StoreReplicaInput(const v1::ReplicaInputHeader
   return job->StoreReplicaInput(header, std::move(payload));
 }
 
+std::vector<uint8_t> ShardDaemon::SpareBuffer(const std::string& job_id, int64_t bytes) {
+  absl::StatusOr<std::shared_ptr<Job>> job = FindJob(job_id);
+  if (!job.ok()) return {};
+  std::vector<uint8_t> buffer = (*job)->TakeSpareBuffer(bytes);
+  buffer.clear();  // keeps the memory: the input is appended chunk by chunk
+  return buffer;
+}
+
 v1::GetStepOutcomeResponse ShardDaemon::GetStepOutcome(const v1::GetStepOutcomeRequest& request) const {
   std::shared_ptr<Job> job;
   {

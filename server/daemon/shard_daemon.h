@@ -100,6 +100,10 @@ class ShardDaemon {
   // NOT_FOUND when the daemon does not hold the job.
   absl::StatusOr<bool> CheckReplicaInput(const v1::ReplicaInputHeader& header) const;
   absl::StatusOr<bool> StoreReplicaInput(const v1::ReplicaInputHeader& header, std::vector<uint8_t> payload);
+  // A buffer of `bytes` an earlier step of the job used (Job::TakeSpareBuffer), emptied with its
+  // memory kept, for a forwarded input to land in without page faults; an empty vector when
+  // none fits or the job is not here.
+  std::vector<uint8_t> SpareBuffer(const std::string& job_id, int64_t bytes);
   // Job::GetStepOutcome of the named job; UNDECIDED when the daemon does not hold the job.
   v1::GetStepOutcomeResponse GetStepOutcome(const v1::GetStepOutcomeRequest& request) const;
   // Job::WriteCheckpoint of the named job. UNAVAILABLE when the job has no shards here.

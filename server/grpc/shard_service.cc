@@ -96,7 +96,10 @@ class ForwardInputReactor final : public ::grpc::ServerReadReactor<v1::ForwardSt
       if (!duplicate.ok()) return End(duplicate.status());
       duplicate_ = *duplicate;
       have_header_ = true;
-      if (!duplicate_) payload_.reserve(static_cast<size_t>(header_.total_bytes()));
+      if (!duplicate_) {
+        payload_ = core_->SpareBuffer(header_.job_id(), header_.total_bytes());
+        payload_.reserve(static_cast<size_t>(header_.total_bytes()));
+      }
     } else {
       if (!request_.has_chunk()) return End(absl::InvalidArgumentError("ForwardStepInput: a second header in one stream"));
       const v1::GradChunk& chunk = request_.chunk();

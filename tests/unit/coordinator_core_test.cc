@@ -897,6 +897,49 @@ TEST_F(CoordinatorCoreTest, DrainMovesRanksAndBumpsTheEpoch) {
   EXPECT_EQ(Daemons()[b.daemon_id()].state(), v1::DAEMON_STATE_READY);
 }
 
+// A drained daemon holding two ranks is the source of two moves that finish one at a time: the
+// first one to finish drops only its rank there (the daemon is out of the placement already,
+// and dropping the whole job would take the rank still being copied from it).
+TEST_F(CoordinatorCoreTest, ADrainedDaemonKeepsTheRankStillBeingCopiedWhenTheOtherMoveFinishes) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto c = Register("n3", kGiB);
+  auto created = Create(SmallSpec("j", 2, {"n1", "n1"}));
+  ASSERT_THAT(created, IsOk());
+  v1::DrainDaemonRequest drain;
+  drain.set_daemon_id(a.daemon_id());
+  ASSERT_THAT(coordinator_->DrainDaemon(drain), IsOk());
+  auto placement = coordinator_->WaitPlacement(created->job_id(), "", 1, absl::Now() + absl::Seconds(1));
+  ASSERT_THAT(placement, IsOk());
+  const std::vector<std::string> owners = Owners(*placement, 2);
+  ASSERT_NE(owners[0], owners[1]) << "the two ranks go to the two other daemons";
+  auto report = [&](const v1::RegisterDaemonResponse& d) {
+    v1::HeartbeatRequest hb;
+    hb.set_daemon_id(d.daemon_id());
+    hb.set_lease_id(d.lease_id());
+    v1::JobProgress* p = hb.add_jobs();
+    p->set_job_id(created->job_id());
+    p->set_placement_epoch(placement->epoch());
+    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  };
+  const auto& first = owners[0] == b.daemon_id() ? b : c;
+  const auto& second = owners[0] == b.daemon_id() ? c : b;
+  size_t before = assigner_.calls().size();
+  report(first);  // rank 0's copy is loaded; rank 1 is still being copied from a
+  auto calls = assigner_.calls();
+  ASSERT_EQ(calls.size(), before + 1);
+  EXPECT_FALSE(calls.back().assign);
+  EXPECT_EQ(calls.back().address, "n1:7000");
+  ASSERT_EQ(calls.back().drop_request.shards_size(), created->job().num_buckets()) << "only rank 0's shards";
+  for (const auto& shard : calls.back().drop_request.shards()) EXPECT_EQ(shard.shard(), 0);
+  before = calls.size();
+  report(second);  // the last move from a: a holds nothing of the job any more
+  calls = assigner_.calls();
+  ASSERT_EQ(calls.size(), before + 1);
+  EXPECT_EQ(calls.back().address, "n1:7000");
+  EXPECT_EQ(calls.back().drop_request.shards_size(), 0);
+}
+
 TEST_F(CoordinatorCoreTest, MoveShardMovesOneRankStateAndAllAndRefusesBadMoves) {
   auto a = Register("n1", kGiB);
   auto b = Register("n2", kGiB);
