@@ -541,7 +541,8 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
     // succeed without the new pushes, so waiting for them only puts the daemons' next attempts
     // out of step with each other (docs/architecture.md, "Agreed outcome of a step").
     client_internal::CallGroup calls;
-    std::set<std::string> asked;  // daemon ids
+    std::set<std::string> asked;             // daemon ids
+    std::set<std::string> asked_redirected;  // of those, the ones asked as a moved shard's new owner
     std::vector<std::pair<std::string, v1::FinishStepResponse>> responses;  // daemon id, answer
     std::vector<std::thread> threads;
     int running = 0;
@@ -585,7 +586,13 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
       }
       if ((status.ok() || passed_over) && !calls.abandoned()) {
         for (const auto& [id, address] : owners) {
-          if (!asked.insert(id).second) continue;
+          // A daemon asked already (the pushes landed there too) is asked again when it is the
+          // new owner of the shards a failed daemon held: only the redirected call tells it that
+          // this rank's pushes to that daemon were lost with it (docs/architecture.md).
+          if (id == t.id) continue;
+          if (passed_over ? !asked_redirected.insert(id).second : !asked.insert(id).second) continue;
+          asked.insert(id);
+          asked_redirected.insert(id);
           ++running;
           threads.emplace_back(finish_at, Target{address, id, true});
         }
@@ -652,10 +659,28 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
     }
     const std::optional<ErrorInfo> info = GetErrorInfo(result.status());
     if (info.has_value() && info->committed_step + 1 < step) return result;  // restored: the caller rewinds
+    if (first_abort.empty()) first_abort = std::string(result.status().message());
     if (absl::Status again = impl_->PushStepAgain(step, pushes); !again.ok()) {
+      const std::optional<ErrorInfo> committed = GetErrorInfo(again);
+      if (again.code() == absl::StatusCode::kFailedPrecondition && committed.has_value() &&
+          committed->committed_step >= step) {
+        // The step committed after this attempt gave up (a move carried this rank's pushes
+        // and its FinishStep to the new owner): its stats are what FinishStep returns.
+        {
+          absl::MutexLock lock(&impl_->mu);
+          impl_->steps.erase(step);
+        }
+        absl::StatusOr<StepStats> stats = GetStepStats(step);
+        if (stats.ok()) {
+          stats->attempts = n + 1;
+          stats->first_abort = first_abort;
+          return stats;
+        }
+        return Annotate(stats.status(), absl::StrCat("FinishStep(", step, "): the step committed after attempt ", n,
+                                                     " gave up, but its stats could not be read"));
+      }
       return Annotate(result.status(), absl::StrCat("not pushed again by the client: ", again.message()));
     }
-    if (first_abort.empty()) first_abort = std::string(result.status().message());
   }
 }
 

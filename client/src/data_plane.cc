@@ -288,10 +288,17 @@ absl::Status Client::Impl::PushStepAgain(int64_t step, const std::vector<client_
     handles.push_back(SchedulePushes(p.bucket, {p.shard}, step, v1::PUSH_KIND_GRADIENT, {p.data}, p.num_contributors,
                                      p.options));
   }
+  // A push answered "already decided" (FAILED_PRECONDITION naming a committed step at or past
+  // this one) says the step committed after all (the pushes a move carried): that answer wins.
   absl::Status first;
   for (PushHandle& h : handles) {
     const absl::StatusOr<PushResult>& r = h.Wait();
-    if (!r.ok() && first.ok()) first = r.status();
+    if (r.ok()) continue;
+    const std::optional<ErrorInfo> info = GetErrorInfo(r.status());
+    if (first.ok() || (r.status().code() == absl::StatusCode::kFailedPrecondition && info.has_value() &&
+                       info->committed_step >= step)) {
+      first = r.status();
+    }
   }
   return first;
 }

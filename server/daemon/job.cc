@@ -590,7 +590,7 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
   // A shard still being copied here brings its pushes along: the call is retried after it.
   if (open) {
     const bool moved = request.redirected() || (request.placement_epoch() < epoch_ && !Fenced());
-    bool incoming = false, pushed = false, unreduced = false, lacking_any = false;
+    bool incoming = false, pushed = false, unreduced = false, lacking_any = false, lacking_own = false;
     auto in = pending_.find(step);
     for (const auto& [key, state] : shards_) {
       incoming |= state->incoming;
@@ -604,6 +604,7 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
       unreduced |= sin != nullptr && sin->num_contributors > 1;
       if (state->replica || state->incoming || has) continue;
       lacking_any = true;
+      lacking_own |= key.second == request.rank();  // the shard a reduced push of this rank fills
     }
     if (moved && incoming) {
       return absl::UnavailableError(absl::StrCat("FinishStep: job ", job_id_,
@@ -621,7 +622,7 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
         dropped |= sin == nullptr || sin->by_rank.count(rank) == 0;
       }
     }
-    if ((moved && (!pushed || (unreduced && lacking_any))) || dropped) {
+    if ((moved && (!pushed || lacking_own || (unreduced && lacking_any))) || dropped) {
       return ErrorWithDetail(absl::AbortedError(absl::StrCat(
           "FinishStep: this daemon lacks pushes of rank ", request.rank(), " for step ", step, " of job ", job_id_,
           request.redirected()                       ? " (they were lost with the daemon they went to)"

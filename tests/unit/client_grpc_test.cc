@@ -213,6 +213,31 @@ TEST_F(ClientGrpcTest, FinishStepPushesAStepTheDaemonsGaveUpAgainItself) {
   }
 }
 
+// A step given up and then committed after all (a move's new owner finished it with the pushes
+// the move carried): the push again is refused as already decided, and FinishStep returns the
+// committed step's stats instead of an error.
+TEST_F(ClientGrpcTest, AStepCommittedAfterItsAttemptGaveUpIsReturnedAsCommitted) {
+  StartCluster();
+  ConnectRanks(testing_fakes::AllFormatsSpec(2), 2);
+  const Layout& layout = clients_[0]->layout();
+  PushInitial(RandomBuckets(1));
+  cluster_->GiveUpStep(0, /*then_commit=*/true);
+  const auto grad = RandomBuckets(100);
+  for (int32_t r = 0; r < 2; ++r) {
+    for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
+      const int64_t n = layout.buckets[b].shard_numel;
+      clients_[r]->PushGrad(b, 0, ElementSpan::Fp32(std::span<const float>(grad[b]).subspan(r * n, n)));
+    }
+  }
+  for (const auto& s : FinishAll(0, 0.5, 0.0)) {
+    ASSERT_THAT(s, IsOk());
+    EXPECT_EQ(s->version, 1);
+    EXPECT_EQ(s->attempts, 2);
+  }
+  EXPECT_EQ(cluster_->GivenUp(0), 1);
+  EXPECT_EQ(cluster_->version(), 1);
+}
+
 // step_attempts = 1: the caller pushes again itself, as before.
 TEST_F(ClientGrpcTest, WithOneStepAttemptAGivenUpStepIsTheCallersToPushAgain) {
   StartCluster();

@@ -184,7 +184,7 @@ class FakeDaemon final : public v1::Shard::Service {
     if (!WaitFor(s_, context, decided)) {
       return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "step not decided before the deadline");
     }
-    if (s_->results.count(request->step()) == 0) {
+    if (s_->given_up[request->step()] != given_up) {
       v1::ErrorDetail detail;
       detail.set_committed_step(s_->committed_step);
       return WithDetail(context, grpc::StatusCode::ABORTED,

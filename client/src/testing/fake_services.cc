@@ -323,9 +323,10 @@ void FakeCluster::FailNextCalls(int calls, grpc::StatusCode code) {
   state_->unavailable_left = calls;
   state_->unavailable_code = code;
 }
-void FakeCluster::GiveUpStep(int64_t step) {
+void FakeCluster::GiveUpStep(int64_t step, bool then_commit) {
   absl::MutexLock lock(&state_->mu);
   state_->give_up_step = step;
+  state_->give_up_then_commit = then_commit;
 }
 int FakeCluster::GivenUp(int64_t step) const {
   absl::MutexLock lock(&state_->mu);

@@ -69,7 +69,9 @@ class FakeCluster {
   // Gives `step` up once, when it is complete (every rank finished, every push there): its
   // FinishStep calls answer ABORTED (ErrorDetail.committed_step = the committed step) and its
   // pushes are dropped, as a daemon whose peer died mid-step does. The next attempt commits.
-  void GiveUpStep(int64_t step);
+  // With `then_commit`, the step commits right after the ABORTED answers, with the pushes it
+  // had (as a move's target finishing the step with the pushes the move carried).
+  void GiveUpStep(int64_t step, bool then_commit = false);
   int GivenUp(int64_t step) const;  // how often `step` was given up
   // Current FP32 master of a bucket (numel elements) and the current version (-1 before the
   // initial parameters are complete).

@@ -58,6 +58,7 @@ struct FakeCluster::State {
   std::map<int64_t, v1::StepStats> results ABSL_GUARDED_BY(mu);
   // GiveUpStep: the step given up once it is complete, and how often each step was given up.
   int64_t give_up_step ABSL_GUARDED_BY(mu) = -2;
+  bool give_up_then_commit ABSL_GUARDED_BY(mu) = false;
   std::map<int64_t, int> given_up ABSL_GUARDED_BY(mu);
   FakeStats stats ABSL_GUARDED_BY(mu);
   // Checkpoints of the fake Admin service: id -> the masters, version and committed step saved.
@@ -115,17 +116,21 @@ struct FakeCluster::State {
     if (give_up_step == step) {  // as a daemon whose peer died mid-step: nothing changes
       give_up_step = -2;
       ++given_up[step];
-      finished.erase(step);
-      for (auto g = grads.begin(); g != grads.end();) {
-        if (std::get<0>(g->first) == step) {
-          contributors.erase(g->first);
-          g = grads.erase(g);
-        } else {
-          ++g;
-        }
-      }
       changed.SignalAll();
-      return;
+      // With give_up_then_commit the step commits below after all, as a move's new owner
+      // finishes it with the pushes the move carried.
+      if (!give_up_then_commit) {
+        finished.erase(step);
+        for (auto g = grads.begin(); g != grads.end();) {
+          if (std::get<0>(g->first) == step) {
+            contributors.erase(g->first);
+            g = grads.erase(g);
+          } else {
+            ++g;
+          }
+        }
+        return;
+      }
     }
     const auto [lr, wd] = fin->second.begin()->second;
     std::vector<std::vector<float>> updated = master;
