@@ -500,13 +500,16 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
     }
     // The daemons count this rank's pushes of the step only once they are acknowledged.
     absl::Status failed;
+    bool committed = false;  // a push was refused because the step is committed already
     for (const client_internal::StepPush& p : pushes) {  // all of them: none may still be running
       const absl::Status& s = p.done.get();
+      committed |= client_internal::CommittedAtOrPast(s, step);
       if (!s.ok() && failed.ok()) {
         failed = Annotate(s, absl::StrCat("FinishStep(", step, "): the push of bucket ", p.bucket, " shard ", p.shard,
                                           " failed; push it again, then call FinishStep again"));
       }
     }
+    if (committed) return CommittedStepStats(step);
     if (!failed.ok()) {
       // The step's record goes: pushing the step again starts it afresh (a record kept here
       // would fail every later FinishStep of this step with this old error).
@@ -661,27 +664,32 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
     if (info.has_value() && info->committed_step + 1 < step) return result;  // restored: the caller rewinds
     if (first_abort.empty()) first_abort = std::string(result.status().message());
     if (absl::Status again = impl_->PushStepAgain(step, pushes); !again.ok()) {
-      const std::optional<ErrorInfo> committed = GetErrorInfo(again);
-      if (again.code() == absl::StatusCode::kFailedPrecondition && committed.has_value() &&
-          committed->committed_step >= step) {
+      if (client_internal::CommittedAtOrPast(again, step)) {
         // The step committed after this attempt gave up (a move carried this rank's pushes
         // and its FinishStep to the new owner): its stats are what FinishStep returns.
-        {
-          absl::MutexLock lock(&impl_->mu);
-          impl_->steps.erase(step);
-        }
-        absl::StatusOr<StepStats> stats = GetStepStats(step);
+        absl::StatusOr<StepStats> stats = CommittedStepStats(step);
         if (stats.ok()) {
           stats->attempts = n + 1;
           stats->first_abort = first_abort;
-          return stats;
         }
-        return Annotate(stats.status(), absl::StrCat("FinishStep(", step, "): the step committed after attempt ", n,
-                                                     " gave up, but its stats could not be read"));
+        return stats;
       }
       return Annotate(result.status(), absl::StrCat("not pushed again by the client: ", again.message()));
     }
   }
+}
+
+absl::StatusOr<StepStats> Client::CommittedStepStats(int64_t step) {
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->steps.erase(step);
+  }
+  absl::StatusOr<StepStats> stats = GetStepStats(step);
+  if (!stats.ok()) {
+    return Annotate(stats.status(), absl::StrCat("FinishStep(", step, "): the daemons committed the step (a push of "
+                                                 "it was refused as already decided) but its stats could not be read"));
+  }
+  return stats;
 }
 
 absl::Status Client::Impl::ReaderRefusal() const {

@@ -56,6 +56,14 @@ struct StepPush {
   // is not host-readable (device memory) or no attempt computed it: it cannot be pushed again.
   std::shared_ptr<std::optional<uint32_t>> crc;
 };
+// Whether `status` refuses a push of `step` because the daemons committed it already
+// (FAILED_PRECONDITION whose ErrorDetail names a committed step at or past it).
+inline bool CommittedAtOrPast(const absl::Status& status, int64_t step) {
+  if (status.code() != absl::StatusCode::kFailedPrecondition) return false;
+  const std::optional<ErrorInfo> info = GetErrorInfo(status);
+  return info.has_value() && info->committed_step >= step;
+}
+
 struct StepRecord {
   std::vector<StepPush> pushes;
   std::map<std::string, std::string> daemons;  // address -> daemon id, of acknowledged pushes

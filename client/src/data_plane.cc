@@ -294,11 +294,7 @@ absl::Status Client::Impl::PushStepAgain(int64_t step, const std::vector<client_
   for (PushHandle& h : handles) {
     const absl::StatusOr<PushResult>& r = h.Wait();
     if (r.ok()) continue;
-    const std::optional<ErrorInfo> info = GetErrorInfo(r.status());
-    if (first.ok() || (r.status().code() == absl::StatusCode::kFailedPrecondition && info.has_value() &&
-                       info->committed_step >= step)) {
-      first = r.status();
-    }
+    if (first.ok() || client_internal::CommittedAtOrPast(r.status(), step)) first = r.status();
   }
   return first;
 }

@@ -132,19 +132,6 @@ class FaultMatrixTest(unittest.TestCase):
         wait_for(lambda: ("rank %d step %d " % (rank, step)) in self.cluster.log("run.rank%d" % rank),
                  "rank %d step %d" % (rank, step), timeout=120, logs=self.cluster.logs)
 
-    def placement(self, job):
-        r = self.cluster.ctl("placement", "--job", job, "--json")
-        self.assertEqual(r.returncode, 0, r.stderr)
-        return json.loads(r.stdout)["placement"]["shards"]
-
-    def daemon_process(self, daemon_id):
-        r = self.cluster.ctl("daemons", "list", "--json")
-        self.assertEqual(r.returncode, 0, r.stderr)
-        for d in json.loads(r.stdout)["daemons"]:
-            if d["endpoint"]["daemon_id"] == daemon_id:
-                return "daemon" + d["endpoint"]["node_name"][len("node"):]
-        raise AssertionError("no daemon %s in %s" % (daemon_id, r.stdout))
-
     def daemon_id_of(self, i):
         r = self.cluster.ctl("daemons", "list", "--json")
         return [d["endpoint"]["daemon_id"] for d in json.loads(r.stdout)["daemons"]
@@ -260,9 +247,9 @@ class FaultMatrixTest(unittest.TestCase):
         self.assertIn("not installed", self.cluster.log(fired[0] + "."))
 
     def kill_primary_of_rank0(self, job):
-        shards = self.placement(job)
+        shards = self.cluster.placement(job)
         victim = [s["daemon_id"] for s in shards if s["shard"].get("shard", 0) == 0][0]
-        self.cluster.kill(self.daemon_process(victim))
+        self.cluster.kill(self.cluster.daemon_process(victim))
         return victim
 
     def test_a_re_replications_target_killed_mid_copy(self):

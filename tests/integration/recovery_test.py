@@ -321,15 +321,6 @@ class RecoveryTest(unittest.TestCase):
                 return s["daemon_id"]
         raise AssertionError("rank %d not in %s" % (rank, r.stdout))
 
-    def daemon_process(self, daemon_id):
-        """The Cluster's process name ("daemonI") of a daemon id (by its node name "nodeI")."""
-        r = self.cluster.ctl("daemons", "list", "--json")
-        self.assertEqual(r.returncode, 0, r.stderr)
-        for d in json.loads(r.stdout)["daemons"]:
-            if d["endpoint"]["daemon_id"] == daemon_id:
-                return "daemon" + d["endpoint"]["node_name"][len("node"):]
-        raise AssertionError("no daemon %s in %s" % (daemon_id, r.stdout))
-
     def kill_a_primary_with_replicas(self, daemon_flags=(), replicas_only=False):
         """replication_factor 2 on three daemons, no checkpoint at all. The daemon holding rank 0's
         primary (with `replicas_only`: a daemon that is no rank's primary) is SIGKILLed mid-run;
@@ -341,7 +332,7 @@ class RecoveryTest(unittest.TestCase):
         ps = [self.cluster.trainer(r, "run", "--replication", "2", "--step-sleep", "0.05") for r in range(D)]
         self.wait_step("run", 0, 4)
         job = json.loads(read(os.path.join(self.cluster.dir, "run.job")))["job_id"]
-        shards = self.placement(job)
+        shards = self.cluster.placement(job)
         self.assertTrue(all(len(s.get("replica_daemon_ids", [])) == 1 for s in shards), shards)
         primaries = {s["daemon_id"] for s in shards}
         if replicas_only:
@@ -352,7 +343,7 @@ class RecoveryTest(unittest.TestCase):
         else:
             victim = self.owner_of(job, 0)
             replica = [s["replica_daemon_ids"][0] for s in shards if s["shard"].get("shard", 0) == 0][0]
-        self.cluster.kill(self.daemon_process(victim))
+        self.cluster.kill(self.cluster.daemon_process(victim))
         for p in ps:
             self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         self.assertEqual(self.owner_of(job, 0), replica)
@@ -361,7 +352,7 @@ class RecoveryTest(unittest.TestCase):
         self.assertNotIn("restoring from checkpoint", self.cluster.log("coordinator"))
         # Back to two copies of every rank, on the two survivors.
         wait_for(lambda: all(len(s.get("replica_daemon_ids", [])) == 1 and victim not in
-                             [s["daemon_id"]] + s["replica_daemon_ids"] for s in self.placement(job)),
+                             [s["daemon_id"]] + s["replica_daemon_ids"] for s in self.cluster.placement(job)),
                  "re-replication", logs=self.cluster.logs)
         # The placement names the new replicas at once; their copy completes (and is logged) after.
         wait_for(lambda: "copies again" in self.cluster.log("coordinator"), "the new replicas' copies",
@@ -377,11 +368,6 @@ class RecoveryTest(unittest.TestCase):
         self.cluster.stop()
         self.cluster = Cluster()
         return final, self.run_reference()
-
-    def placement(self, job):
-        r = self.cluster.ctl("placement", "--job", job, "--json")
-        self.assertEqual(r.returncode, 0, r.stderr)
-        return json.loads(r.stdout)["placement"]["shards"]
 
     def test_a_daemon_killed_with_replicas_fails_over_and_nothing_rewinds(self):
         final, reference = self.kill_a_primary_with_replicas()
@@ -403,7 +389,7 @@ class RecoveryTest(unittest.TestCase):
         pin = reader.pin_version(3, ttl_s=300)
         self.assertEqual(pin.daemons, 3, "the primaries and the replicas hold the pin: %r" % pin)
         before = {b: reader.pull_bucket(b, 3).dequantize_all() for b in range(len(reader.layout.buckets))}
-        self.cluster.kill(self.daemon_process(self.owner_of(job, 0)))
+        self.cluster.kill(self.cluster.daemon_process(self.owner_of(job, 0)))
         for p in ps:
             self.assertEqual(self.cluster.finish(p), 0, self.cluster.logs())
         for b, tensors in before.items():

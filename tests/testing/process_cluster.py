@@ -5,6 +5,7 @@ namespaces), trainer processes, SIGKILL and restart of any of them, their logs.
 Binaries from the environment: MAINSTAY_COORDINATOR_BIN, MAINSTAYD_BIN, MAINSTAYCTL_BIN (for
 `ctl`). A test's trainer script is the subclass's TRAINER (run with `--trainer`).
 """
+import json
 import os
 import shutil
 import signal
@@ -189,6 +190,21 @@ class Cluster:
     def ctl(self, *args):
         return subprocess.run([os.environ["MAINSTAYCTL_BIN"]] + list(args) + ["--coordinator", self.address],
                               capture_output=True, text=True, timeout=120)
+
+    def placement(self, job):
+        """The job's placement shards (`mainstayctl placement --json`)."""
+        r = self.ctl("placement", "--job", job, "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["placement"]["shards"]
+
+    def daemon_process(self, daemon_id):
+        """The process name ("daemonI") of a daemon id (by its node name "nodeI")."""
+        r = self.ctl("daemons", "list", "--json")
+        assert r.returncode == 0, r.stderr
+        for d in json.loads(r.stdout)["daemons"]:
+            if d["endpoint"]["daemon_id"] == daemon_id:
+                return "daemon" + d["endpoint"]["node_name"][len("node"):]
+        raise AssertionError("no daemon %s in %s" % (daemon_id, r.stdout))
 
     def log(self, prefix):
         out = ""

@@ -73,6 +73,19 @@ class ClientGrpcTest : public ::testing::Test {
     for (const Bucket& b : clients_[0]->layout().buckets) out.push_back(Random(b.numel, seed++, scale));
     return out;
   }
+  // Every rank pushes its shard (reduced mode) of `grad` (whole buckets) for `step`.
+  std::vector<PushHandle> PushReduced(int64_t step, const std::vector<std::vector<float>>& grad) {
+    std::vector<PushHandle> handles;
+    const Layout& layout = clients_[0]->layout();
+    for (int32_t r = 0; r < static_cast<int32_t>(clients_.size()); ++r) {
+      for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
+        const int64_t n = layout.buckets[b].shard_numel;
+        handles.push_back(
+            clients_[r]->PushGrad(b, step, ElementSpan::Fp32(std::span<const float>(grad[b]).subspan(r * n, n))));
+      }
+    }
+    return handles;
+  }
   // FinishStep on every rank at once.
   std::vector<absl::StatusOr<StepStats>> FinishAll(int64_t step, double lr, double wd) {
     std::vector<absl::StatusOr<StepStats>> out(clients_.size(), absl::UnknownError("not run"));
@@ -159,12 +172,7 @@ TEST_F(ClientGrpcTest, FinishStepPushesAStepTheDaemonsGaveUpAgainItself) {
   PushInitial(init);
   cluster_->GiveUpStep(0);
   const auto grad = RandomBuckets(100);
-  for (int32_t r = 0; r < 2; ++r) {
-    for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
-      const int64_t n = layout.buckets[b].shard_numel;
-      clients_[r]->PushGrad(b, 0, ElementSpan::Fp32(std::span<const float>(grad[b]).subspan(r * n, n)));
-    }
-  }
+  PushReduced(0, grad);
   for (const auto& s : FinishAll(0, 0.5, 0.0)) {
     ASSERT_THAT(s, IsOk());
     EXPECT_EQ(s->version, 1);
@@ -182,14 +190,7 @@ TEST_F(ClientGrpcTest, FinishStepPushesAStepTheDaemonsGaveUpAgainItself) {
   cluster_->GiveUpStep(1);
   auto grad1 = RandomBuckets(200);
   const auto kept = grad1;
-  std::vector<PushHandle> handles;
-  for (int32_t r = 0; r < 2; ++r) {
-    for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
-      const int64_t n = layout.buckets[b].shard_numel;
-      handles.push_back(
-          clients_[r]->PushGrad(b, 1, ElementSpan::Fp32(std::span<const float>(grad1[b]).subspan(r * n, n))));
-    }
-  }
+  std::vector<PushHandle> handles = PushReduced(1, grad1);
   for (PushHandle& h : handles) ASSERT_THAT(h.Wait(), IsOk());
   for (auto& bucket : grad1) bucket[0] += 1.0f;  // shard 0 of every bucket: rank 0's data
   absl::StatusOr<StepStats> rank0 = absl::UnknownError("not run");
@@ -200,13 +201,7 @@ TEST_F(ClientGrpcTest, FinishStepPushesAStepTheDaemonsGaveUpAgainItself) {
   EXPECT_THAT(rank0, StatusIs(absl::StatusCode::kAborted, HasSubstr("changed after its push")));
   EXPECT_FALSE(rank1.ok());
   grad1 = kept;
-  handles.clear();
-  for (int32_t r = 0; r < 2; ++r) {
-    for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
-      const int64_t n = layout.buckets[b].shard_numel;
-      clients_[r]->PushGrad(b, 1, ElementSpan::Fp32(std::span<const float>(grad1[b]).subspan(r * n, n)));
-    }
-  }
+  PushReduced(1, grad1);
   for (const auto& s : FinishAll(1, 0.5, 0.0)) {
     ASSERT_THAT(s, IsOk());
     EXPECT_EQ(s->version, 2);
@@ -219,16 +214,10 @@ TEST_F(ClientGrpcTest, FinishStepPushesAStepTheDaemonsGaveUpAgainItself) {
 TEST_F(ClientGrpcTest, AStepCommittedAfterItsAttemptGaveUpIsReturnedAsCommitted) {
   StartCluster();
   ConnectRanks(testing_fakes::AllFormatsSpec(2), 2);
-  const Layout& layout = clients_[0]->layout();
   PushInitial(RandomBuckets(1));
   cluster_->GiveUpStep(0, /*then_commit=*/true);
   const auto grad = RandomBuckets(100);
-  for (int32_t r = 0; r < 2; ++r) {
-    for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
-      const int64_t n = layout.buckets[b].shard_numel;
-      clients_[r]->PushGrad(b, 0, ElementSpan::Fp32(std::span<const float>(grad[b]).subspan(r * n, n)));
-    }
-  }
+  PushReduced(0, grad);
   for (const auto& s : FinishAll(0, 0.5, 0.0)) {
     ASSERT_THAT(s, IsOk());
     EXPECT_EQ(s->version, 1);
@@ -244,17 +233,11 @@ TEST_F(ClientGrpcTest, WithOneStepAttemptAGivenUpStepIsTheCallersToPushAgain) {
   ClientOptions base;
   base.step_attempts = 1;
   ConnectRanks(testing_fakes::AllFormatsSpec(2), 2, base);
-  const Layout& layout = clients_[0]->layout();
   PushInitial(RandomBuckets(1));
   cluster_->GiveUpStep(0);
   const auto grad = RandomBuckets(100);
   for (int attempt = 0; attempt < 2; ++attempt) {
-    for (int32_t r = 0; r < 2; ++r) {
-      for (int32_t b = 0; b < static_cast<int32_t>(layout.buckets.size()); ++b) {
-        const int64_t n = layout.buckets[b].shard_numel;
-        clients_[r]->PushGrad(b, 0, ElementSpan::Fp32(std::span<const float>(grad[b]).subspan(r * n, n)));
-      }
-    }
+    PushReduced(0, grad);
     for (const auto& s : FinishAll(0, 0.5, 0.0)) {
       if (attempt == 0) {
         EXPECT_THAT(s, StatusIs(absl::StatusCode::kAborted, HasSubstr("push it again")));

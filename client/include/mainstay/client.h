@@ -306,7 +306,9 @@ class MAINSTAY_CLIENT_EXPORT Client {
   // calls FinishStep on every daemon those pushes went to (in parallel) and returns their
   // StepStats, checked to agree. Blocks until the step is committed or skipped on all of them.
   // A failed push of the step is returned (its code) without calling the daemons: push it again,
-  // then call FinishStep again. ABORTED: the step failed on a daemon, push the step again (it is
+  // then call FinishStep again; a push refused because the step is committed already (a move
+  // carried the step's pushes to a new owner, which finished it) is no error: the committed
+  // step's stats are returned. ABORTED: the step failed on a daemon, push the step again (it is
   // returned as soon as one daemon answers it; the calls at the others are cancelled).
   // FAILED_PRECONDITION when nothing was pushed for `step`. A shard that moved to another daemon
   // after its push landed (a drain or `shards move`) moved with the push: FinishStep follows it
@@ -380,6 +382,9 @@ class MAINSTAY_CLIENT_EXPORT Client {
 
  private:
   explicit Client(std::unique_ptr<Impl> impl);
+  // FinishStep's answer for a step the daemons committed although a push of it was refused as
+  // already decided: the step's stats (GetStepStats); its record here goes.
+  absl::StatusOr<StepStats> CommittedStepStats(int64_t step);
   std::unique_ptr<Impl> impl_;
 };
 
