@@ -239,7 +239,9 @@ absl::StatusOr<v1::GetLayoutResponse> Coordinator::GetLayout(const v1::GetLayout
   MAINSTAY_ASSIGN_OR_RETURN(const v1::StoredJob* job, s.JobForCaller(request.job_id(), request.job_token()));
   v1::GetLayoutResponse response;
   *response.mutable_layout() = job->layout();
-  response.set_version(job->info().version());
+  // The version the daemons last reported (the stored one is the version at creation or at the
+  // last restore): a re-attaching trainer starts from it.
+  response.set_version(s.InfoWithProgress(*job).version());
   return response;
 }
 

@@ -22,6 +22,7 @@ deterministic function of step, rank and the pulled weights: recovery_test.py's 
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -318,6 +319,10 @@ class FaultMatrixTest(unittest.TestCase):
         restarted = self.cluster.trainer(1, "run", "--resume", "--step-sleep", "0.05")
         self.check_run([ps[0], restarted], restarted_rank=1)
         self.assertRegex(self.cluster.log("run.rank1"), r"rank 1 resumed at step (%d|%d)" % (AT, AT + 1))
+        # The coordinator's version at attach comes from the daemons' heartbeats (a step or so
+        # behind at most), not the job's version at creation.
+        said = int(re.search(r"coordinator said version (\d+)", self.cluster.log("run.rank1")).group(1))
+        self.assertGreaterEqual(said, AT - 1, self.cluster.log("run.rank1"))
 
     def test_a_trainer_killed_mid_push(self):
         self.trainer_case("push:%d" % AT)

@@ -103,7 +103,8 @@ def trainer_main(argv):
     if args.resume:
         version = load(mainstay.Client.LATEST)
         step = version  # no step of this test is skipped: step s publishes version s + 1
-        print("rank %d resumed at step %d" % (args.rank, step), flush=True)
+        print("rank %d resumed at step %d (the coordinator said version %d)" % (args.rank, step, client.version),
+              flush=True)
     while step < args.steps:
         try:
             version = load(version)
