@@ -573,7 +573,9 @@ absl::StatusOr<v1::StepStats> Job::FinishStep(const v1::FinishStepRequest& reque
   }
   if (step >= 0 && rewound_ && step > next_step_) return RewoundError("FinishStep", step);
   CrashIfInjectedLocked(StepFault::Phase::kFinish, step,
-                        absl::StrCat("with rank ", request.rank(), "'s FinishStep of step ", step, " arrived"));
+                        [&] {
+                          return absl::StrCat("with rank ", request.rank(), "'s FinishStep of step ", step, " arrived");
+                        });
   const bool open = step >= 0 && !Decided(step) && executing_step_ != step && !failures_.count(step);
   // A FinishStep must find the rank's pushes of the step here: the client sends it only once
   // they were acknowledged. Where one is missing it was lost, and the step would wait for it

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -467,12 +468,12 @@ class Job : public std::enable_shared_from_this<Job> {
   // the shared generation past it, so that everyone rebuilds at the same key.
   void BreakGroup();
   // Tests only (mainstayd --inject-fault crash-at:...): SIGKILLs this process, after logging
-  // `what`, when options_.faults hold a crash at `phase` for progress `s` and a daemon that holds
+  // what(), when options_.faults hold a crash at `phase` for progress `s` and a daemon that holds
   // a primary shard of the job (`holds_primary`) or a replica (`holds_replica`). The Locked
   // form reads the roles from shards_.
   void CrashIfInjected(StepFault::Phase phase, int64_t s, bool holds_primary, bool holds_replica,
-                       absl::string_view what) const;
-  void CrashIfInjectedLocked(StepFault::Phase phase, int64_t s, absl::string_view what) const
+                       absl::FunctionRef<std::string()> what) const;
+  void CrashIfInjectedLocked(StepFault::Phase phase, int64_t s, absl::FunctionRef<std::string()> what) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Runs one of step `step`'s peer reductions (`index` 0: stats SUM, 1: amax MAX). GetStepOutcome
   // answers RUNNING meanwhile; when it completes, `decided` says whether its result fixes the

@@ -38,7 +38,7 @@ absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest
   const Key key{request.shard().bucket(), request.shard().shard()};
   absl::MutexLock lock(&mu_);
   CrashIfInjectedLocked(StepFault::Phase::kCopy, committed_step_,
-                        absl::StrCat("when asked for a copy of ", ShardName(key.first, key.second)));
+                        [&] { return absl::StrCat("when asked for a copy of ", ShardName(key.first, key.second)); });
   const bool fence = request.placement_epoch() > epoch_;
   if (fence && request.placement_epoch() > fence_epoch_) {
     fence_epoch_ = request.placement_epoch();
@@ -131,7 +131,9 @@ void Job::RunMovesIn() {
   if (stopping_) return;
   if (failed.ok() && !copies.empty()) {
     CrashIfInjectedLocked(StepFault::Phase::kInstall, copies.front().second->committed_step,
-                          absl::StrCat("with the copy from daemon ", move.source.daemon_id(), " not installed"));
+                          [&] {
+                            return absl::StrCat("with the copy from daemon ", move.source.daemon_id(), " not installed");
+                          });
   }
   // All shards of one move come from one source at one step, or none is installed.
   // A daemon that holds no other shard of the job with state takes the source's progress (the

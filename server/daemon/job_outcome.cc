@@ -101,13 +101,14 @@ void Job::BreakGroup() {
 }
 
 void Job::CrashIfInjected(StepFault::Phase phase, int64_t s, bool holds_primary, bool holds_replica,
-                          absl::string_view what) const {
+                          absl::FunctionRef<std::string()> what) const {
   if (!options_.faults.CrashesAt(phase, s, holds_primary, holds_replica)) return;
-  Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": injected fault: SIGKILL ", what, " (--inject-fault)"));
+  Log(LogLevel::kWarning, "daemon",
+      absl::StrCat("job ", job_id_, ": injected fault: SIGKILL ", what(), " (--inject-fault)"));
   ::kill(::getpid(), SIGKILL);
 }
 
-void Job::CrashIfInjectedLocked(StepFault::Phase phase, int64_t s, absl::string_view what) const {
+void Job::CrashIfInjectedLocked(StepFault::Phase phase, int64_t s, absl::FunctionRef<std::string()> what) const {
   if (!options_.faults.armed()) return;
   bool primary = false;
   bool replica = false;
@@ -125,8 +126,7 @@ absl::Status Job::RunReduction(int64_t step, int index, const std::function<absl
     reducing_ = true;
   }
   absl::Status status = reduce();
-  if (status.ok() && options_.faults.LosesReduction(step, index) &&
-      !fault_fired_) {
+  if (status.ok() && options_.faults.LosesReduction(step, index) && !fault_fired_) {
     fault_fired_ = true;
     status = absl::DeadlineExceededError(absl::StrCat("injected fault: the result of reduction ", index, " of step ",
                                                       step, " was lost (--inject-fault)"));
@@ -139,7 +139,9 @@ absl::Status Job::RunReduction(int64_t step, int index, const std::function<absl
   if (status.ok() && decided(&decision)) {
     decisions_[step] = std::move(decision);
     while (decisions_.size() > kDecisionsKept) decisions_.erase(decisions_.begin());
-    CrashIfInjectedLocked(StepFault::Phase::kDecision, step, absl::StrCat("after deciding step ", step));
+    CrashIfInjectedLocked(StepFault::Phase::kDecision, step, [&] {
+      return absl::StrCat("after deciding step ", step);
+    });
   }
   return status;
 }

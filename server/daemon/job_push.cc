@@ -261,7 +261,9 @@ absl::StatusOr<v1::PushGradResponse> Job::StorePush(PushSession& session) {
   response.set_contributions(static_cast<int32_t>(in.by_rank.size()));
   if (h.kind() != v1::PUSH_KIND_INITIAL_PARAMS) {
     CrashIfInjectedLocked(StepFault::Phase::kInput, h.step(),
-                          absl::StrCat("with rank ", h.rank(), "'s push of step ", h.step(), " stored, not answered"));
+                          [&] {
+                            return absl::StrCat("with rank ", h.rank(), "'s push of step ", h.step(), " stored, not answered");
+                          });
   }
   return response;
 }

@@ -114,7 +114,7 @@ absl::StatusOr<bool> Job::StoreReplicaInput(const v1::ReplicaInputHeader& h, std
   StepInputs& step = pending_[h.step()];
   if (step.first_push_ms == 0) step.first_push_ms = options_.clock->NowUnixMs();
   CrashIfInjectedLocked(StepFault::Phase::kInput, h.step(),
-                        absl::StrCat("with the forward of step ", h.step(), " stored, not answered"));
+                        [&] { return absl::StrCat("with the forward of step ", h.step(), " stored, not answered"); });
   return false;
 }
 

@@ -621,11 +621,11 @@ void Job::ApplyStep(int64_t step, StepResult& result, const std::vector<std::sha
       std::abort();
     }
     result.published.push_back(std::move(update.snapshots[i]));
-    if (i == 0 && shards.size() > 1) {
+    if (i == 0 && shards.size() > 1 && options_.faults.armed()) {
       const bool primary = std::any_of(shards.begin(), shards.end(), [](const auto& s) { return !s->replica; });
       const bool replica = std::any_of(shards.begin(), shards.end(), [](const auto& s) { return s->replica; });
       CrashIfInjected(StepFault::Phase::kUpdate, step, primary, replica,
-                      absl::StrCat("with 1 of its ", shards.size(), " shards updated by step ", step));
+                      [&] { return absl::StrCat("with 1 of its ", shards.size(), " shards updated by step ", step); });
     }
   }
   for (auto& [key, in] : update.replica_in) result.spent.push_back(std::move(in.data));
