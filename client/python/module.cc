@@ -59,9 +59,10 @@ class PyClient {
            int64_t chunk_bytes, double initial_backoff_s, double max_backoff_s, const std::string& tls_ca_file,
            const std::string& tls_cert_file, const std::string& tls_key_file, const std::string& tls_server_name,
            const std::string& transport, int64_t pull_buffer_cache_bytes, const py::object& reader_token,
-           int step_attempts) {
+           int step_attempts, bool replica_copies) {
     ClientOptions o;
     o.step_attempts = step_attempts;
+    o.replica_copies = replica_copies;
     if (!reader_token.is_none()) o.reader_token = reader_token.cast<std::string>();
     o.transport = transport;
     o.pull_buffer_cache_bytes = pull_buffer_cache_bytes;
@@ -257,13 +258,14 @@ PYBIND11_MODULE(_mainstay, m) {
                        "steps and pulls. With job_id + reader_token instead it only pulls (see WeightReader). Methods are thread-safe; blocking calls release the GIL.")
       .def(py::init<const std::string&, const py::object&, const py::object&, const py::object&, int32_t, double,
                     const std::string&, int64_t, double, double, const std::string&, const std::string&,
-                    const std::string&, const std::string&, const std::string&, int64_t, const py::object&, int>(),
+                    const std::string&, const std::string&, const std::string&, int64_t, const py::object&, int, bool>(),
            py::arg("coordinator"), py::arg("spec_json") = py::none(), py::arg("job_id") = py::none(),
            py::arg("job_token") = py::none(), py::arg("rank") = 0, py::arg("timeout_s") = 60.0,
            py::arg("admin_token") = "", py::arg("chunk_bytes") = 4 << 20, py::arg("initial_backoff_s") = 0.05,
            py::arg("max_backoff_s") = 2.0, py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "",
            py::arg("tls_key_file") = "", py::arg("tls_server_name") = "", py::arg("transport") = "",
-           py::arg("pull_buffer_cache_bytes") = -1, py::arg("reader_token") = py::none(), py::arg("step_attempts") = 8)
+           py::arg("pull_buffer_cache_bytes") = -1, py::arg("reader_token") = py::none(), py::arg("step_attempts") = 8,
+           py::arg("replica_copies") = true)
       .def_readonly_static("LATEST", &Client::kLatestVersion)
       .def_property_readonly("reader", [](PyClient& c) { return c.client().reader(); },
                              "True when attached with a reader token (pulls only).")

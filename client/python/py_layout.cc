@@ -187,6 +187,7 @@ py::dict StepStatsDict(const StepStats& s) {
   d["step_time_ms"] = s.step_time_ms;
   d["attempts"] = s.attempts;
   d["first_abort"] = s.first_abort;
+  d["forwarded_bytes"] = s.forwarded_bytes;
   py::dict phases;
   phases["wait_inputs_ms"] = s.phases.wait_inputs_ms;
   phases["grad_stats_ms"] = s.phases.grad_stats_ms;

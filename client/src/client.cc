@@ -61,6 +61,7 @@ StepStats StepStatsFromProto(const v1::StepStats& p) {
   s.phases = {p.phases().wait_inputs_ms(), p.phases().grad_stats_ms(),  p.phases().reduce_stats_ms(),
               p.phases().update_ms(),      p.phases().reduce_amax_ms(), p.phases().quantize_ms()};
   s.tensor_amax.assign(p.tensor_amax().begin(), p.tensor_amax().end());
+  s.forwarded_bytes = p.forwarded_bytes();
   return s;
 }
 

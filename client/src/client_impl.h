@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -192,6 +193,14 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
                                            std::optional<uint32_t>* crc_out = nullptr);
   // Schedules pushes of `shards` (data[i] for shards[i]) as one handle; gradient pushes are
   // recorded for FinishStep.
+  // The trainer's copies of a reduced gradient push for the shard's replicas (ClientOptions::
+  // replica_copies), one thread each, started at once; the caller joins them. `crc` is the
+  // payload's CRC-32C (computed here when empty). None where the shard has no replica, or the
+  // push is not a reduced gradient in host memory.
+  std::vector<std::thread> StartReplicaCopies(int32_t bucket, int32_t shard, int64_t step, v1::PushKind kind,
+                                              ElementSpan data, int32_t num_contributors,
+                                              const PushOptions& push_options, Deadline deadline,
+                                              std::optional<uint32_t>* crc);
   PushHandle SchedulePushes(int32_t bucket, const std::vector<int32_t>& shards, int64_t step, v1::PushKind kind,
                             const std::vector<ElementSpan>& data, int32_t num_contributors,
                             const PushOptions& options);

@@ -200,7 +200,8 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
   h->set_total_bytes(data.bytes());
   h->set_num_contributors(num_contributors);
   h->set_loss_scale(push_options.loss_scale);
-  std::optional<uint32_t> crc;  // computed once, by the first attempt that puts it in the header
+  // Computed once, by the first attempt that puts it in the header (or given: replica copies).
+  std::optional<uint32_t> crc = crc_out != nullptr ? *crc_out : std::nullopt;
 
   PushResult result;
   const std::string what = absl::StrCat(kind == v1::PUSH_KIND_INITIAL_PARAMS ? "PushGrad(initial params)" : "PushGrad",
@@ -231,6 +232,73 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
   return result;
 }
 
+std::vector<std::thread> Client::Impl::StartReplicaCopies(int32_t bucket, int32_t shard, int64_t step,
+                                                          v1::PushKind kind, ElementSpan data,
+                                                          int32_t num_contributors, const PushOptions& push_options,
+                                                          Deadline deadline, std::optional<uint32_t>* crc) {
+  std::vector<std::thread> threads;
+  if (!options.replica_copies || kind != v1::PUSH_KIND_GRADIENT || num_contributors > 1) return threads;
+  std::vector<v1::DaemonEndpoint> replicas;
+  int64_t epoch = 0;
+  {
+    absl::MutexLock lock(&mu);
+    epoch = placement.epoch();
+    for (const v1::ShardPlacement& s : placement.shards()) {
+      if (s.shard().bucket() != bucket || s.shard().shard() != shard) continue;
+      for (const std::string& id : s.replica_daemon_ids()) {
+        for (const v1::DaemonEndpoint& d : placement.daemons()) {
+          if (d.daemon_id() == id) replicas.push_back(d);
+        }
+      }
+    }
+  }
+  if (replicas.empty()) return threads;
+  for (const v1::DaemonEndpoint& endpoint : replicas) {
+    absl::StatusOr<client_internal::DataTransport*> transport = TransportFor(endpoint);
+    if (!transport.ok() || !(*transport)->HostReadable(data.data)) return threads;
+  }
+  if (!crc->has_value()) *crc = ::mainstay::Crc32c(data.data, data.bytes());
+  v1::PushGradHeader h;
+  h.set_job_id(job_id);
+  h.set_job_token(job_token);
+  h.set_placement_epoch(epoch);
+  h.set_bucket(bucket);
+  h.set_shard(shard);
+  h.set_step(step);
+  h.set_rank(options.rank);
+  h.set_kind(kind);
+  h.set_dtype(ElementTypeToProto(data.type));
+  h.set_total_bytes(data.bytes());
+  h.set_num_contributors(1);
+  h.set_loss_scale(push_options.loss_scale);
+  h.set_crc32c(**crc);
+  h.set_replica_copy(true);
+  for (const v1::DaemonEndpoint& endpoint : replicas) {
+    // One attempt, no retry: whatever fails, the primary forwards the payload instead.
+    threads.emplace_back([this, endpoint, h, data, deadline] {
+      Route route;
+      route.epoch = h.placement_epoch();
+      route.daemon_id = endpoint.daemon_id();
+      route.address = endpoint.address();
+      route.endpoint = endpoint;
+      route.stub = StubFor(route.address);
+      absl::StatusOr<client_internal::DataTransport*> transport = TransportFor(endpoint);
+      if (!transport.ok()) return;
+      grpc::ClientContext context;
+      context.set_deadline(deadline);
+      {
+        absl::MutexLock lock(&mu);  // cancelled with the client's other calls at shutdown
+        if (shutting_down) return;
+        active_calls.insert(&context);
+      }
+      (*transport)->Push(route, h, data, deadline, &context).IgnoreError();
+      absl::MutexLock lock(&mu);
+      active_calls.erase(&context);
+    });
+  }
+  return threads;
+}
+
 PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_t>& shards, int64_t step,
                                         v1::PushKind kind, const std::vector<ElementSpan>& data,
                                         int32_t num_contributors, const PushOptions& push_options) {
@@ -255,8 +323,11 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
     push_pool->Schedule([this, bucket, shard, step, kind, part, num_contributors, push_options, deadline, done,
                          countdown, crc] {
       Route landed;
+      std::vector<std::thread> copies =
+          StartReplicaCopies(bucket, shard, step, kind, part, num_contributors, push_options, deadline, crc.get());
       absl::StatusOr<PushResult> r = PushShardSync(bucket, shard, step, kind, part, num_contributors, push_options,
                                                    deadline, &landed, crc.get());
+      for (std::thread& t : copies) t.join();  // they read `part` too
       if (r.ok() && kind == v1::PUSH_KIND_GRADIENT) {
         absl::MutexLock lock(&mu);
         steps[step].daemons[landed.address] = landed.daemon_id;

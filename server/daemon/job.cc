@@ -281,6 +281,7 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
                      " here from placement epoch ", request.placement_epoch()));
     state->replica = replica;
     for (auto& [step, in] : replica_inputs_) in.erase(key);
+    for (auto& [step, in] : trainer_copies_) in.erase(key);
     for (auto& [step, in] : pending_) in.shards.erase(key);
   }
 

@@ -147,6 +147,7 @@ class PushSession {
   int64_t numel_ = 0;
   int elem_bytes_ = 4;
   bool duplicate_ = false;
+  bool replica_copy_ = false;  // header_.replica_copy: kept as a TrainerCopy, no contribution
   int64_t received_ = 0;
   std::vector<uint8_t> buffer_;
   bool failed_ = false;
@@ -217,6 +218,11 @@ class Job : public std::enable_shared_from_this<Job> {
   // was already applied (a duplicate, nothing stored).
   absl::StatusOr<bool> CheckReplicaInput(const v1::ReplicaInputHeader& header) const;
   absl::StatusOr<bool> StoreReplicaInput(const v1::ReplicaInputHeader& header, std::vector<uint8_t> payload);
+  // The same with header.payload_from_trainer: the input is the trainer's copy of its push
+  // (PushGradHeader.replica_copy) held here, matched by dtype, loss scale and CRC-32C. NOT_FOUND
+  // when none matches (the primary then sends the payload); the checks of CheckReplicaInput
+  // otherwise.
+  absl::StatusOr<bool> AdoptTrainerCopy(const v1::ReplicaInputHeader& header);
   // An input buffer of the last committed step of exactly `bytes`, its bytes unspecified (empty
   // when none fits): a push or a forwarded input lands in it without page faults.
   std::vector<uint8_t> TakeSpareBuffer(int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
@@ -298,6 +304,8 @@ class Job : public std::enable_shared_from_this<Job> {
     ElementType dtype = ElementType::kFloat32;
     double loss_scale = 1.0;  // multiplied into these gradients by the trainers (1 = none)
     std::map<int32_t, std::vector<uint8_t>> by_rank;
+    // A reduced push's payload CRC-32C as checked when it landed (0: not known).
+    uint32_t crc32c = 0;
     // Adds `rank`'s payload unless it has one; the first payload sets the push's description.
     // True when added.
     bool Add(int32_t rank, int32_t contributors, ElementType type, double scale, std::vector<uint8_t>&& payload) {
@@ -328,6 +336,14 @@ class Job : public std::enable_shared_from_this<Job> {
     ElementType dtype = ElementType::kFloat32;
     double loss_scale = 1.0;
     StepHyper hyper;  // per param group; empty for step -1
+    std::vector<uint8_t> data;
+  };
+  // A trainer's copy of its reduced push for a replica shard (PushGradHeader.replica_copy),
+  // CRC-checked as it landed, until the primary's forward names it.
+  struct TrainerCopy {
+    ElementType dtype = ElementType::kFloat32;
+    double loss_scale = 1.0;
+    uint32_t crc32c = 0;
     std::vector<uint8_t> data;
   };
   // What one fragment's cast needs once the step is decided.
@@ -383,10 +399,13 @@ class Job : public std::enable_shared_from_this<Job> {
     const uint8_t* data;
     ElementType dtype;
     double loss_scale;
+    uint32_t crc32c = 0;        // of data, when known already (0: computed)
+    bool trainer_copy = false;  // a trainer's reduced push: its replicas may hold its copy
   };
   absl::Status ForwardInputs(int64_t step, int64_t epoch, const std::vector<Forward>& forwards,
                              const std::vector<std::shared_ptr<ShardState>>& shards, const StepHyper& hyper,
-                             const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of, absl::Time deadline);
+                             const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of, absl::Time deadline,
+                             int64_t* payload_bytes = nullptr);
   // The replica's half: waits (until `deadline`) for the inputs of `step` of every replica shard
   // in `shards`, then takes them. UNAVAILABLE when the job stops, DEADLINE_EXCEEDED naming the
   // shards still missing (the step then fails everywhere before its decision).
@@ -396,6 +415,14 @@ class Job : public std::enable_shared_from_this<Job> {
                                                                 absl::Time deadline);
   absl::Status ApplyPlacement(const v1::AssignShardRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::PushGradResponse> StorePush(PushSession& session);
+  // BeginPush / StorePush of a trainer's copy for a replica shard (job_replica.cc).
+  absl::Status BeginTrainerCopyLocked(const v1::PushGradHeader& h, PushSession& session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<v1::PushGradResponse> StoreTrainerCopyLocked(PushSession& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a replica's input of `step` for `key` at `epoch` must agree with, for `call`: the
+  // routing and step checks of CheckReplicaInput. True when the step is decided already.
+  absl::StatusOr<bool> CheckReplicaStepLocked(const char* call, int64_t epoch, const Key& key, int64_t step) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool Decided(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool Ready(int64_t step) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool ShouldWake() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -523,6 +550,9 @@ class Job : public std::enable_shared_from_this<Job> {
   // Forwarded inputs of replica shards not applied yet: step -> shard -> input (the newest
   // attempt's). Taken by the step thread; dropped once the step is decided.
   std::map<int64_t, std::map<Key, ReplicaInput>> replica_inputs_ ABSL_GUARDED_BY(mu_);
+  // Trainers' copies of their pushes for replica shards: step -> shard -> copy (the newest).
+  // Taken by AdoptTrainerCopy; dropped once the step is decided or the shard's role changes.
+  std::map<int64_t, std::map<Key, TrainerCopy>> trainer_copies_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> members_ ABSL_GUARDED_BY(mu_);  // sorted daemon ids of the placement
   std::map<std::string, v1::DaemonEndpoint> endpoints_ ABSL_GUARDED_BY(mu_);  // of the members
   std::map<Key, std::shared_ptr<ShardState>> shards_ ABSL_GUARDED_BY(mu_);

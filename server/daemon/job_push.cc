@@ -28,6 +28,10 @@ absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHe
   session->header_ = h;
   if (h.num_contributors() == 0) session->header_.set_num_contributors(1);
   absl::MutexLock lock(&mu_);
+  if (h.replica_copy()) {
+    MAINSTAY_RETURN_IF_ERROR(BeginTrainerCopyLocked(session->header_, *session));
+    return session;
+  }
   MAINSTAY_RETURN_IF_ERROR(CheckRoute(h.placement_epoch(), h.bucket(), h.shard()));
   const int64_t d = job_.layout.data_parallel_size;
   const int64_t numel = job_.layout.buckets[static_cast<size_t>(h.bucket())].shard_numel;
@@ -228,6 +232,7 @@ absl::StatusOr<v1::PushGradResponse> Job::StorePush(PushSession& session) {
   v1::PushGradResponse response;
   response.set_received_elements(session.received_);
   absl::MutexLock lock(&mu_);
+  if (session.replica_copy_) return StoreTrainerCopyLocked(session);
   if (session.duplicate_) {
     response.set_duplicate(true);
     return response;
@@ -258,6 +263,7 @@ absl::StatusOr<v1::PushGradResponse> Job::StorePush(PushSession& session) {
     return response;
   }
   in.by_rank[h.rank()] = std::move(session.buffer_);
+  if (in.num_contributors == 1 && session.track_crc_ && session.expected_crc_ != 0) in.crc32c = session.crc_;
   response.set_contributions(static_cast<int32_t>(in.by_rank.size()));
   if (h.kind() != v1::PUSH_KIND_INITIAL_PARAMS) {
     CrashIfInjectedLocked(StepFault::Phase::kInput, h.step(),

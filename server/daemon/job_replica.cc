@@ -3,6 +3,7 @@
 // step thread takes it after that reduction, so that it applies the step with the same input and
 // the same reduced scalars as the primary, before the step is decided.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <thread>
 
@@ -46,26 +47,39 @@ absl::StatusOr<bool> Job::CheckReplicaInput(const v1::ReplicaInputHeader& h) con
   return CheckReplicaInputLocked(h);
 }
 
-absl::StatusOr<bool> Job::CheckReplicaInputLocked(const v1::ReplicaInputHeader& h) const {
-  const Key key{h.bucket(), h.shard()};
+absl::StatusOr<bool> Job::CheckReplicaStepLocked(const char* call, int64_t epoch, const Key& key,
+                                                 int64_t step) const {
   if (stopping_) return absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
-  if (h.placement_epoch() > epoch_) {
-    return absl::UnavailableError(absl::StrCat("ForwardStepInput: job ", job_id_, ": this daemon has not received "
-                                               "placement epoch ", h.placement_epoch(), " yet (it has ", epoch_,
-                                               "); retry"));
+  if (epoch > epoch_) {
+    return absl::UnavailableError(absl::StrCat(call, ": job ", job_id_, ": this daemon has not received placement epoch ",
+                                               epoch, " yet (it has ", epoch_, "); retry"));
   }
   auto it = shards_.find(key);
-  if (h.placement_epoch() < epoch_ || it == shards_.end() || !it->second->replica) {
+  if (epoch < epoch_ || it == shards_.end() || !it->second->replica) {
     return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
-        "ForwardStepInput: job ", job_id_, ": this daemon holds no replica of ", ShardName(key.first, key.second),
-        " at placement epoch ", h.placement_epoch(), " (it is at epoch ", epoch_, ")")));
+        call, ": job ", job_id_, ": this daemon holds no replica of ", ShardName(key.first, key.second),
+        " at placement epoch ", epoch, " (it is at epoch ", epoch_, ")")));
   }
+  if (step < -1) return absl::InvalidArgumentError(absl::StrCat(call, ": step ", step, " < -1"));
+  // Applied already (a retried call). While the step runs here its input is still wanted: the
+  // step thread takes it after the stats reduction.
+  if (Decided(step)) return true;
+  const int64_t first_open = std::max<int64_t>(next_step_, 0);
+  if (step > first_open + 1) {
+    return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
+        call, ": step ", step, " is ahead of job ", job_id_, " (open steps: ", first_open, ", ", first_open + 1, ")")));
+  }
+  return false;
+}
+
+absl::StatusOr<bool> Job::CheckReplicaInputLocked(const v1::ReplicaInputHeader& h) const {
+  const Key key{h.bucket(), h.shard()};
+  MAINSTAY_ASSIGN_OR_RETURN(bool decided, CheckReplicaStepLocked("ForwardStepInput", h.placement_epoch(), key, h.step()));
   MAINSTAY_ASSIGN_OR_RETURN(ElementType type, InputType(h.dtype()));
-  if (h.step() < -1) return absl::InvalidArgumentError(absl::StrCat("ForwardStepInput: step ", h.step(), " < -1"));
   if (h.step() == -1 && type != ElementType::kFloat32) {
     return absl::InvalidArgumentError("ForwardStepInput: initial parameters (step -1) must be FP32");
   }
-  const int64_t numel = it->second->numel;
+  const int64_t numel = shards_.at(key)->numel;
   if (h.total_bytes() != numel * (BitsOf(type) / 8)) {
     return absl::InvalidArgumentError(absl::StrCat("ForwardStepInput: total_bytes ", h.total_bytes(), " but ",
                                                    ShardName(key.first, key.second), " holds ", numel, " elements of ",
@@ -78,16 +92,10 @@ absl::StatusOr<bool> Job::CheckReplicaInputLocked(const v1::ReplicaInputHeader& 
                                                    ", which has ", num_groups_, " groups"));
   }
   MAINSTAY_RETURN_IF_ERROR(CheckStepHyper(StepHyperFromProto(h.groups()), "ForwardStepInput"));
-  // Applied already (a retried call). While the step runs here its input is still wanted: the
-  // step thread takes it after the stats reduction.
-  if (Decided(h.step())) return true;
-  const int64_t first_open = std::max<int64_t>(next_step_, 0);
-  if (h.step() > first_open + 1) {
-    return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
-        "ForwardStepInput: step ", h.step(), " is ahead of job ", job_id_, " (open steps: ", first_open, ", ",
-        first_open + 1, ")")));
+  if (h.payload_from_trainer() && h.crc32c() == 0) {
+    return absl::InvalidArgumentError("ForwardStepInput: payload_from_trainer needs the payload's crc32c");
   }
-  return false;
+  return decided;
 }
 
 absl::StatusOr<bool> Job::StoreReplicaInput(const v1::ReplicaInputHeader& h, std::vector<uint8_t> payload) {
@@ -118,10 +126,88 @@ absl::StatusOr<bool> Job::StoreReplicaInput(const v1::ReplicaInputHeader& h, std
   return false;
 }
 
+absl::StatusOr<bool> Job::AdoptTrainerCopy(const v1::ReplicaInputHeader& h) {
+  const Key key{h.bucket(), h.shard()};
+  absl::MutexLock lock(&mu_);
+  MAINSTAY_ASSIGN_OR_RETURN(bool duplicate, CheckReplicaInputLocked(h));
+  if (duplicate) return true;
+  const ElementType type = *InputType(h.dtype());
+  auto step_it = trainer_copies_.find(h.step());
+  auto it = step_it == trainer_copies_.end() ? decltype(step_it->second.end()){} : step_it->second.find(key);
+  if (step_it == trainer_copies_.end() || it == step_it->second.end() || it->second.crc32c != h.crc32c() ||
+      it->second.dtype != type || it->second.loss_scale != h.loss_scale()) {
+    return absl::NotFoundError(absl::StrCat("ForwardStepInput: no trainer copy of step ", h.step(), " of ",
+                                            ShardName(key.first, key.second), " with CRC-32C ", h.crc32c(),
+                                            " here; send the payload"));
+  }
+  ReplicaInput& in = replica_inputs_[h.step()][key];
+  in.dtype = type;
+  in.loss_scale = h.loss_scale();
+  in.hyper = StepHyperFromProto(h.groups());
+  in.data = std::move(it->second.data);
+  step_it->second.erase(it);
+  if (step_it->second.empty()) trainer_copies_.erase(step_it);
+  StepInputs& step = pending_[h.step()];
+  if (step.first_push_ms == 0) step.first_push_ms = options_.clock->NowUnixMs();
+  CrashIfInjectedLocked(StepFault::Phase::kInput, h.step(), [&] {
+    return absl::StrCat("with the forward of step ", h.step(), " stored (the trainer's copy), not answered");
+  });
+  return false;
+}
+
+absl::Status Job::BeginTrainerCopyLocked(const v1::PushGradHeader& h, PushSession& session) {
+  const Key key{h.bucket(), h.shard()};
+  if (h.kind() != v1::PUSH_KIND_GRADIENT || h.num_contributors() > 1) {
+    return absl::InvalidArgumentError("PushGrad: replica_copy is for reduced gradient pushes only "
+                                      "(kind PUSH_KIND_GRADIENT, num_contributors 1)");
+  }
+  if (h.crc32c() == 0) return absl::InvalidArgumentError("PushGrad: replica_copy needs the payload's crc32c");
+  if (h.step() < 0) return absl::InvalidArgumentError(absl::StrCat("PushGrad: step ", h.step(), " < 0"));
+  MAINSTAY_ASSIGN_OR_RETURN(bool decided, CheckReplicaStepLocked("PushGrad (replica copy)", h.placement_epoch(), key, h.step()));
+  MAINSTAY_ASSIGN_OR_RETURN(ElementType type, InputType(h.dtype()));
+  const int64_t numel = shards_.at(key)->numel;
+  if (h.total_bytes() != numel * (BitsOf(type) / 8)) {
+    return absl::InvalidArgumentError(absl::StrCat("PushGrad: total_bytes ", h.total_bytes(), " but ",
+                                                   ShardName(key.first, key.second), " holds ", numel, " elements of ",
+                                                   ElementTypeName(type)));
+  }
+  bool duplicate = decided;
+  if (auto s = trainer_copies_.find(h.step()); s != trainer_copies_.end()) {
+    auto c = s->second.find(key);
+    duplicate = duplicate || (c != s->second.end() && c->second.crc32c == h.crc32c());
+  }
+  session.replica_copy_ = true;
+  session.numel_ = numel;
+  session.elem_bytes_ = BitsOf(type) / 8;
+  session.duplicate_ = duplicate;
+  session.track_crc_ = !duplicate;
+  session.expected_crc_ = h.crc32c();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::PushGradResponse> Job::StoreTrainerCopyLocked(PushSession& session) {
+  const v1::PushGradHeader& h = session.header_;
+  const Key key{h.bucket(), h.shard()};
+  v1::PushGradResponse response;
+  response.set_received_elements(session.received_);
+  // Re-checked: the step may have been decided, or the role changed, while the data streamed in.
+  MAINSTAY_ASSIGN_OR_RETURN(bool decided, CheckReplicaStepLocked("PushGrad (replica copy)", h.placement_epoch(), key, h.step()));
+  if (session.duplicate_ || decided) {
+    response.set_duplicate(true);
+    return response;
+  }
+  TrainerCopy& copy = trainer_copies_[h.step()][key];
+  copy.dtype = *InputType(h.dtype());
+  copy.loss_scale = h.loss_scale() > 0.0 ? h.loss_scale() : 1.0;
+  copy.crc32c = h.crc32c();
+  copy.data = std::move(session.buffer_);
+  return response;
+}
+
 absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<Forward>& forwards,
                                 const std::vector<std::shared_ptr<ShardState>>& shards, const StepHyper& hyper,
                                 const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of,
-                                absl::Time deadline) {
+                                absl::Time deadline, int64_t* payload_bytes) {
   if (options_.peer_client == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id_, " has replicas but this daemon has no peer client to reach them"));
@@ -140,6 +226,7 @@ absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<F
     }
   }
   std::vector<absl::Status> results(by_peer.size());
+  std::atomic<int64_t> sent_bytes{0};
   std::vector<std::thread> threads;
   size_t n = 0;
   for (auto& [id, list] : by_peer) {
@@ -157,7 +244,15 @@ absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<F
         h.set_loss_scale(f->loss_scale);
         StepHyperToProto(hyper, h.mutable_groups());
         h.set_from_daemon_id(options_.daemon_id);
-        h.set_crc32c(Crc32c(f->data, static_cast<size_t>(h.total_bytes())));
+        h.set_crc32c(f->crc32c != 0 ? f->crc32c : Crc32c(f->data, static_cast<size_t>(h.total_bytes())));
+        // The header alone first where the trainer may have sent the replica a copy of its push
+        // (the fast path: it travelled next to the push to this daemon). Any answer but OK
+        // (NOT_FOUND: no copy; or an error, retried below) sends the payload.
+        if (f->trainer_copy) {
+          h.set_payload_from_trainer(true);
+          if (options_.peer_client->ForwardStepInput(peer, h, {}, deadline).ok()) continue;
+          h.set_payload_from_trainer(false);
+        }
         // An unreachable replica may be dead: retried until the deadline, or until the
         // coordinator's failover takes it out of the placement (a new epoch: the attempt is
         // then given up, and the trainers push the step again once, at the new epoch, instead
@@ -174,6 +269,7 @@ absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<F
             break;
           }
         }
+        if (sent.ok()) sent_bytes += h.total_bytes();
         if (!sent.ok()) {
           results[i] = Annotate(sent, absl::StrCat("forwarding step ", step, " of ", ShardName(s.bucket, s.shard),
                                                    " to its replica on daemon ", peer.daemon_id()));
@@ -183,6 +279,7 @@ absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<F
     });
   }
   for (std::thread& t : threads) t.join();
+  if (payload_bytes != nullptr) *payload_bytes += sent_bytes.load();
   for (const absl::Status& s : results) MAINSTAY_RETURN_IF_ERROR(s);
   return absl::OkStatus();
 }

@@ -190,14 +190,17 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
         grads[i] = {s.grad_sum.data(), ElementType::kFloat32};
       }
       if (replicas_of.count({s.bucket, s.shard})) {
-        forwards.push_back({i, static_cast<const uint8_t*>(grads[i].data), grads[i].type, in.loss_scale});
+        const bool reduced = in.num_contributors == 1;
+        forwards.push_back({i, static_cast<const uint8_t*>(grads[i].data), grads[i].type, in.loss_scale,
+                            reduced ? in.crc32c : 0, reduced});
       }
     }
     absl::Status forwarded;
+    int64_t forwarded_bytes = 0;
     std::thread forwarder;
     if (!forwards.empty()) {
       forwarder = std::thread([&] {
-        forwarded = ForwardInputs(step, epoch, forwards, shards, hyper, replicas_of, deadline);
+        forwarded = ForwardInputs(step, epoch, forwards, shards, hyper, replicas_of, deadline, &forwarded_bytes);
       });
     }
     // The primaries' partial stats, one fragment at a time (padding past the last tensor is no
@@ -239,6 +242,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       }
     }
     if (forwarder.joinable()) forwarder.join();  // every forward lands before this daemon's SUM
+    stats.set_forwarded_bytes(forwarded_bytes);
     MAINSTAY_RETURN_IF_ERROR(stats_status);
     MAINSTAY_RETURN_IF_ERROR(forwarded);
     phases.set_grad_stats_ms(MsSince(t));
@@ -745,6 +749,7 @@ void Job::RunSteps() {
     if (step >= 0) committed_step_ = step;
     next_step_ = step + 1;
     replica_inputs_.erase(replica_inputs_.begin(), replica_inputs_.upper_bound(step));
+    trainer_copies_.erase(trainer_copies_.begin(), trainer_copies_.upper_bound(step));
     rewound_ = false;
     // The step's input buffers serve the next step's pushes (as many as this step used).
     spare_buffers_.clear();

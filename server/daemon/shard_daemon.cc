@@ -296,6 +296,11 @@ absl::StatusOr<bool> ShardDaemon::StoreReplicaInput(const v1::ReplicaInputHeader
   return job->StoreReplicaInput(header, std::move(payload));
 }
 
+absl::StatusOr<bool> ShardDaemon::AdoptTrainerCopy(const v1::ReplicaInputHeader& header) {
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(header.job_id()));
+  return job->AdoptTrainerCopy(header);
+}
+
 std::vector<uint8_t> ShardDaemon::SpareBuffer(const std::string& job_id, int64_t bytes) {
   absl::StatusOr<std::shared_ptr<Job>> job = FindJob(job_id);
   if (!job.ok()) return {};

@@ -100,6 +100,8 @@ class ShardDaemon {
   // NOT_FOUND when the daemon does not hold the job.
   absl::StatusOr<bool> CheckReplicaInput(const v1::ReplicaInputHeader& header) const;
   absl::StatusOr<bool> StoreReplicaInput(const v1::ReplicaInputHeader& header, std::vector<uint8_t> payload);
+  // Job::AdoptTrainerCopy of the named job (ForwardStepInput with header.payload_from_trainer).
+  absl::StatusOr<bool> AdoptTrainerCopy(const v1::ReplicaInputHeader& header);
   // A buffer of `bytes` an earlier step of the job used (Job::TakeSpareBuffer), emptied with its
   // memory kept, for a forwarded input to land in without page faults; an empty vector when
   // none fits or the job is not here.

@@ -92,6 +92,11 @@ class ForwardInputReactor final : public ::grpc::ServerReadReactor<v1::ForwardSt
     if (!have_header_) {
       if (!request_.has_header()) return End(absl::InvalidArgumentError("ForwardStepInput: the first message must be the header"));
       header_ = request_.header();
+      if (header_.payload_from_trainer()) {  // the header alone: nothing follows
+        absl::StatusOr<bool> adopted = core_->AdoptTrainerCopy(header_);
+        if (adopted.ok()) response_->set_duplicate(*adopted);
+        return End(adopted.status());
+      }
       absl::StatusOr<bool> duplicate = core_->CheckReplicaInput(header_);
       if (!duplicate.ok()) return End(duplicate.status());
       duplicate_ = *duplicate;

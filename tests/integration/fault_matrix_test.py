@@ -173,9 +173,16 @@ class FaultMatrixTest(unittest.TestCase):
             self.assertEqual(final, self.reference)
 
     def daemon_case(self, phase, role, mutation=None):
+        # Reduced pushes: the trainers also send their replicas copies of them, and the primaries
+        # forward only each step's header (the fast path of docs/architecture.md, "Replicas").
         self.start(daemon_fault="crash-at:%s:%d:%s" % (phase, AT, role) + ("," + mutation if mutation else ""))
-        ps = self.trainers()
+        ps = self.trainers("--reduced")
         self.check_run(ps, mutated=mutation is not None)
+        for rank in range(D):
+            before = [l for l in self.cluster.log("run.rank%d" % rank).splitlines()
+                      if l.startswith("rank %d step " % rank) and int(l.split()[3]) < AT]
+            self.assertTrue(before and all(l.endswith(" forwarded 0") for l in before),
+                            "the replicas did not take the trainers' copies:\n" + "\n".join(before))
         fired = self.fired()
         self.assertEqual(len(fired), 1, self.cluster.logs())
         self.assertIn("fail over to their replicas", self.cluster.log("coordinator"))

@@ -65,6 +65,9 @@ def trainer_main(argv):
     ap.add_argument("--replication", type=int, default=1, help="the job's replication_factor")
     ap.add_argument("--crash-at", help="push:STEP (SIGKILL itself after pushing the first bucket of STEP) or "
                     "finish:STEP (0.3 s into FinishStep of STEP)")
+    ap.add_argument("--reduced", action="store_true",
+                    help="push this rank's shard of the summed gradient (push_grad) instead of the unreduced bucket "
+                         "(the same bits for D = 2: one FP32 addition either way)")
     ap.add_argument("--delay-before-step", help="STEP:SECONDS: sleep that long before pushing STEP")
     args = ap.parse_args(argv)
     crash = tuple(args.crash_at.split(":")) if args.crash_at else None
@@ -112,12 +115,21 @@ def trainer_main(argv):
                 time.sleep(float(delay[1]))
                 delay = None
             for b in buckets:
-                g = {}
-                for n in names[b]:
-                    phase = np.float32(0.1 * step + 0.7 * args.rank)
-                    g[n] = (params[n] * np.float32(0.5) + np.sin(np.arange(params[n].size, dtype=np.float32) * 0.01
-                                                                  + phase).reshape(params[n].shape)) / np.float32(D)
-                client.push_bucket_unreduced(b, step, layout.flatten(b, g))
+                def grad(rank):
+                    g = {}
+                    for n in names[b]:
+                        phase = np.float32(0.1 * step + 0.7 * rank)
+                        g[n] = (params[n] * np.float32(0.5) + np.sin(np.arange(params[n].size, dtype=np.float32) * 0.01
+                                                                      + phase).reshape(params[n].shape)) / np.float32(D)
+                    return layout.flatten(b, g)
+                if args.reduced:
+                    total = grad(0)
+                    for r in range(1, D):
+                        total = total + grad(r)
+                    n = layout.buckets[b]["shard_numel"]
+                    client.push_grad(b, step, np.ascontiguousarray(total[args.rank * n:(args.rank + 1) * n]))
+                else:
+                    client.push_bucket_unreduced(b, step, grad(args.rank))
                 if crash == ("push", str(step)):
                     print("rank %d SIGKILL mid-push of step %d" % (args.rank, step), flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -126,7 +138,8 @@ def trainer_main(argv):
                 threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
             stats = client.finish_step(step, lr=LR, weight_decay=0.0)
             version = stats["version"]
-            print("rank %d step %d version %d attempts %d" % (args.rank, step, version, stats["attempts"]), flush=True)
+            print("rank %d step %d version %d attempts %d forwarded %d" % (args.rank, step, version, stats["attempts"],
+                                                                         stats["forwarded_bytes"]), flush=True)
             step += 1
             time.sleep(args.step_sleep)
             while args.pause_file and os.path.exists(args.pause_file):

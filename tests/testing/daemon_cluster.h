@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <span>
 #include <string>
@@ -20,6 +21,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
 #include "common/job_spec.h"
 #include "common/job_spec_proto.h"
 #include "common/layout_proto.h"
@@ -112,6 +114,7 @@ class InProcessPeers : public daemon::PeerClient {
     for (const auto& d : *daemons_) {
       if (d->daemon_id() != peer.daemon_id()) continue;
       if (down_.count(peer.daemon_id())) break;
+      if (header.payload_from_trainer()) return d->AdoptTrainerCopy(header).status();
       MAINSTAY_ASSIGN_OR_RETURN(bool duplicate, d->CheckReplicaInput(header));
       if (duplicate) return absl::OkStatus();
       return d->StoreReplicaInput(header, std::vector<uint8_t>(payload.begin(), payload.end())).status();
@@ -370,6 +373,44 @@ class Cluster {
           off, std::string(reinterpret_cast<const char*>(values.data() + off), static_cast<size_t>(n) * 4)));
     }
     return session->Finish();
+  }
+
+  // A trainer's copy of rank `shard`'s reduced push of `step` for the replica on daemon `d`
+  // (PushGradHeader.replica_copy), in one chunk, with the CRC-32C of `values` unless `crc`.
+  absl::StatusOr<v1::PushGradResponse> PushCopy(int d, int32_t bucket, int32_t shard, int64_t step,
+                                                const std::vector<float>& values,
+                                                std::optional<uint32_t> crc = std::nullopt) {
+    v1::PushGradHeader h;
+    h.set_job_id(kJob);
+    h.set_job_token(kToken);
+    h.set_placement_epoch(epoch_);
+    h.set_bucket(bucket);
+    h.set_shard(shard);
+    h.set_step(step);
+    h.set_rank(shard);
+    h.set_kind(v1::PUSH_KIND_GRADIENT);
+    h.set_dtype(v1::ELEMENT_TYPE_FP32);
+    h.set_total_bytes(static_cast<int64_t>(values.size() * 4));
+    h.set_num_contributors(1);
+    h.set_crc32c(crc.has_value() ? *crc : Crc32c(values.data(), values.size() * 4));
+    h.set_replica_copy(true);
+    MAINSTAY_ASSIGN_OR_RETURN(std::unique_ptr<PushSession> session, daemon(d).BeginPush(h));
+    MAINSTAY_RETURN_IF_ERROR(
+        session->AddChunk(0, std::string(reinterpret_cast<const char*>(values.data()), values.size() * 4)));
+    return session->Finish();
+  }
+  // The values PushGrads pushes for (bucket b, rank s) at `step`.
+  std::vector<float> GradShard(const Bucket& b, const Shard& s, int64_t step) const {
+    return ShardValues(b, s, [&](int32_t t, int64_t i) { return GradValue(t, i, step); });
+  }
+  // Every rank's copy of its push of `step` to each replica of its shard, as the client sends
+  // them next to its pushes (ClientOptions::replica_copies).
+  void PushCopies(int64_t step) {
+    for (const Bucket& b : layout().buckets) {
+      for (const Shard& s : b.shards) {
+        for (int d : Replicas(s.rank)) ASSERT_THAT(PushCopy(d, b.index, s.rank, step, GradShard(b, s, step)).status(), IsOk());
+      }
+    }
   }
 
   void PushInitial(const Reference& ref) {

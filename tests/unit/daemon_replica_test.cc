@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
 #include "common/job_spec.h"
 #include "server/checkpoint/checkpoint_fs.h"
 #include "tests/testing/daemon_cluster.h"
@@ -171,6 +172,75 @@ TEST(ReplicaTest, AForwardForAShardThatIsNotAReplicaHereIsRefusedWithNothingStor
   std::vector<uint8_t> payload(static_cast<size_t>(h.total_bytes()), 0);
   h.set_crc32c(12345);
   EXPECT_THAT(cluster.daemon(0).StoreReplicaInput(h, payload).status(), StatusIs(absl::StatusCode::kDataLoss));
+}
+
+// The trainers' copies of their pushes (ClientOptions::replica_copies): a replica that holds the
+// copy is sent the step's header only, and applies the same bits. A copy that does not match
+// the primary's input (another payload under its own valid CRC) is not taken: the primary
+// sends the payload, and nothing changes either.
+TEST(ReplicaTest, TrainerCopiesReplaceTheForwardedPayloadAndChangeNoBit) {
+  JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 3);
+  spec.replication_factor = 2;
+  Cluster cluster(spec, 3);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  int64_t shard_bytes = 0;
+  for (const Bucket& b : cluster.layout().buckets) shard_bytes += b.shard_numel * 4;
+  for (int64_t step = 0; step < 4; ++step) {
+    cluster.PushGrads(step);
+    if (step == 1) {
+      cluster.PushCopies(step);
+    } else if (step == 2) {
+      // Rank 0's copies carry another gradient (as a stale or foreign payload would).
+      cluster.PushCopies(step);
+      for (const Bucket& b : cluster.layout().buckets) {
+        std::vector<float> other = cluster.GradShard(b, b.shards[0], step + 7);
+        for (int d : cluster.Replicas(0)) ASSERT_THAT(cluster.PushCopy(d, b.index, 0, step, other).status(), IsOk());
+      }
+    }
+    std::vector<absl::StatusOr<v1::StepStats>> stats = cluster.Finish(step, 1e-3);
+    for (size_t rank = 0; rank < stats.size(); ++rank) {
+      ASSERT_THAT(stats[rank].status(), IsOk());
+      // Each rank's answer comes from its primary, which forwards that rank's shards only.
+      const int64_t expected = step == 1 || (step == 2 && rank != 0) ? 0 : shard_bytes;
+      EXPECT_EQ(stats[rank]->forwarded_bytes(), expected) << "step " << step << ", rank " << rank;
+    }
+    ref.Step(step, 1e-3f);
+    ExpectMatchesReference(cluster, ref, step + 1);
+    ExpectReplicasEqualPrimaries(cluster);
+  }
+}
+
+TEST(ReplicaTest, ABadTrainerCopyIsRefusedWithNothingStored) {
+  JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
+  spec.replication_factor = 2;
+  Cluster cluster(spec, 2);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  const Bucket& b = cluster.layout().buckets[0];
+  std::vector<float> grad = cluster.GradShard(b, b.shards[0], 0);
+  // Rank 0's primary is d0, its replica d1.
+  EXPECT_THAT(cluster.PushCopy(0, 0, 0, 0, grad).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::HasSubstr("holds no replica")));
+  EXPECT_THAT(cluster.PushCopy(1, 0, 0, 0, grad, 0u).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("crc32c")));
+  EXPECT_THAT(cluster.PushCopy(1, 0, 0, 0, std::vector<float>(grad.begin(), grad.end() - 1)).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("total_bytes")));
+  EXPECT_THAT(cluster.PushCopy(1, 0, 0, 5, grad).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::HasSubstr("ahead")));
+  // A torn payload: its CRC is the intact one's.
+  std::vector<float> torn = grad;
+  torn[torn.size() / 2] += 1.0f;
+  EXPECT_THAT(cluster.PushCopy(1, 0, 0, 0, torn, Crc32c(grad.data(), grad.size() * 4)).status(),
+              StatusIs(absl::StatusCode::kDataLoss));
+  // Nothing was kept: d0 forwards rank 0's payload to d1, and the step is exact.
+  cluster.PushGrads(0);
+  std::vector<absl::StatusOr<v1::StepStats>> stats = cluster.Finish(0, 1e-3);
+  ASSERT_THAT(stats[0].status(), IsOk());
+  EXPECT_GT(stats[0]->forwarded_bytes(), 0);
+  ref.Step(0, 1e-3f);
+  ExpectMatchesReference(cluster, ref, 1);
+  ExpectReplicasEqualPrimaries(cluster);
 }
 
 TEST(FailoverTest, ALostDaemonsReplicasTakeOverAndTheJobGoesOnWithNothingRewound) {

@@ -96,6 +96,13 @@ struct ClientOptions {
   // the caller pushes again itself. A buffer that changed, or one in device memory, is not
   // pushed again: the ABORTED is returned, saying why.
   int step_attempts = 8;
+  // Replicated jobs (replication_factor >= 2): each reduced gradient push also goes, at the same
+  // time, to the daemons holding the shard's replicas, so the primary forwards them only the
+  // step's header instead of the payload (docs/architecture.md, "Replicas"). A copy that fails
+  // is ignored (the primary then sends the payload itself); a push completes, and its buffer is
+  // free, once its copies ended too. Only host-readable data is copied. false: primaries forward
+  // every payload.
+  bool replica_copies = true;
   bool verify_crc32c = true;      // check pulled data against the daemon's CRC-32C when sent
   int push_threads = 0;           // concurrent push streams; 0 = max(4, D)
   int pull_threads = 0;           // concurrent pull streams; 0 = max(4, D)
@@ -125,6 +132,9 @@ struct StepStats {
            quantize_ms = 0;
   } phases;
   std::vector<float> tensor_amax;  // per Layout::tensors index; empty for a skipped step
+  // Gradient bytes the answering daemon sent its replicas for the step itself (replicated jobs):
+  // 0 where the replicas took the trainers' copies of their pushes (ClientOptions::replica_copies).
+  int64_t forwarded_bytes = 0;
   // FinishStep's attempts at the step (ClientOptions::step_attempts): 1, or more when it pushed
   // the step again after a daemon gave it up; first_abort is that first ABORTED's message.
   int attempts = 1;
