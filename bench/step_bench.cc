@@ -22,6 +22,8 @@
 //              [--grad-norm 0.5]   (every step's global gradient norm; the job clips above 1)
 //              [--readers N]       (then --steps more steps with N readers polling every version)
 //              [--reader-bytes-per-sec B]  (the daemons' cap on readers' traffic, mainstayd's flag)
+//              [--replica-copies on|off]   (ClientOptions::replica_copies; fwd_MB: the payload the
+//                                           answering daemon still forwarded to its replicas)
 //
 // With --readers N, N reader threads (each its own Client with the job's reader token: the
 // weight-serving path of docs/weight_serving.md) start after the measured steps and read every
@@ -94,6 +96,7 @@ struct Flags {
   double grad_norm = 0.5; // of every step's gradients (max_grad_norm is 1: 0.5 does not clip)
   int readers = 0;        // > 0: --steps more steps with this many readers polling every version
   std::string reader_bytes_per_sec;  // non-empty: mainstayd --reader-bytes-per-sec (the readers' cap)
+  bool replica_copies = true;  // ClientOptions::replica_copies of the trainers
 };
 
 [[noreturn]] void Die(const std::string& message) {
@@ -121,6 +124,10 @@ Flags ParseFlags(int argc, char** argv) {
     else if (name == "--grad-norm") f.grad_norm = std::atof(value.c_str());
     else if (name == "--readers") f.readers = std::atoi(value.c_str());
     else if (name == "--reader-bytes-per-sec") f.reader_bytes_per_sec = value;
+    else if (name == "--replica-copies") {
+      if (value != "on" && value != "off") Die("--replica-copies takes on or off, not " + value);
+      f.replica_copies = value == "on";
+    }
     else Die("unknown flag " + name);
   }
   if (f.coordinator_bin.empty() || f.daemon_bin.empty()) Die("--coordinator-bin and --daemon-bin are required");
@@ -407,6 +414,7 @@ int Main(int argc, char** argv) {
       o.coordinator = address;
       o.rank = r;
       o.transport = f.transport;
+      o.replica_copies = f.replica_copies;
       o.timeout = std::chrono::minutes(10);
       if (r == 0) {
         o.job_spec_json = JobSpecToJson(placed);
@@ -441,8 +449,9 @@ int Main(int argc, char** argv) {
     for (auto& g : grads) {
       for (const Bucket& b : layout.buckets) g.emplace_back(static_cast<size_t>(b.shard_numel), grad_value);
     }
-    std::printf("%6s %9s %9s %9s %9s | daemon: %8s %8s %8s %8s %8s %8s %6s\n", "step", "total_s", "push_s", "finish_s",
-                "pull_s", "wait_ms", "stats_ms", "rstat_ms", "probe_ms", "ramax_ms", "apply_ms", "clip");
+    std::printf("%6s %9s %9s %9s %9s | daemon: %8s %8s %8s %8s %8s %8s %6s %7s\n", "step", "total_s", "push_s",
+                "finish_s", "pull_s", "wait_ms", "stats_ms", "rstat_ms", "probe_ms", "ramax_ms", "apply_ms", "clip",
+                "fwd_MB");
     std::vector<double> totals;
     std::thread mover;
     double move_s = -1;
@@ -504,10 +513,10 @@ int Main(int argc, char** argv) {
       TrainerTimes slowest = *std::max_element(times.begin(), times.end(),
                                                [](const TrainerTimes& a, const TrainerTimes& b) { return a.total < b.total; });
       const StepStats::Phases& ph = slowest.stats.phases;
-      std::printf("%6lld %9.2f %9.2f %9.2f %9.2f |         %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f %6.3f%s\n",
+      std::printf("%6lld %9.2f %9.2f %9.2f %9.2f |         %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f %6.3f %7.0f%s\n",
                   static_cast<long long>(step), slowest.total, slowest.push, slowest.finish, slowest.pull,
                   ph.wait_inputs_ms, ph.grad_stats_ms, ph.reduce_stats_ms, ph.update_ms, ph.reduce_amax_ms,
-                  ph.quantize_ms, slowest.stats.clip_factor, step == 0 ? "  (warm-up)" : step == f.move_at_step ? "  (move starts)" : "");
+                  ph.quantize_ms, slowest.stats.clip_factor, slowest.stats.forwarded_bytes / 1e6, step == 0 ? "  (warm-up)" : step == f.move_at_step ? "  (move starts)" : "");
       if (kill_now) {
         double finished = 0;  // the last trainer's FinishStep(step) return, after the kill
         for (const TrainerTimes& t : times) finished = std::max(finished, t.push + t.finish);
