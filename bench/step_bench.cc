@@ -45,6 +45,8 @@
 // is ABORTED, as mainstay.torch does). That step is left out of the median.
 // STEP_BENCH_PRINT_LOGS=1 prints the daemons' and the coordinator's logs at the end.
 #include <grpcpp/grpcpp.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -63,6 +65,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/job_spec.h"
 #include "kernels/cpu/executor.h"
@@ -242,6 +245,25 @@ absl::Status MoveLastRank(const std::string& coordinator, const Client& client, 
 }
 
 // The fastest of three in-process copies of `bytes` (first touch excluded).
+// CPU seconds (user + system) this process and `pids` have used so far: where the cores of a
+// machine shared by every process of the bench went (/proc/PID/stat; a pid that is gone
+// counts 0).
+double CpuSeconds(const std::vector<pid_t>& pids) {
+  rusage self;
+  getrusage(RUSAGE_SELF, &self);
+  double total = self.ru_utime.tv_sec + self.ru_utime.tv_usec / 1e6 + self.ru_stime.tv_sec + self.ru_stime.tv_usec / 1e6;
+  const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
+  for (pid_t pid : pids) {
+    std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+    std::string line((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t paren = line.rfind(')');
+    if (paren == std::string::npos) continue;
+    std::vector<std::string> fields = absl::StrSplit(line.substr(paren + 2), ' ');
+    if (fields.size() > 12) total += (std::atof(fields[11].c_str()) + std::atof(fields[12].c_str())) / tick;
+  }
+  return total;
+}
+
 double MemcpySeconds(int64_t bytes) {
   std::vector<uint8_t> from(static_cast<size_t>(bytes), 1), to(static_cast<size_t>(bytes), 0);
   double best = 1e30;
@@ -402,6 +424,7 @@ int Main(int argc, char** argv) {
     daemons.push_back(*std::move(d));
   }
   // Trainer r on node r: its shards are placed on daemon r (locality).
+  std::map<int, double> cpu_of;  // replication factor -> CPU seconds of every process per step
   auto run_job = [&](int replication) -> double {
     JobSpec placed = spec;
     placed.name = absl::StrCat(spec.name, "-r", replication);
@@ -453,6 +476,14 @@ int Main(int argc, char** argv) {
                 "finish_s", "pull_s", "wait_ms", "stats_ms", "rstat_ms", "probe_ms", "ramax_ms", "apply_ms", "clip",
                 "fwd_MB");
     std::vector<double> totals;
+    // Every process's CPU over the measured steps (steps 1..--steps).
+    auto pids = [&] {
+      std::vector<pid_t> out = {(*coordinator)->pid()};
+      for (const auto& d : daemons) out.push_back(d->pid());
+      return out;
+    };
+    double cpu_start = 0, cpu_per_step = 0, wall_per_step = 0;
+    Clock::time_point wall_start;
     std::thread mover;
     double move_s = -1;
     double failover_s = -1;  // --kill-at-step: from the kill until every trainer's FinishStep returned
@@ -485,6 +516,10 @@ int Main(int argc, char** argv) {
         std::printf("%d reader(s) polling from here\n", f.readers);
       }
       current_step = step;
+      if (step == 1) {
+        cpu_start = CpuSeconds(pids());
+        wall_start = Clock::now();
+      }
       if (step == f.move_at_step) {
         mover = std::thread([&] {
           const Clock::time_point t0 = Clock::now();
@@ -527,6 +562,10 @@ int Main(int argc, char** argv) {
         read_totals.push_back(slowest.total);
       } else if (step > 0) {
         totals.push_back(slowest.total);
+      }
+      if (step == f.steps) {
+        cpu_per_step = (CpuSeconds(pids()) - cpu_start) / f.steps;
+        wall_per_step = Seconds(wall_start, Clock::now()) / f.steps;
       }
     }
     if (mover.joinable()) mover.join();
@@ -587,6 +626,12 @@ int Main(int argc, char** argv) {
       readers.clear();
     }
     std::printf("slice step at R=%d (median of %zu): %.2f s\n", replication, totals.size(), median);
+    if (f.kill_at_step < 0 && wall_per_step > 0) {
+      std::printf("CPU of every process (coordinator, daemons, trainers) per measured step: %.2f s, in %.2f s of wall: "
+                  "%.2f of the %u cores busy\n",
+                  cpu_per_step, wall_per_step, cpu_per_step / wall_per_step, std::thread::hardware_concurrency());
+      cpu_of[replication] = cpu_per_step;
+    }
     const std::string job_id = clients[0]->job_id();
     clients.clear();
     {
@@ -610,6 +655,11 @@ int Main(int argc, char** argv) {
     } else {
       std::printf("\nreplication_factor %d: step %.2f s against %.2f s at R=1 in the same run: ratio %.2f\n",
                   f.replication, replicated, median, replicated / median);
+      if (cpu_of.count(1) && cpu_of.count(f.replication)) {
+        // Where every core is busy, the step time cannot grow by less than the work does.
+        std::printf("CPU per step, every process: %.2f s against %.2f s at R=1: ratio %.2f\n", cpu_of[f.replication],
+                    cpu_of[1], cpu_of[f.replication] / cpu_of[1]);
+      }
     }
   }
   std::printf("\nslice step (median of %d): %.2f s; in-process baseline (whole model, %d thread(s)): %.2f s; "

@@ -25,6 +25,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "client/src/buffer_pool.h"
 #include "client/src/thread_pool.h"
 #include "client/src/transport.h"
@@ -64,6 +66,37 @@ inline bool CommittedAtOrPast(const absl::Status& status, int64_t step) {
   const std::optional<ErrorInfo> info = GetErrorInfo(status);
   return info.has_value() && info->committed_step >= step;
 }
+
+// The trainer's copies of one push in flight to the shard's replicas (Impl::StartReplicaCopies),
+// a thread each. Finish(grace) waits for them up to `grace`, cancels those still running (a
+// gRPC copy; a UCX one ends at its transport's liveness check) and joins them; the destructor
+// does the same with no grace. Not thread-safe: owned by the push that started them.
+class ReplicaCopies {
+ public:
+  ReplicaCopies() = default;
+  ReplicaCopies(ReplicaCopies&&) = default;
+  ReplicaCopies& operator=(ReplicaCopies&&) = delete;
+  ~ReplicaCopies() { Finish(std::chrono::milliseconds(0)); }
+  bool empty() const { return calls_.empty(); }
+  void Finish(std::chrono::milliseconds grace) {
+    const absl::Time deadline = absl::Now() + absl::FromChrono(grace);
+    for (auto& call : calls_) {
+      if (!call->done.WaitForNotificationWithDeadline(deadline)) call->context.TryCancel();
+    }
+    for (std::thread& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+
+ private:
+  friend struct ::mainstay::Client::Impl;
+  struct Call {
+    grpc::ClientContext context;
+    absl::Notification done;
+  };
+  std::vector<std::unique_ptr<Call>> calls_;
+  std::vector<std::thread> threads_;
+};
 
 struct StepRecord {
   std::vector<StepPush> pushes;
@@ -190,14 +223,14 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   absl::StatusOr<PushResult> PushShardSync(int32_t bucket, int32_t shard, int64_t step, v1::PushKind kind,
                                            ElementSpan data, int32_t num_contributors, const PushOptions& options,
                                            Deadline deadline, client_internal::Route* landed,
-                                           std::optional<uint32_t>* crc_out = nullptr);
+                                           std::optional<uint32_t>* crc_out = nullptr, bool copies_sent = false);
   // Schedules pushes of `shards` (data[i] for shards[i]) as one handle; gradient pushes are
   // recorded for FinishStep.
   // The trainer's copies of a reduced gradient push for the shard's replicas (ClientOptions::
-  // replica_copies), one thread each, started at once; the caller joins them. `crc` is the
-  // payload's CRC-32C (computed here when empty). None where the shard has no replica, or the
-  // push is not a reduced gradient in host memory.
-  std::vector<std::thread> StartReplicaCopies(int32_t bucket, int32_t shard, int64_t step, v1::PushKind kind,
+  // replica_copies), started at once; the caller finishes them before its push is done. `crc`
+  // is the payload's CRC-32C (computed here when empty). None where the shard has no replica,
+  // the push is not a reduced gradient in host memory, or the client is shutting down.
+  client_internal::ReplicaCopies StartReplicaCopies(int32_t bucket, int32_t shard, int64_t step, v1::PushKind kind,
                                               ElementSpan data, int32_t num_contributors,
                                               const PushOptions& push_options, Deadline deadline,
                                               std::optional<uint32_t>* crc);

@@ -7,6 +7,7 @@
 #include <set>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "client/src/client_impl.h"
 #include "common/chunk_hash.h"
@@ -186,7 +187,8 @@ absl::StatusOr<client_internal::DataTransport*> Client::Impl::TransportFor(const
 absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t shard, int64_t step,
                                                        v1::PushKind kind, ElementSpan data, int32_t num_contributors,
                                                        const PushOptions& push_options, Deadline deadline,
-                                                       Route* landed, std::optional<uint32_t>* crc_out) {
+                                                       Route* landed, std::optional<uint32_t>* crc_out,
+                                                       bool copies_sent) {
   v1::PushGradRequest header_message;
   v1::PushGradHeader* h = header_message.mutable_header();  // sent as is by every transport
   h->set_job_id(job_id);
@@ -200,6 +202,7 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
   h->set_total_bytes(data.bytes());
   h->set_num_contributors(num_contributors);
   h->set_loss_scale(push_options.loss_scale);
+  h->set_copies_sent(copies_sent);
   // Computed once, by the first attempt that puts it in the header (or given: replica copies).
   std::optional<uint32_t> crc = crc_out != nullptr ? *crc_out : std::nullopt;
 
@@ -232,16 +235,18 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
   return result;
 }
 
-std::vector<std::thread> Client::Impl::StartReplicaCopies(int32_t bucket, int32_t shard, int64_t step,
-                                                          v1::PushKind kind, ElementSpan data,
-                                                          int32_t num_contributors, const PushOptions& push_options,
-                                                          Deadline deadline, std::optional<uint32_t>* crc) {
-  std::vector<std::thread> threads;
-  if (!options.replica_copies || kind != v1::PUSH_KIND_GRADIENT || num_contributors > 1) return threads;
+client_internal::ReplicaCopies Client::Impl::StartReplicaCopies(int32_t bucket, int32_t shard, int64_t step,
+                                                                v1::PushKind kind, ElementSpan data,
+                                                                int32_t num_contributors,
+                                                                const PushOptions& push_options, Deadline deadline,
+                                                                std::optional<uint32_t>* crc) {
+  client_internal::ReplicaCopies copies;
+  if (!options.replica_copies || kind != v1::PUSH_KIND_GRADIENT || num_contributors > 1) return copies;
   std::vector<v1::DaemonEndpoint> replicas;
   int64_t epoch = 0;
   {
     absl::MutexLock lock(&mu);
+    if (shutting_down) return copies;
     epoch = placement.epoch();
     for (const v1::ShardPlacement& s : placement.shards()) {
       if (s.shard().bucket() != bucket || s.shard().shard() != shard) continue;
@@ -252,10 +257,10 @@ std::vector<std::thread> Client::Impl::StartReplicaCopies(int32_t bucket, int32_
       }
     }
   }
-  if (replicas.empty()) return threads;
+  if (replicas.empty()) return copies;
   for (const v1::DaemonEndpoint& endpoint : replicas) {
     absl::StatusOr<client_internal::DataTransport*> transport = TransportFor(endpoint);
-    if (!transport.ok() || !(*transport)->HostReadable(data.data)) return threads;
+    if (!transport.ok() || !(*transport)->HostReadable(data.data)) return copies;
   }
   if (!crc->has_value()) *crc = ::mainstay::Crc32c(data.data, data.bytes());
   v1::PushGradHeader h;
@@ -275,16 +280,19 @@ std::vector<std::thread> Client::Impl::StartReplicaCopies(int32_t bucket, int32_
   h.set_replica_copy(true);
   for (const v1::DaemonEndpoint& endpoint : replicas) {
     // One attempt, no retry: whatever fails, the primary forwards the payload instead.
-    threads.emplace_back([this, endpoint, h, data, deadline] {
+    copies.calls_.push_back(std::make_unique<client_internal::ReplicaCopies::Call>());
+    client_internal::ReplicaCopies::Call* call = copies.calls_.back().get();
+    copies.threads_.emplace_back([this, endpoint, h, data, deadline, call] {
       Route route;
       route.epoch = h.placement_epoch();
       route.daemon_id = endpoint.daemon_id();
       route.address = endpoint.address();
       route.endpoint = endpoint;
       route.stub = StubFor(route.address);
+      absl::Cleanup done = [call] { call->done.Notify(); };
       absl::StatusOr<client_internal::DataTransport*> transport = TransportFor(endpoint);
       if (!transport.ok()) return;
-      grpc::ClientContext context;
+      grpc::ClientContext& context = call->context;
       context.set_deadline(deadline);
       {
         absl::MutexLock lock(&mu);  // cancelled with the client's other calls at shutdown
@@ -296,7 +304,7 @@ std::vector<std::thread> Client::Impl::StartReplicaCopies(int32_t bucket, int32_
       active_calls.erase(&context);
     });
   }
-  return threads;
+  return copies;
 }
 
 PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_t>& shards, int64_t step,
@@ -323,11 +331,15 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
     push_pool->Schedule([this, bucket, shard, step, kind, part, num_contributors, push_options, deadline, done,
                          countdown, crc] {
       Route landed;
-      std::vector<std::thread> copies =
+      client_internal::ReplicaCopies copies =
           StartReplicaCopies(bucket, shard, step, kind, part, num_contributors, push_options, deadline, crc.get());
+      const auto started = std::chrono::steady_clock::now();
       absl::StatusOr<PushResult> r = PushShardSync(bucket, shard, step, kind, part, num_contributors, push_options,
-                                                   deadline, &landed, crc.get());
-      for (std::thread& t : copies) t.join();  // they read `part` too
+                                                   deadline, &landed, crc.get(), !copies.empty());
+      // They read `part` too. A copy that lags its push by more than the push took (at least
+      // 2 s) is given up: a replica that stopped answering never holds the push up for long.
+      copies.Finish(std::max(std::chrono::milliseconds(2000), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                                  std::chrono::steady_clock::now() - started)));
       if (r.ok() && kind == v1::PUSH_KIND_GRADIENT) {
         absl::MutexLock lock(&mu);
         steps[step].daemons[landed.address] = landed.daemon_id;

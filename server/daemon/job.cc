@@ -281,9 +281,16 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
                      " here from placement epoch ", request.placement_epoch()));
     state->replica = replica;
     for (auto& [step, in] : replica_inputs_) in.erase(key);
-    for (auto& [step, in] : trainer_copies_) in.erase(key);
     for (auto& [step, in] : pending_) in.shards.erase(key);
   }
+  // Trainers' copies are kept only for replicas this daemon still holds.
+  for (auto& [step, copies] : trainer_copies_) {
+    for (auto it = copies.begin(); it != copies.end();) {
+      auto held = shards_.find(it->first);
+      it = held == shards_.end() || !held->second->replica ? copies.erase(it) : std::next(it);
+    }
+  }
+  std::erase_if(trainer_copies_, [](const auto& entry) { return entry.second.empty(); });
 
   members_.assign(members.begin(), members.end());
   endpoints_.clear();

@@ -306,6 +306,8 @@ class Job : public std::enable_shared_from_this<Job> {
     std::map<int32_t, std::vector<uint8_t>> by_rank;
     // A reduced push's payload CRC-32C as checked when it landed (0: not known).
     uint32_t crc32c = 0;
+    // Whether the trainer sent copies of that push to the shard's replicas (copies_sent).
+    bool copies_sent = false;
     // Adds `rank`'s payload unless it has one; the first payload sets the push's description.
     // True when added.
     bool Add(int32_t rank, int32_t contributors, ElementType type, double scale, std::vector<uint8_t>&& payload) {
@@ -313,6 +315,8 @@ class Job : public std::enable_shared_from_this<Job> {
         num_contributors = contributors;
         dtype = type;
         loss_scale = scale;
+        crc32c = 0;  // not known for a payload added this way
+        copies_sent = false;
       }
       return by_rank.emplace(rank, std::move(payload)).second;
     }
@@ -400,7 +404,7 @@ class Job : public std::enable_shared_from_this<Job> {
     ElementType dtype;
     double loss_scale;
     uint32_t crc32c = 0;        // of data, when known already (0: computed)
-    bool trainer_copy = false;  // a trainer's reduced push: its replicas may hold its copy
+    bool trainer_copy = false;  // a trainer's reduced push whose copies it sent the replicas
   };
   absl::Status ForwardInputs(int64_t step, int64_t epoch, const std::vector<Forward>& forwards,
                              const std::vector<std::shared_ptr<ShardState>>& shards, const StepHyper& hyper,
@@ -415,6 +419,8 @@ class Job : public std::enable_shared_from_this<Job> {
                                                                 absl::Time deadline);
   absl::Status ApplyPlacement(const v1::AssignShardRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::PushGradResponse> StorePush(PushSession& session);
+  // UNAVAILABLE for a push of the step executing here that its attempt does not include.
+  absl::Status RunsWithoutPushError(const v1::PushGradHeader& h) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // BeginPush / StorePush of a trainer's copy for a replica shard (job_replica.cc).
   absl::Status BeginTrainerCopyLocked(const v1::PushGradHeader& h, PushSession& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -553,6 +559,7 @@ class Job : public std::enable_shared_from_this<Job> {
   // Trainers' copies of their pushes for replica shards: step -> shard -> copy (the newest).
   // Taken by AdoptTrainerCopy; dropped once the step is decided or the shard's role changes.
   std::map<int64_t, std::map<Key, TrainerCopy>> trainer_copies_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> copy_miss_logged_{false};  // a primary's first forward that sent the payload after all
   std::vector<std::string> members_ ABSL_GUARDED_BY(mu_);  // sorted daemon ids of the placement
   std::map<std::string, v1::DaemonEndpoint> endpoints_ ABSL_GUARDED_BY(mu_);  // of the members
   std::map<Key, std::shared_ptr<ShardState>> shards_ ABSL_GUARDED_BY(mu_);

@@ -100,10 +100,7 @@ absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHe
           "PushGrad: loss_scale ", h.loss_scale(), " differs from the daemon's current ", loss_scale_now_)));
     }
     if (executing_step_ == h.step()) {
-      if (!executing_keys_.count({h.bucket(), h.shard(), h.rank()})) {
-        return absl::InvalidArgumentError(absl::StrCat("PushGrad: ", ShardName(h.bucket(), h.shard()), " of step ",
-                                                       h.step(), " already has all its contributions"));
-      }
+      if (!executing_keys_.count({h.bucket(), h.shard(), h.rank()})) return RunsWithoutPushError(h);
       duplicate = true;
     } else if (auto it = pending_.find(h.step()); it != pending_.end()) {
       auto sit = it->second.shards.find({h.bucket(), h.shard()});
@@ -227,6 +224,16 @@ absl::StatusOr<v1::PushGradResponse> PushSession::Finish() {
   return job_->StorePush(*this);
 }
 
+absl::Status Job::RunsWithoutPushError(const v1::PushGradHeader& h) const {
+  // An attempt of the step that began without this push: one at an older placement, from before
+  // this daemon became the shard's primary (a failover), which will not complete. The push is
+  // for the next attempt, once this one ended: UNAVAILABLE makes the trainer retry it.
+  return absl::UnavailableError(absl::StrCat("PushGrad: an attempt of step ", h.step(), " of job ", job_id_,
+                                             " runs here without rank ", h.rank(), "'s push of ",
+                                             ShardName(h.bucket(), h.shard()), " (it began at an older placement); "
+                                             "retry once it ended"));
+}
+
 absl::StatusOr<v1::PushGradResponse> Job::StorePush(PushSession& session) {
   const v1::PushGradHeader& h = session.header_;
   v1::PushGradResponse response;
@@ -244,6 +251,7 @@ absl::StatusOr<v1::PushGradResponse> Job::StorePush(PushSession& session) {
         absl::StrCat("PushGrad: step ", h.step(), " was decided while the push streamed in")));
   }
   if (executing_step_ == h.step()) {
+    if (!executing_keys_.count({h.bucket(), h.shard(), h.rank()})) return RunsWithoutPushError(h);
     response.set_duplicate(true);
     return response;
   }
@@ -263,7 +271,10 @@ absl::StatusOr<v1::PushGradResponse> Job::StorePush(PushSession& session) {
     return response;
   }
   in.by_rank[h.rank()] = std::move(session.buffer_);
-  if (in.num_contributors == 1 && session.track_crc_ && session.expected_crc_ != 0) in.crc32c = session.crc_;
+  if (in.num_contributors == 1) {
+    in.crc32c = session.track_crc_ && session.expected_crc_ != 0 ? session.crc_ : 0;
+    in.copies_sent = h.copies_sent();
+  }
   response.set_contributions(static_cast<int32_t>(in.by_rank.size()));
   if (h.kind() != v1::PUSH_KIND_INITIAL_PARAMS) {
     CrashIfInjectedLocked(StepFault::Phase::kInput, h.step(),

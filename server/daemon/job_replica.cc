@@ -133,12 +133,17 @@ absl::StatusOr<bool> Job::AdoptTrainerCopy(const v1::ReplicaInputHeader& h) {
   if (duplicate) return true;
   const ElementType type = *InputType(h.dtype());
   auto step_it = trainer_copies_.find(h.step());
-  auto it = step_it == trainer_copies_.end() ? decltype(step_it->second.end()){} : step_it->second.find(key);
-  if (step_it == trainer_copies_.end() || it == step_it->second.end() || it->second.crc32c != h.crc32c() ||
-      it->second.dtype != type || it->second.loss_scale != h.loss_scale()) {
+  if (step_it == trainer_copies_.end() || !step_it->second.count(key)) {
     return absl::NotFoundError(absl::StrCat("ForwardStepInput: no trainer copy of step ", h.step(), " of ",
-                                            ShardName(key.first, key.second), " with CRC-32C ", h.crc32c(),
-                                            " here; send the payload"));
+                                            ShardName(key.first, key.second), " here; send the payload"));
+  }
+  auto it = step_it->second.find(key);
+  if (it->second.crc32c != h.crc32c() || it->second.dtype != type || it->second.loss_scale != h.loss_scale()) {
+    return absl::NotFoundError(absl::StrCat(
+        "ForwardStepInput: the trainer copy of step ", h.step(), " of ", ShardName(key.first, key.second),
+        " here differs (CRC-32C ", it->second.crc32c, ", ", ElementTypeName(it->second.dtype), ", loss scale ",
+        it->second.loss_scale, "; the primary's input: ", h.crc32c(), ", ", ElementTypeName(type), ", ", h.loss_scale(),
+        "); send the payload"));
   }
   ReplicaInput& in = replica_inputs_[h.step()][key];
   in.dtype = type;
@@ -196,10 +201,16 @@ absl::StatusOr<v1::PushGradResponse> Job::StoreTrainerCopyLocked(PushSession& se
     response.set_duplicate(true);
     return response;
   }
+  // Kept under the CRC computed here as it landed, which must be the header's: a copy is only
+  // ever matched by it (a trailer that said otherwise, or none, was checked against itself).
+  if (!session.track_crc_ || session.crc_ != h.crc32c()) {
+    return absl::DataLossError(absl::StrCat("PushGrad (replica copy): CRC-32C of the payload is ", session.crc_,
+                                            ", the header says ", h.crc32c(), "; nothing was stored"));
+  }
   TrainerCopy& copy = trainer_copies_[h.step()][key];
   copy.dtype = *InputType(h.dtype());
   copy.loss_scale = h.loss_scale() > 0.0 ? h.loss_scale() : 1.0;
-  copy.crc32c = h.crc32c();
+  copy.crc32c = session.crc_;
   copy.data = std::move(session.buffer_);
   return response;
 }
@@ -250,8 +261,15 @@ absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<F
         // (NOT_FOUND: no copy; or an error, retried below) sends the payload.
         if (f->trainer_copy) {
           h.set_payload_from_trainer(true);
-          if (options_.peer_client->ForwardStepInput(peer, h, {}, deadline).ok()) continue;
+          const absl::Status adopted = options_.peer_client->ForwardStepInput(peer, h, {}, deadline);
+          if (adopted.ok()) continue;
           h.set_payload_from_trainer(false);
+          if (!copy_miss_logged_.exchange(true)) {  // once per job: StepStats.forwarded_bytes counts them
+            Log(LogLevel::kInfo, "daemon",
+                absl::StrCat("job ", job_id_, ": the replica on daemon ", peer.daemon_id(), " did not take the trainer's "
+                             "copy of step ", step, " of ", ShardName(s.bucket, s.shard), " (", adopted.ToString(),
+                             "); its payload is forwarded (logged once)"));
+          }
         }
         // An unreachable replica may be dead: retried until the deadline, or until the
         // coordinator's failover takes it out of the placement (a new epoch: the attempt is

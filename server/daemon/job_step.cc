@@ -192,7 +192,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       if (replicas_of.count({s.bucket, s.shard})) {
         const bool reduced = in.num_contributors == 1;
         forwards.push_back({i, static_cast<const uint8_t*>(grads[i].data), grads[i].type, in.loss_scale,
-                            reduced ? in.crc32c : 0, reduced});
+                            reduced ? in.crc32c : 0, reduced && in.copies_sent});
       }
     }
     absl::Status forwarded;

@@ -353,7 +353,8 @@ class Cluster {
 
   absl::StatusOr<v1::PushGradResponse> Push(int32_t bucket, int32_t shard, int64_t step, int32_t rank,
                                             const std::vector<float>& values, v1::PushKind kind,
-                                            int32_t contributors = 1, int64_t chunk_elements = 1000) {
+                                            int32_t contributors = 1, int64_t chunk_elements = 1000,
+                                            bool copies_sent = false) {
     v1::PushGradHeader h;
     h.set_job_id(kJob);
     h.set_job_token(kToken);
@@ -366,6 +367,7 @@ class Cluster {
     h.set_dtype(v1::ELEMENT_TYPE_FP32);
     h.set_total_bytes(static_cast<int64_t>(values.size() * 4));
     h.set_num_contributors(contributors);
+    h.set_copies_sent(copies_sent);
     MAINSTAY_ASSIGN_OR_RETURN(std::unique_ptr<PushSession> session, daemon_of(shard).BeginPush(h));
     for (int64_t off = 0; off < static_cast<int64_t>(values.size()); off += chunk_elements) {
       const int64_t n = std::min<int64_t>(chunk_elements, static_cast<int64_t>(values.size()) - off);
@@ -422,15 +424,17 @@ class Cluster {
     }
   }
 
-  // Every rank pushes its reduced shard of step `step`: GradValue(.., -1) * scale (FP32).
-  void PushGrads(int64_t step, float poison = 0.0f, float scale = 1.0f) {
+  // Every rank pushes its reduced shard of step `step`: GradValue(.., -1) * scale (FP32), saying
+  // with `copies_sent` that it sent the replicas copies of it (PushCopies).
+  void PushGrads(int64_t step, float poison = 0.0f, float scale = 1.0f, bool copies_sent = false) {
     for (const Bucket& b : layout().buckets) {
       for (const Shard& s : b.shards) {
         auto values = ShardValues(b, s, [&](int32_t t, int64_t i) {
           return GradValue(t, i, step) * scale;
         });
         if (poison != 0.0f && b.index == 0 && s.rank == 0) values[0] = poison;
-        ASSERT_THAT(Push(b.index, s.rank, step, s.rank, values, v1::PUSH_KIND_GRADIENT).status(), IsOk());
+        ASSERT_THAT(Push(b.index, s.rank, step, s.rank, values, v1::PUSH_KIND_GRADIENT, 1, 1000, copies_sent).status(),
+                    IsOk());
       }
     }
   }

@@ -176,8 +176,9 @@ TEST(ReplicaTest, AForwardForAShardThatIsNotAReplicaHereIsRefusedWithNothingStor
 
 // The trainers' copies of their pushes (ClientOptions::replica_copies): a replica that holds the
 // copy is sent the step's header only, and applies the same bits. A copy that does not match
-// the primary's input (another payload under its own valid CRC) is not taken: the primary
-// sends the payload, and nothing changes either.
+// the primary's input (another payload under its own valid CRC), or none, is not taken: the
+// primary sends the payload, and nothing changes either. A push that says no copies were sent
+// is forwarded whole without asking.
 TEST(ReplicaTest, TrainerCopiesReplaceTheForwardedPayloadAndChangeNoBit) {
   JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 3);
   spec.replication_factor = 2;
@@ -186,18 +187,18 @@ TEST(ReplicaTest, TrainerCopiesReplaceTheForwardedPayloadAndChangeNoBit) {
   cluster.PushInitial(ref);
   int64_t shard_bytes = 0;
   for (const Bucket& b : cluster.layout().buckets) shard_bytes += b.shard_numel * 4;
-  for (int64_t step = 0; step < 4; ++step) {
-    cluster.PushGrads(step);
-    if (step == 1) {
-      cluster.PushCopies(step);
-    } else if (step == 2) {
+  // step 0: no copies; 1: copies; 2: copies, rank 0's of another payload; 3: copies the pushes
+  // do not mention; 4: pushes that mention copies never sent.
+  for (int64_t step = 0; step < 5; ++step) {
+    if (step >= 1 && step <= 3) cluster.PushCopies(step);
+    if (step == 2) {
       // Rank 0's copies carry another gradient (as a stale or foreign payload would).
-      cluster.PushCopies(step);
       for (const Bucket& b : cluster.layout().buckets) {
         std::vector<float> other = cluster.GradShard(b, b.shards[0], step + 7);
         for (int d : cluster.Replicas(0)) ASSERT_THAT(cluster.PushCopy(d, b.index, 0, step, other).status(), IsOk());
       }
     }
+    cluster.PushGrads(step, 0.0f, 1.0f, /*copies_sent=*/step != 0 && step != 3);
     std::vector<absl::StatusOr<v1::StepStats>> stats = cluster.Finish(step, 1e-3);
     for (size_t rank = 0; rank < stats.size(); ++rank) {
       ASSERT_THAT(stats[rank].status(), IsOk());
@@ -234,7 +235,7 @@ TEST(ReplicaTest, ABadTrainerCopyIsRefusedWithNothingStored) {
   EXPECT_THAT(cluster.PushCopy(1, 0, 0, 0, torn, Crc32c(grad.data(), grad.size() * 4)).status(),
               StatusIs(absl::StatusCode::kDataLoss));
   // Nothing was kept: d0 forwards rank 0's payload to d1, and the step is exact.
-  cluster.PushGrads(0);
+  cluster.PushGrads(0, 0.0f, 1.0f, /*copies_sent=*/true);
   std::vector<absl::StatusOr<v1::StepStats>> stats = cluster.Finish(0, 1e-3);
   ASSERT_THAT(stats[0].status(), IsOk());
   EXPECT_GT(stats[0]->forwarded_bytes(), 0);
