@@ -57,19 +57,19 @@ Grid MakeGrid(Format format, const Fragment& f) {
 
 // ---- Amax.
 
-template <bool kFp16Model>
+// The loops below take the FP32 magnitudes' max; RectAmax rounds each block's max to the model
+// dtype once (ModelAmaxOfRaw), which gives the max of the rounded values.
 MAINSTAY_VECTOR_CLONES void UpdateColumnMax(const float* src, int32_t* colmax, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t a = AmaxBits(ModelValueBits<kFp16Model>(FloatBits(src[i])));
+    const int32_t a = AmaxBits(FloatBits(src[i]));
     colmax[i] = a > colmax[i] ? a : colmax[i];
   }
 }
 
-template <bool kFp16Model>
 MAINSTAY_VECTOR_CLONES int32_t SegmentAmax(const float* src, int64_t n) {
   int32_t m = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t a = AmaxBits(ModelValueBits<kFp16Model>(FloatBits(src[i])));
+    const int32_t a = AmaxBits(FloatBits(src[i]));
     m = a > m ? a : m;
   }
   return m;
@@ -77,12 +77,11 @@ MAINSTAY_VECTOR_CLONES int32_t SegmentAmax(const float* src, int64_t n) {
 
 // Amax of `blocks` whole consecutive 1x32 blocks: a fixed inner trip count GCC turns into
 // full vectors.
-template <bool kFp16Model>
 MAINSTAY_VECTOR_CLONES void WholeBlocks32Amax(const float* src, int64_t blocks, int32_t* out) {
   for (int64_t b = 0; b < blocks; ++b) {
     int32_t m = 0;
     for (int64_t i = 0; i < 32; ++i) {
-      const int32_t a = AmaxBits(ModelValueBits<kFp16Model>(FloatBits(src[32 * b + i])));
+      const int32_t a = AmaxBits(FloatBits(src[32 * b + i]));
       m = a > m ? a : m;
     }
     out[b] = m;
@@ -142,7 +141,8 @@ int32_t RectAmax(const Grid& g, const float* master, const Rect& rect, float* bl
   constexpr int64_t kBatch = 256;
   int32_t batch[kBatch];
   int32_t rect_max = 0;
-  auto store = [&](int64_t tr, int64_t tc, int32_t m) {
+  auto store = [&](int64_t tr, int64_t tc, int32_t raw) {
+    const int32_t m = ModelAmaxOfRaw<kFp16Model>(raw);
     const int64_t global = tr * g.grid_cols + tc;
     if (global >= g.range.begin && global < g.range.end) block_amax[global - g.range.begin] = BitsFloat(m);
     rect_max = std::max(rect_max, m);
@@ -159,7 +159,7 @@ int32_t RectAmax(const Grid& g, const float* master, const Rect& rect, float* bl
         if (tc == whole_begin && whole_end > whole_begin) {
           for (int64_t b = whole_begin; b < whole_end; b += kBatch) {
             const int64_t n = std::min(kBatch, whole_end - b);
-            WholeBlocks32Amax<kFp16Model>(master + (row * g.cols + b * bc - g.begin), n, batch);
+            WholeBlocks32Amax(master + (row * g.cols + b * bc - g.begin), n, batch);
             for (int64_t i = 0; i < n; ++i) store(row, b + i, batch[i]);
           }
           tc = whole_end - 1;
@@ -167,7 +167,7 @@ int32_t RectAmax(const Grid& g, const float* master, const Rect& rect, float* bl
         }
         const int64_t lo = std::max(first, tc * bc);
         const int64_t hi = std::min(last, (tc + 1) * bc);
-        store(row, tc, lo < hi ? SegmentAmax<kFp16Model>(master + (row * g.cols + lo - g.begin), hi - lo) : 0);
+        store(row, tc, lo < hi ? SegmentAmax(master + (row * g.cols + lo - g.begin), hi - lo) : 0);
       }
     }
     return rect_max;
@@ -186,7 +186,7 @@ int32_t RectAmax(const Grid& g, const float* master, const Rect& rect, float* bl
       const int64_t lo = std::max(first, col_lo);
       const int64_t hi = std::min(last, col_hi);
       if (lo >= hi) continue;
-      UpdateColumnMax<kFp16Model>(master + (row * g.cols + lo - g.begin), colmax.data() + (lo - col_lo), hi - lo);
+      UpdateColumnMax(master + (row * g.cols + lo - g.begin), colmax.data() + (lo - col_lo), hi - lo);
     }
     int64_t tc = rect.tc_begin;
     for (int64_t t = 0; t < whole_tiles && (g.block_cols == 16 || g.block_cols == 128); t += kBatch) {

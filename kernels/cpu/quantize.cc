@@ -19,14 +19,15 @@
 namespace mainstay::kernels::cpu {
 namespace {
 
+// The largest FP32 magnitude, rounded to the model dtype once (ModelAmaxOfRaw).
 template <bool kFp16Model>
 MAINSTAY_VECTOR_CLONES int32_t AmaxLoop(const float* src, int64_t n) {
   int32_t m = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t a = AmaxBits(ModelValueBits<kFp16Model>(FloatBits(src[i])));
+    const int32_t a = AmaxBits(FloatBits(src[i]));
     m = a > m ? a : m;
   }
-  return m;
+  return ModelAmaxOfRaw<kFp16Model>(m);
 }
 
 // bf16 / fp16 data: the value's bits in the format's type, little-endian. When the format

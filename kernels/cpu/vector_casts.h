@@ -88,6 +88,17 @@ MAINSTAY_CAST_INLINE int32_t AmaxBits(uint32_t value_bits) {
   return static_cast<int32_t>(IsNanBits(a) ? 0u : a);
 }
 
+// The amax of model-dtype values from the amax of the FP32 values they round from: for a max
+// `raw` over AmaxBits(FloatBits(x)) of some x, returns the max over
+// AmaxBits(ModelValueBits(FloatBits(x))) of the same x. Rounding to the model dtype (round to
+// nearest even, overflow to inf) never puts two magnitudes in the other order, and NaNs count
+// 0 either way, so rounding the largest magnitude once gives the largest rounded magnitude: the
+// loops take a plain integer max and round once per block or chunk, not once per element.
+template <bool kFp16>
+MAINSTAY_CAST_INLINE int32_t ModelAmaxOfRaw(int32_t raw) {
+  return AmaxBits(ModelValueBits<kFp16>(static_cast<uint32_t>(raw)));
+}
+
 // FloatToBf16 / FloatToFp16 of a value given as FP32 bits.
 MAINSTAY_CAST_INLINE uint16_t Bf16Bits(uint32_t u) {
   const uint32_t a = u & 0x7FFFFFFFu;

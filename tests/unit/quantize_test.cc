@@ -336,6 +336,37 @@ TEST(QuantizeTest, BranchFreeCastsMatchCudaOnSampledBitPatterns) {
   for (int h = 0; h < 65536; ++h) EXPECT_TRUE(SameFloat(cpu::Fp16Value(h), Ref16Value(h, Format::kFP16))) << h;
 }
 
+// The amax loops take the largest FP32 magnitude and round it once (ModelAmaxOfRaw). That
+// equals the largest rounded magnitude exactly when rounding never reorders two magnitudes:
+// checked here on every non-NaN magnitude, +0 to +inf, for both model dtypes (and ModelValueBits
+// is CUDA's rounding, above).
+TEST(QuantizeTest, ModelRoundingNeverReordersMagnitudesSoAmaxesRoundOnce) {
+  int64_t bad16 = 0, bad_bf16 = 0;
+  uint32_t prev16 = 0, prev_bf16 = 0;
+  for (uint32_t a = 0; a <= 0x7F800000u; ++a) {
+    const uint32_t r16 = cpu::ModelValueBits<true>(a), rbf16 = cpu::ModelValueBits<false>(a);
+    bad16 += r16 < prev16;
+    bad_bf16 += rbf16 < prev_bf16;
+    prev16 = r16;
+    prev_bf16 = rbf16;
+  }
+  EXPECT_EQ(bad16, 0);
+  EXPECT_EQ(bad_bf16, 0);
+  // And on values the loops see: specials, both signs, NaNs of both signs in between.
+  const float values[] = {0.0f, -0.0f, kNan, -kNan, 1e-30f, -3.0f, 65519.0f, 65520.0f, -70000.0f, 3.3895e38f, kInf};
+  for (size_t n = 1; n <= std::size(values); ++n) {
+    int32_t raw = 0, bf16 = 0, fp16 = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t u = Bits(values[i]);
+      raw = std::max(raw, cpu::AmaxBits(u));
+      bf16 = std::max(bf16, cpu::AmaxBits(cpu::ModelValueBits<false>(u)));
+      fp16 = std::max(fp16, cpu::AmaxBits(cpu::ModelValueBits<true>(u)));
+    }
+    EXPECT_EQ(cpu::ModelAmaxOfRaw<false>(raw), bf16) << n;
+    EXPECT_EQ(cpu::ModelAmaxOfRaw<true>(raw), fp16) << n;
+  }
+}
+
 // ---- Whole tensors against the reference.
 
 TEST(QuantizeTest, WholeTensorMatchesReferenceOnRandomDataOfSeveralMagnitudes) {
