@@ -351,10 +351,9 @@ class Cluster {
     return out;
   }
 
-  absl::StatusOr<v1::PushGradResponse> Push(int32_t bucket, int32_t shard, int64_t step, int32_t rank,
-                                            const std::vector<float>& values, v1::PushKind kind,
-                                            int32_t contributors = 1, int64_t chunk_elements = 1000,
-                                            bool copies_sent = false) {
+  // The header of `rank`'s push of `values` (FP32) at the cluster's epoch.
+  v1::PushGradHeader PushHeader(int32_t bucket, int32_t shard, int64_t step, int32_t rank, v1::PushKind kind,
+                                const std::vector<float>& values) const {
     v1::PushGradHeader h;
     h.set_job_id(kJob);
     h.set_job_token(kToken);
@@ -366,6 +365,14 @@ class Cluster {
     h.set_kind(kind);
     h.set_dtype(v1::ELEMENT_TYPE_FP32);
     h.set_total_bytes(static_cast<int64_t>(values.size() * 4));
+    return h;
+  }
+
+  absl::StatusOr<v1::PushGradResponse> Push(int32_t bucket, int32_t shard, int64_t step, int32_t rank,
+                                            const std::vector<float>& values, v1::PushKind kind,
+                                            int32_t contributors = 1, int64_t chunk_elements = 1000,
+                                            bool copies_sent = false) {
+    v1::PushGradHeader h = PushHeader(bucket, shard, step, rank, kind, values);
     h.set_num_contributors(contributors);
     h.set_copies_sent(copies_sent);
     MAINSTAY_ASSIGN_OR_RETURN(std::unique_ptr<PushSession> session, daemon_of(shard).BeginPush(h));
@@ -382,17 +389,7 @@ class Cluster {
   absl::StatusOr<v1::PushGradResponse> PushCopy(int d, int32_t bucket, int32_t shard, int64_t step,
                                                 const std::vector<float>& values,
                                                 std::optional<uint32_t> crc = std::nullopt) {
-    v1::PushGradHeader h;
-    h.set_job_id(kJob);
-    h.set_job_token(kToken);
-    h.set_placement_epoch(epoch_);
-    h.set_bucket(bucket);
-    h.set_shard(shard);
-    h.set_step(step);
-    h.set_rank(shard);
-    h.set_kind(v1::PUSH_KIND_GRADIENT);
-    h.set_dtype(v1::ELEMENT_TYPE_FP32);
-    h.set_total_bytes(static_cast<int64_t>(values.size() * 4));
+    v1::PushGradHeader h = PushHeader(bucket, shard, step, shard, v1::PUSH_KIND_GRADIENT, values);
     h.set_num_contributors(1);
     h.set_crc32c(crc.has_value() ? *crc : Crc32c(values.data(), values.size() * 4));
     h.set_replica_copy(true);
