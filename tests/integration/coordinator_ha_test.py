@@ -279,11 +279,14 @@ class LeaderKilledAtAnExactMomentTest(unittest.TestCase):
     """The leader SIGKILLs itself at one exact moment (mainstay-coordinator --inject-fault
     crash-at:POINT, given to coordinator0 only: its successors run without it)."""
 
+    cluster = None
+
     def start(self, point):
         self.cluster = HaCluster(flags_of_coordinator={0: ["--inject-fault", "crash-at:" + point]})
 
     def tearDown(self):
-        self.cluster.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
 
     def test_the_leader_killed_between_create_jobs_commit_and_its_answer(self):
         # Rank 0 creates the job through the client library: coordinator0 commits it and dies

@@ -61,23 +61,26 @@ class Cluster:
         self.coordinator_flags = list(coordinator_flags)
         self.daemon_flags = list(daemon_flags)
         self.daemon_hosts = daemon_hosts or {}
-        self.port = free_port()
-        self.address = "%s:%d" % (host, self.port)
-        self.listen = "0.0.0.0:%d" % self.port if host != "127.0.0.1" else self.address
+        self.host = host
+        self._use_port(free_port())
         # The internal calls need it (docs/operations.md, "Threat model"): the coordinator makes
         # it on its first start, the daemons (and the other coordinators) read it.
         self.secret = os.path.join(self.dir, "cluster.secret")
         self.coordinator_ports = [free_port() for _ in range(coordinators)]
         self.etcd_members = etcd_members
-        if coordinators:
-            self.start_etcd()
-            self.address = ",".join("127.0.0.1:%d" % p for p in self.coordinator_ports)
-            for i in range(coordinators):
-                self.start_coordinator(i)
-        else:
-            self.start_coordinator()
-        for i in range(daemons):
-            self.start_daemon(i)
+        try:
+            if coordinators:
+                self.start_etcd()
+                self.address = ",".join("127.0.0.1:%d" % p for p in self.coordinator_ports)
+                for i in range(coordinators):
+                    self.start_coordinator(i)
+            else:
+                self.start_coordinator()
+            for i in range(daemons):
+                self.start_daemon(i)
+        except BaseException:
+            self.stop()  # nothing started is left running
+            raise
 
     def start_etcd(self, member=None):
         """etcd on loopback: one member ("etcd"), or with etcd_members > 1 member `member` of
@@ -128,27 +131,55 @@ class Cluster:
             self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         return self.procs[name]
 
+    def _use_port(self, port):
+        """The single coordinator's port, and the addresses made of it."""
+        self.port = port
+        self.address = "%s:%d" % (self.host, port)
+        self.listen = "0.0.0.0:%d" % port if self.host != "127.0.0.1" else self.address
+
+    def _start_server(self, name, argv_of, port, use_port, ready, what):
+        """Starts server `name` with argv_of(port), then waits for ready(). A port picked free
+        can be taken by another process before the server binds it; the server then exits at
+        once ("cannot listen"). At its first start it is started again on a new port
+        (use_port(port) is called before each start). A restart keeps its port: it fails."""
+        first_start = name not in self.procs
+        for _ in range(5):
+            use_port(port)
+            p = self._start(name, argv_of(port))
+            wait_for(lambda: p.poll() is not None or ready(), what, logs=self.logs)
+            if p.poll() is None:
+                return
+            if not first_start or "cannot listen" not in self.log(name + "."):
+                raise AssertionError("%s exited with %s\n%s" % (name, p.returncode, self.logs()))
+            port = free_port()
+        raise AssertionError("%s found no free port in 5 tries\n%s" % (name, self.logs()))
+
     def start_coordinator(self, i=None):
         """The coordinator; with etcd, coordinator `i` (the first to start leads: wait for it)."""
         common = ["--checkpoint-dir", os.path.join(self.dir, "checkpoints"), "--tick-ms", "100",
                   "--cluster-secret-file", self.secret, "--metrics-listen", "off"]
         if i is None:
-            self._start("coordinator", [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", self.listen,
-                                        "--state-dir", os.path.join(self.dir, "state")] + common
-                        + self.coordinator_flags)
-            wait_for(lambda: self.ctl("health").returncode == 0, "the coordinator")
+            self._start_server("coordinator", lambda port: [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen",
+                                                            self.listen, "--state-dir", os.path.join(self.dir, "state")]
+                               + common + self.coordinator_flags,
+                               self.port, self._use_port, lambda: self.ctl("health").returncode == 0, "the coordinator")
             return
         name = "coordinator%d" % i
         first = self.leader() is None
-        self._start(name, [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen",
-                           "127.0.0.1:%d" % self.coordinator_ports[i], "--etcd-endpoints", self.etcd_endpoint,
-                           "--etcd-lease-ttl-ms", "3000", "--coordinator-id", name] + common + self.coordinator_flags
-                           + list(self.flags_of_coordinator.pop(i, [])))
+        flags = list(self.flags_of_coordinator.pop(i, []))
+
+        def use_port(port):
+            self.coordinator_ports[i] = port
+            self.address = ",".join("127.0.0.1:%d" % p for p in self.coordinator_ports)
+
         if first:
-            wait_for(lambda: self.ctl("health").returncode == 0, name, logs=self.logs)
+            ready, what = (lambda: self.ctl("health").returncode == 0), name
         else:
-            wait_for(lambda: "standby:" in self.log(name + ".") or self.leader() == name, name + " as a standby",
-                     logs=self.logs)
+            ready, what = (lambda: "standby:" in self.log(name + ".") or self.leader() == name), name + " as a standby"
+        self._start_server(name, lambda port: [os.environ["MAINSTAY_COORDINATOR_BIN"], "--listen", "127.0.0.1:%d" % port,
+                                               "--etcd-endpoints", self.etcd_endpoint, "--etcd-lease-ttl-ms", "3000",
+                                               "--coordinator-id", name] + common + self.coordinator_flags + flags,
+                           self.coordinator_ports[i], use_port, ready, what)
 
     def start_daemon(self, i):
         pf = os.path.join(self.dir, "daemon%d.port" % i)
