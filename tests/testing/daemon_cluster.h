@@ -111,9 +111,17 @@ class InProcessPeers : public daemon::PeerClient {
   }
   absl::Status ForwardStepInput(const v1::DaemonEndpoint& peer, const v1::ReplicaInputHeader& header,
                                 std::span<const uint8_t> payload, absl::Time) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (hold_forwards_) {
+        ++forwards_held_;
+        mu_.Await(absl::Condition(this, &InProcessPeers::ForwardsReleased));
+        --forwards_held_;
+      }
+      if (down_.count(peer.daemon_id())) return absl::UnavailableError(absl::StrCat("daemon ", peer.daemon_id(), " is down"));
+    }
     for (const auto& d : *daemons_) {
       if (d->daemon_id() != peer.daemon_id()) continue;
-      if (down_.count(peer.daemon_id())) break;
       if (header.payload_from_trainer()) return d->AdoptTrainerCopy(header).status();
       MAINSTAY_ASSIGN_OR_RETURN(bool duplicate, d->CheckReplicaInput(header));
       if (duplicate) return absl::OkStatus();
@@ -122,7 +130,20 @@ class InProcessPeers : public daemon::PeerClient {
     return absl::UnavailableError(absl::StrCat("no daemon ", peer.daemon_id()));
   }
   // Calls to a daemon marked down fail UNAVAILABLE (a lost daemon).
-  void SetDown(const std::string& id) { down_.insert(id); }
+  void SetDown(const std::string& id) {
+    absl::MutexLock lock(&mu_);
+    down_.insert(id);
+  }
+  // While held, forwards wait (forwards_held() of them) until released: a step thread stopped
+  // inside an attempt.
+  void HoldForwards(bool hold) {
+    absl::MutexLock lock(&mu_);
+    hold_forwards_ = hold;
+  }
+  int forwards_held() {
+    absl::MutexLock lock(&mu_);
+    return forwards_held_;
+  }
   // State copies from `id` fail UNAVAILABLE while set (a source cut off for a while).
   void SetCopiesFail(const std::string& id, bool fail) {
     absl::MutexLock lock(&mu_);
@@ -135,9 +156,12 @@ class InProcessPeers : public daemon::PeerClient {
 
  private:
   const std::vector<std::unique_ptr<ShardDaemon>>* daemons_;
-  std::set<std::string> down_;
+  bool ForwardsReleased() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !hold_forwards_; }
   absl::Mutex mu_;
+  std::set<std::string> down_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> unreachable_copies_ ABSL_GUARDED_BY(mu_);
+  bool hold_forwards_ ABSL_GUARDED_BY(mu_) = false;
+  int forwards_held_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class Cluster {
@@ -287,6 +311,7 @@ class Cluster {
   peer::InProcessPeerGroupFactory& peers() { return peers_; }
   int num_daemons() const { return static_cast<int>(daemons_.size()); }
   ShardDaemon& daemon(int i) { return *daemons_[static_cast<size_t>(i)]; }
+  InProcessPeers& peer_client() { return peer_client_; }
   int64_t epoch() const { return epoch_; }
 
   // What the coordinator does for a checkpoint: every daemon writes its shards at
