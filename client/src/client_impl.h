@@ -218,6 +218,9 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   // The transport for `daemon` (why not the faster one in *note when given).
   absl::StatusOr<client_internal::DataTransport*> TransportFor(const v1::DaemonEndpoint& daemon,
                                                                std::string* note = nullptr);
+  // The header of this rank's push of `data` (no placement epoch, CRC or flags yet).
+  v1::PushGradHeader PushHeader(int32_t bucket, int32_t shard, int64_t step, v1::PushKind kind, ElementSpan data,
+                                int32_t num_contributors, const PushOptions& push_options) const;
   // Pushes one shard (blocking). On success *landed is the daemon that acknowledged it.
   // *crc_out (when given): the data's CRC-32C, when it was computed (host-readable data).
   absl::StatusOr<PushResult> PushShardSync(int32_t bucket, int32_t shard, int64_t step, v1::PushKind kind,

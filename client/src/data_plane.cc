@@ -184,24 +184,31 @@ absl::StatusOr<client_internal::DataTransport*> Client::Impl::TransportFor(const
   }
 }
 
+v1::PushGradHeader Client::Impl::PushHeader(int32_t bucket, int32_t shard, int64_t step, v1::PushKind kind,
+                                            ElementSpan data, int32_t num_contributors,
+                                            const PushOptions& push_options) const {
+  v1::PushGradHeader h;
+  h.set_job_id(job_id);
+  h.set_job_token(job_token);
+  h.set_bucket(bucket);
+  h.set_shard(shard);
+  h.set_step(step);
+  h.set_rank(options.rank);
+  h.set_kind(kind);
+  h.set_dtype(ElementTypeToProto(data.type));
+  h.set_total_bytes(data.bytes());
+  h.set_num_contributors(num_contributors);
+  h.set_loss_scale(push_options.loss_scale);
+  return h;
+}
+
 absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t shard, int64_t step,
                                                        v1::PushKind kind, ElementSpan data, int32_t num_contributors,
                                                        const PushOptions& push_options, Deadline deadline,
                                                        Route* landed, std::optional<uint32_t>* crc_out,
                                                        bool copies_sent) {
-  v1::PushGradRequest header_message;
-  v1::PushGradHeader* h = header_message.mutable_header();  // sent as is by every transport
-  h->set_job_id(job_id);
-  h->set_job_token(job_token);
-  h->set_bucket(bucket);
-  h->set_shard(shard);
-  h->set_step(step);
-  h->set_rank(options.rank);
-  h->set_kind(kind);
-  h->set_dtype(ElementTypeToProto(data.type));
-  h->set_total_bytes(data.bytes());
-  h->set_num_contributors(num_contributors);
-  h->set_loss_scale(push_options.loss_scale);
+  v1::PushGradHeader header = PushHeader(bucket, shard, step, kind, data, num_contributors, push_options);
+  v1::PushGradHeader* h = &header;  // sent as is by every transport
   h->set_copies_sent(copies_sent);
   // Computed once, by the first attempt that puts it in the header (or given: replica copies).
   std::optional<uint32_t> crc = crc_out != nullptr ? *crc_out : std::nullopt;
@@ -263,19 +270,8 @@ client_internal::ReplicaCopies Client::Impl::StartReplicaCopies(int32_t bucket, 
     if (!transport.ok() || !(*transport)->HostReadable(data.data)) return copies;
   }
   if (!crc->has_value()) *crc = ::mainstay::Crc32c(data.data, data.bytes());
-  v1::PushGradHeader h;
-  h.set_job_id(job_id);
-  h.set_job_token(job_token);
+  v1::PushGradHeader h = PushHeader(bucket, shard, step, kind, data, 1, push_options);
   h.set_placement_epoch(epoch);
-  h.set_bucket(bucket);
-  h.set_shard(shard);
-  h.set_step(step);
-  h.set_rank(options.rank);
-  h.set_kind(kind);
-  h.set_dtype(ElementTypeToProto(data.type));
-  h.set_total_bytes(data.bytes());
-  h.set_num_contributors(1);
-  h.set_loss_scale(push_options.loss_scale);
   h.set_crc32c(**crc);
   h.set_replica_copy(true);
   for (const v1::DaemonEndpoint& endpoint : replicas) {
