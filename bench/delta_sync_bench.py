@@ -115,10 +115,10 @@ def main():
         consecutive = [r[2] for r in rows if r[1] == r[0] + 1]
         sent = sum(r[2] * r[3] for r in rows) / max(1, sum(r[3] for r in rows))
         always = sum(1 for n in changed.values() if n == len(rows))
-        span = ("%.3f (%.3f-%.3f)" % (statistics.median(consecutive), min(consecutive), max(consecutive))
+        span = ("%.4f (%.4f-%.4f)" % (statistics.median(consecutive), min(consecutive), max(consecutive))
                 if consecutive else "-")
         changed_bytes = [r[5] for r in rows if r[1] == r[0] + 1]
-        print("| %s | %.2f MB | %d | %s | %.3f | %.4f | %d of %d |"
+        print("| %s | %.2f MB | %d | %s | %.4f | %.4f | %d of %d |"
               % (recipe, rows[0][3] / 1e6 if rows else 0, len(rows), span, sent,
                  statistics.median(changed_bytes) if changed_bytes else 0, always, tensors), flush=True)
 

@@ -388,7 +388,7 @@ PYBIND11_MODULE(_mainstay, m) {
          py::arg("since") = nullptr,
          "Every shard of the bucket at `version` (Client.LATEST: the newest), in parallel. since: a whole "
          "earlier pull of the bucket (a PulledBucket): only the 64 KiB chunks of data that changed since then "
-         "come (delta sync, over grpc); the result is a new PulledBucket, checked against the daemons' "
+         "come, as byte patches where the daemons still keep since's version (delta sync, over grpc); the result is a new PulledBucket, checked against the daemons' "
          "CRC-32C, and `since` is left as it is.")
       .def("pull_shard", [](PyClient& c, int32_t bucket, int32_t shard, int64_t version, bool wait, double timeout_s) {
         return c.Pull(c.client().PullShard(bucket, shard, version, Millis(timeout_s)), wait);

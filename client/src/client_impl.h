@@ -248,11 +248,13 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   absl::Status PushStepAgain(int64_t step, const std::vector<client_internal::StepPush>& pushes);
   // Pulls one shard into `data_out` (its slice of the packed bucket buffer), blocking. With
   // `have` (the XXH3-64 of each `delta_chunk_bytes` chunk of what data_out holds already) a
-  // delta pull, over the grpc transport: only the chunks that changed come.
+  // delta pull, over the grpc transport: only the chunks that changed come, as byte patches
+  // against `since_version` (the version data_out holds; -1: unknown, whole chunks) where the
+  // daemon still keeps it.
   absl::StatusOr<PulledShard> PullShardSync(int32_t bucket, int32_t shard, int64_t version,
                                             std::span<uint8_t> data_out, Deadline deadline,
                                             const std::vector<uint64_t>* have = nullptr,
-                                            int64_t delta_chunk_bytes = 0);
+                                            int64_t delta_chunk_bytes = 0, int64_t since_version = -1);
   // `since`: a delta pull of the whole bucket, starting from a copy of its data.
   PullHandle SchedulePull(int32_t bucket, int32_t shard_begin, int32_t shard_end, int64_t version,
                           std::chrono::milliseconds timeout, const PulledBucket* since = nullptr);

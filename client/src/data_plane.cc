@@ -448,7 +448,7 @@ PushHandle Client::PushInitialParams(int32_t bucket, std::span<const float> data
 absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t shard, int64_t version,
                                                         std::span<uint8_t> data_out, Deadline deadline,
                                                         const std::vector<uint64_t>* have,
-                                                        int64_t delta_chunk_bytes) {
+                                                        int64_t delta_chunk_bytes, int64_t since_version) {
   v1::PullParamsRequest request;
   request.set_job_id(job_id);
   request.set_job_token(job_token);
@@ -464,6 +464,7 @@ absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t 
   if (have != nullptr) {
     request.set_delta_chunk_bytes(delta_chunk_bytes);
     request.mutable_have_chunk_hashes()->Assign(have->begin(), have->end());
+    if (since_version >= 0) request.set_delta_since_version(since_version);
   }
   absl::StatusOr<PulledShard> result;
   const std::string what = absl::StrCat("PullParams bucket ", bucket, " shard ", shard, " version ", version);
@@ -478,7 +479,7 @@ absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t 
         client_internal::ShardPullAssembler assembler(*layout, bucket, shard,
                                                       version == Client::kLatestVersion ? -1 : version, data_out,
                                                       options.verify_crc32c);
-        if (have != nullptr) assembler.ExpectDelta(delta_chunk_bytes);
+        if (have != nullptr) assembler.ExpectDelta(delta_chunk_bytes, since_version >= 0);
         MAINSTAY_RETURN_IF_ERROR(transport->Pull(route, request, assembler, deadline, context));
         result = assembler.Finish();
         return result.status();
@@ -501,11 +502,14 @@ PullHandle Client::Impl::SchedulePull(int32_t bucket, int32_t shard_begin, int32
   const int64_t base = DataBytes(b.format, shard_begin * b.shard_numel);
   state->data = pull_buffers->Acquire(DataBytes(b.format, shard_end * b.shard_numel) - base);
   state->shards.resize(shard_end - shard_begin);
-  // A delta pull patches a copy of `since` (left as it is, whatever happens), in 64 KiB chunks.
+  // A delta pull patches a copy of `since` (left as it is, whatever happens), in 64 KiB chunks,
+  // whole or as byte patches against since's version.
   int64_t delta_chunk = 0;
+  int64_t since_version = -1;
   if (since != nullptr) {
     std::memcpy(state->data.span().data(), since->data().data(), state->data.span().size());
     delta_chunk = int64_t{64} << 10;
+    since_version = since->version();
   }
   {
     absl::MutexLock lock(&state->mu);
@@ -513,14 +517,16 @@ PullHandle Client::Impl::SchedulePull(int32_t bucket, int32_t shard_begin, int32
   }
   PullHandle handle(state->promise.get_future().share());
   for (int32_t shard = shard_begin; shard < shard_end; ++shard) {
-    pull_pool->Schedule([this, state, bucket, shard, shard_begin, shard_end, version, deadline, base, delta_chunk] {
+    pull_pool->Schedule([this, state, bucket, shard, shard_begin, shard_end, version, deadline, base, delta_chunk,
+                         since_version] {
       const Bucket& bk = layout->buckets[bucket];
       const IndexRange bytes = ShardByteRange(bk, shard);
       std::span<uint8_t> out = state->data.span().subspan(bytes.begin - base, bytes.size());
       std::vector<uint64_t> have;
       if (delta_chunk > 0) have = ChunkHashes(out, delta_chunk);
       absl::StatusOr<PulledShard> r =
-          PullShardSync(bucket, shard, version, out, deadline, delta_chunk > 0 ? &have : nullptr, delta_chunk);
+          PullShardSync(bucket, shard, version, out, deadline, delta_chunk > 0 ? &have : nullptr, delta_chunk,
+                        since_version);
       {
         absl::MutexLock lock(&state->mu);
         state->shards[shard - shard_begin] = std::move(r);

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/byte_patch.h"
 #include "common/chunk_hash.h"
 #include "common/crc32c.h"
 #include "common/layout_proto.h"
@@ -133,6 +134,7 @@ absl::Status ShardPullAssembler::OnData(const v1::ParamChunk& chunk) {
   if (result_.unchanged) return Violation("data after an unchanged header");
   if (next_scale_ > 0) return Violation("data after scales");
   if (delta_) return OnDeltaData(chunk);
+  if (!chunk.patch().empty()) return Violation("a byte patch outside a delta");
   if (chunk.element_offset() != next_element_) {
     return Violation("data chunk at element ", chunk.element_offset(), ", expected ", next_element_);
   }
@@ -156,6 +158,20 @@ absl::Status ShardPullAssembler::OnDeltaData(const v1::ParamChunk& chunk) {
   const int64_t begin = delta_chunks_[next_delta_] * delta_chunk_bytes_;
   const int64_t bytes = std::min(delta_chunk_bytes_, size - begin);
   const int bits = Describe(bucket_.format).bits_per_element;
+  if (!chunk.patch().empty()) {
+    if (!delta_patches_) return Violation("a byte patch that was not asked for");
+    if (chunk.element_offset() != begin * 8 / bits || !chunk.data().empty()) {
+      return Violation("delta patch at element ", chunk.element_offset(), " with ", chunk.data().size(),
+                       " data bytes, expected chunk ", delta_chunks_[next_delta_], ": element ", begin * 8 / bits,
+                       ", no data");
+    }
+    if (absl::Status s = ApplyBytePatch(data_out_.subspan(static_cast<size_t>(begin), static_cast<size_t>(bytes)), chunk.patch()); !s.ok()) {
+      return Violation("delta chunk ", delta_chunks_[next_delta_], ": ", s.message());
+    }
+    result_.data_bytes_received += static_cast<int64_t>(chunk.patch().size());
+    ++next_delta_;
+    return absl::OkStatus();
+  }
   if (chunk.element_offset() != begin * 8 / bits || static_cast<int64_t>(chunk.data().size()) != bytes) {
     return Violation("delta chunk at element ", chunk.element_offset(), " of ", chunk.data().size(),
                      " bytes, expected chunk ", delta_chunks_[next_delta_], ": element ", begin * 8 / bits, ", ",

@@ -6,7 +6,8 @@
 // into the caller's slice of the bucket buffer. MakePulledBucket joins consecutive shards.
 //
 // A delta pull (ExpectDelta: data_out already holds the reader's copy of the shard) takes only
-// the chunks the header lists, each whole and in order, patched into data_out, and then always
+// the chunks the header lists, in order, each whole or (when the request named the copy's version:
+// ExpectDelta's patches) as a byte patch against data_out's bytes, and then always
 // checks the CRC-32C of the whole result against the header's: a forged or truncated delta is
 // DATA_LOSS or INTERNAL, and the caller drops data_out (its copy is a fresh buffer).
 //
@@ -49,9 +50,13 @@ class ShardPullAssembler {
   ShardPullAssembler(const Layout& layout, int32_t bucket, int32_t shard, int64_t requested_version,
                      std::span<uint8_t> data_out, bool verify_crc32c);
 
-  // The request asked for a delta in chunks of `chunk_bytes` (PullParamsRequest.delta_chunk_bytes);
-  // the daemon may still answer with the whole shard.
-  void ExpectDelta(int64_t chunk_bytes) { delta_chunk_bytes_ = chunk_bytes; }
+  // The request asked for a delta in chunks of `chunk_bytes` (PullParamsRequest.delta_chunk_bytes),
+  // and with `patches`, named the version data_out holds (delta_since_version), so chunks may
+  // come as byte patches (ParamChunk.patch); the daemon may still answer with the whole shard.
+  void ExpectDelta(int64_t chunk_bytes, bool patches) {
+    delta_chunk_bytes_ = chunk_bytes;
+    delta_patches_ = patches;
+  }
   absl::Status OnMessage(const v1::PullParamsResponse& message);
   // After the stream ended OK: everything announced arrived.
   absl::StatusOr<PulledShard> Finish();
@@ -90,6 +95,7 @@ class ShardPullAssembler {
   // Delta pulls: the chunk size asked for (0: none), whether the header announced a delta, the
   // chunks it listed and how many of them arrived.
   int64_t delta_chunk_bytes_ = 0;
+  bool delta_patches_ = false;
   bool delta_ = false;
   std::vector<int32_t> delta_chunks_;
   size_t next_delta_ = 0;

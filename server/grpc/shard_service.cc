@@ -7,9 +7,14 @@
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/byte_patch.h"
 #include "common/chunk_hash.h"
 #include "common/crc32c.h"
 #include "common/grpc_tls.h"
@@ -390,7 +395,53 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
       }
     }
     delta_chunk_ = chunk;
+    if (request_.has_delta_since_version() && !delta_chunks_.empty()) base_ = BaseOfPatches();
     return absl::OkStatus();
+  }
+
+  // The version the reader's copy holds (delta_since_version), when this daemon still keeps it:
+  // the changed chunks whose hash in it is the reader's go as byte patches against it. Null
+  // otherwise (evicted, skipped, or not this placement's): whole chunks, which are always right.
+  std::shared_ptr<const QuantizedShard> BaseOfPatches() {
+    v1::PullParamsRequest since = request_;
+    since.set_version(request_.delta_since_version());
+    since.set_latest(false);
+    since.set_no_wait(true);
+    since.clear_delta_chunk_bytes();
+    since.clear_have_chunk_hashes();
+    since.clear_delta_since_version();
+    absl::StatusOr<PullResult> base = core_->PullParams(since, absl::InfinitePast());
+    if (!base.ok() || base->unchanged || base->shard->version != request_.delta_since_version() ||
+        base->shard->data.size() != result_.shard->data.size()) {
+      return nullptr;
+    }
+    return base->shard;
+  }
+
+  // The next delta chunk into message_: a byte patch against base_ when the reader's copy of the
+  // chunk is base_'s and the patch is smaller, else the whole chunk.
+  void WriteDeltaChunk() {
+    const std::vector<uint8_t>& data = result_.shard->data;
+    const int64_t index = delta_chunks_[next_delta_++];
+    const int64_t begin = index * delta_chunk_;
+    const int64_t n = std::min(delta_chunk_, static_cast<int64_t>(data.size()) - begin);
+    v1::ParamChunk* out = message_.mutable_data();
+    out->set_element_offset(begin * 8 / bits_);
+    const std::span<const uint8_t> now(data.data() + begin, static_cast<size_t>(n));
+    if (base_ != nullptr) {
+      const std::span<const uint8_t> was(base_->data.data() + begin, static_cast<size_t>(n));
+      if (ChunkHash64(was.data(), was.size()) == request_.have_chunk_hashes(static_cast<int>(index))) {
+        if (std::optional<std::string> patch = EncodeBytePatch(was, now, static_cast<size_t>(n))) {
+          payload_ = static_cast<int64_t>(patch->size());
+          delta_bytes_ += payload_;
+          out->set_patch(*std::move(patch));
+          return;
+        }
+      }
+    }
+    out->set_data(now.data(), now.size());
+    payload_ = n;
+    delta_bytes_ += n;
   }
 
   void WriteNext() {
@@ -399,12 +450,7 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
     const auto scales_size = static_cast<int64_t>(s.scales.size());
     message_.Clear();
     if (next_delta_ < delta_chunks_.size()) {
-      const int64_t begin = delta_chunks_[next_delta_++] * delta_chunk_;
-      const int64_t n = std::min(delta_chunk_, data_size - begin);
-      message_.mutable_data()->set_element_offset(begin * 8 / bits_);
-      message_.mutable_data()->set_data(s.data.data() + begin, static_cast<size_t>(n));
-      payload_ = n;
-      delta_bytes_ += n;
+      WriteDeltaChunk();
     } else if (data_off_ < data_size) {
       const int64_t n = std::min(chunk_, data_size - data_off_);
       message_.mutable_data()->set_element_offset(data_off_ * 8 / bits_);
@@ -449,6 +495,7 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
   size_t next_delta_ = 0;
   int64_t delta_chunk_ = 0;
   int64_t delta_bytes_ = 0;
+  std::shared_ptr<const QuantizedShard> base_;  // the reader's version, for byte patches (BaseOfPatches)
 };
 
 // FetchShardState: the move's copy (fenced when the request's epoch is newer), then its buffers

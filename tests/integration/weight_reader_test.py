@@ -318,11 +318,36 @@ class WeightReaderTest(unittest.TestCase):
             return e.code == "PERMISSION_DENIED"
 
 
+def patch_bytes(old, new):
+    """Bytes of the byte patch (common/byte_patch.h) turning `old` into `new`: per changed byte,
+    the LEB128 varint of the unchanged bytes before it, then the byte."""
+    a = np.frombuffer(old, np.uint8)
+    b = np.frombuffer(new, np.uint8)
+    changed = np.flatnonzero(a != b)
+    gaps = np.diff(np.concatenate(([-1], changed))) - 1
+    varints = 1 + sum((gaps >= (1 << (7 * k))).astype(np.int64) for k in range(1, 5))
+    return int(varints.sum()) + len(changed)
+
+
 class DeltaSyncTest(unittest.TestCase):
     """WeightReader.tensors(since=...): only the 64 KiB chunks of published data that changed
-    come, and the patched copy is byte-identical to a full read (docs/weight_serving.md)."""
+    come, each as a byte patch when the daemons still keep the reader's version and that is
+    smaller, and the patched copy is byte-identical to a full read (docs/weight_serving.md)."""
 
     CHUNK = 64 << 10
+
+    def expected_delta(self, previous, now, shards, patches):
+        """What a delta from `previous` to `now` (one bucket's packed data) sends: each changed
+        chunk of each shard, whole or (with `patches`) as a byte patch when that is smaller."""
+        sent = 0
+        shard_bytes = len(now) // shards
+        for s in range(shards):
+            for begin in range(s * shard_bytes, (s + 1) * shard_bytes, self.CHUNK):
+                end = min(begin + self.CHUNK, (s + 1) * shard_bytes)
+                if now[begin:end] != previous[begin:end]:
+                    whole = end - begin
+                    sent += min(whole, patch_bytes(previous[begin:end], now[begin:end])) if patches else whole
+        return sent
 
     def setUp(self):
         self.cluster = process_cluster.Cluster(daemons=2, lease_ms=3000)
@@ -348,7 +373,9 @@ class DeltaSyncTest(unittest.TestCase):
         list(reader.tensors(0))
         self.assertEqual(reader.delta_fraction(), 1.0)
         previous = {b: bytes(c0.pull_bucket(b, 0).data) for b in buckets}
+        kept = {b: c0.pull_bucket(b, 0) for b in buckets}  # version 0, long evicted at the end
         fractions = []
+        whole_chunks = []  # what chunk-level deltas would have sent
         for step in range(20):
             for r, c in enumerate((c0, c1)):
                 for b in buckets:
@@ -365,24 +392,34 @@ class DeltaSyncTest(unittest.TestCase):
             delta = {name: as_numpy(x).tobytes() for name, x in reader.tensors(version, since=version - 1)}
             full = {name: as_numpy(x).tobytes() for name, x in full_reader.tensors(version)}
             self.assertEqual(delta, full, "step %d: the patched copy is not a full read's bytes" % step)
-            # What had to come: the chunks, shard by shard, whose bytes differ from the last version's.
-            expected = 0
+            # What had to come: the chunks, shard by shard, whose bytes differ from the last
+            # version's, as byte patches (the daemons keep the last version: retained_versions).
+            expected = whole = 0
             for b in buckets:
                 now = bytes(c0.pull_bucket(b, version).data)
-                shard_bytes = len(now) // 2
-                for s in range(2):
-                    for begin in range(s * shard_bytes, (s + 1) * shard_bytes, self.CHUNK):
-                        end = min(begin + self.CHUNK, (s + 1) * shard_bytes)
-                        if now[begin:end] != previous[b][begin:end]:
-                            expected += end - begin
+                expected += self.expected_delta(previous[b], now, 2, patches=True)
+                whole += self.expected_delta(previous[b], now, 2, patches=False)
                 previous[b] = now
             self.assertEqual(reader.data_bytes_received, expected, "step %d" % step)
             fractions.append(reader.delta_fraction())
+            whole_chunks.append(whole)
         self.assertLess(max(fractions), 1.0, fractions)
-        print("delta sync, 20 steps: %.3f of the data sent per version on average (min %.3f, max %.3f)"
-              % (sum(fractions) / len(fractions), min(fractions), max(fractions)))
+        total = sum(len(previous[b]) for b in buckets)
+        print("delta sync, 20 steps: %.4f of the data sent per version on average (min %.4f, max %.4f); "
+              "whole changed chunks would have been %.3f"
+              % (sum(fractions) / len(fractions), min(fractions), max(fractions),
+                 sum(whole_chunks) / len(whole_chunks) / total))
         with self.assertRaises(ValueError):
             list(reader.tensors(20, since=3))
+        # A copy of a version the daemons no longer keep (0, with 20 newer): whole changed
+        # chunks, and still the exact bytes.
+        for b in buckets:
+            pulled = c0.pull_bucket(b, 20, since=kept[b])
+            self.assertEqual(bytes(pulled.data), previous[b])
+            old = bytes(kept[b].data)
+            self.assertEqual(pulled.data_bytes_received, self.expected_delta(old, previous[b], 2, patches=False))
+            self.assertGreater(pulled.data_bytes_received,
+                               self.expected_delta(old, previous[b], 2, patches=True))
 
 
 class ReaderCapTest(unittest.TestCase):

@@ -7,11 +7,13 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "client/src/pull_assembly.h"
+#include "common/byte_patch.h"
 #include "common/chunk_hash.h"
 #include "common/crc32c.h"
 #include "client/src/testing/fake_services.h"
@@ -380,7 +382,8 @@ struct DeltaCase {
   int32_t bucket = 0;
   std::vector<uint8_t> a, b;                  // shard 1's packed data of the two versions
   std::vector<v1::PullParamsResponse> delta;  // header, changed chunks, B's scales
-  int64_t changed_bytes = 0;
+  int64_t changed_bytes = 0;                  // payload bytes of the changed chunks
+  int patched_chunks = 0;                     // of them, sent as byte patches
 };
 
 std::vector<uint8_t> DataOf(const std::vector<v1::PullParamsResponse>& stream) {
@@ -391,7 +394,8 @@ std::vector<uint8_t> DataOf(const std::vector<v1::PullParamsResponse>& stream) {
   return out;
 }
 
-DeltaCase MakeDelta(int64_t chunk) {
+// With `patches`, a changed chunk goes as a byte patch against A when that is smaller.
+DeltaCase MakeDelta(int64_t chunk, bool patches = false) {
   DeltaCase c;
   c.layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::AllFormatsSpec(2)));
   const int32_t mx = *FindTensor(*c.layout, "layers.0.mx.weight");
@@ -415,9 +419,17 @@ DeltaCase MakeDelta(int64_t chunk) {
     c.delta[0].mutable_header()->add_delta_chunks(static_cast<int32_t>(i));
     v1::PullParamsResponse m;
     m.mutable_data()->set_element_offset(begin * 8 / bits);
-    m.mutable_data()->set_data(c.b.data() + begin, n);
+    const std::span<const uint8_t> was(c.a.data() + begin, n), now(c.b.data() + begin, n);
+    std::optional<std::string> patch = patches ? EncodeBytePatch(was, now, n) : std::nullopt;
+    if (patch.has_value()) {
+      c.changed_bytes += static_cast<int64_t>(patch->size());
+      m.mutable_data()->set_patch(*std::move(patch));
+      ++c.patched_chunks;
+    } else {
+      m.mutable_data()->set_data(c.b.data() + begin, n);
+      c.changed_bytes += n;
+    }
     c.delta.push_back(m);
-    c.changed_bytes += n;
   }
   for (const v1::PullParamsResponse& m : *b) {
     if (m.has_scales()) c.delta.push_back(m);
@@ -425,9 +437,10 @@ DeltaCase MakeDelta(int64_t chunk) {
   return c;
 }
 
-absl::StatusOr<PulledShard> RunDelta(const DeltaCase& c, std::vector<uint8_t>& data, int64_t chunk, bool asked = true) {
+absl::StatusOr<PulledShard> RunDelta(const DeltaCase& c, std::vector<uint8_t>& data, int64_t chunk, bool asked = true,
+                                     bool patches_asked = true) {
   ShardPullAssembler assembler(*c.layout, c.bucket, 1, 7, data, /*verify_crc32c=*/false);
-  if (asked) assembler.ExpectDelta(chunk);
+  if (asked) assembler.ExpectDelta(chunk, patches_asked);
   for (const v1::PullParamsResponse& m : c.delta) MAINSTAY_RETURN_IF_ERROR(assembler.OnMessage(m));
   return assembler.Finish();
 }
@@ -476,6 +489,59 @@ TEST(ClientPullTest, AForgedTruncatedOrUnaskedDeltaIsRefused) {
   disordered.delta[0].mutable_header()->add_delta_chunks(0);
   data = c.a;
   EXPECT_THAT(RunDelta(disordered, data, kChunk), StatusIs(absl::StatusCode::kInternal, HasSubstr("ascending")));
+}
+
+TEST(ClientPullTest, ADeltaOfBytePatchesPatchesTheCopyIntoTheNewVersionByteForByte) {
+  constexpr int64_t kChunk = 512;
+  const DeltaCase whole = MakeDelta(kChunk);
+  const DeltaCase c = MakeDelta(kChunk, /*patches=*/true);
+  ASSERT_GT(c.patched_chunks, 0);
+  ASSERT_LT(c.changed_bytes, whole.changed_bytes);  // the few moved values, not their chunks
+  std::vector<uint8_t> data = c.a;
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledShard shard, RunDelta(c, data, kChunk));
+  EXPECT_EQ(data, c.b);
+  EXPECT_EQ(shard.data_bytes_received, c.changed_bytes);
+}
+
+TEST(ClientPullTest, AForgedMalformedOrUnaskedBytePatchIsRefused) {
+  constexpr int64_t kChunk = 512;
+  const DeltaCase c = MakeDelta(kChunk, /*patches=*/true);
+  size_t first = 1;  // the first message holding a patch
+  while (first < c.delta.size() && c.delta[first].data().patch().empty()) ++first;
+  ASSERT_LT(first, c.delta.size());
+  std::vector<uint8_t> data = c.a;
+  // A patch whose new byte is not the version's: the whole result's CRC-32C is not the daemon's.
+  DeltaCase forged = c;
+  std::string* patch = forged.delta[first].mutable_data()->mutable_patch();
+  patch->back() = static_cast<char>(patch->back() ^ 0x40);
+  EXPECT_THAT(RunDelta(forged, data, kChunk), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("CRC-32C")));
+  // A patch that is cut off mid-record, or points past its chunk.
+  DeltaCase cut = c;
+  cut.delta[first].mutable_data()->mutable_patch()->pop_back();
+  data = c.a;
+  EXPECT_THAT(RunDelta(cut, data, kChunk), StatusIs(absl::StatusCode::kInternal, HasSubstr("no byte after its gap")));
+  DeltaCase past = c;
+  past.delta[first].mutable_data()->mutable_patch()->append("\xff\x7f\x01");
+  data = c.a;
+  EXPECT_THAT(RunDelta(past, data, kChunk), StatusIs(absl::StatusCode::kInternal, HasSubstr("past the chunk")));
+  // A patch with data beside it, or for a request that did not name its copy's version.
+  DeltaCase both = c;
+  both.delta[first].mutable_data()->set_data("x");
+  data = c.a;
+  EXPECT_THAT(RunDelta(both, data, kChunk), StatusIs(absl::StatusCode::kInternal, HasSubstr("no data")));
+  data = c.a;
+  EXPECT_THAT(RunDelta(c, data, kChunk, /*asked=*/true, /*patches_asked=*/false),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("byte patch that was not asked for")));
+  // A patch in a stream that is not a delta.
+  auto stream = MakePullStream(*c.layout, c.bucket, 1, 7, BucketMaster(*c.layout, c.bucket), 1 << 20);
+  ASSERT_TRUE(stream.ok());
+  (*stream)[1].mutable_data()->set_patch(c.delta[first].data().patch());
+  std::vector<uint8_t> out(c.b.size());
+  ShardPullAssembler assembler(*c.layout, c.bucket, 1, 7, out, /*verify_crc32c=*/true);
+  assembler.ExpectDelta(kChunk, /*patches=*/true);
+  absl::Status s = assembler.OnMessage((*stream)[0]);
+  if (s.ok()) s = assembler.OnMessage((*stream)[1]);
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kInternal, HasSubstr("outside a delta")));
 }
 
 TEST(BufferPoolTest, AReleasedBufferIsReusedForTheSameSizeOnly) {

@@ -363,7 +363,8 @@ class MAINSTAY_CLIENT_EXPORT Client {
                         std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // Delta sync (readers; docs/weight_serving.md): bucket `bucket` at `version`, given `since`, a
   // whole earlier pull of it. Each daemon sends only the 64 KiB chunks of packed data whose
-  // XXH3-64 differs from since's (plus the block scales and metadata, which are small); the
+  // XXH3-64 differs from since's, each as a byte patch against since's version when the daemon
+  // still keeps that version and the patch is smaller (plus the block scales and metadata); the
   // result is a new PulledBucket that starts as a copy of since's data with those chunks
   // patched in, checked against the CRC-32C of the daemon's version before it is returned
   // (DATA_LOSS otherwise; since is never changed). PulledShard::data_bytes_received says what

@@ -113,8 +113,9 @@ class WeightReader:
         model space, at `version` (None: the newest; `reader.version` says which it was).
 
         since: the version the previous tensors() call read (`reader.version` then): delta sync.
-        Each daemon sends only the 64 KiB chunks of packed data that changed since then (and the
-        block scales, which are small); the reader patches a copy of what it holds and checks
+        Each daemon sends only the 64 KiB chunks of packed data that changed since then, as the
+        bytes that changed when it still keeps that version (the newest --retained-versions, or
+        a pinned one), and the block scales whole; the reader patches a copy of what it holds and checks
         the result against the daemons' CRC-32C before yielding anything. `delta_fraction()`
         then says how much of the data came. The reader keeps the buckets of its last read for
         this (the published size of what it read, in memory).
@@ -196,7 +197,7 @@ class WeightReader:
 
     def delta_fraction(self):
         """Of the packed data the last tensors() call read, the fraction that came over the wire
-        (1.0 for a full read; a delta's changed chunks otherwise)."""
+        (1.0 for a full read; a delta's changed chunks or byte patches otherwise)."""
         return self.data_bytes_received / self.data_bytes if self.data_bytes else 0.0
 
     @staticmethod
