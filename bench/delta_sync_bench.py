@@ -5,7 +5,7 @@ trains client/python/examples/char_lm.py (a character-level GPT on real text, tw
 MainstayOptimizer) for --steps steps with each --recipe, and meanwhile a mainstay.WeightReader
 with the job's reader token reads every new version with tensors(since=<the version it read
 before>) (docs/weight_serving.md, "Delta sync"). Per recipe it prints the fraction of the packed
-data that came over the wire, for consecutive versions and overall, against a full read of the
+data and block scales that came over the wire, for consecutive versions and overall, against a full read of the
 same bytes (the baseline), and which tensors' bytes changed.
 
     PYTHONPATH=build/client/python /usr/bin/python3 bench/delta_sync_bench.py [--build-dir build]
@@ -57,7 +57,7 @@ def run(args, recipe):
         reader = mainstay.WeightReader(cluster.address, job["job_id"], owner.get_reader_token(), timeout_s=60)
         version = reader.wait_newer(0, 300)
         previous = {n: to_bytes(t) for n, t in reader.tensors(version)}
-        rows = []  # (from, to, fraction of data sent, data bytes)
+        rows = []  # (from, to, fraction of data and scales sent, their bytes, seconds, fraction of bytes changed)
         changed_tensors = {}
         while version < args.steps:
             newer = reader.wait_newer(version, 120)
@@ -77,7 +77,7 @@ def run(args, recipe):
                 if len(old) == len(b):
                     changed_bytes += int(np.count_nonzero(np.frombuffer(b, np.uint8) != np.frombuffer(old, np.uint8)))
                 total_bytes += len(b)
-            rows.append((version, newer, reader.delta_fraction(), reader.data_bytes, took,
+            rows.append((version, newer, reader.delta_fraction(), reader.data_bytes + reader.scale_bytes, took,
                          changed_bytes / max(1, total_bytes)))
             previous, version = now, newer
         for p in trainers:
@@ -107,7 +107,7 @@ def main():
                               "bf16_with_fp8_current_scaling_mixed"]
     print("char_lm.py: dim %d, %d layers, lr %g, %d steps, 64 KiB chunks; baseline = a full read (fraction 1)"
           % (args.dim, args.layers, args.lr, args.steps))
-    print("| recipe | data per version | versions read | sent, consecutive versions: median (min-max) | "
+    print("| recipe | data + block scales per version | versions read | sent, consecutive versions: median (min-max) | "
           "sent, all deltas | bytes that changed, consecutive versions: median | tensors changed in every delta |")
     print("|---|---:|---:|---|---:|---:|---|")
     for recipe in recipes:

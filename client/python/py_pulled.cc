@@ -183,7 +183,17 @@ void BindPulled(py::module_& m) {
         for (const PulledShard& s : p.shards()) n += s.data_bytes_received;
         return n;
       }, "Bytes of packed data that came over the wire: all of data, or after a delta pull (pull_bucket(since=)) "
-         "only the chunks that changed.")
+         "only the chunks that changed (whole or as byte patches).")
+      .def_property_readonly("scale_bytes_received", [](const PulledBucket& p) {
+        int64_t n = 0;
+        for (const PulledShard& s : p.shards()) n += s.scale_bytes_received;
+        return n;
+      }, "The same for the block scales (0 for formats without them).")
+      .def_property_readonly("scale_bytes", [](const PulledBucket& p) {
+        int64_t n = 0;
+        for (const PulledShard& s : p.shards()) n += static_cast<int64_t>(s.scales.size());
+        return n;
+      }, "Bytes of block scales the bucket holds, sent or not.")
       .def_property_readonly("format", [](const PulledBucket& p) { return std::string(FormatName(p.format())); })
       .def_property_readonly("shard_begin", &PulledBucket::shard_begin)
       .def_property_readonly("shard_end", &PulledBucket::shard_end)

@@ -246,15 +246,20 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   // why when a push cannot be made again (its buffer changed or is not host-readable); the
   // pushes' error otherwise.
   absl::Status PushStepAgain(int64_t step, const std::vector<client_internal::StepPush>& pushes);
+  // What a delta pull of one shard starts from: the reader's copy (data_out holds its data).
+  struct DeltaBase {
+    int64_t chunk_bytes = 0;
+    int64_t since_version = -1;          // the copy's version: patches against it may come
+    std::vector<uint64_t> have;          // XXH3-64 of each chunk of the copy's data
+    std::span<const uint8_t> scales;     // the copy's block scales (empty: none)
+    std::vector<uint64_t> have_scales;   // XXH3-64 of each chunk of them
+  };
   // Pulls one shard into `data_out` (its slice of the packed bucket buffer), blocking. With
-  // `have` (the XXH3-64 of each `delta_chunk_bytes` chunk of what data_out holds already) a
-  // delta pull, over the grpc transport: only the chunks that changed come, as byte patches
-  // against `since_version` (the version data_out holds; -1: unknown, whole chunks) where the
-  // daemon still keeps it.
+  // `delta`, a delta pull over the grpc transport: only the chunks of data and block scales that
+  // changed come, as byte patches where the daemon still keeps delta->since_version.
   absl::StatusOr<PulledShard> PullShardSync(int32_t bucket, int32_t shard, int64_t version,
                                             std::span<uint8_t> data_out, Deadline deadline,
-                                            const std::vector<uint64_t>* have = nullptr,
-                                            int64_t delta_chunk_bytes = 0, int64_t since_version = -1);
+                                            const DeltaBase* delta = nullptr);
   // `since`: a delta pull of the whole bucket, starting from a copy of its data.
   PullHandle SchedulePull(int32_t bucket, int32_t shard_begin, int32_t shard_end, int64_t version,
                           std::chrono::milliseconds timeout, const PulledBucket* since = nullptr);

@@ -447,8 +447,7 @@ PushHandle Client::PushInitialParams(int32_t bucket, std::span<const float> data
 
 absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t shard, int64_t version,
                                                         std::span<uint8_t> data_out, Deadline deadline,
-                                                        const std::vector<uint64_t>* have,
-                                                        int64_t delta_chunk_bytes, int64_t since_version) {
+                                                        const DeltaBase* delta) {
   v1::PullParamsRequest request;
   request.set_job_id(job_id);
   request.set_job_token(job_token);
@@ -461,10 +460,11 @@ absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t 
     request.set_version(version);
   }
   request.set_max_chunk_bytes(options.chunk_bytes);
-  if (have != nullptr) {
-    request.set_delta_chunk_bytes(delta_chunk_bytes);
-    request.mutable_have_chunk_hashes()->Assign(have->begin(), have->end());
-    if (since_version >= 0) request.set_delta_since_version(since_version);
+  if (delta != nullptr) {
+    request.set_delta_chunk_bytes(delta->chunk_bytes);
+    request.mutable_have_chunk_hashes()->Assign(delta->have.begin(), delta->have.end());
+    request.mutable_have_scale_chunk_hashes()->Assign(delta->have_scales.begin(), delta->have_scales.end());
+    if (delta->since_version >= 0) request.set_delta_since_version(delta->since_version);
   }
   absl::StatusOr<PulledShard> result;
   const std::string what = absl::StrCat("PullParams bucket ", bucket, " shard ", shard, " version ", version);
@@ -472,14 +472,17 @@ absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t 
       what, deadline, [&] { return RouteForShard(bucket, shard); },
       [&](const Route& route, grpc::ClientContext* context) -> absl::Status {
         client_internal::DataTransport* transport = grpc_transport.get();  // deltas go over grpc only
-        if (have == nullptr) {
+        if (delta == nullptr) {
           MAINSTAY_ASSIGN_OR_RETURN(transport, TransportFor(route.endpoint));
         }
         request.set_placement_epoch(route.epoch);
         client_internal::ShardPullAssembler assembler(*layout, bucket, shard,
                                                       version == Client::kLatestVersion ? -1 : version, data_out,
                                                       options.verify_crc32c);
-        if (have != nullptr) assembler.ExpectDelta(delta_chunk_bytes, since_version >= 0);
+        if (delta != nullptr) {
+          assembler.ExpectDelta(delta->chunk_bytes, delta->since_version >= 0,
+                                delta->have_scales.empty() ? std::span<const uint8_t>() : delta->scales);
+        }
         MAINSTAY_RETURN_IF_ERROR(transport->Pull(route, request, assembler, deadline, context));
         result = assembler.Finish();
         return result.status();
@@ -503,13 +506,12 @@ PullHandle Client::Impl::SchedulePull(int32_t bucket, int32_t shard_begin, int32
   state->data = pull_buffers->Acquire(DataBytes(b.format, shard_end * b.shard_numel) - base);
   state->shards.resize(shard_end - shard_begin);
   // A delta pull patches a copy of `since` (left as it is, whatever happens), in 64 KiB chunks,
-  // whole or as byte patches against since's version.
-  int64_t delta_chunk = 0;
-  int64_t since_version = -1;
+  // whole or as byte patches against since's version. The tasks share since's buffers (its
+  // scales), so the caller may drop it at once.
+  std::shared_ptr<const PulledBucket> base_copy;
   if (since != nullptr) {
     std::memcpy(state->data.span().data(), since->data().data(), state->data.span().size());
-    delta_chunk = int64_t{64} << 10;
-    since_version = since->version();
+    base_copy = std::make_shared<const PulledBucket>(*since);
   }
   {
     absl::MutexLock lock(&state->mu);
@@ -517,16 +519,21 @@ PullHandle Client::Impl::SchedulePull(int32_t bucket, int32_t shard_begin, int32
   }
   PullHandle handle(state->promise.get_future().share());
   for (int32_t shard = shard_begin; shard < shard_end; ++shard) {
-    pull_pool->Schedule([this, state, bucket, shard, shard_begin, shard_end, version, deadline, base, delta_chunk,
-                         since_version] {
+    pull_pool->Schedule([this, state, bucket, shard, shard_begin, shard_end, version, deadline, base,
+                         since = base_copy] {
       const Bucket& bk = layout->buckets[bucket];
       const IndexRange bytes = ShardByteRange(bk, shard);
       std::span<uint8_t> out = state->data.span().subspan(bytes.begin - base, bytes.size());
-      std::vector<uint64_t> have;
-      if (delta_chunk > 0) have = ChunkHashes(out, delta_chunk);
+      DeltaBase delta;
+      if (since != nullptr) {
+        delta.chunk_bytes = int64_t{64} << 10;
+        delta.since_version = since->version();
+        delta.have = ChunkHashes(out, delta.chunk_bytes);
+        delta.scales = since->shards()[static_cast<size_t>(shard - since->shard_begin())].scales;
+        if (!delta.scales.empty()) delta.have_scales = ChunkHashes(delta.scales, delta.chunk_bytes);
+      }
       absl::StatusOr<PulledShard> r =
-          PullShardSync(bucket, shard, version, out, deadline, delta_chunk > 0 ? &have : nullptr, delta_chunk,
-                        since_version);
+          PullShardSync(bucket, shard, version, out, deadline, since != nullptr ? &delta : nullptr);
       {
         absl::MutexLock lock(&state->mu);
         state->shards[shard - shard_begin] = std::move(r);

@@ -126,6 +126,22 @@ absl::Status ShardPullAssembler::OnHeader(const v1::PullParamsHeader& h) {
     delta_ = true;
     delta_chunks_.assign(h.delta_chunks().begin(), h.delta_chunks().end());
   }
+  if (h.delta_scales()) {
+    if (!delta_ || since_scales_.empty()) return Violation("a delta of the scales that was not asked for");
+    if (static_cast<int64_t>(since_scales_.size()) != h.total_scale_bytes()) {
+      return Violation("a delta of ", h.total_scale_bytes(), " bytes of scales for a copy of ", since_scales_.size());
+    }
+    const int64_t chunks = ChunkCount(h.total_scale_bytes(), delta_chunk_bytes_);
+    int64_t last = -1;
+    for (const int32_t c : h.delta_scale_chunks()) {
+      if (c <= last || c >= chunks) return Violation("delta scale chunk ", c, " (of ", chunks, ", ascending)");
+      last = c;
+    }
+    delta_scales_ = true;
+    delta_scale_chunks_.assign(h.delta_scale_chunks().begin(), h.delta_scale_chunks().end());
+    expected_scales_crc_ = h.scales_crc32c();
+    std::memcpy(result_.scales.data(), since_scales_.data(), since_scales_.size());
+  }
   return absl::OkStatus();
 }
 
@@ -152,34 +168,46 @@ absl::Status ShardPullAssembler::OnData(const v1::ParamChunk& chunk) {
   return absl::OkStatus();
 }
 
-absl::Status ShardPullAssembler::OnDeltaData(const v1::ParamChunk& chunk) {
-  if (next_delta_ >= delta_chunks_.size()) return Violation("more delta chunks than the header listed");
-  const auto size = static_cast<int64_t>(data_out_.size());
-  const int64_t begin = delta_chunks_[next_delta_] * delta_chunk_bytes_;
+absl::Status ShardPullAssembler::LandDeltaChunk(std::span<uint8_t> out, int32_t index, int64_t offset, int unit_bits,
+                                                const std::string& data, const std::string& patch,
+                                                const char* what, int64_t* received) {
+  const auto size = static_cast<int64_t>(out.size());
+  const int64_t begin = index * delta_chunk_bytes_;
   const int64_t bytes = std::min(delta_chunk_bytes_, size - begin);
-  const int bits = Describe(bucket_.format).bits_per_element;
-  if (!chunk.patch().empty()) {
-    if (!delta_patches_) return Violation("a byte patch that was not asked for");
-    if (chunk.element_offset() != begin * 8 / bits || !chunk.data().empty()) {
-      return Violation("delta patch at element ", chunk.element_offset(), " with ", chunk.data().size(),
-                       " data bytes, expected chunk ", delta_chunks_[next_delta_], ": element ", begin * 8 / bits,
-                       ", no data");
-    }
-    if (absl::Status s = ApplyBytePatch(data_out_.subspan(static_cast<size_t>(begin), static_cast<size_t>(bytes)), chunk.patch()); !s.ok()) {
-      return Violation("delta chunk ", delta_chunks_[next_delta_], ": ", s.message());
-    }
-    result_.data_bytes_received += static_cast<int64_t>(chunk.patch().size());
-    ++next_delta_;
+  if (!patch.empty() && !data.empty()) return Violation(what, " chunk ", index, ": both data and a byte patch");
+  if (offset != begin * 8 / unit_bits || (patch.empty() && static_cast<int64_t>(data.size()) != bytes)) {
+    return Violation(what, " chunk at ", offset, " of ", data.size(), " bytes, expected chunk ", index, ": at ",
+                     begin * 8 / unit_bits, ", ", bytes, " bytes or a byte patch");
+  }
+  if (patch.empty()) {
+    std::memcpy(out.data() + begin, data.data(), static_cast<size_t>(bytes));
+    *received += bytes;
     return absl::OkStatus();
   }
-  if (chunk.element_offset() != begin * 8 / bits || static_cast<int64_t>(chunk.data().size()) != bytes) {
-    return Violation("delta chunk at element ", chunk.element_offset(), " of ", chunk.data().size(),
-                     " bytes, expected chunk ", delta_chunks_[next_delta_], ": element ", begin * 8 / bits, ", ",
-                     bytes, " bytes");
+  if (!delta_patches_) return Violation("a byte patch that was not asked for");
+  if (absl::Status s = ApplyBytePatch(out.subspan(static_cast<size_t>(begin), static_cast<size_t>(bytes)), patch);
+      !s.ok()) {
+    return Violation(what, " chunk ", index, ": ", s.message());
   }
-  std::memcpy(data_out_.data() + begin, chunk.data().data(), static_cast<size_t>(bytes));
-  result_.data_bytes_received += bytes;
+  *received += static_cast<int64_t>(patch.size());
+  return absl::OkStatus();
+}
+
+absl::Status ShardPullAssembler::OnDeltaData(const v1::ParamChunk& chunk) {
+  if (next_delta_ >= delta_chunks_.size()) return Violation("more delta chunks than the header listed");
+  MAINSTAY_RETURN_IF_ERROR(LandDeltaChunk(data_out_, delta_chunks_[next_delta_], chunk.element_offset(),
+                                          Describe(bucket_.format).bits_per_element, chunk.data(), chunk.patch(),
+                                          "delta", &result_.data_bytes_received));
   ++next_delta_;
+  return absl::OkStatus();
+}
+
+absl::Status ShardPullAssembler::OnDeltaScales(const v1::ScaleChunk& chunk) {
+  if (next_delta_scale_ >= delta_scale_chunks_.size()) return Violation("more delta scale chunks than the header listed");
+  MAINSTAY_RETURN_IF_ERROR(LandDeltaChunk(result_.scales, delta_scale_chunks_[next_delta_scale_], chunk.scale_offset(),
+                                          scale_entry_bytes_ * 8, chunk.data(), chunk.patch(), "delta scale",
+                                          &result_.scale_bytes_received));
+  ++next_delta_scale_;
   return absl::OkStatus();
 }
 
@@ -188,6 +216,8 @@ absl::Status ShardPullAssembler::OnScales(const v1::ScaleChunk& chunk) {
   if (result_.unchanged) return Violation("scales after an unchanged header");
   if (delta_ && next_delta_ != delta_chunks_.size()) return Violation("scales before every delta chunk");
   if (!delta_ && next_element_ != bucket_.shard_numel) return Violation("scales before all data");
+  if (delta_scales_) return OnDeltaScales(chunk);
+  if (!chunk.patch().empty()) return Violation("a byte patch of scales outside a delta of the scales");
   if (chunk.scale_offset() != next_scale_) {
     return Violation("scale chunk at entry ", chunk.scale_offset(), ", expected ", next_scale_);
   }
@@ -199,6 +229,7 @@ absl::Status ShardPullAssembler::OnScales(const v1::ScaleChunk& chunk) {
   if (next_scale_ + entries > result_.num_scales) return Violation("more than ", result_.num_scales, " scales");
   std::memcpy(result_.scales.data() + next_scale_ * scale_entry_bytes_, chunk.data().data(), bytes);
   next_scale_ += entries;
+  result_.scale_bytes_received += bytes;
   return absl::OkStatus();
 }
 
@@ -215,6 +246,7 @@ absl::Status ShardPullAssembler::Placed() {
   if (next_element_ != 0 || next_scale_ != 0) return Violation("data placed after chunks");
   if (delta_) return Violation("a delta placed as a whole shard");
   result_.data_bytes_received = static_cast<int64_t>(data_out_.size());
+  result_.scale_bytes_received = static_cast<int64_t>(result_.scales.size());
   next_element_ = bucket_.shard_numel;
   next_scale_ = result_.num_scales;
   return absl::OkStatus();
@@ -226,7 +258,19 @@ absl::StatusOr<PulledShard> ShardPullAssembler::Finish() {
     if (next_delta_ != delta_chunks_.size()) {
       return Violation("stream ended after ", next_delta_, " of the delta's ", delta_chunks_.size(), " chunks");
     }
-    if (next_scale_ != result_.num_scales) {
+    if (delta_scales_) {
+      if (next_delta_scale_ != delta_scale_chunks_.size()) {
+        return Violation("stream ended after ", next_delta_scale_, " of the delta's ", delta_scale_chunks_.size(),
+                         " scale chunks");
+      }
+      const uint32_t crc = Crc32c(result_.scales.data(), result_.scales.size());
+      if (crc != expected_scales_crc_) {
+        return absl::DataLossError(absl::StrCat("delta of bucket ", bucket_.index, " shard ", shard_.rank,
+                                                " gives block scales with CRC-32C ", crc, ", the daemon's version has ",
+                                                expected_scales_crc_, " (a forged or damaged delta, or a copy that "
+                                                "is not what its hashes said)"));
+      }
+    } else if (next_scale_ != result_.num_scales) {
       return Violation("stream ended after ", next_scale_, " of ", result_.num_scales, " scales");
     }
     // Always checked: the unsent chunks are the reader's, so only the whole says it is this version.

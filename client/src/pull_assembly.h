@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -52,10 +53,13 @@ class ShardPullAssembler {
 
   // The request asked for a delta in chunks of `chunk_bytes` (PullParamsRequest.delta_chunk_bytes),
   // and with `patches`, named the version data_out holds (delta_since_version), so chunks may
-  // come as byte patches (ParamChunk.patch); the daemon may still answer with the whole shard.
-  void ExpectDelta(int64_t chunk_bytes, bool patches) {
+  // come as byte patches (ParamChunk.patch); with `scales` (the copy's block scales, which it
+  // hashed: have_scale_chunk_hashes; the caller keeps them alive) the scales may come as a
+  // delta too. The daemon may still answer with the whole shard.
+  void ExpectDelta(int64_t chunk_bytes, bool patches, std::span<const uint8_t> scales = {}) {
     delta_chunk_bytes_ = chunk_bytes;
     delta_patches_ = patches;
+    since_scales_ = scales;
   }
   absl::Status OnMessage(const v1::PullParamsResponse& message);
   // After the stream ended OK: everything announced arrived.
@@ -77,6 +81,12 @@ class ShardPullAssembler {
   absl::Status OnData(const v1::ParamChunk& chunk);
   absl::Status OnScales(const v1::ScaleChunk& chunk);
   absl::Status OnDeltaData(const v1::ParamChunk& chunk);
+  absl::Status OnDeltaScales(const v1::ScaleChunk& chunk);
+  // Lands one listed chunk of `out` (whole `data` or a byte `patch` against out's bytes) as the
+  // chunk `index` of delta_chunk_bytes_, which must start at `offset` units of `unit_bits`.
+  absl::Status LandDeltaChunk(std::span<uint8_t> out, int32_t index, int64_t offset, int unit_bits,
+                              const std::string& data, const std::string& patch, const char* what,
+                              int64_t* received);
 
   const Layout& layout_;
   const Bucket& bucket_;
@@ -99,6 +109,13 @@ class ShardPullAssembler {
   bool delta_ = false;
   std::vector<int32_t> delta_chunks_;
   size_t next_delta_ = 0;
+  // The block scales as a delta (PullParamsHeader.delta_scales): the copy's scales the request
+  // hashed, the listed chunks and how many arrived, and the CRC-32C of the new scales.
+  std::span<const uint8_t> since_scales_;
+  bool delta_scales_ = false;
+  std::vector<int32_t> delta_scale_chunks_;
+  size_t next_delta_scale_ = 0;
+  uint32_t expected_scales_crc_ = 0;
   PulledShard result_;
 };
 

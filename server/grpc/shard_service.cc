@@ -371,31 +371,92 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
     StartWrite(&message_);
   }
 
-  // A delta pull: the chunks whose XXH3-64 differs from the reader's copy's, listed in the
-  // header with the CRC-32C of the whole new data (docs/weight_serving.md, "Delta sync").
+  // One array of a delta pull (the packed data, or the block scales): the chunks whose XXH3-64
+  // differs from the reader's copy's, each sent whole or as a byte patch against `base` (the
+  // reader's version, when this daemon still keeps it and the chunk there hashes as the reader's).
+  struct DeltaPart {
+    const std::vector<uint8_t>* now = nullptr;
+    const std::vector<uint8_t>* base = nullptr;  // null: whole chunks
+    const google::protobuf::RepeatedField<uint64_t>* have = nullptr;
+    std::vector<int64_t> chunks;
+    size_t next = 0;
+    int64_t sent = 0;  // payload bytes written
+
+    bool done() const { return next >= chunks.size(); }
+    // The next chunk: its first byte, and either `whole` (its bytes) or `patch`.
+    void Next(int64_t chunk_bytes, int64_t* begin, std::span<const uint8_t>* whole, std::string* patch) {
+      const int64_t index = chunks[next++];
+      *begin = index * chunk_bytes;
+      const auto n = static_cast<size_t>(std::min(chunk_bytes, static_cast<int64_t>(now->size()) - *begin));
+      const std::span<const uint8_t> chunk(now->data() + *begin, n);
+      if (base != nullptr) {
+        const std::span<const uint8_t> was(base->data() + *begin, n);
+        if (ChunkHash64(was.data(), was.size()) == (*have)[static_cast<int>(index)]) {
+          if (std::optional<std::string> p = EncodeBytePatch(was, chunk, n)) {
+            *patch = *std::move(p);
+            *whole = {};
+            sent += static_cast<int64_t>(patch->size());
+            return;
+          }
+        }
+      }
+      patch->clear();
+      *whole = chunk;
+      sent += static_cast<int64_t>(n);
+    }
+  };
+
+  // Lists the chunks of `now` whose hash is not the reader's (`have`, one per chunk, else
+  // INVALID_ARGUMENT naming `what`) into `listed` and `part`.
+  static absl::Status PlanPart(const std::vector<uint8_t>& now, const google::protobuf::RepeatedField<uint64_t>& have,
+                               int64_t chunk, const char* what, google::protobuf::RepeatedField<int32_t>* listed,
+                               DeltaPart* part) {
+    const std::vector<uint64_t> hashes = ChunkHashes(now, chunk);
+    if (have.size() != static_cast<int>(hashes.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": ", have.size(), " hashes for the shard's ", hashes.size(),
+                                                     " chunks of ", chunk, " bytes"));
+    }
+    part->now = &now;
+    part->have = &have;
+    for (size_t i = 0; i < hashes.size(); ++i) {
+      if (hashes[i] != have[static_cast<int>(i)]) {
+        listed->Add(static_cast<int32_t>(i));
+        part->chunks.push_back(static_cast<int64_t>(i));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // A delta pull: the changed chunks of the data (and, when the reader hashed its scales, of the
+  // block scales), listed in the header with the CRC-32C of the whole new data (and scales)
+  // (docs/weight_serving.md, "Delta sync").
   absl::Status PlanDelta(v1::PullParamsHeader* header) {
-    const std::vector<uint8_t>& data = result_.shard->data;
+    const QuantizedShard& s = *result_.shard;
     const int64_t chunk = request_.delta_chunk_bytes();
     if (chunk < 4096 || (chunk & (chunk - 1)) != 0 || chunk > kMaxChunkBytes) {
       return absl::InvalidArgumentError(
           absl::StrCat("delta_chunk_bytes: a power of two in [4096, ", kMaxChunkBytes, "], got ", chunk));
     }
-    const std::vector<uint64_t> hashes = ChunkHashes(data, chunk);
-    if (request_.have_chunk_hashes_size() != static_cast<int>(hashes.size())) {
-      return absl::InvalidArgumentError(absl::StrCat("have_chunk_hashes: ", request_.have_chunk_hashes_size(),
-                                                     " hashes for the shard's ", hashes.size(), " chunks of ", chunk,
-                                                     " bytes"));
-    }
+    MAINSTAY_RETURN_IF_ERROR(PlanPart(s.data, request_.have_chunk_hashes(), chunk, "have_chunk_hashes",
+                                      header->mutable_delta_chunks(), &data_delta_));
     header->set_delta(true);
-    header->set_data_crc32c(Crc32c(data.data(), data.size()));
-    for (size_t i = 0; i < hashes.size(); ++i) {
-      if (hashes[i] != request_.have_chunk_hashes(static_cast<int>(i))) {
-        header->add_delta_chunks(static_cast<int32_t>(i));
-        delta_chunks_.push_back(static_cast<int64_t>(i));
-      }
+    header->set_data_crc32c(Crc32c(s.data.data(), s.data.size()));
+    if (!s.scales.empty() && request_.have_scale_chunk_hashes_size() > 0) {
+      MAINSTAY_RETURN_IF_ERROR(PlanPart(s.scales, request_.have_scale_chunk_hashes(), chunk,
+                                        "have_scale_chunk_hashes", header->mutable_delta_scale_chunks(),
+                                        &scale_delta_));
+      header->set_delta_scales(true);
+      header->set_scales_crc32c(Crc32c(s.scales.data(), s.scales.size()));
+      scale_off_ = static_cast<int64_t>(s.scales.size());  // only the delta's chunks
     }
     delta_chunk_ = chunk;
-    if (request_.has_delta_since_version() && !delta_chunks_.empty()) base_ = BaseOfPatches();
+    if (request_.has_delta_since_version() && (!data_delta_.done() || !scale_delta_.done())) {
+      base_ = BaseOfPatches();
+      if (base_ != nullptr) {
+        data_delta_.base = &base_->data;
+        if (base_->scales.size() == s.scales.size()) scale_delta_.base = &base_->scales;
+      }
+    }
     return absl::OkStatus();
   }
 
@@ -409,6 +470,7 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
     since.set_no_wait(true);
     since.clear_delta_chunk_bytes();
     since.clear_have_chunk_hashes();
+    since.clear_have_scale_chunk_hashes();
     since.clear_delta_since_version();
     absl::StatusOr<PullResult> base = core_->PullParams(since, absl::InfinitePast());
     if (!base.ok() || base->unchanged || base->shard->version != request_.delta_since_version() ||
@@ -418,39 +480,27 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
     return base->shard;
   }
 
-  // The next delta chunk into message_: a byte patch against base_ when the reader's copy of the
-  // chunk is base_'s and the patch is smaller, else the whole chunk.
-  void WriteDeltaChunk() {
-    const std::vector<uint8_t>& data = result_.shard->data;
-    const int64_t index = delta_chunks_[next_delta_++];
-    const int64_t begin = index * delta_chunk_;
-    const int64_t n = std::min(delta_chunk_, static_cast<int64_t>(data.size()) - begin);
-    v1::ParamChunk* out = message_.mutable_data();
-    out->set_element_offset(begin * 8 / bits_);
-    const std::span<const uint8_t> now(data.data() + begin, static_cast<size_t>(n));
-    if (base_ != nullptr) {
-      const std::span<const uint8_t> was(base_->data.data() + begin, static_cast<size_t>(n));
-      if (ChunkHash64(was.data(), was.size()) == request_.have_chunk_hashes(static_cast<int>(index))) {
-        if (std::optional<std::string> patch = EncodeBytePatch(was, now, static_cast<size_t>(n))) {
-          payload_ = static_cast<int64_t>(patch->size());
-          delta_bytes_ += payload_;
-          out->set_patch(*std::move(patch));
-          return;
-        }
-      }
-    }
-    out->set_data(now.data(), now.size());
-    payload_ = n;
-    delta_bytes_ += n;
-  }
-
   void WriteNext() {
     const QuantizedShard& s = *result_.shard;
     const auto data_size = static_cast<int64_t>(s.data.size());
     const auto scales_size = static_cast<int64_t>(s.scales.size());
     message_.Clear();
-    if (next_delta_ < delta_chunks_.size()) {
-      WriteDeltaChunk();
+    if (!data_delta_.done()) {
+      int64_t begin;
+      std::span<const uint8_t> whole;
+      v1::ParamChunk* out = message_.mutable_data();
+      data_delta_.Next(delta_chunk_, &begin, &whole, out->mutable_patch());
+      out->set_element_offset(begin * 8 / bits_);
+      out->set_data(whole.data(), whole.size());
+      payload_ = whole.empty() ? static_cast<int64_t>(out->patch().size()) : static_cast<int64_t>(whole.size());
+    } else if (!scale_delta_.done()) {
+      int64_t begin;
+      std::span<const uint8_t> whole;
+      v1::ScaleChunk* out = message_.mutable_scales();
+      scale_delta_.Next(delta_chunk_, &begin, &whole, out->mutable_patch());
+      out->set_scale_offset(begin / scale_entry_);
+      out->set_data(whole.data(), whole.size());
+      payload_ = whole.empty() ? static_cast<int64_t>(out->patch().size()) : static_cast<int64_t>(whole.size());
     } else if (data_off_ < data_size) {
       const int64_t n = std::min(chunk_, data_size - data_off_);
       message_.mutable_data()->set_element_offset(data_off_ * 8 / bits_);
@@ -465,7 +515,8 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
       payload_ = n;
     } else {
       if (!result_.unchanged) {
-        const int64_t sent = delta_chunk_ != 0 ? delta_bytes_ + scales_size : data_size + scales_size;
+        const int64_t sent = delta_chunk_ == 0 ? data_size + scales_size
+                             : data_delta_.sent + (scale_delta_.now != nullptr ? scale_delta_.sent : scales_size);
         core_->connections()->Record(request_.job_id(), request_.rank(), v1::TRANSPORT_GRPC, context_->peer(), 0,
                                      sent);
       }
@@ -490,12 +541,12 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
   int64_t data_off_ = 0;   // bytes of the data written
   int64_t scale_off_ = 0;  // bytes of the scales written
   int64_t payload_ = 0;    // payload bytes of the write in flight
-  // A delta pull (PlanDelta): the chunks to send, of delta_chunk_ bytes (0: not a delta).
-  std::vector<int64_t> delta_chunks_;
-  size_t next_delta_ = 0;
+  // A delta pull (PlanDelta): chunks of delta_chunk_ bytes (0: not a delta) of the data and
+  // the scales to send, and the reader's version they may be patches against.
   int64_t delta_chunk_ = 0;
-  int64_t delta_bytes_ = 0;
-  std::shared_ptr<const QuantizedShard> base_;  // the reader's version, for byte patches (BaseOfPatches)
+  DeltaPart data_delta_;
+  DeltaPart scale_delta_;
+  std::shared_ptr<const QuantizedShard> base_;
 };
 
 // FetchShardState: the move's copy (fenced when the request's epoch is newer), then its buffers

@@ -376,6 +376,7 @@ class DeltaSyncTest(unittest.TestCase):
         kept = {b: c0.pull_bucket(b, 0) for b in buckets}  # version 0, long evicted at the end
         fractions = []
         whole_chunks = []  # what chunk-level deltas would have sent
+        scales_sent = scales_total = 0  # the fp8 blocks' scales: a delta too (the patched copy's are compared)
         for step in range(20):
             for r, c in enumerate((c0, c1)):
                 for b in buckets:
@@ -403,7 +404,11 @@ class DeltaSyncTest(unittest.TestCase):
             self.assertEqual(reader.data_bytes_received, expected, "step %d" % step)
             fractions.append(reader.delta_fraction())
             whole_chunks.append(whole)
+            scales_sent += reader.scale_bytes_received
+            scales_total += reader.scale_bytes
         self.assertLess(max(fractions), 1.0, fractions)
+        self.assertGreater(scales_total, 0)
+        self.assertLess(scales_sent, scales_total / 2)
         total = sum(len(previous[b]) for b in buckets)
         print("delta sync, 20 steps: %.4f of the data sent per version on average (min %.4f, max %.4f); "
               "whole changed chunks would have been %.3f"

@@ -381,10 +381,20 @@ struct DeltaCase {
   std::shared_ptr<const Layout> layout;
   int32_t bucket = 0;
   std::vector<uint8_t> a, b;                  // shard 1's packed data of the two versions
-  std::vector<v1::PullParamsResponse> delta;  // header, changed chunks, B's scales
+  std::vector<uint8_t> a_scales, b_scales;    // and its block scales
+  std::vector<v1::PullParamsResponse> delta;  // header, changed chunks, B's scales (or their changed chunks)
   int64_t changed_bytes = 0;                  // payload bytes of the changed chunks
   int patched_chunks = 0;                     // of them, sent as byte patches
+  int64_t scale_bytes = 0;                    // payload bytes of the scales
 };
+
+std::vector<uint8_t> ScalesOf(const std::vector<v1::PullParamsResponse>& stream) {
+  std::vector<uint8_t> out;
+  for (const v1::PullParamsResponse& m : stream) {
+    if (m.has_scales()) out.insert(out.end(), m.scales().data().begin(), m.scales().data().end());
+  }
+  return out;
+}
 
 std::vector<uint8_t> DataOf(const std::vector<v1::PullParamsResponse>& stream) {
   std::vector<uint8_t> out;
@@ -394,8 +404,9 @@ std::vector<uint8_t> DataOf(const std::vector<v1::PullParamsResponse>& stream) {
   return out;
 }
 
-// With `patches`, a changed chunk goes as a byte patch against A when that is smaller.
-DeltaCase MakeDelta(int64_t chunk, bool patches = false) {
+// With `patches`, a changed chunk goes as a byte patch against A when that is smaller; with
+// `scales`, the block scales go as a delta too (their changed chunks, patched likewise).
+DeltaCase MakeDelta(int64_t chunk, bool patches = false, bool scales = false) {
   DeltaCase c;
   c.layout = std::make_shared<const Layout>(*ComputeJobLayout(testing_fakes::AllFormatsSpec(2)));
   const int32_t mx = *FindTensor(*c.layout, "layers.0.mx.weight");
@@ -407,6 +418,8 @@ DeltaCase MakeDelta(int64_t chunk, bool patches = false) {
   EXPECT_TRUE(a.ok() && b.ok());
   c.a = DataOf(*a);
   c.b = DataOf(*b);
+  c.a_scales = ScalesOf(*a);
+  c.b_scales = ScalesOf(*b);
   const int bits = Describe(c.layout->buckets[c.bucket].format).bits_per_element;
   v1::PullParamsResponse header = (*b)[0];
   header.mutable_header()->set_delta(true);
@@ -431,16 +444,44 @@ DeltaCase MakeDelta(int64_t chunk, bool patches = false) {
     }
     c.delta.push_back(m);
   }
-  for (const v1::PullParamsResponse& m : *b) {
-    if (m.has_scales()) c.delta.push_back(m);
+  if (!scales) {
+    for (const v1::PullParamsResponse& m : *b) {
+      if (m.has_scales()) c.delta.push_back(m);
+    }
+    c.scale_bytes = static_cast<int64_t>(c.b_scales.size());
+    return c;
+  }
+  const int entry = static_cast<int>(c.b_scales.size() / header.header().total_scales());
+  c.delta[0].mutable_header()->set_delta_scales(true);
+  c.delta[0].mutable_header()->set_scales_crc32c(Crc32c(c.b_scales.data(), c.b_scales.size()));
+  const auto scale_size = static_cast<int64_t>(c.b_scales.size());
+  for (int64_t i = 0; i < ChunkCount(scale_size, chunk); ++i) {
+    const int64_t begin = i * chunk, n = std::min(chunk, scale_size - begin);
+    if (std::memcmp(c.a_scales.data() + begin, c.b_scales.data() + begin, n) == 0) continue;
+    c.delta[0].mutable_header()->add_delta_scale_chunks(static_cast<int32_t>(i));
+    v1::PullParamsResponse m;
+    m.mutable_scales()->set_scale_offset(begin / entry);
+    const std::span<const uint8_t> was(c.a_scales.data() + begin, n), now(c.b_scales.data() + begin, n);
+    std::optional<std::string> patch = patches ? EncodeBytePatch(was, now, n) : std::nullopt;
+    if (patch.has_value()) {
+      c.scale_bytes += static_cast<int64_t>(patch->size());
+      m.mutable_scales()->set_patch(*std::move(patch));
+    } else {
+      m.mutable_scales()->set_data(c.b_scales.data() + begin, n);
+      c.scale_bytes += n;
+    }
+    c.delta.push_back(m);
   }
   return c;
 }
 
 absl::StatusOr<PulledShard> RunDelta(const DeltaCase& c, std::vector<uint8_t>& data, int64_t chunk, bool asked = true,
-                                     bool patches_asked = true) {
+                                     bool patches_asked = true, const std::vector<uint8_t>* since_scales = nullptr) {
   ShardPullAssembler assembler(*c.layout, c.bucket, 1, 7, data, /*verify_crc32c=*/false);
-  if (asked) assembler.ExpectDelta(chunk, patches_asked);
+  if (asked) {
+    assembler.ExpectDelta(chunk, patches_asked,
+                          since_scales != nullptr ? std::span<const uint8_t>(*since_scales) : std::span<const uint8_t>());
+  }
   for (const v1::PullParamsResponse& m : c.delta) MAINSTAY_RETURN_IF_ERROR(assembler.OnMessage(m));
   return assembler.Finish();
 }
@@ -528,7 +569,7 @@ TEST(ClientPullTest, AForgedMalformedOrUnaskedBytePatchIsRefused) {
   DeltaCase both = c;
   both.delta[first].mutable_data()->set_data("x");
   data = c.a;
-  EXPECT_THAT(RunDelta(both, data, kChunk), StatusIs(absl::StatusCode::kInternal, HasSubstr("no data")));
+  EXPECT_THAT(RunDelta(both, data, kChunk), StatusIs(absl::StatusCode::kInternal, HasSubstr("both data and a byte patch")));
   data = c.a;
   EXPECT_THAT(RunDelta(c, data, kChunk, /*asked=*/true, /*patches_asked=*/false),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("byte patch that was not asked for")));
@@ -542,6 +583,57 @@ TEST(ClientPullTest, AForgedMalformedOrUnaskedBytePatchIsRefused) {
   absl::Status s = assembler.OnMessage((*stream)[0]);
   if (s.ok()) s = assembler.OnMessage((*stream)[1]);
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kInternal, HasSubstr("outside a delta")));
+}
+
+TEST(ClientPullTest, ADeltaOfTheBlockScalesPatchesTheCopysScalesIntoTheNewVersions) {
+  constexpr int64_t kChunk = 512;
+  for (const bool patches : {false, true}) {
+    const DeltaCase c = MakeDelta(kChunk, patches, /*scales=*/true);
+    ASSERT_NE(c.a_scales, c.b_scales);
+    ASSERT_GT(c.delta[0].header().delta_scale_chunks_size(), 0);
+    std::vector<uint8_t> data = c.a;
+    MAINSTAY_ASSERT_OK_AND_ASSIGN(PulledShard shard, RunDelta(c, data, kChunk, true, true, &c.a_scales));
+    EXPECT_EQ(data, c.b);
+    EXPECT_EQ(shard.scales, c.b_scales);
+    EXPECT_EQ(shard.scale_bytes_received, c.scale_bytes);
+    if (patches) {
+      EXPECT_LT(c.scale_bytes, static_cast<int64_t>(c.b_scales.size()));
+    }
+  }
+}
+
+TEST(ClientPullTest, AForgedTruncatedOrUnaskedDeltaOfTheScalesIsRefused) {
+  constexpr int64_t kChunk = 512;
+  const DeltaCase c = MakeDelta(kChunk, /*patches=*/true, /*scales=*/true);
+  const size_t last = c.delta.size() - 1;  // a scale chunk
+  ASSERT_TRUE(c.delta[last].has_scales());
+  std::vector<uint8_t> data = c.a;
+  // Scales that are not the version's: DATA_LOSS on the scales' CRC-32C.
+  DeltaCase forged = c;
+  v1::ScaleChunk* chunk = forged.delta[last].mutable_scales();
+  std::string* bytes = chunk->patch().empty() ? chunk->mutable_data() : chunk->mutable_patch();
+  bytes->back() = static_cast<char>(bytes->back() ^ 0x10);
+  EXPECT_THAT(RunDelta(forged, data, kChunk, true, true, &c.a_scales),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("block scales")));
+  // A copy whose scales are not what its hashes said.
+  std::vector<uint8_t> wrong = c.a_scales;
+  wrong[0] ^= 1;
+  data = c.a;
+  if (c.delta[0].header().delta_scale_chunks(0) != 0) {
+    EXPECT_THAT(RunDelta(c, data, kChunk, true, true, &wrong), StatusIs(absl::StatusCode::kDataLoss));
+  }
+  // A scale chunk left out; a delta of the scales that the request did not ask for.
+  DeltaCase truncated = c;
+  truncated.delta.pop_back();
+  data = c.a;
+  EXPECT_THAT(RunDelta(truncated, data, kChunk, true, true, &c.a_scales),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("scale chunks")));
+  data = c.a;
+  EXPECT_THAT(RunDelta(c, data, kChunk), StatusIs(absl::StatusCode::kInternal, HasSubstr("scales that was not asked")));
+  // A copy of other scales' size.
+  std::vector<uint8_t> shorter(c.a_scales.begin(), c.a_scales.end() - 1);
+  data = c.a;
+  EXPECT_THAT(RunDelta(c, data, kChunk, true, true, &shorter), StatusIs(absl::StatusCode::kInternal));
 }
 
 TEST(BufferPoolTest, AReleasedBufferIsReusedForTheSameSizeOnly) {

@@ -362,13 +362,14 @@ class MAINSTAY_CLIENT_EXPORT Client {
   PullHandle PullBucket(int32_t bucket, int64_t version,
                         std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
   // Delta sync (readers; docs/weight_serving.md): bucket `bucket` at `version`, given `since`, a
-  // whole earlier pull of it. Each daemon sends only the 64 KiB chunks of packed data whose
-  // XXH3-64 differs from since's, each as a byte patch against since's version when the daemon
-  // still keeps that version and the patch is smaller (plus the block scales and metadata); the
-  // result is a new PulledBucket that starts as a copy of since's data with those chunks
-  // patched in, checked against the CRC-32C of the daemon's version before it is returned
-  // (DATA_LOSS otherwise; since is never changed). PulledShard::data_bytes_received says what
-  // came. Over the grpc transport whatever the client's transport. INVALID_ARGUMENT when since
+  // whole earlier pull of it. Each daemon sends only the 64 KiB chunks of packed data and of
+  // block scales whose XXH3-64 differs from since's, each as a byte patch against since's
+  // version when the daemon still keeps that version and the patch is smaller (plus the
+  // per-tensor metadata); the result is a new PulledBucket that starts as a copy of since's data
+  // and scales with those chunks patched in, checked against the CRC-32Cs of the daemon's
+  // version before it is returned (DATA_LOSS otherwise; since is never changed, and may be
+  // dropped once this returns). PulledShard::data_bytes_received and scale_bytes_received say
+  // what came. Over the grpc transport whatever the client's transport. INVALID_ARGUMENT when since
   // is not a whole, changed pull of this bucket or version is kLatestVersion.
   PullHandle PullBucketSince(int32_t bucket, int64_t version, const PulledBucket& since,
                              std::chrono::milliseconds timeout = std::chrono::milliseconds(0));

@@ -59,9 +59,11 @@ struct PulledShard {
   std::vector<uint8_t> scales;              // num_scales entries of the format's block_scale type
   std::vector<FragmentQuantInfo> fragments; // in shard order
   // Bytes of packed data that came over the wire: the whole shard, or for a delta pull
-  // (Client::PullBucketSince) only the chunks that changed. 0 when unchanged or placed by a
-  // transport that does not count.
+  // (Client::PullBucketSince) only the chunks that changed (whole or as byte patches). 0 when
+  // unchanged or placed by a transport that does not count.
   int64_t data_bytes_received = 0;
+  // The same for the block scales (all of `scales` but in a delta pull).
+  int64_t scale_bytes_received = 0;
 };
 
 // One fragment of a tensor inside a PulledBucket.

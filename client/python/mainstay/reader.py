@@ -47,6 +47,8 @@ class WeightReader:
         self._held = {}
         self.data_bytes_received = 0  # by the last tensors() call: packed data that came
         self.data_bytes = 0           # ... and the packed data it read, sent or not
+        self.scale_bytes_received = 0  # the same for the block scales
+        self.scale_bytes = 0
 
     @property
     def job_id(self):
@@ -113,9 +115,9 @@ class WeightReader:
         model space, at `version` (None: the newest; `reader.version` says which it was).
 
         since: the version the previous tensors() call read (`reader.version` then): delta sync.
-        Each daemon sends only the 64 KiB chunks of packed data that changed since then, as the
-        bytes that changed when it still keeps that version (the newest --retained-versions, or
-        a pinned one), and the block scales whole; the reader patches a copy of what it holds and checks
+        Each daemon sends only the 64 KiB chunks of packed data and block scales that changed
+        since then, as the bytes that changed when it still keeps that version (the newest
+        --retained-versions, or a pinned one); the reader patches a copy of what it holds and checks
         the result against the daemons' CRC-32C before yielding anything. `delta_fraction()`
         then says how much of the data came. The reader keeps the buckets of its last read for
         this (the published size of what it read, in memory).
@@ -184,6 +186,8 @@ class WeightReader:
         self._held = pulled
         self.data_bytes_received = sum(p.data_bytes_received for p in pulled.values())
         self.data_bytes = sum(p.data.nbytes for p in pulled.values())
+        self.scale_bytes_received = sum(p.scale_bytes_received for p in pulled.values())
+        self.scale_bytes = sum(p.scale_bytes for p in pulled.values())
         for n in wanted:
             index = self._tensors[n][0]
             p = pulled[self._tensors[n][1]["bucket"]]
@@ -196,9 +200,12 @@ class WeightReader:
                 yield name, self._out(array, dtype, torch)
 
     def delta_fraction(self):
-        """Of the packed data the last tensors() call read, the fraction that came over the wire
-        (1.0 for a full read; a delta's changed chunks or byte patches otherwise)."""
-        return self.data_bytes_received / self.data_bytes if self.data_bytes else 0.0
+        """Of the packed data and block scales the last tensors() call read, the fraction that
+        came over the wire (1.0 for a full read; a delta's changed chunks or byte patches
+        otherwise). data_bytes_received / data_bytes and scale_bytes_received / scale_bytes say
+        it for each."""
+        total = self.data_bytes + self.scale_bytes
+        return (self.data_bytes_received + self.scale_bytes_received) / total if total else 0.0
 
     @staticmethod
     def _out(array, dtype, torch):
