@@ -519,7 +519,7 @@ PullHandle Client::Impl::SchedulePull(int32_t bucket, int32_t shard_begin, int32
   }
   PullHandle handle(state->promise.get_future().share());
   for (int32_t shard = shard_begin; shard < shard_end; ++shard) {
-    pull_pool->Schedule([this, state, bucket, shard, shard_begin, shard_end, version, deadline, base,
+    pull_pool->Schedule([this, state, bucket, shard, shard_begin, version, deadline, base,
                          since = base_copy] {
       const Bucket& bk = layout->buckets[bucket];
       const IndexRange bytes = ShardByteRange(bk, shard);
