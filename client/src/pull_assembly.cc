@@ -20,6 +20,18 @@ absl::Status Violation(const Args&... args) {
   return absl::InternalError(absl::StrCat("daemon broke the PullParams protocol: ", args...));
 }
 
+// A header's list of a delta's chunks (ascending, each < `chunks`) into `out`.
+absl::Status ListedChunks(const google::protobuf::RepeatedField<int32_t>& listed, int64_t chunks, const char* what,
+                          std::vector<int32_t>* out) {
+  int64_t last = -1;
+  for (const int32_t c : listed) {
+    if (c <= last || c >= chunks) return Violation(what, " ", c, " (of ", chunks, ", ascending)");
+    last = c;
+  }
+  out->assign(listed.begin(), listed.end());
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 ShardPullAssembler::ShardPullAssembler(const Layout& layout, int32_t bucket, int32_t shard,
@@ -117,28 +129,18 @@ absl::Status ShardPullAssembler::OnHeader(const v1::PullParamsHeader& h) {
   if (h.delta()) {
     if (delta_chunk_bytes_ == 0) return Violation("a delta that was not asked for");
     if (h.data_crc32c() == 0) return Violation("a delta without the CRC-32C of the result");
-    const int64_t chunks = ChunkCount(data_bytes, delta_chunk_bytes_);
-    int64_t last = -1;
-    for (const int32_t c : h.delta_chunks()) {
-      if (c <= last || c >= chunks) return Violation("delta chunk ", c, " (of ", chunks, ", ascending)");
-      last = c;
-    }
+    MAINSTAY_RETURN_IF_ERROR(ListedChunks(h.delta_chunks(), ChunkCount(data_bytes, delta_chunk_bytes_), "delta chunk",
+                                          &delta_chunks_));
     delta_ = true;
-    delta_chunks_.assign(h.delta_chunks().begin(), h.delta_chunks().end());
   }
   if (h.delta_scales()) {
     if (!delta_ || since_scales_.empty()) return Violation("a delta of the scales that was not asked for");
     if (static_cast<int64_t>(since_scales_.size()) != h.total_scale_bytes()) {
       return Violation("a delta of ", h.total_scale_bytes(), " bytes of scales for a copy of ", since_scales_.size());
     }
-    const int64_t chunks = ChunkCount(h.total_scale_bytes(), delta_chunk_bytes_);
-    int64_t last = -1;
-    for (const int32_t c : h.delta_scale_chunks()) {
-      if (c <= last || c >= chunks) return Violation("delta scale chunk ", c, " (of ", chunks, ", ascending)");
-      last = c;
-    }
+    MAINSTAY_RETURN_IF_ERROR(ListedChunks(h.delta_scale_chunks(), ChunkCount(h.total_scale_bytes(), delta_chunk_bytes_),
+                                          "delta scale chunk", &delta_scale_chunks_));
     delta_scales_ = true;
-    delta_scale_chunks_.assign(h.delta_scale_chunks().begin(), h.delta_scale_chunks().end());
     expected_scales_crc_ = h.scales_crc32c();
     std::memcpy(result_.scales.data(), since_scales_.data(), since_scales_.size());
   }

@@ -36,8 +36,6 @@
 #include "client/src/pull_assembly.h"
 #include "client/src/testing/fake_services.h"
 #include "client/src/testing/test_specs.h"
-#include "common/byte_patch.h"
-#include "common/chunk_hash.h"
 #include "common/crc32c.h"
 #include "common/job_spec.h"
 #include "mainstay/v1/shard.pb.h"
@@ -99,21 +97,6 @@ std::vector<uint8_t> Collect(const std::vector<v1::PullParamsResponse>& stream, 
   return out;
 }
 
-// One array's changed chunks, as the daemon sends them (server/grpc/shard_service.cc, DeltaPart).
-template <typename Add>
-void DeltaChunks(const std::vector<uint8_t>& was, const std::vector<uint8_t>& now, int64_t chunk, bool patches,
-                 google::protobuf::RepeatedField<int32_t>* listed, Add add) {
-  const auto size = static_cast<int64_t>(now.size());
-  for (int64_t i = 0; i < ChunkCount(size, chunk); ++i) {
-    const int64_t begin = i * chunk, n = std::min(chunk, size - begin);
-    const std::span<const uint8_t> w(was.data() + begin, n), c(now.data() + begin, n);
-    if (ChunkHash64(w.data(), w.size()) == ChunkHash64(c.data(), c.size())) continue;
-    listed->Add(static_cast<int32_t>(i));
-    std::optional<std::string> patch = patches ? EncodeBytePatch(w, c, n) : std::nullopt;
-    add(begin, patch.has_value() ? std::string() : std::string(c.begin(), c.end()), patch.value_or(""));
-  }
-}
-
 absl::Status Run(const Layout& layout, int32_t bucket, int32_t shard, Kind kind, int64_t chunk,
                  const std::vector<v1::PullParamsResponse>& stream, std::span<uint8_t> out,
                  const std::vector<uint8_t>& a_scales, std::vector<uint8_t>* scales_out) {
@@ -161,25 +144,28 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
     h->set_delta(true);
     h->set_data_crc32c(Crc32c(b_data.data(), b_data.size()));
     stream.push_back(header);
-    DeltaChunks(a_data, b_data, chunk, kind != Kind::kDelta, stream[0].mutable_header()->mutable_delta_chunks(),
-                [&](int64_t begin, const std::string& data, const std::string& patch) {
-                  v1::PullParamsResponse m;
-                  m.mutable_data()->set_element_offset(begin * 8 / bits);
-                  m.mutable_data()->set_data(data);
-                  m.mutable_data()->set_patch(patch);
-                  stream.push_back(std::move(m));
-                });
+    google::protobuf::RepeatedField<int32_t> listed;  // (not into stream[0]: the stream grows meanwhile)
+    testing_fakes::ForEachDeltaChunk(a_data, b_data, chunk, kind != Kind::kDelta, &listed,
+                                     [&](int64_t begin, std::string data, std::string patch) {
+                                       v1::PullParamsResponse m;
+                                       m.mutable_data()->set_element_offset(begin * 8 / bits);
+                                       m.mutable_data()->set_data(std::move(data));
+                                       m.mutable_data()->set_patch(std::move(patch));
+                                       stream.push_back(std::move(m));
+                                     });
+    stream[0].mutable_header()->mutable_delta_chunks()->Swap(&listed);
     if (scale_delta) {
       stream[0].mutable_header()->set_delta_scales(true);
       stream[0].mutable_header()->set_scales_crc32c(Crc32c(b_scales.data(), b_scales.size()));
-      DeltaChunks(a_scales, b_scales, chunk, true, stream[0].mutable_header()->mutable_delta_scale_chunks(),
-                  [&](int64_t begin, const std::string& data, const std::string& patch) {
-                    v1::PullParamsResponse m;
-                    m.mutable_scales()->set_scale_offset(begin / entry);
-                    m.mutable_scales()->set_data(data);
-                    m.mutable_scales()->set_patch(patch);
-                    stream.push_back(std::move(m));
-                  });
+      testing_fakes::ForEachDeltaChunk(a_scales, b_scales, chunk, true, &listed,
+                                       [&](int64_t begin, std::string data, std::string patch) {
+                                         v1::PullParamsResponse m;
+                                         m.mutable_scales()->set_scale_offset(begin / entry);
+                                         m.mutable_scales()->set_data(std::move(data));
+                                         m.mutable_scales()->set_patch(std::move(patch));
+                                         stream.push_back(std::move(m));
+                                       });
+      stream[0].mutable_header()->mutable_delta_scale_chunks()->Swap(&listed);
     } else {
       for (const v1::PullParamsResponse& m : b) {
         if (m.has_scales()) stream.push_back(m);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
 #include <tuple>
 #include <utility>
@@ -15,6 +16,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/byte_patch.h"
+#include "common/chunk_hash.h"
 #include "common/crc32c.h"
 #include "common/job_spec.h"
 #include "common/job_spec_proto.h"
@@ -344,6 +347,26 @@ int64_t FakeCluster::version() const {
 FakeStats FakeCluster::stats() const {
   absl::MutexLock lock(&state_->mu);
   return state_->stats;
+}
+
+void ForEachDeltaChunk(std::span<const uint8_t> was, std::span<const uint8_t> now, int64_t chunk, bool patches,
+                       google::protobuf::RepeatedField<int32_t>* listed,
+                       const std::function<void(int64_t begin, std::string data, std::string patch)>& add) {
+  const auto size = static_cast<int64_t>(now.size());
+  for (int64_t i = 0; i < ChunkCount(size, chunk); ++i) {
+    const int64_t begin = i * chunk;
+    const auto n = static_cast<size_t>(std::min(chunk, size - begin));
+    const std::span<const uint8_t> w = was.subspan(static_cast<size_t>(begin), n);
+    const std::span<const uint8_t> c = now.subspan(static_cast<size_t>(begin), n);
+    if (std::equal(w.begin(), w.end(), c.begin())) continue;
+    listed->Add(static_cast<int32_t>(i));
+    std::optional<std::string> patch = patches ? EncodeBytePatch(w, c, n) : std::nullopt;
+    if (patch.has_value()) {
+      add(begin, std::string(), *std::move(patch));
+    } else {
+      add(begin, std::string(c.begin(), c.end()), std::string());
+    }
+  }
 }
 
 }  // namespace mainstay::testing_fakes

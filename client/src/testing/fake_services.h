@@ -17,6 +17,7 @@
 #define MAINSTAY_CLIENT_SRC_TESTING_FAKE_SERVICES_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -92,6 +93,14 @@ absl::StatusOr<std::vector<v1::PullParamsResponse>> MakePullStream(const Layout&
                                                                    int32_t shard, int64_t version,
                                                                    std::span<const float> bucket_master,
                                                                    int64_t max_chunk_bytes);
+
+// The changed chunks of one array of a delta pull (data or block scales) from `was` to `now`
+// (equal sizes), cut every `chunk` bytes, as a daemon sends them: each changed chunk's index is
+// appended to `listed` and add(first byte, whole bytes, byte patch) is called with one of the
+// two empty; with `patches`, a patch (common/byte_patch.h) whenever smaller than the chunk.
+void ForEachDeltaChunk(std::span<const uint8_t> was, std::span<const uint8_t> now, int64_t chunk, bool patches,
+                       google::protobuf::RepeatedField<int32_t>* listed,
+                       const std::function<void(int64_t begin, std::string data, std::string patch)>& add);
 
 }  // namespace mainstay::testing_fakes
 
