@@ -264,6 +264,23 @@ double CpuSeconds(const std::vector<pid_t>& pids) {
   return total;
 }
 
+// Minor page faults so far: of `pids` together (the daemons) and of this process (the trainers).
+// Faults inside a step are first touches of memory (a buffer allocated in the step).
+std::pair<int64_t, int64_t> MinorFaults(const std::vector<pid_t>& pids) {
+  int64_t others = 0;
+  for (pid_t pid : pids) {
+    std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+    std::string line((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t paren = line.rfind(')');
+    if (paren == std::string::npos) continue;
+    std::vector<std::string> fields = absl::StrSplit(line.substr(paren + 2), ' ');
+    if (fields.size() > 7) others += std::atoll(fields[7].c_str());
+  }
+  rusage self;
+  getrusage(RUSAGE_SELF, &self);
+  return {others, self.ru_minflt};
+}
+
 double MemcpySeconds(int64_t bytes) {
   std::vector<uint8_t> from(static_cast<size_t>(bytes), 1), to(static_cast<size_t>(bytes), 0);
   double best = 1e30;
@@ -472,9 +489,9 @@ int Main(int argc, char** argv) {
     for (auto& g : grads) {
       for (const Bucket& b : layout.buckets) g.emplace_back(static_cast<size_t>(b.shard_numel), grad_value);
     }
-    std::printf("%6s %9s %9s %9s %9s | daemon: %8s %8s %8s %8s %8s %8s %6s %7s\n", "step", "total_s", "push_s",
+    std::printf("%6s %9s %9s %9s %9s | daemon: %8s %8s %8s %8s %8s %8s %6s %7s | %7s %7s\n", "step", "total_s", "push_s",
                 "finish_s", "pull_s", "wait_ms", "stats_ms", "rstat_ms", "probe_ms", "ramax_ms", "apply_ms", "clip",
-                "fwd_MB");
+                "fwd_MB", "dflt_k", "tflt_k");
     std::vector<double> totals;
     // Every process's CPU over the measured steps (steps 1..--steps).
     auto pids = [&] {
@@ -537,6 +554,9 @@ int Main(int argc, char** argv) {
         std::printf("SIGKILL of daemon 0 (rank 0's primary) before step %lld\n", static_cast<long long>(step));
       }
       std::vector<TrainerTimes> times(static_cast<size_t>(f.dp));
+      std::vector<pid_t> daemon_pids;
+      for (const auto& d : daemons) daemon_pids.push_back(d->pid());
+      const std::pair<int64_t, int64_t> faults_before = MinorFaults(daemon_pids);
       const Clock::time_point t_steps = Clock::now();
       std::vector<std::thread> threads;
       for (int r = 0; r < f.dp; ++r) {
@@ -548,10 +568,13 @@ int Main(int argc, char** argv) {
       TrainerTimes slowest = *std::max_element(times.begin(), times.end(),
                                                [](const TrainerTimes& a, const TrainerTimes& b) { return a.total < b.total; });
       const StepStats::Phases& ph = slowest.stats.phases;
-      std::printf("%6lld %9.2f %9.2f %9.2f %9.2f |         %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f %6.3f %7.0f%s\n",
+      const std::pair<int64_t, int64_t> faults_after = MinorFaults(daemon_pids);
+      std::printf("%6lld %9.2f %9.2f %9.2f %9.2f |         %8.0f %8.0f %8.0f %8.0f %8.0f %8.0f %6.3f %7.0f | %7.1f %7.1f%s\n",
                   static_cast<long long>(step), slowest.total, slowest.push, slowest.finish, slowest.pull,
                   ph.wait_inputs_ms, ph.grad_stats_ms, ph.reduce_stats_ms, ph.update_ms, ph.reduce_amax_ms,
-                  ph.quantize_ms, slowest.stats.clip_factor, slowest.stats.forwarded_bytes / 1e6, step == 0 ? "  (warm-up)" : step == f.move_at_step ? "  (move starts)" : "");
+                  ph.quantize_ms, slowest.stats.clip_factor, slowest.stats.forwarded_bytes / 1e6,
+                  (faults_after.first - faults_before.first) / 1e3, (faults_after.second - faults_before.second) / 1e3,
+                  step == 0 ? "  (warm-up)" : step == f.move_at_step ? "  (move starts)" : "");
       if (kill_now) {
         double finished = 0;  // the last trainer's FinishStep(step) return, after the kill
         for (const TrainerTimes& t : times) finished = std::max(finished, t.push + t.finish);

@@ -394,6 +394,17 @@ absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request,
   return result;
 }
 
+std::shared_ptr<const QuantizedShard> Job::KeptVersion(const v1::PullParamsRequest& request, int64_t version) {
+  if (!CheckReadToken(request.job_token(), nullptr).ok()) return nullptr;
+  v1::PullParamsRequest at = request;
+  at.set_version(version);
+  at.set_latest(false);
+  at.set_no_wait(true);
+  absl::StatusOr<PullResult> result = PullAfterTokenCheck(at, absl::InfinitePast());
+  if (!result.ok() || result->unchanged || result->shard == nullptr || result->shard->version != version) return nullptr;
+  return result->shard;
+}
+
 absl::StatusOr<PullResult> Job::PullAfterTokenCheck(const v1::PullParamsRequest& request, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   MAINSTAY_RETURN_IF_ERROR(CheckRoute(request.placement_epoch(), request.bucket(), request.shard()));

@@ -188,6 +188,11 @@ class Job : public std::enable_shared_from_this<Job> {
 
   absl::StatusOr<std::unique_ptr<PushSession>> BeginPush(const v1::PushGradHeader& header);
   absl::StatusOr<PullResult> PullParams(const v1::PullParamsRequest& request, absl::Time deadline);
+  // The request's shard as published at `version`, while this daemon still keeps it: the base
+  // of a delta pull's byte patches (PullParamsRequest.delta_since_version). Null when it is not
+  // kept (evicted, never published: a skipped step), or the token or route is not good. Counts
+  // nothing against readers (the pull that sends the delta does).
+  std::shared_ptr<const QuantizedShard> KeptVersion(const v1::PullParamsRequest& request, int64_t version);
   // Pins (or renews, or with ttl_ms 0 releases) a published version against eviction: see
   // shard.proto, PinVersion. A pinned version costs one more snapshot per shard beyond
   // retained_versions (docs/weight_serving.md, "Pins").

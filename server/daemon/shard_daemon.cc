@@ -269,6 +269,11 @@ absl::StatusOr<PullResult> ShardDaemon::PullParams(const v1::PullParamsRequest& 
   return job->PullParams(request, deadline);
 }
 
+std::shared_ptr<const QuantizedShard> ShardDaemon::KeptVersion(const v1::PullParamsRequest& request, int64_t version) {
+  absl::StatusOr<std::shared_ptr<Job>> job = FindJob(request.job_id());
+  return job.ok() ? (*job)->KeptVersion(request, version) : nullptr;
+}
+
 absl::StatusOr<v1::StepStats> ShardDaemon::FinishStep(const v1::FinishStepRequest& request, absl::Time deadline) {
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job_id()));
   return job->FinishStep(request, deadline);

@@ -464,20 +464,8 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
   // the changed chunks whose hash in it is the reader's go as byte patches against it. Null
   // otherwise (evicted, skipped, or not this placement's): whole chunks, which are always right.
   std::shared_ptr<const QuantizedShard> BaseOfPatches() {
-    v1::PullParamsRequest since = request_;
-    since.set_version(request_.delta_since_version());
-    since.set_latest(false);
-    since.set_no_wait(true);
-    since.clear_delta_chunk_bytes();
-    since.clear_have_chunk_hashes();
-    since.clear_have_scale_chunk_hashes();
-    since.clear_delta_since_version();
-    absl::StatusOr<PullResult> base = core_->PullParams(since, absl::InfinitePast());
-    if (!base.ok() || base->unchanged || base->shard->version != request_.delta_since_version() ||
-        base->shard->data.size() != result_.shard->data.size()) {
-      return nullptr;
-    }
-    return base->shard;
+    std::shared_ptr<const QuantizedShard> base = core_->KeptVersion(request_, request_.delta_since_version());
+    return base != nullptr && base->data.size() == result_.shard->data.size() ? base : nullptr;
   }
 
   void WriteNext() {
