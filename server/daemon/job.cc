@@ -312,6 +312,8 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
     if (request.has_from_peer()) {
       state->incoming = true;
       move_in.keys.push_back(key);
+    } else if (!request.has_from_checkpoint()) {
+      shards_to_touch_.push_back(state);
     }
     shards_[key] = std::move(state);
   }
@@ -372,7 +374,8 @@ bool Job::Ready(int64_t step) const {
 }
 
 bool Job::ShouldWake() const {
-  return stopping_ || restore_ != nullptr || !moves_in_.empty() || (!Fenced() && Ready(next_step_));
+  return stopping_ || restore_ != nullptr || !moves_in_.empty() || !shards_to_touch_.empty() ||
+         (!Fenced() && Ready(next_step_));
 }
 
 absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request, absl::Time deadline) {

@@ -469,6 +469,11 @@ class Job : public std::enable_shared_from_this<Job> {
   // Called by the step thread with mu_ held when restore_ is set: loads, republishes and
   // commits the restored version (or records why it failed). Releases mu_ while it works.
   void RunRestore() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Called by the step thread with mu_ held while shards_to_touch_ is not empty: allocates and
+  // writes, with mu_ released, the buffers a newly assigned shard's version 0 and first step
+  // write (its state, one published version, one pushed FP32 gradient), so that their page
+  // faults are taken when the shard is assigned and not inside a step (docs/daemon.md, "Memory").
+  void TouchNewShards() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<JobSnapshot> SnapshotAt(int64_t committed_step, absl::Time deadline);
   // The step thread's scaling state as it goes into a checkpoint.
   v1::CheckpointScalingState ScalingProto() const;
@@ -589,6 +594,9 @@ class Job : public std::enable_shared_from_this<Job> {
   std::map<int64_t, StepInputs> pending_ ABSL_GUARDED_BY(mu_);
   // Input buffers of the last committed step, reused by pushes of the same size (BeginPush).
   std::vector<std::vector<uint8_t>> spare_buffers_ ABSL_GUARDED_BY(mu_);
+  // Shards assigned empty (not moved in, not restored) whose buffers the step thread has not
+  // touched yet (TouchNewShards).
+  std::vector<std::shared_ptr<ShardState>> shards_to_touch_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, v1::StepStats> stats_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, absl::Status> failures_ ABSL_GUARDED_BY(mu_);
   // Failed attempts of each undecided step, and the last one's status. Unlike failures_, a new

@@ -637,6 +637,34 @@ void Job::ApplyStep(int64_t step, StepResult& result, const std::vector<std::sha
   result.stats.mutable_phases()->set_quantize_ms(MsSince(t));
 }
 
+void Job::TouchNewShards() {
+  std::vector<std::shared_ptr<ShardState>> shards;
+  shards.swap(shards_to_touch_);
+  mu_.Unlock();
+  const OptimizerSpec& opt = job_.spec.optimizer;
+  const auto moment_bytes = static_cast<size_t>(ElementBytes(opt.moment_dtype));
+  const bool adamw = opt.type == OptimizerType::kAdamW;
+  std::vector<std::vector<uint8_t>> pushes;
+  const absl::Time t0 = absl::Now();
+  for (const std::shared_ptr<ShardState>& s : shards) {
+    // The step thread's own buffers (version 0 builds the state in them: job_step.cc), still
+    // empty unless something already filled them.
+    if (s->initialized || !s->scratch_master.empty()) continue;
+    const auto n = static_cast<size_t>(s->numel);
+    const Format format = job_.layout.buckets[static_cast<size_t>(s->bucket)].format;
+    s->scratch_master.assign(n, 0.0f);
+    s->scratch_m.assign(n * moment_bytes, 0);
+    s->scratch_v.assign(adamw ? n * moment_bytes : 0, 0);
+    s->spare_data.assign(static_cast<size_t>(DataBytes(format, s->numel)), 0);
+    pushes.emplace_back(n * 4, 0);  // the initial parameters' or a first FP32 gradient's landing
+  }
+  Log(LogLevel::kInfo, "daemon",
+      absl::StrCat("job ", job_id_, ": touched the buffers of ", pushes.size(), " new shard(s) in ",
+                   absl::ToInt64Milliseconds(absl::Now() - t0), " ms"));
+  mu_.Lock();
+  for (std::vector<uint8_t>& p : pushes) spare_buffers_.push_back(std::move(p));
+}
+
 void Job::RunSteps() {
   mu_.Lock();
   while (true) {
@@ -649,6 +677,10 @@ void Job::RunSteps() {
     }
     if (!moves_in_.empty()) {
       RunMovesIn();
+      continue;
+    }
+    if (!shards_to_touch_.empty()) {
+      TouchNewShards();
       continue;
     }
     const int64_t step = next_step_;
