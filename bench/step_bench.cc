@@ -3,7 +3,8 @@
 // parameters in square weights. Each measured step: every trainer pushes its shard of every
 // bucket (reduce-scattered FP32 gradients), finishes the step, and pulls every bucket of the new
 // version (the all-gather through the daemons). Reported per phase, with the daemons' own phase
-// times from StepStats.
+// times from StepStats, and the minor page faults taken during the step by the daemons (dflt_k)
+// and by this process, the trainers (tflt_k), in thousands: first touches of memory in the step.
 //
 // Baseline, measured in the same run: the same update done in-process without the service (the
 // fused AdamW + amax + quantize of the kernels over the whole model, on --baseline-threads
@@ -245,20 +246,25 @@ absl::Status MoveLastRank(const std::string& coordinator, const Client& client, 
 }
 
 // The fastest of three in-process copies of `bytes` (first touch excluded).
+// The fields of /proc/PID/stat after the command name (field 3, the state, is [0]); empty for
+// a pid that is gone.
+std::vector<std::string> ProcStat(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t paren = line.rfind(')');
+  if (paren == std::string::npos || paren + 2 > line.size()) return {};
+  return absl::StrSplit(line.substr(paren + 2), ' ');
+}
+
 // CPU seconds (user + system) this process and `pids` have used so far: where the cores of a
-// machine shared by every process of the bench went (/proc/PID/stat; a pid that is gone
-// counts 0).
+// machine shared by every process of the bench went (a pid that is gone counts 0).
 double CpuSeconds(const std::vector<pid_t>& pids) {
   rusage self;
   getrusage(RUSAGE_SELF, &self);
   double total = self.ru_utime.tv_sec + self.ru_utime.tv_usec / 1e6 + self.ru_stime.tv_sec + self.ru_stime.tv_usec / 1e6;
   const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
   for (pid_t pid : pids) {
-    std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
-    std::string line((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    const size_t paren = line.rfind(')');
-    if (paren == std::string::npos) continue;
-    std::vector<std::string> fields = absl::StrSplit(line.substr(paren + 2), ' ');
+    const std::vector<std::string> fields = ProcStat(pid);
     if (fields.size() > 12) total += (std::atof(fields[11].c_str()) + std::atof(fields[12].c_str())) / tick;
   }
   return total;
@@ -269,11 +275,7 @@ double CpuSeconds(const std::vector<pid_t>& pids) {
 std::pair<int64_t, int64_t> MinorFaults(const std::vector<pid_t>& pids) {
   int64_t others = 0;
   for (pid_t pid : pids) {
-    std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
-    std::string line((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    const size_t paren = line.rfind(')');
-    if (paren == std::string::npos) continue;
-    std::vector<std::string> fields = absl::StrSplit(line.substr(paren + 2), ' ');
+    const std::vector<std::string> fields = ProcStat(pid);
     if (fields.size() > 7) others += std::atoll(fields[7].c_str());
   }
   rusage self;
