@@ -383,8 +383,16 @@ absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request,
   MAINSTAY_RETURN_IF_ERROR(CheckReadToken(request.job_token(), &reader));
   absl::StatusOr<PullResult> result = PullAfterTokenCheck(request, deadline);
   if (!reader || !result.ok() || result->shard == nullptr) return result;
+  result->reader = true;
+  if (request.delta_chunk_bytes() != 0) return result;  // charged for what the delta sends
   // A reader's pull: counted, and within the daemon's reader cap (mainstayd --reader-bytes-per-sec).
-  const int64_t bytes = result->unchanged ? 0 : static_cast<int64_t>(result->shard->data.size() + result->shard->scales.size());
+  MAINSTAY_RETURN_IF_ERROR(AdmitReaderBytes(
+      result->unchanged ? 0 : static_cast<int64_t>(result->shard->data.size() + result->shard->scales.size())));
+  return result;
+}
+
+absl::Status Job::AdmitReaderBytes(int64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();  // nothing to send: not held back by the cap's debt
   if (options_.reader_limiter != nullptr) {
     if (const int64_t wait_ms = options_.reader_limiter->Admit(bytes, options_.clock->NowUnixMs()); wait_ms > 0) {
       if (options_.metrics != nullptr) options_.metrics->ReaderThrottled(job_id_);
@@ -394,7 +402,7 @@ absl::StatusOr<PullResult> Job::PullParams(const v1::PullParamsRequest& request,
     }
   }
   if (options_.metrics != nullptr) options_.metrics->ReaderPulled(job_id_, bytes);
-  return result;
+  return absl::OkStatus();
 }
 
 std::shared_ptr<const QuantizedShard> Job::KeptVersion(const v1::PullParamsRequest& request, int64_t version) {

@@ -193,6 +193,9 @@ class Job : public std::enable_shared_from_this<Job> {
   // kept (evicted, never published: a skipped step), or the token or route is not good. Counts
   // nothing against readers (the pull that sends the delta does).
   std::shared_ptr<const QuantizedShard> KeptVersion(const v1::PullParamsRequest& request, int64_t version);
+  // Charges `bytes` of a reader's pull against the daemon's reader cap and the reader-bytes
+  // metric: UNAVAILABLE with the wait when the cap is spent (the reader retries). 0 bytes pass.
+  absl::Status AdmitReaderBytes(int64_t bytes);
   // Pins (or renews, or with ttl_ms 0 releases) a published version against eviction: see
   // shard.proto, PinVersion. A pinned version costs one more snapshot per shard beyond
   // retained_versions (docs/weight_serving.md, "Pins").

@@ -274,6 +274,11 @@ std::shared_ptr<const QuantizedShard> ShardDaemon::KeptVersion(const v1::PullPar
   return job.ok() ? (*job)->KeptVersion(request, version) : nullptr;
 }
 
+absl::Status ShardDaemon::AdmitReaderBytes(const std::string& job_id, int64_t bytes) {
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(job_id));
+  return job->AdmitReaderBytes(bytes);
+}
+
 absl::StatusOr<v1::StepStats> ShardDaemon::FinishStep(const v1::FinishStepRequest& request, absl::Time deadline) {
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(request.job_id()));
   return job->FinishStep(request, deadline);

@@ -91,6 +91,8 @@ class ShardDaemon {
   absl::StatusOr<PullResult> PullParams(const v1::PullParamsRequest& request, absl::Time deadline);
   // Job::KeptVersion of the request's job (null when the job is unknown).
   std::shared_ptr<const QuantizedShard> KeptVersion(const v1::PullParamsRequest& request, int64_t version);
+  // Job::AdmitReaderBytes of the named job (NOT_FOUND when it is unknown).
+  absl::Status AdmitReaderBytes(const std::string& job_id, int64_t bytes);
   absl::StatusOr<v1::PinVersionResponse> PinVersion(const v1::PinVersionRequest& request);
   absl::StatusOr<v1::StepStats> FinishStep(const v1::FinishStepRequest& request, absl::Time deadline);
   absl::StatusOr<v1::StepStats> GetStepStats(const v1::GetStepStatsRequest& request);

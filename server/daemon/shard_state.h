@@ -44,6 +44,9 @@ struct PullResult {
   // The requested version, or (unchanged) the current one when the step before it was skipped.
   std::shared_ptr<const QuantizedShard> shard;
   bool unchanged = false;
+  // A reader's pull (the job's reader token). A reader's delta pull is not charged against the
+  // reader cap yet: the service charges what the delta sends (Job::AdmitReaderBytes).
+  bool reader = false;
 };
 
 // One rank's push of a step not decided yet, carried by a move (ShardStateCopy::pending).

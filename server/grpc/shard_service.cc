@@ -362,7 +362,15 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
     if (result_.unchanged) {
       data_off_ = scale_off_ = INT64_MAX;  // the header says it all
     } else if (request_.delta_chunk_bytes() != 0) {
-      if (absl::Status planned = PlanDelta(message_.mutable_header()); !planned.ok()) {
+      absl::Status planned = PlanDelta(message_.mutable_header());
+      if (planned.ok() && result_.reader) {
+        // A reader's delta is charged against the reader cap for its changed chunks whole (an
+        // upper bound of what their patches send) and the scales it sends.
+        const int64_t scales = scale_delta_.now != nullptr ? scale_delta_.WholeBytes(delta_chunk_)
+                                                           : static_cast<int64_t>(result_.shard->scales.size());
+        planned = core_->AdmitReaderBytes(request_.job_id(), data_delta_.WholeBytes(delta_chunk_) + scales);
+      }
+      if (!planned.ok()) {
         Finish(ToGrpcWithDetail(context_, planned));
         return;
       }
@@ -383,6 +391,12 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
     int64_t sent = 0;  // payload bytes written
 
     bool done() const { return next >= chunks.size(); }
+    // The listed chunks' bytes: what the delta sends at most (patches send less).
+    int64_t WholeBytes(int64_t chunk_bytes) const {
+      int64_t total = 0;
+      for (const int64_t c : chunks) total += std::min(chunk_bytes, static_cast<int64_t>(now->size()) - c * chunk_bytes);
+      return total;
+    }
     // The next chunk: its first byte, and either `whole` (its bytes) or `patch`.
     void Next(int64_t chunk_bytes, int64_t* begin, std::span<const uint8_t>* whole, std::string* patch) {
       const int64_t index = chunks[next++];

@@ -451,6 +451,7 @@ class ReaderCapTest(unittest.TestCase):
         # 5 reads of ~1.5 MB, half from each daemon at 1 MB/s after a 1 MB burst: >= 2.75 s.
         per_daemon = reads * total / 2
         self.assertGreater(reader_s, (per_daemon - 1e6) / 1e6 * 0.6, "the readers were not slowed to the cap")
+
         t0 = time.monotonic()
         for _ in range(reads):
             for b in range(len(c.layout.buckets)):
@@ -459,6 +460,33 @@ class ReaderCapTest(unittest.TestCase):
         print("capped at 1 MB/s per daemon: %d reads of %.2f MB by a reader %.2f s, by a trainer %.2f s"
               % (reads, total / 1e6, reader_s, trainer_s))
         self.assertLess(trainer_s, reader_s / 2, "the trainer's pulls went through the readers' cap")
+
+
+class ReaderCapDeltaTest(unittest.TestCase):
+    """A reader's delta pull is charged against the cap for what it sends, not for whole shards."""
+
+    CAP = 20000  # bytes/s per daemon: one 64 KB shard puts the cap 2.2 s into debt
+
+    def setUp(self):
+        self.cluster = process_cluster.Cluster(daemons=2, lease_ms=3000,
+                                               daemon_flags=["--reader-bytes-per-sec", str(self.CAP)])
+
+    def tearDown(self):
+        self.cluster.stop()
+
+    def test_a_delta_that_sends_nothing_is_not_held_back_by_the_caps_debt(self):
+        job = dict(spec("capped-delta", "bf16_mixed"), bucket_numel=1 << 16,
+                   tensors=[{"name": "w", "shape": [256, 256]}])  # one bucket: a 64 KB bf16 shard per daemon
+        c = mainstay.Client(self.cluster.address, spec_json=json.dumps(job), rank=0, timeout_s=60)
+        c.push_initial_params(0, np.ones(1 << 16, np.float32), all_shards=True, wait=True)
+        reader = mainstay.WeightReader(self.cluster.address, c.job_id, c.get_reader_token(), timeout_s=60)
+        list(reader.tensors(0))  # admitted on the burst, then (64 KB - 20 KB) / 20 KB/s of debt
+        t0 = time.monotonic()
+        list(reader.tensors(0, since=0))  # nothing changed: no chunk to send
+        delta_s = time.monotonic() - t0
+        self.assertEqual(reader.data_bytes_received, 0)
+        # Charged a whole shard again, it would wait out the debt (2.2 s) first.
+        self.assertLess(delta_s, 1.0, "a delta that sends nothing waited for the readers' cap")
 
 
 if __name__ == "__main__":
