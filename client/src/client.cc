@@ -2,6 +2,7 @@
 #include "mainstay/client.h"
 
 #include <algorithm>
+#include <cstring>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -411,6 +412,16 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     for (const Bucket& b : impl->layout->buckets) cache_bytes += DataBytes(b.format, b.numel);
   }
   impl->pull_buffers = client_internal::BufferPool::Create(cache_bytes);
+  if (impl->options.reader_token.empty()) {
+    // A trainer pulls every bucket each step: one buffer per bucket is written once here and
+    // released into the pool, so the first step's pulls land in memory already faulted in
+    // rather than in fresh pages (as far as the pool keeps them). Readers pull what they read.
+    std::vector<client_internal::PooledBytes> touched;
+    for (const Bucket& b : impl->layout->buckets) {
+      touched.push_back(impl->pull_buffers->Acquire(static_cast<size_t>(DataBytes(b.format, b.numel))));
+      std::memset(touched.back().data(), 0, touched.back().size());
+    }
+  }
   impl->pull_pool = std::make_unique<client_internal::ThreadPool>(
       options.pull_threads > 0 ? options.pull_threads : std::max(4, d));
   return std::unique_ptr<Client>(new Client(std::move(impl)));

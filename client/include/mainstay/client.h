@@ -108,7 +108,9 @@ struct ClientOptions {
   int pull_threads = 0;           // concurrent pull streams; 0 = max(4, D)
   // Buffers of released PulledBuckets kept for the next pulls of the same size (a fresh large
   // allocation is zero-filled by the kernel on first touch, which costs more than the transfer).
-  // -1: the job's quantized parameter bytes (one version of every bucket); 0: none kept.
+  // -1: the job's quantized parameter bytes (one version of every bucket); 0: none kept. A
+  // trainer (not a reader) fills the pool at Connect with one written buffer per bucket, so the
+  // first step's pulls do not land in fresh pages.
   int64_t pull_buffer_cache_bytes = -1;
 };
 
