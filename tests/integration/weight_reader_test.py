@@ -355,18 +355,38 @@ class DeltaSyncTest(unittest.TestCase):
     def tearDown(self):
         self.cluster.stop()
 
-    def test_deltas_send_exactly_the_changed_chunks_and_patch_to_a_full_reads_bytes(self):
-        # fp8_block (blockwise scales) and a bf16 norm; gradients reach only the first rows of
-        # each shard, so most chunks keep their bytes (Adam moves only what got a gradient).
+    def start_job(self):
+        """Two trainers of a job with fp8_block (blockwise scales) and a bf16 norm, at version 0."""
         c0 = mainstay.Client(self.cluster.address, spec_json=json.dumps(spec("delta", "bf16_with_fp8_subchannel_scaling_mixed")),
                              rank=0, timeout_s=120)
         c1 = mainstay.Client(self.cluster.address, job_id=c0.job_id, job_token=c0.job_token, rank=1, timeout_s=120)
+        rng = np.random.default_rng(3)
+        for b in range(len(c0.layout.buckets)):
+            c0.push_initial_params(b, rng.standard_normal(c0.layout.buckets[b]["numel"]).astype(np.float32) * 0.1,
+                                   all_shards=True, wait=True)
+        return c0, c1
+
+    @staticmethod
+    def train_step(c0, c1, step):
+        """One step whose gradients reach only the first rows of each shard, so most chunks keep
+        their bytes (Adam moves only what got a gradient)."""
+        layout = c0.layout
+        for r, c in enumerate((c0, c1)):
+            for b in range(len(layout.buckets)):
+                n = layout.buckets[b]["shard_numel"]
+                g = np.zeros(n, np.float32)
+                g[:n // 16] = np.random.default_rng(step * 7 + r).standard_normal(n // 16).astype(np.float32)
+                c.push_grad(b, step, g, wait=True)
+        done = []
+        t = threading.Thread(target=lambda: done.append(c1.finish_step(step, lr=1e-4, weight_decay=0.0)))
+        t.start()
+        c0.finish_step(step, lr=1e-4, weight_decay=0.0)
+        t.join()
+
+    def test_deltas_send_exactly_the_changed_chunks_and_patch_to_a_full_reads_bytes(self):
+        c0, c1 = self.start_job()
         layout = c0.layout
         buckets = range(len(layout.buckets))
-        rng = np.random.default_rng(3)
-        for b in buckets:
-            c0.push_initial_params(b, rng.standard_normal(layout.buckets[b]["numel"]).astype(np.float32) * 0.1,
-                                   all_shards=True, wait=True)
         token = c0.get_reader_token()
         reader = mainstay.WeightReader(self.cluster.address, c0.job_id, token, timeout_s=60)
         full_reader = mainstay.WeightReader(self.cluster.address, c0.job_id, token, timeout_s=60)
@@ -378,17 +398,7 @@ class DeltaSyncTest(unittest.TestCase):
         whole_chunks = []  # what chunk-level deltas would have sent
         scales_sent = scales_total = 0  # the fp8 blocks' scales: a delta too (the patched copy's are compared)
         for step in range(20):
-            for r, c in enumerate((c0, c1)):
-                for b in buckets:
-                    n = layout.buckets[b]["shard_numel"]
-                    g = np.zeros(n, np.float32)
-                    g[:n // 16] = np.random.default_rng(step * 7 + r).standard_normal(n // 16).astype(np.float32)
-                    c.push_grad(b, step, g, wait=True)
-            done = []
-            t = threading.Thread(target=lambda: done.append(c1.finish_step(step, lr=1e-4, weight_decay=0.0)))
-            t.start()
-            c0.finish_step(step, lr=1e-4, weight_decay=0.0)
-            t.join()
+            self.train_step(c0, c1, step)
             version = step + 1
             delta = {name: as_numpy(x).tobytes() for name, x in reader.tensors(version, since=version - 1)}
             full = {name: as_numpy(x).tobytes() for name, x in full_reader.tensors(version)}
@@ -425,6 +435,39 @@ class DeltaSyncTest(unittest.TestCase):
             self.assertEqual(pulled.data_bytes_received, self.expected_delta(old, previous[b], 2, patches=False))
             self.assertGreater(pulled.data_bytes_received,
                                self.expected_delta(old, previous[b], 2, patches=True))
+
+
+    def test_a_reader_keeping_its_base_gets_patches_after_more_steps_than_are_retained(self):
+        c0, c1 = self.start_job()
+        buckets = range(len(c0.layout.buckets))
+        token = c0.get_reader_token()
+        keeping = mainstay.WeightReader(self.cluster.address, c0.job_id, token, timeout_s=60, keep_base_s=120)
+        plain = mainstay.WeightReader(self.cluster.address, c0.job_id, token, timeout_s=60)
+        list(keeping.tensors(0))
+        before = {b: bytes(c0.pull_bucket(b, 0).data) for b in buckets}
+        self.train_step(c0, c1, 0)
+        list(plain.tensors(1))  # (pins are the job's: a base nobody else keeps)
+        plain_before = {b: bytes(c0.pull_bucket(b, 1).data) for b in buckets}
+        for step in range(1, 6):  # past the daemons' 4 retained versions: versions 0 and 1 go unless pinned
+            self.train_step(c0, c1, step)
+        after = {b: bytes(c0.pull_bucket(b, 6).data) for b in buckets}
+        patched = sum(self.expected_delta(before[b], after[b], 2, patches=True) for b in buckets)
+        self.assertLess(patched, sum(self.expected_delta(before[b], after[b], 2, patches=False) for b in buckets))
+        list(keeping.tensors(6, since=0))
+        self.assertEqual(keeping.data_bytes_received, patched)
+        list(plain.tensors(6, since=1))
+        self.assertEqual(plain.data_bytes_received,
+                         sum(self.expected_delta(plain_before[b], after[b], 2, patches=False) for b in buckets))
+        # The kept base follows the reader: version 6 is now pinned, version 0 released.
+        for step in range(6, 12):
+            self.train_step(c0, c1, step)
+        later = {b: bytes(c0.pull_bucket(b, 12).data) for b in buckets}
+        list(keeping.tensors(12, since=6))
+        self.assertEqual(keeping.data_bytes_received,
+                         sum(self.expected_delta(after[b], later[b], 2, patches=True) for b in buckets))
+        keeping.close()
+        with self.assertRaises(ValueError):
+            mainstay.WeightReader(self.cluster.address, c0.job_id, token, keep_base_s=601)
 
 
 class ReaderCapTest(unittest.TestCase):

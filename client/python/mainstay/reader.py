@@ -31,7 +31,16 @@ class WeightReader:
     """
 
     def __init__(self, coordinator, job_id, reader_token, *, transport="", timeout_s=60.0,
-                 tls_ca_file="", tls_cert_file="", tls_key_file="", tls_server_name=""):
+                 tls_ca_file="", tls_cert_file="", tls_key_file="", tls_server_name="", keep_base_s=0.0):
+        """keep_base_s: when > 0 (at most 600), the version the last tensors() call read stays
+        pinned on the daemons that long (renewed by every read), so a later
+        tensors(since=<that version>) still gets byte patches after training ran more than the
+        daemons' --retained-versions steps ahead. Each reader doing so costs the daemons one
+        published copy of its version. 0: nothing kept (such a delta then sends whole chunks)."""
+        if not 0.0 <= keep_base_s <= 600.0:
+            raise ValueError("keep_base_s must be in [0, 600] seconds, got %r" % (keep_base_s,))
+        self._keep_base_s = keep_base_s
+        self._base_pin = None  # the pin of self.version when keep_base_s > 0
         self._client = _mainstay.Client(coordinator, job_id=job_id, reader_token=reader_token, timeout_s=timeout_s,
                                         transport=transport, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file,
                                         tls_key_file=tls_key_file, tls_server_name=tls_server_name)
@@ -60,6 +69,9 @@ class WeightReader:
         if self._client is not None:
             for version in list(self._pins):
                 self.unpin(version)
+            if self._base_pin is not None:
+                self._client.release_pin(self._base_pin)
+                self._base_pin = None
         self._client = None
 
     def __enter__(self):
@@ -180,6 +192,11 @@ class WeightReader:
                     raise ValueError("job %s: version %d was never published (its step was skipped); bucket %d's "
                                      "newest before it is %d" % (self.job_id, version, b, p.version))
                 pulled[b] = p
+            if self._keep_base_s > 0:
+                # The new base, pinned before the old one goes (its own pin still holds it).
+                base_pin, self._base_pin = self._base_pin, self._client.pin_version(version, self._keep_base_s)
+                if base_pin is not None:
+                    self._client.release_pin(base_pin)
         finally:
             if own_pin is not None:
                 self._client.release_pin(own_pin)
