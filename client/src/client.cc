@@ -415,10 +415,15 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   if (impl->options.reader_token.empty()) {
     // A trainer pulls every bucket each step: one buffer per bucket is written once here and
     // released into the pool, so the first step's pulls land in memory already faulted in
-    // rather than in fresh pages (as far as the pool keeps them). Readers pull what they read.
+    // rather than in fresh pages. Only as many as the pool keeps (none with a cache of 0), or
+    // they would be freed again at once. Readers pull what they read.
     std::vector<client_internal::PooledBytes> touched;
+    int64_t kept = 0;
     for (const Bucket& b : impl->layout->buckets) {
-      touched.push_back(impl->pull_buffers->Acquire(static_cast<size_t>(DataBytes(b.format, b.numel))));
+      const int64_t bytes = DataBytes(b.format, b.numel);
+      if (kept + bytes > cache_bytes) break;
+      kept += bytes;
+      touched.push_back(impl->pull_buffers->Acquire(static_cast<size_t>(bytes)));
       std::memset(touched.back().data(), 0, touched.back().size());
     }
   }

@@ -257,6 +257,14 @@ absl::Status ShardPullAssembler::Placed() {
 absl::StatusOr<PulledShard> ShardPullAssembler::Finish() {
   if (!have_header_) return Violation("stream without a header");
   if (delta_) {
+    // Always checked: the unsent chunks are the reader's, so only the whole says it is this version.
+    auto check = [&](const char* what, std::span<const uint8_t> bytes, uint32_t expected) -> absl::Status {
+      const uint32_t crc = Crc32c(bytes.data(), bytes.size());
+      if (crc == expected) return absl::OkStatus();
+      return absl::DataLossError(absl::StrCat("delta of bucket ", bucket_.index, " shard ", shard_.rank, " gives ", what,
+                                              " with CRC-32C ", crc, ", the daemon's version has ", expected,
+                                              " (a forged or damaged delta, or a copy that is not what its hashes said)"));
+    };
     if (next_delta_ != delta_chunks_.size()) {
       return Violation("stream ended after ", next_delta_, " of the delta's ", delta_chunks_.size(), " chunks");
     }
@@ -265,24 +273,11 @@ absl::StatusOr<PulledShard> ShardPullAssembler::Finish() {
         return Violation("stream ended after ", next_delta_scale_, " of the delta's ", delta_scale_chunks_.size(),
                          " scale chunks");
       }
-      const uint32_t crc = Crc32c(result_.scales.data(), result_.scales.size());
-      if (crc != expected_scales_crc_) {
-        return absl::DataLossError(absl::StrCat("delta of bucket ", bucket_.index, " shard ", shard_.rank,
-                                                " gives block scales with CRC-32C ", crc, ", the daemon's version has ",
-                                                expected_scales_crc_, " (a forged or damaged delta, or a copy that "
-                                                "is not what its hashes said)"));
-      }
+      MAINSTAY_RETURN_IF_ERROR(check("block scales", result_.scales, expected_scales_crc_));
     } else if (next_scale_ != result_.num_scales) {
       return Violation("stream ended after ", next_scale_, " of ", result_.num_scales, " scales");
     }
-    // Always checked: the unsent chunks are the reader's, so only the whole says it is this version.
-    const uint32_t crc = Crc32c(data_out_.data(), data_out_.size());
-    if (crc != expected_crc_) {
-      return absl::DataLossError(absl::StrCat("delta of bucket ", bucket_.index, " shard ", shard_.rank,
-                                              " gives data with CRC-32C ", crc, ", the daemon's version has ",
-                                              expected_crc_, " (a forged or damaged delta, or a copy that is not "
-                                              "what its hashes said)"));
-    }
+    MAINSTAY_RETURN_IF_ERROR(check("data", data_out_, expected_crc_));
     return std::move(result_);
   }
   if (!result_.unchanged) {

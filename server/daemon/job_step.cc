@@ -658,9 +658,11 @@ void Job::TouchNewShards() {
     s->spare_data.assign(static_cast<size_t>(DataBytes(format, s->numel)), 0);
     pushes.emplace_back(n * 4, 0);  // the initial parameters' or a first FP32 gradient's landing
   }
-  Log(LogLevel::kInfo, "daemon",
-      absl::StrCat("job ", job_id_, ": touched the buffers of ", pushes.size(), " new shard(s) in ",
-                   absl::ToInt64Milliseconds(absl::Now() - t0), " ms"));
+  if (!pushes.empty()) {
+    Log(LogLevel::kInfo, "daemon",
+        absl::StrCat("job ", job_id_, ": touched the buffers of ", pushes.size(), " new shard(s) in ",
+                     absl::ToInt64Milliseconds(absl::Now() - t0), " ms"));
+  }
   mu_.Lock();
   for (std::vector<uint8_t>& p : pushes) spare_buffers_.push_back(std::move(p));
 }

@@ -397,26 +397,26 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
       for (const int64_t c : chunks) total += std::min(chunk_bytes, static_cast<int64_t>(now->size()) - c * chunk_bytes);
       return total;
     }
-    // The next chunk: its first byte, and either `whole` (its bytes) or `patch`.
-    void Next(int64_t chunk_bytes, int64_t* begin, std::span<const uint8_t>* whole, std::string* patch) {
+    // The next chunk into a message: its bytes into `data` or its byte patch into `patch` (the
+    // other left empty). Returns the chunk's first byte; adds what it sends to `sent`.
+    int64_t Next(int64_t chunk_bytes, std::string* data, std::string* patch) {
       const int64_t index = chunks[next++];
-      *begin = index * chunk_bytes;
-      const auto n = static_cast<size_t>(std::min(chunk_bytes, static_cast<int64_t>(now->size()) - *begin));
-      const std::span<const uint8_t> chunk(now->data() + *begin, n);
+      const int64_t begin = index * chunk_bytes;
+      const auto n = static_cast<size_t>(std::min(chunk_bytes, static_cast<int64_t>(now->size()) - begin));
+      const std::span<const uint8_t> chunk(now->data() + begin, n);
       if (base != nullptr) {
-        const std::span<const uint8_t> was(base->data() + *begin, n);
+        const std::span<const uint8_t> was(base->data() + begin, n);
         if (ChunkHash64(was.data(), was.size()) == (*have)[static_cast<int>(index)]) {
           if (std::optional<std::string> p = EncodeBytePatch(was, chunk, n)) {
             *patch = *std::move(p);
-            *whole = {};
             sent += static_cast<int64_t>(patch->size());
-            return;
+            return begin;
           }
         }
       }
-      patch->clear();
-      *whole = chunk;
+      data->assign(reinterpret_cast<const char*>(chunk.data()), chunk.size());
       sent += static_cast<int64_t>(n);
+      return begin;
     }
   };
 
@@ -488,21 +488,13 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
     const auto scales_size = static_cast<int64_t>(s.scales.size());
     message_.Clear();
     if (!data_delta_.done()) {
-      int64_t begin;
-      std::span<const uint8_t> whole;
       v1::ParamChunk* out = message_.mutable_data();
-      data_delta_.Next(delta_chunk_, &begin, &whole, out->mutable_patch());
-      out->set_element_offset(begin * 8 / bits_);
-      out->set_data(whole.data(), whole.size());
-      payload_ = whole.empty() ? static_cast<int64_t>(out->patch().size()) : static_cast<int64_t>(whole.size());
+      out->set_element_offset(data_delta_.Next(delta_chunk_, out->mutable_data(), out->mutable_patch()) * 8 / bits_);
+      payload_ = static_cast<int64_t>(out->data().size() + out->patch().size());
     } else if (!scale_delta_.done()) {
-      int64_t begin;
-      std::span<const uint8_t> whole;
       v1::ScaleChunk* out = message_.mutable_scales();
-      scale_delta_.Next(delta_chunk_, &begin, &whole, out->mutable_patch());
-      out->set_scale_offset(begin / scale_entry_);
-      out->set_data(whole.data(), whole.size());
-      payload_ = whole.empty() ? static_cast<int64_t>(out->patch().size()) : static_cast<int64_t>(whole.size());
+      out->set_scale_offset(scale_delta_.Next(delta_chunk_, out->mutable_data(), out->mutable_patch()) / scale_entry_);
+      payload_ = static_cast<int64_t>(out->data().size() + out->patch().size());
     } else if (data_off_ < data_size) {
       const int64_t n = std::min(chunk_, data_size - data_off_);
       message_.mutable_data()->set_element_offset(data_off_ * 8 / bits_);
