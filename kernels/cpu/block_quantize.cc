@@ -9,13 +9,16 @@
 // the output) and each block's element multiplier into a table; then fixed element chunks
 // walk their rows in pieces, each piece one call that casts block by block (whole blocks
 // with a fixed trip count) reading the multipliers straight from the table. Dequantize
-// mirrors the element pass.
+// mirrors the element pass. On a CPU with AVX-512 the element passes run the hand-written
+// loops of avx512_loops.h (same bits; a 4-bit piece that starts on an odd element keeps the
+// portable loop, which completes the byte its predecessor began).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>
 
+#include "kernels/cpu/avx512_loops.h"
 #include "kernels/cpu/executor.h"
 #include "kernels/cpu/quantize_internal.h"
 #include "kernels/cpu/vector_casts.h"
@@ -403,9 +406,15 @@ absl::Status BlockQuantize(const Device& device, Format format, Format model_dty
       format == Format::kMXFP8 ? (fp16 ? QuantizeE4M3Piece<true, 32> : QuantizeE4M3Piece<false, 32>)
                                : (fp16 ? QuantizeE4M3Piece<true, 128> : QuantizeE4M3Piece<false, 128>);
   const auto e2m1_piece = fp16 ? QuantizeE2M1Piece<true, 16> : QuantizeE2M1Piece<false, 16>;
+  const bool avx512 = avx512::Enabled();
   ForEachChunkPiece(device.executor, g, [&](int64_t row, int64_t c0, int64_t c1, int64_t offset) {
     const float* piece_mult = mult.get() + g.RowBase(row) + c0 / g.block_cols;
-    if (format == Format::kNVFP4) {
+    if (avx512 && format == Format::kNVFP4 && offset % 2 == 0) {
+      avx512::QuantizeE2M1PiecePacked(src + offset, c0, c1, piece_mult, fp16, data + offset / 2);
+    } else if (avx512 && format != Format::kNVFP4) {
+      avx512::QuantizeE4M3Piece(src + offset, c0, c1, static_cast<int>(g.block_cols), piece_mult, fp16,
+                                data + offset);
+    } else if (format == Format::kNVFP4) {
       alignas(64) uint8_t codes[kPieceElements];
       e2m1_piece(src + offset, c0, c1, piece_mult, codes);
       PackNibbles(codes, c1 - c0, offset, data);
@@ -422,6 +431,7 @@ absl::Status BlockDequantize(const Device& device, Format format, const Fragment
   const uint8_t* scales = in.block_scales.data();
   const uint8_t* data = in.data.data();
   float* dst = out.data();
+  const bool avx512 = avx512::Enabled();
   ForEachChunkPiece(device.executor, g, [&](int64_t row, int64_t c0, int64_t c1, int64_t offset) {
     // The dequantization factor of each block of the piece (at most kPieceElements / 16 + 2).
     alignas(64) float block_scale[kPieceElements / 16 + 2];
@@ -436,7 +446,11 @@ absl::Status BlockDequantize(const Device& device, Format format, const Fragment
         memcpy(&block_scale[b], scales + 4 * (first + b), sizeof(float));
       }
     }
-    if (format == Format::kNVFP4) {
+    if (avx512 && format == Format::kNVFP4 && offset % 2 == 0) {
+      avx512::DequantizeE2M1PiecePacked(data + offset / 2, c0, c1, block_scale, in.tensor_scale_inv, dst + offset);
+    } else if (avx512 && format != Format::kNVFP4) {
+      avx512::DequantizeE4M3Piece(data + offset, c0, c1, static_cast<int>(g.block_cols), block_scale, dst + offset);
+    } else if (format == Format::kNVFP4) {
       alignas(64) uint8_t codes[kPieceElements];
       UnpackNibbles(data, c1 - c0, offset, codes);
       DequantizeE2M1Piece<16>(codes, c0, c1, block_scale, in.tensor_scale_inv, dst + offset);

@@ -4,13 +4,15 @@
 //
 // The inner loops are plain loops over contiguous arrays calling the branch-free casts of
 // vector_casts.h, templated on the model dtype and the element type, so GCC vectorizes them
-// (and clones them for AVX2, see MAINSTAY_VECTOR_CLONES).
+// (and clones them for AVX2, see MAINSTAY_VECTOR_CLONES). On a CPU with AVX-512 the hand-written
+// loops of avx512_loops.h run instead (same bits).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/avx512_loops.h"
 #include "kernels/cpu/executor.h"
 #include "kernels/cpu/quantize_internal.h"
 #include "kernels/cpu/vector_casts.h"
@@ -86,6 +88,13 @@ void QuantizeTensorScaled(CpuExecutor* executor, Format format, Format model_dty
                           float scale, uint8_t* dst) {
   using LoopFn = void (*)(const float*, uint8_t*, int64_t, float);
   const bool e5m2 = IsE5M2(format);
+  if (avx512::Enabled()) {
+    const bool fp16 = IsFp16(model_dtype);
+    ForEachChunk(executor, n, [&](int64_t off, int64_t size) {
+      avx512::QuantizeFp8(src + off, dst + off, size, scale, fp16, e5m2);
+    });
+    return;
+  }
   const LoopFn loop = IsFp16(model_dtype) ? (e5m2 ? Fp8Loop<true, true> : Fp8Loop<true, false>)
                                           : (e5m2 ? Fp8Loop<false, true> : Fp8Loop<false, false>);
   ForEachChunk(executor, n, [&](int64_t off, int64_t size) { loop(src + off, dst + off, size, scale); });
@@ -95,6 +104,13 @@ void QuantizeTensor16(CpuExecutor* executor, Format format, Format model_dtype, 
                       uint8_t* dst) {
   using LoopFn = void (*)(const float*, uint8_t*, int64_t);
   const bool out16 = format == Format::kFP16;
+  if (avx512::Enabled()) {
+    const bool fp16 = IsFp16(model_dtype);
+    ForEachChunk(executor, n, [&](int64_t off, int64_t size) {
+      avx512::Cast16(src + off, dst + 2 * off, size, fp16, out16);
+    });
+    return;
+  }
   const LoopFn loop = IsFp16(model_dtype) ? (out16 ? Cast16Loop<true, true> : Cast16Loop<true, false>)
                                           : (out16 ? Cast16Loop<false, true> : Cast16Loop<false, false>);
   ForEachChunk(executor, n, [&](int64_t off, int64_t size) { loop(src + off, dst + 2 * off, size); });
@@ -161,6 +177,11 @@ absl::Status Dequantize(const Device& device, Format format, const Fragment& fra
     const auto loop = format == Format::kFP16 ? Dequant16Loop<true> : Dequant16Loop<false>;
     ForEachChunk(device.executor, fragment.size(),
                  [&](int64_t off, int64_t size) { loop(src + 2 * off, dst + off, size); });
+  } else if (avx512::Enabled()) {
+    const bool e5m2 = IsE5M2(format);
+    ForEachChunk(device.executor, fragment.size(), [&](int64_t off, int64_t size) {
+      avx512::DequantizeFp8(src + off, dst + off, size, in.tensor_scale_inv, e5m2);
+    });
   } else {
     const auto loop = IsE5M2(format) ? DequantFp8Loop<true> : DequantFp8Loop<false>;
     ForEachChunk(device.executor, fragment.size(),

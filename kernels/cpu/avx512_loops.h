@@ -1,0 +1,66 @@
+// Hand-written AVX-512 forms of the quantize / dequantize element loops of quantize.cc and
+// block_quantize.cc, chosen at run time when the CPU has AVX-512 (F, BW, VL, DQ).
+//
+// Why they exist: the portable loops are plain C++ that GCC vectorizes, and on a streaming
+// pass they run at about half the speed of memcpy. Measured on a 2-vCPU Xeon (AVX-512): the
+// E4M3 cast computes 2.2 G elements/s per core in L1 but streams at 1.5, because the core
+// stalls on memory and computes in turn. These loops compute faster (3.0 G/s in L1: 16
+// elements per instruction, the 32 -> 8 bit narrowing one instruction) and prefetch the
+// input a few KiB ahead, so memory and arithmetic overlap: 2.4 G/s streaming
+// (docs/benchmarks.md, "Hand-written AVX-512 casts").
+//
+// Every function computes exactly the bits of its portable counterpart: the same integer and
+// IEEE FP32 operations of vector_casts.h, 16 lanes at a time (round to nearest even, no FMA,
+// no flush-to-zero), except where a hardware conversion is itself exact and correctly
+// rounded (FP32 <-> FP16, vcvtps2ph / vcvtph2ps, with NaNs mapped as vector_casts.h maps
+// them). tests/unit/avx512_loops_test.cc checks each against the portable casts on sampled
+// bit patterns, and quantize_test runs the whole kernels both ways (MAINSTAY_CPU_KERNELS).
+//
+// Internal to kernels/cpu. Thread safety: pure functions over caller-owned buffers. Calling
+// any loop below when Enabled() is false is undefined (illegal instruction).
+#ifndef MAINSTAY_KERNELS_CPU_AVX512_LOOPS_H_
+#define MAINSTAY_KERNELS_CPU_AVX512_LOOPS_H_
+
+#include <cstdint>
+
+namespace mainstay::kernels::cpu::avx512 {
+
+// Whether the loops below run: the CPU has AVX-512 F, BW, VL and DQ, the build targets
+// x86-64 with GCC or Clang, and the environment variable MAINSTAY_CPU_KERNELS is not
+// "portable" (which keeps the portable loops, for tests and comparisons). Decided once per
+// process.
+bool Enabled();
+
+// Per-tensor FP8: dst[i] = cvt(fl(model(src[i]) * scale)), cvt = E4M3 or E5M2 (satfinite),
+// model = bf16 or fp16 rounding of the FP32 master.
+void QuantizeFp8(const float* src, uint8_t* dst, int64_t n, float scale, bool fp16_model, bool e5m2);
+
+// bf16 / fp16 data (2 little-endian bytes per element) of the model values.
+void Cast16(const float* src, uint8_t* dst, int64_t n, bool fp16_model, bool fp16_out);
+
+// One row piece of a block-scaled E4M3 format (mxfp8: block_cols 32, fp8_block: 128): the
+// columns [c0, c1) of one row, src/dst at column c0, mult[k] the multiplier of the row's
+// block (c0 / block_cols + k). dst[i] = E4M3(fl(model(src[i]) * mult[block of c0 + i])).
+void QuantizeE4M3Piece(const float* src, int64_t c0, int64_t c1, int block_cols, const float* mult,
+                       bool fp16_model, uint8_t* dst);
+
+// nvfp4 (16-column tiles): the same for E2M1 codes, packed two per byte (even element in the
+// low nibble) into `packed`, which points at the byte of the piece's first element; that
+// element must be even in the fragment. With an odd count the last byte's high nibble is 0.
+void QuantizeE2M1PiecePacked(const float* src, int64_t c0, int64_t c1, const float* enc, bool fp16_model,
+                             uint8_t* packed);
+
+// Dequantize: dst[i] = value(src[i]) * scale_inv (per-tensor FP8).
+void DequantizeFp8(const uint8_t* src, float* dst, int64_t n, float scale_inv, bool e5m2);
+
+// Block E4M3: dst[i] = E4M3Value(q[i]) * scale[block of c0 + i] (layout as QuantizeE4M3Piece).
+void DequantizeE4M3Piece(const uint8_t* q, int64_t c0, int64_t c1, int block_cols, const float* scale, float* dst);
+
+// nvfp4: dst[i] = fl(fl(E2M1Value(code i) * scale[tile]) * s_dec), codes packed as in
+// QuantizeE2M1PiecePacked (the piece's first element even in the fragment).
+void DequantizeE2M1PiecePacked(const uint8_t* packed, int64_t c0, int64_t c1, const float* scale, float s_dec,
+                               float* dst);
+
+}  // namespace mainstay::kernels::cpu::avx512
+
+#endif  // MAINSTAY_KERNELS_CPU_AVX512_LOOPS_H_

@@ -1,0 +1,170 @@
+// The hand-written AVX-512 loops (kernels/cpu/avx512_loops.h) against the portable casts of
+// kernels/cpu/vector_casts.h, element by element, on sampled FP32 bit patterns (every pattern
+// whose low 12 bits are one of a few: all rounding boundaries of these formats lie above
+// them), every code, and every length and alignment of the vector tails. quantize_test checks
+// the portable casts against CUDA's conversions, and runs the whole kernels both ways.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/casts.h"
+#include "kernels/cpu/avx512_loops.h"
+#include "kernels/cpu/vector_casts.h"
+
+namespace mainstay::kernels::cpu {
+namespace {
+
+// Bit patterns: high 20 bits x a few low 12-bit endings, plus random ones.
+std::vector<float> SampledPatterns() {
+  const uint32_t lows[] = {0x000, 0x001, 0x7FF, 0x800, 0x801, 0xFFF, 0x5A3};
+  std::vector<float> v;
+  v.reserve((size_t{1} << 20) * std::size(lows) + 100000);
+  for (uint32_t high = 0; high < (1u << 20); ++high) {
+    for (uint32_t low : lows) v.push_back(BitsFloat((high << 12) | low));
+  }
+  std::mt19937 rng(11);
+  for (int i = 0; i < 100000; ++i) v.push_back(BitsFloat(rng()));
+  return v;
+}
+
+float Model(float x, bool fp16) {
+  return BitsFloat(fp16 ? ModelValueBits<true>(FloatBits(x)) : ModelValueBits<false>(FloatBits(x)));
+}
+
+class Avx512LoopsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!avx512::Enabled()) GTEST_SKIP() << "this CPU has no AVX-512 (or MAINSTAY_CPU_KERNELS=portable)";
+  }
+};
+
+TEST_F(Avx512LoopsTest, Fp8AndSixteenBitCastsMatchThePortableCasts) {
+  const std::vector<float> x = SampledPatterns();
+  const int64_t n = static_cast<int64_t>(x.size());
+  std::vector<uint8_t> q(static_cast<size_t>(n)), h(static_cast<size_t>(2 * n));
+  for (bool fp16 : {false, true}) {
+    for (bool e5m2 : {false, true}) {
+      for (float scale : {1.0f, 0.75f, 3.0e-3f}) {
+        avx512::QuantizeFp8(x.data(), q.data(), n, scale, fp16, e5m2);
+        int64_t bad = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          const float y = Model(x[i], fp16) * scale;
+          bad += q[i] != (e5m2 ? E5M2Bits(y) : E4M3Bits(y));
+        }
+        EXPECT_EQ(bad, 0) << "fp16 model " << fp16 << " e5m2 " << e5m2 << " scale " << scale;
+      }
+    }
+    for (bool fp16_out : {false, true}) {
+      avx512::Cast16(x.data(), h.data(), n, fp16, fp16_out);
+      int64_t bad = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t u = fp16 == fp16_out ? FloatBits(x[i]) : FloatBits(Model(x[i], fp16));
+        const uint16_t want = fp16_out ? Fp16Bits(u) : Bf16Bits(u);
+        bad += static_cast<uint16_t>(h[2 * i] | (h[2 * i + 1] << 8)) != want;
+      }
+      EXPECT_EQ(bad, 0) << "fp16 model " << fp16 << " fp16 out " << fp16_out;
+    }
+  }
+}
+
+TEST_F(Avx512LoopsTest, TailsWriteExactlyTheirElements) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> x(48);
+  for (float& v : x) v = normal(rng);
+  for (int64_t n = 1; n <= 33; ++n) {
+    std::vector<uint8_t> q(static_cast<size_t>(n) + 1, 0xAB), h(static_cast<size_t>(2 * n) + 2, 0xAB);
+    avx512::QuantizeFp8(x.data(), q.data(), n, 10.0f, false, false);
+    avx512::Cast16(x.data(), h.data(), n, false, true);
+    for (int64_t i = 0; i < n; ++i) {
+      EXPECT_EQ(q[static_cast<size_t>(i)], E4M3Bits(Model(x[static_cast<size_t>(i)], false) * 10.0f)) << n << " " << i;
+      EXPECT_EQ(h[static_cast<size_t>(2 * i)] | (h[static_cast<size_t>(2 * i + 1)] << 8),
+                Fp16Bits(FloatBits(Model(x[static_cast<size_t>(i)], false))));
+    }
+    EXPECT_EQ(q.back(), 0xAB) << "wrote past the end, n " << n;
+    EXPECT_EQ(h[static_cast<size_t>(2 * n)], 0xAB) << "wrote past the end, n " << n;
+  }
+}
+
+// A row piece [c0, c1) with a multiplier per block: every alignment of c0 to the blocks and
+// every tail length, on sampled patterns.
+TEST_F(Avx512LoopsTest, BlockPiecesMatchThePortableCastsAtEveryAlignment) {
+  const std::vector<float> all = SampledPatterns();
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<size_t> start(0, all.size() - 600);
+  std::uniform_real_distribution<float> mag(-8.0f, 8.0f);
+  int64_t bad = 0, cases = 0;
+  for (int block_cols : {16, 32, 128}) {
+    for (int64_t c0 = 0; c0 < 2 * block_cols; c0 += block_cols == 128 ? 7 : 1) {
+      for (int64_t len : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{33}, int64_t{300}, int64_t{517}}) {
+        const int64_t c1 = c0 + len;
+        const float* src = all.data() + start(rng);
+        std::vector<float> mult(static_cast<size_t>((c1 - 1) / block_cols - c0 / block_cols + 1));
+        for (float& m : mult) m = std::ldexp(1.0f, static_cast<int>(mag(rng) * 4)) * (1.0f + mag(rng) / 16);
+        auto m_of = [&](int64_t i) { return mult[static_cast<size_t>((c0 + i) / block_cols - c0 / block_cols)]; };
+        for (bool fp16 : {false, true}) {
+          ++cases;
+          if (block_cols == 16) {
+            // Packed E2M1: a guard byte after the piece must stay untouched.
+            std::vector<uint8_t> packed(static_cast<size_t>((len + 1) / 2 + 1), 0xAB);
+            avx512::QuantizeE2M1PiecePacked(src, c0, c1, mult.data(), fp16, packed.data());
+            for (int64_t i = 0; i < len; ++i) {
+              const uint8_t code = static_cast<uint8_t>((packed[static_cast<size_t>(i / 2)] >> (4 * (i % 2))) & 0xF);
+              bad += code != E2M1Bits(Model(src[i], fp16) * m_of(i));
+            }
+            if (len % 2 != 0) bad += (packed[static_cast<size_t>(len / 2)] >> 4) != 0;
+            bad += packed.back() != 0xAB;
+            // And back: fl(fl(value * scale) * s_dec).
+            std::vector<float> out(static_cast<size_t>(len) + 1, -1.0f);
+            avx512::DequantizeE2M1PiecePacked(packed.data(), c0, c1, mult.data(), 0.375f, out.data());
+            for (int64_t i = 0; i < len; ++i) {
+              const uint8_t code = static_cast<uint8_t>((packed[static_cast<size_t>(i / 2)] >> (4 * (i % 2))) & 0xF);
+              bad += FloatBits(out[static_cast<size_t>(i)]) != FloatBits((E2M1Value(code) * m_of(i)) * 0.375f);
+            }
+            bad += out.back() != -1.0f;
+          } else {
+            std::vector<uint8_t> q(static_cast<size_t>(len) + 1, 0xAB);
+            avx512::QuantizeE4M3Piece(src, c0, c1, block_cols, mult.data(), fp16, q.data());
+            for (int64_t i = 0; i < len; ++i) bad += q[static_cast<size_t>(i)] != E4M3Bits(Model(src[i], fp16) * m_of(i));
+            bad += q.back() != 0xAB;
+            std::vector<float> out(static_cast<size_t>(len) + 1, -1.0f);
+            avx512::DequantizeE4M3Piece(q.data(), c0, c1, block_cols, mult.data(), out.data());
+            for (int64_t i = 0; i < len; ++i) {
+              bad += FloatBits(out[static_cast<size_t>(i)]) != FloatBits(E4M3Value(q[static_cast<size_t>(i)]) * m_of(i));
+            }
+            bad += out.back() != -1.0f;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(cases, 500);
+  EXPECT_EQ(bad, 0);
+}
+
+TEST_F(Avx512LoopsTest, Fp8DequantizeMatchesThePortableDecodersForEveryCode) {
+  // Every code, at every position of a vector and in tails of every length.
+  std::vector<uint8_t> q;
+  for (int rep = 0; rep < 3; ++rep) {
+    for (int c = 0; c < 256; ++c) q.push_back(static_cast<uint8_t>((c * 37 + rep) & 0xFF));
+  }
+  for (bool e5m2 : {false, true}) {
+    for (float s : {1.0f, 0.0078125f, 3.3f, 1e-38f}) {
+      for (size_t n : {q.size(), size_t{1}, size_t{7}, size_t{16}, size_t{31}}) {
+        std::vector<float> out(n + 1, -1.0f);
+        avx512::DequantizeFp8(q.data(), out.data(), static_cast<int64_t>(n), s, e5m2);
+        for (size_t i = 0; i < n; ++i) {
+          const float want = (e5m2 ? E5M2Value(q[i]) : E4M3Value(q[i])) * s;
+          EXPECT_EQ(FloatBits(out[i]), FloatBits(want)) << "code " << int{q[i]} << " e5m2 " << e5m2 << " s " << s;
+        }
+        EXPECT_EQ(out[n], -1.0f) << "wrote past the end, n " << n;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mainstay::kernels::cpu
