@@ -3,7 +3,6 @@
 // same bits; the comments say where a hardware instruction replaces a sequence.
 #include "kernels/cpu/avx512_loops.h"
 
-#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -145,6 +144,14 @@ MAINSTAY_AVX512_INLINE __m512 E5M2Value(__m512i q) {
   return AsFloat(bits);
 }
 
+// E8M0Value of 16 codes: 2^(e - 127); 0 -> 2^-127; 0xFF -> NaN.
+MAINSTAY_AVX512_INLINE __m512 E8M0Value(__m512i e) {
+  __m512i bits = _mm512_slli_epi32(e, 23);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, Const(0)), Const(0x00400000u));
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, Const(0xFF)), Const(0x7FC00000u));
+  return AsFloat(bits);
+}
+
 // The 16 E2M1 values, from the portable decoder, for a table lookup (vpermps).
 MAINSTAY_AVX512_INLINE __m512 E2M1Table() {
   alignas(64) float table[16];
@@ -159,7 +166,7 @@ MAINSTAY_AVX512_INLINE __m512 E2M1Table() {
 template <int kBlockCols>
 MAINSTAY_AVX512_INLINE __m512 LaneValues(const float* block_value, int64_t c0, int64_t col, int64_t remaining) {
   static_assert(kBlockCols >= 16);
-  const int64_t lanes = std::min<int64_t>(16, remaining);
+  const int64_t lanes = remaining < 16 ? remaining : 16;
   const int64_t b = col / kBlockCols - c0 / kBlockCols;
   const int64_t r = col % kBlockCols;
   __m512 v = _mm512_set1_ps(block_value[b]);
@@ -167,6 +174,25 @@ MAINSTAY_AVX512_INLINE __m512 LaneValues(const float* block_value, int64_t c0, i
     v = _mm512_mask_mov_ps(v, static_cast<__mmask16>(0xFFFFu << (kBlockCols - r)), _mm512_set1_ps(block_value[b + 1]));
   }
   return v;
+}
+
+// Writes the n floats op(i, mask, remaining) for the vectors at i of [0, n) to dst: a masked
+// head up to dst's first 64-byte boundary, whole aligned vectors, a masked tail. With `stream`
+// the whole vectors go out as non-temporal stores: a large output then skips the read for
+// ownership of every line it writes, which halves the memory traffic of a dequantization
+// (4 bytes written per 1 or 0.5 read). The loads of op may use `mask` (lanes past the end).
+template <typename Op>
+MAINSTAY_AVX512_INLINE void StoreFloats(const Op& op, float* dst, int64_t n, bool stream) {
+  int64_t i = (((64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63) / sizeof(float));
+  i = i < n ? i : n;
+  if (i > 0) _mm512_mask_storeu_ps(dst, FirstLanes(i), op(0, FirstLanes(i), i));
+  if (stream) {
+    for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, op(i, static_cast<__mmask16>(0xFFFF), 16));
+    _mm_sfence();
+  } else {
+    for (; i + 16 <= n; i += 16) _mm512_store_ps(dst + i, op(i, static_cast<__mmask16>(0xFFFF), 16));
+  }
+  if (i < n) _mm512_mask_storeu_ps(dst + i, FirstLanes(n - i), op(i, FirstLanes(n - i), n - i));
 }
 
 // ---- Loops.
@@ -220,54 +246,70 @@ MAINSTAY_AVX512 void QuantizeE2M1PieceLoop(const float* src, int64_t c0, int64_t
     // Each 64-bit lane holds codes 2k (bits 0..3) and 2k + 1 (bits 32..35): the byte is
     // code_2k | code_2k+1 << 4, the low byte of lane | lane >> 28.
     const __m128i bytes = _mm512_cvtepi64_epi8(_mm512_or_si512(code, _mm512_srli_epi64(code, 28)));
-    const int64_t nbytes = (std::min<int64_t>(16, n - i) + 1) / 2;
+    const int64_t nbytes = ((n - i < 16 ? n - i : 16) + 1) / 2;
     _mm_mask_storeu_epi8(packed + i / 2, static_cast<__mmask16>((1u << nbytes) - 1u), bytes);
   }
 }
 
+// The ops of StoreFloats for each dequantization (functors: a lambda would not carry the
+// target attribute).
 template <bool kE5M2>
-MAINSTAY_AVX512 void DequantizeFp8Loop(const uint8_t* src, float* dst, int64_t n, float scale_inv) {
-  const __m512 s = _mm512_set1_ps(scale_inv);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = FirstLanes(n - i);
+struct Fp8Values {
+  const uint8_t* src;
+  __m512 scale_inv;
+  MAINSTAY_AVX512_INLINE __m512 operator()(int64_t i, __mmask16 m, int64_t /*remaining*/) const {
     if (i % 64 == 0) Prefetch(src + i);
     const __m512i q = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, src + i));
-    _mm512_mask_storeu_ps(dst + i, m, _mm512_mul_ps(kE5M2 ? E5M2Value(q) : E4M3Value(q), s));
+    return _mm512_mul_ps(kE5M2 ? E5M2Value(q) : E4M3Value(q), scale_inv);
   }
-}
+};
 
 template <int kBlockCols>
-MAINSTAY_AVX512 void DequantizeE4M3PieceLoop(const uint8_t* q, int64_t c0, int64_t c1, const float* scale,
-                                             float* dst) {
-  const int64_t n = c1 - c0;
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = FirstLanes(n - i);
+struct E4M3BlockValues {
+  const uint8_t* q;
+  int64_t c0;
+  const float* scale;
+  MAINSTAY_AVX512_INLINE __m512 operator()(int64_t i, __mmask16 m, int64_t remaining) const {
     if (i % 64 == 0) Prefetch(q + i);
     const __m512 v = E4M3Value(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, q + i)));
-    _mm512_mask_storeu_ps(dst + i, m, _mm512_mul_ps(v, LaneValues<kBlockCols>(scale, c0, c0 + i, n - i)));
+    return _mm512_mul_ps(v, LaneValues<kBlockCols>(scale, c0, c0 + i, remaining));
   }
-}
+};
 
-MAINSTAY_AVX512 void DequantizeE2M1PieceLoop(const uint8_t* packed, int64_t c0, int64_t c1, const float* scale,
-                                             float s_dec, float* dst) {
-  const __m512 table = E2M1Table();
-  const __m512 d = _mm512_set1_ps(s_dec);
-  const int64_t n = c1 - c0;
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = FirstLanes(n - i);
+// E2M1 codes packed two per byte; element i's byte is packed[i / 2] (the piece's first
+// element is even in the fragment), so a vector starting on an odd i first shifts its codes.
+struct E2M1Values {
+  const uint8_t* packed;
+  int64_t c0;
+  const float* scale;
+  __m512 table;
+  __m512 s_dec;
+  MAINSTAY_AVX512_INLINE __m512 operator()(int64_t i, __mmask16 /*m*/, int64_t remaining) const {
     if (i % 128 == 0) Prefetch(packed + i / 2);
-    const int64_t nbytes = (std::min<int64_t>(16, n - i) + 1) / 2;
-    const __m512i b = _mm512_cvtepu8_epi64(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << nbytes) - 1u),
-                                                                  packed + i / 2));
+    const int64_t lanes = remaining < 16 ? remaining : 16;
+    const int64_t first = i / 2;
+    const int64_t nbytes = (i + lanes + 1) / 2 - first;  // bytes holding elements [i, i + lanes)
+    __m128i bytes = _mm_maskz_loadu_epi8(FirstLanes(nbytes), packed + first);
+    if (i % 2 != 0) {  // element i is the high nibble of byte `first`: shift the 9 bytes down 4 bits
+      bytes = _mm_or_si128(_mm_srli_epi64(bytes, 4), _mm_slli_epi64(_mm_srli_si128(bytes, 8), 60));
+    }
+    const __m512i b = _mm512_cvtepu8_epi64(bytes);
     // Lane 2k's low 4 bits: byte k's low nibble; lane 2k + 1's: its high nibble (vpermps
     // reads only the low 4 bits of each index).
     const __m512 v = _mm512_permutexvar_ps(_mm512_or_si512(b, _mm512_slli_epi64(b, 28)), table);
-    const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(v, LaneValues<16>(scale, c0, c0 + i, n - i)), d);
-    _mm512_mask_storeu_ps(dst + i, m, scaled);
+    return _mm512_mul_ps(_mm512_mul_ps(v, LaneValues<16>(scale, c0, c0 + i, remaining)), s_dec);
   }
-}
+};
 
 }  // namespace
+
+MAINSTAY_AVX512 void DecodeBlockScales(const uint8_t* scales, int64_t count, bool e8m0, float* out) {
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 m = FirstLanes(count - i);
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, scales + i));
+    _mm512_mask_storeu_ps(out + i, m, e8m0 ? E8M0Value(q) : E4M3Value(q));
+  }
+}
 
 void QuantizeFp8(const float* src, uint8_t* dst, int64_t n, float scale, bool fp16_model, bool e5m2) {
   if (fp16_model) {
@@ -302,18 +344,27 @@ void QuantizeE2M1PiecePacked(const float* src, int64_t c0, int64_t c1, const flo
              : QuantizeE2M1PieceLoop<false>(src, c0, c1, enc, packed);
 }
 
-void DequantizeFp8(const uint8_t* src, float* dst, int64_t n, float scale_inv, bool e5m2) {
-  e5m2 ? DequantizeFp8Loop<true>(src, dst, n, scale_inv) : DequantizeFp8Loop<false>(src, dst, n, scale_inv);
+MAINSTAY_AVX512 void DequantizeFp8(const uint8_t* src, float* dst, int64_t n, float scale_inv, bool e5m2,
+                                   bool stream) {
+  if (e5m2) {
+    StoreFloats(Fp8Values<true>{src, _mm512_set1_ps(scale_inv)}, dst, n, stream);
+  } else {
+    StoreFloats(Fp8Values<false>{src, _mm512_set1_ps(scale_inv)}, dst, n, stream);
+  }
 }
 
-void DequantizeE4M3Piece(const uint8_t* q, int64_t c0, int64_t c1, int block_cols, const float* scale, float* dst) {
-  block_cols == 32 ? DequantizeE4M3PieceLoop<32>(q, c0, c1, scale, dst)
-                   : DequantizeE4M3PieceLoop<128>(q, c0, c1, scale, dst);
+MAINSTAY_AVX512 void DequantizeE4M3Piece(const uint8_t* q, int64_t c0, int64_t c1, int block_cols,
+                                         const float* scale, float* dst, bool stream) {
+  if (block_cols == 32) {
+    StoreFloats(E4M3BlockValues<32>{q, c0, scale}, dst, c1 - c0, stream);
+  } else {
+    StoreFloats(E4M3BlockValues<128>{q, c0, scale}, dst, c1 - c0, stream);
+  }
 }
 
-void DequantizeE2M1PiecePacked(const uint8_t* packed, int64_t c0, int64_t c1, const float* scale, float s_dec,
-                               float* dst) {
-  DequantizeE2M1PieceLoop(packed, c0, c1, scale, s_dec, dst);
+MAINSTAY_AVX512 void DequantizeE2M1PiecePacked(const uint8_t* packed, int64_t c0, int64_t c1, const float* scale,
+                                               float s_dec, float* dst, bool stream) {
+  StoreFloats(E2M1Values{packed, c0, scale, E2M1Table(), _mm512_set1_ps(s_dec)}, dst, c1 - c0, stream);
 }
 
 #else  // not x86-64 GCC/Clang: never enabled, and the loops are never called.
@@ -323,9 +374,10 @@ void QuantizeFp8(const float*, uint8_t*, int64_t, float, bool, bool) { std::abor
 void Cast16(const float*, uint8_t*, int64_t, bool, bool) { std::abort(); }
 void QuantizeE4M3Piece(const float*, int64_t, int64_t, int, const float*, bool, uint8_t*) { std::abort(); }
 void QuantizeE2M1PiecePacked(const float*, int64_t, int64_t, const float*, bool, uint8_t*) { std::abort(); }
-void DequantizeFp8(const uint8_t*, float*, int64_t, float, bool) { std::abort(); }
-void DequantizeE4M3Piece(const uint8_t*, int64_t, int64_t, int, const float*, float*) { std::abort(); }
-void DequantizeE2M1PiecePacked(const uint8_t*, int64_t, int64_t, const float*, float, float*) { std::abort(); }
+void DecodeBlockScales(const uint8_t*, int64_t, bool, float*) { std::abort(); }
+void DequantizeFp8(const uint8_t*, float*, int64_t, float, bool, bool) { std::abort(); }
+void DequantizeE4M3Piece(const uint8_t*, int64_t, int64_t, int, const float*, float*, bool) { std::abort(); }
+void DequantizeE2M1PiecePacked(const uint8_t*, int64_t, int64_t, const float*, float, float*, bool) { std::abort(); }
 
 #endif
 

@@ -50,16 +50,27 @@ void QuantizeE4M3Piece(const float* src, int64_t c0, int64_t c1, int block_cols,
 void QuantizeE2M1PiecePacked(const float* src, int64_t c0, int64_t c1, const float* enc, bool fp16_model,
                              uint8_t* packed);
 
-// Dequantize: dst[i] = value(src[i]) * scale_inv (per-tensor FP8).
-void DequantizeFp8(const uint8_t* src, float* dst, int64_t n, float scale_inv, bool e5m2);
+// Dequantization. With `stream` the output is written with non-temporal stores (it bypasses
+// the caches: for outputs larger than them, see StreamOutput); the values are the same.
+//
+// The decoded block scales of mxfp8 (e8m0: E8M0Value) or nvfp4 (E4M3Value) of `count` blocks.
+void DecodeBlockScales(const uint8_t* scales, int64_t count, bool e8m0, float* out);
+
+// Per-tensor FP8: dst[i] = value(src[i]) * scale_inv.
+void DequantizeFp8(const uint8_t* src, float* dst, int64_t n, float scale_inv, bool e5m2, bool stream);
 
 // Block E4M3: dst[i] = E4M3Value(q[i]) * scale[block of c0 + i] (layout as QuantizeE4M3Piece).
-void DequantizeE4M3Piece(const uint8_t* q, int64_t c0, int64_t c1, int block_cols, const float* scale, float* dst);
+void DequantizeE4M3Piece(const uint8_t* q, int64_t c0, int64_t c1, int block_cols, const float* scale, float* dst,
+                         bool stream);
 
 // nvfp4: dst[i] = fl(fl(E2M1Value(code i) * scale[tile]) * s_dec), codes packed as in
 // QuantizeE2M1PiecePacked (the piece's first element even in the fragment).
 void DequantizeE2M1PiecePacked(const uint8_t* packed, int64_t c0, int64_t c1, const float* scale, float s_dec,
-                               float* dst);
+                               float* dst, bool stream);
+
+// Whether a dequantization writing `bytes` in all streams its output: above 8 MiB, more than
+// the caches of the cores that write it hold, so the output would be evicted before any use.
+inline bool StreamOutput(int64_t bytes) { return bytes >= (int64_t{8} << 20); }
 
 }  // namespace mainstay::kernels::cpu::avx512
 

@@ -432,24 +432,27 @@ absl::Status BlockDequantize(const Device& device, Format format, const Fragment
   const uint8_t* data = in.data.data();
   float* dst = out.data();
   const bool avx512 = avx512::Enabled();
+  const bool stream = avx512::StreamOutput(fragment.size() * 4);
   ForEachChunkPiece(device.executor, g, [&](int64_t row, int64_t c0, int64_t c1, int64_t offset) {
     // The dequantization factor of each block of the piece (at most kPieceElements / 16 + 2).
     alignas(64) float block_scale[kPieceElements / 16 + 2];
     const int64_t first = g.RowBase(row) + c0 / g.block_cols;
     const int64_t count = (c1 - 1) / g.block_cols - c0 / g.block_cols + 1;
-    for (int64_t b = 0; b < count; ++b) {
-      if (format == Format::kMXFP8) {
-        block_scale[b] = E8M0Value(scales[first + b]);
-      } else if (format == Format::kNVFP4) {
-        block_scale[b] = E4M3Value(scales[first + b]);
-      } else {
-        memcpy(&block_scale[b], scales + 4 * (first + b), sizeof(float));
+    if (format == Format::kFP8Block) {
+      memcpy(block_scale, scales + 4 * first, static_cast<size_t>(count) * sizeof(float));
+    } else if (avx512) {
+      avx512::DecodeBlockScales(scales + first, count, format == Format::kMXFP8, block_scale);
+    } else {
+      for (int64_t b = 0; b < count; ++b) {
+        block_scale[b] = format == Format::kMXFP8 ? E8M0Value(scales[first + b]) : E4M3Value(scales[first + b]);
       }
     }
     if (avx512 && format == Format::kNVFP4 && offset % 2 == 0) {
-      avx512::DequantizeE2M1PiecePacked(data + offset / 2, c0, c1, block_scale, in.tensor_scale_inv, dst + offset);
+      avx512::DequantizeE2M1PiecePacked(data + offset / 2, c0, c1, block_scale, in.tensor_scale_inv, dst + offset,
+                                        stream);
     } else if (avx512 && format != Format::kNVFP4) {
-      avx512::DequantizeE4M3Piece(data + offset, c0, c1, static_cast<int>(g.block_cols), block_scale, dst + offset);
+      avx512::DequantizeE4M3Piece(data + offset, c0, c1, static_cast<int>(g.block_cols), block_scale, dst + offset,
+                                  stream);
     } else if (format == Format::kNVFP4) {
       alignas(64) uint8_t codes[kPieceElements];
       UnpackNibbles(data, c1 - c0, offset, codes);

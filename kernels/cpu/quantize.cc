@@ -179,8 +179,9 @@ absl::Status Dequantize(const Device& device, Format format, const Fragment& fra
                  [&](int64_t off, int64_t size) { loop(src + 2 * off, dst + off, size); });
   } else if (avx512::Enabled()) {
     const bool e5m2 = IsE5M2(format);
+    const bool stream = avx512::StreamOutput(fragment.size() * 4);
     ForEachChunk(device.executor, fragment.size(), [&](int64_t off, int64_t size) {
-      avx512::DequantizeFp8(src + off, dst + off, size, in.tensor_scale_inv, e5m2);
+      avx512::DequantizeFp8(src + off, dst + off, size, in.tensor_scale_inv, e5m2, stream);
     });
   } else {
     const auto loop = IsE5M2(format) ? DequantFp8Loop<true> : DequantFp8Loop<false>;

@@ -34,6 +34,23 @@ float Model(float x, bool fp16) {
   return BitsFloat(fp16 ? ModelValueBits<true>(FloatBits(x)) : ModelValueBits<false>(FloatBits(x)));
 }
 
+// Where a dequantization writes: offsets that put the 64-byte boundaries (where the
+// non-temporal stores begin) at every distance from the start, streaming or not.
+struct OutPlace {
+  size_t shift;
+  bool stream;
+};
+constexpr OutPlace kOutPlaces[] = {{0, false}, {0, true}, {1, true}, {5, false}, {8, true}, {15, true}};
+
+// How many floats outside [shift, shift + n) are not the fill value -1.
+int64_t OutsideWritten(const std::vector<float>& out, size_t shift, int64_t n) {
+  int64_t bad = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (i < shift || i >= shift + static_cast<size_t>(n)) bad += out[i] != -1.0f;
+  }
+  return bad;
+}
+
 class Avx512LoopsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -118,24 +135,30 @@ TEST_F(Avx512LoopsTest, BlockPiecesMatchThePortableCastsAtEveryAlignment) {
             if (len % 2 != 0) bad += (packed[static_cast<size_t>(len / 2)] >> 4) != 0;
             bad += packed.back() != 0xAB;
             // And back: fl(fl(value * scale) * s_dec).
-            std::vector<float> out(static_cast<size_t>(len) + 1, -1.0f);
-            avx512::DequantizeE2M1PiecePacked(packed.data(), c0, c1, mult.data(), 0.375f, out.data());
-            for (int64_t i = 0; i < len; ++i) {
-              const uint8_t code = static_cast<uint8_t>((packed[static_cast<size_t>(i / 2)] >> (4 * (i % 2))) & 0xF);
-              bad += FloatBits(out[static_cast<size_t>(i)]) != FloatBits((E2M1Value(code) * m_of(i)) * 0.375f);
+            for (const OutPlace& at : kOutPlaces) {
+              std::vector<float> out(static_cast<size_t>(len) + 32, -1.0f);
+              avx512::DequantizeE2M1PiecePacked(packed.data(), c0, c1, mult.data(), 0.375f, out.data() + at.shift,
+                                                at.stream);
+              for (int64_t i = 0; i < len; ++i) {
+                const uint8_t code = static_cast<uint8_t>((packed[static_cast<size_t>(i / 2)] >> (4 * (i % 2))) & 0xF);
+                bad += FloatBits(out[static_cast<size_t>(at.shift + i)]) != FloatBits((E2M1Value(code) * m_of(i)) * 0.375f);
+              }
+              bad += OutsideWritten(out, at.shift, len);
             }
-            bad += out.back() != -1.0f;
           } else {
             std::vector<uint8_t> q(static_cast<size_t>(len) + 1, 0xAB);
             avx512::QuantizeE4M3Piece(src, c0, c1, block_cols, mult.data(), fp16, q.data());
             for (int64_t i = 0; i < len; ++i) bad += q[static_cast<size_t>(i)] != E4M3Bits(Model(src[i], fp16) * m_of(i));
             bad += q.back() != 0xAB;
-            std::vector<float> out(static_cast<size_t>(len) + 1, -1.0f);
-            avx512::DequantizeE4M3Piece(q.data(), c0, c1, block_cols, mult.data(), out.data());
-            for (int64_t i = 0; i < len; ++i) {
-              bad += FloatBits(out[static_cast<size_t>(i)]) != FloatBits(E4M3Value(q[static_cast<size_t>(i)]) * m_of(i));
+            for (const OutPlace& at : kOutPlaces) {
+              std::vector<float> out(static_cast<size_t>(len) + 32, -1.0f);
+              avx512::DequantizeE4M3Piece(q.data(), c0, c1, block_cols, mult.data(), out.data() + at.shift, at.stream);
+              for (int64_t i = 0; i < len; ++i) {
+                bad += FloatBits(out[static_cast<size_t>(at.shift + i)]) !=
+                       FloatBits(E4M3Value(q[static_cast<size_t>(i)]) * m_of(i));
+              }
+              bad += OutsideWritten(out, at.shift, len);
             }
-            bad += out.back() != -1.0f;
           }
         }
       }
@@ -143,6 +166,19 @@ TEST_F(Avx512LoopsTest, BlockPiecesMatchThePortableCastsAtEveryAlignment) {
   }
   EXPECT_GT(cases, 500);
   EXPECT_EQ(bad, 0);
+}
+
+TEST_F(Avx512LoopsTest, BlockScalesDecodeAsThePortableDecodersForEveryCode) {
+  std::vector<uint8_t> codes(256 + 7);
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i * 13);
+  for (bool e8m0 : {false, true}) {
+    std::vector<float> out(codes.size() + 1, -1.0f);
+    avx512::DecodeBlockScales(codes.data(), static_cast<int64_t>(codes.size()), e8m0, out.data());
+    for (size_t i = 0; i < codes.size(); ++i) {
+      EXPECT_EQ(FloatBits(out[i]), FloatBits(e8m0 ? E8M0Value(codes[i]) : E4M3Value(codes[i]))) << int{codes[i]};
+    }
+    EXPECT_EQ(out.back(), -1.0f);
+  }
 }
 
 TEST_F(Avx512LoopsTest, Fp8DequantizeMatchesThePortableDecodersForEveryCode) {
@@ -154,13 +190,15 @@ TEST_F(Avx512LoopsTest, Fp8DequantizeMatchesThePortableDecodersForEveryCode) {
   for (bool e5m2 : {false, true}) {
     for (float s : {1.0f, 0.0078125f, 3.3f, 1e-38f}) {
       for (size_t n : {q.size(), size_t{1}, size_t{7}, size_t{16}, size_t{31}}) {
-        std::vector<float> out(n + 1, -1.0f);
-        avx512::DequantizeFp8(q.data(), out.data(), static_cast<int64_t>(n), s, e5m2);
-        for (size_t i = 0; i < n; ++i) {
-          const float want = (e5m2 ? E5M2Value(q[i]) : E4M3Value(q[i])) * s;
-          EXPECT_EQ(FloatBits(out[i]), FloatBits(want)) << "code " << int{q[i]} << " e5m2 " << e5m2 << " s " << s;
+        for (const OutPlace& at : kOutPlaces) {
+          std::vector<float> out(n + 32, -1.0f);
+          avx512::DequantizeFp8(q.data(), out.data() + at.shift, static_cast<int64_t>(n), s, e5m2, at.stream);
+          for (size_t i = 0; i < n; ++i) {
+            const float want = (e5m2 ? E5M2Value(q[i]) : E4M3Value(q[i])) * s;
+            EXPECT_EQ(FloatBits(out[at.shift + i]), FloatBits(want)) << "code " << int{q[i]} << " e5m2 " << e5m2;
+          }
+          EXPECT_EQ(OutsideWritten(out, at.shift, static_cast<int64_t>(n)), 0) << "n " << n << " shift " << at.shift;
         }
-        EXPECT_EQ(out[n], -1.0f) << "wrote past the end, n " << n;
       }
     }
   }
