@@ -9,6 +9,8 @@
 #include <string_view>
 
 #include "kernels/cpu/vector_casts.h"
+#include "kernels/optimizer_math.h"
+#include "kernels/scaling.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define MAINSTAY_AVX512_LOOPS 1
@@ -301,6 +303,38 @@ struct E2M1Values {
   }
 };
 
+// The largest of the 32 unsigned 16-bit lanes.
+MAINSTAY_AVX512_INLINE uint16_t MaxU16(__m512i x) {
+  const __m256i m256 = _mm256_max_epu16(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64(x, 1));
+  const __m128i m128 = _mm_max_epu16(_mm256_castsi256_si128(m256), _mm256_extracti128_si256(m256, 1));
+  // phminposuw finds the minimum of 8 words: the max is the complement of the complements' min.
+  const __m128i inv = _mm_xor_si128(m128, _mm_set1_epi16(-1));
+  return static_cast<uint16_t>(~_mm_cvtsi128_si32(_mm_minpos_epu16(inv)) & 0xFFFF);
+}
+
+template <bool kFp16>
+MAINSTAY_AVX512 void CastMxfp8FromBitsLoop(const uint16_t* bits, int64_t n, uint8_t* out, uint8_t* scales) {
+  constexpr Format kModel = kFp16 ? Format::kFP16 : Format::kBF16;
+  const __m512i inf16 = _mm512_set1_epi16(static_cast<short>(kFp16 ? 0x7C00 : 0x7F80));
+  for (int64_t b = 0; b * 32 < n; ++b) {
+    const __m512i x = _mm512_loadu_si512(bits + 32 * b);
+    // MaxMagnitudeBits: magnitudes, NaNs (above inf) counted as 0.
+    const __m512i a = _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF));
+    const uint16_t amax = MaxU16(_mm512_maskz_mov_epi16(_mm512_cmple_epu16_mask(a, inf16), a));
+    const uint8_t e = MxfpBlockScale(ModelBitsToFloat(amax, kModel), kE4M3Max);
+    const __m512 mult = _mm512_set1_ps(MxfpMultiplier(e));
+    for (int half = 0; half < 2; ++half) {
+      const __m256i h = half == 0 ? _mm512_castsi512_si256(x) : _mm512_extracti64x4_epi64(x, 1);
+      // The model value: bf16 bits shifted up (exact); fp16 through vcvtph2ps (exact; a NaN's
+      // payload may differ from Fp16Value's, and every NaN casts to the same code).
+      const __m512 v = kFp16 ? _mm512_cvtph_ps(h) : AsFloat(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * b + 16 * half),
+                       _mm512_cvtepi32_epi8(E4M3(_mm512_mul_ps(v, mult))));
+    }
+    scales[b] = e;
+  }
+}
+
 }  // namespace
 
 MAINSTAY_AVX512 void DecodeBlockScales(const uint8_t* scales, int64_t count, bool e8m0, float* out) {
@@ -309,6 +343,10 @@ MAINSTAY_AVX512 void DecodeBlockScales(const uint8_t* scales, int64_t count, boo
     const __m512i q = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, scales + i));
     _mm512_mask_storeu_ps(out + i, m, e8m0 ? E8M0Value(q) : E4M3Value(q));
   }
+}
+
+void CastMxfp8FromBits(const uint16_t* bits, int64_t n, bool fp16_model, uint8_t* out, uint8_t* scales) {
+  fp16_model ? CastMxfp8FromBitsLoop<true>(bits, n, out, scales) : CastMxfp8FromBitsLoop<false>(bits, n, out, scales);
 }
 
 void QuantizeFp8(const float* src, uint8_t* dst, int64_t n, float scale, bool fp16_model, bool e5m2) {
@@ -375,6 +413,7 @@ void Cast16(const float*, uint8_t*, int64_t, bool, bool) { std::abort(); }
 void QuantizeE4M3Piece(const float*, int64_t, int64_t, int, const float*, bool, uint8_t*) { std::abort(); }
 void QuantizeE2M1PiecePacked(const float*, int64_t, int64_t, const float*, bool, uint8_t*) { std::abort(); }
 void DecodeBlockScales(const uint8_t*, int64_t, bool, float*) { std::abort(); }
+void CastMxfp8FromBits(const uint16_t*, int64_t, bool, uint8_t*, uint8_t*) { std::abort(); }
 void DequantizeFp8(const uint8_t*, float*, int64_t, float, bool, bool) { std::abort(); }
 void DequantizeE4M3Piece(const uint8_t*, int64_t, int64_t, int, const float*, float*, bool) { std::abort(); }
 void DequantizeE2M1PiecePacked(const uint8_t*, int64_t, int64_t, const float*, float, float*, bool) { std::abort(); }

@@ -50,6 +50,11 @@ void QuantizeE4M3Piece(const float* src, int64_t c0, int64_t c1, int block_cols,
 void QuantizeE2M1PiecePacked(const float* src, int64_t c0, int64_t c1, const float* enc, bool fp16_model,
                              uint8_t* packed);
 
+// The optimizer pass's mxfp8 cast (CastMxfp8Span of optimizer_loops.h): n model-dtype values
+// given as bits (n a multiple of 32, whole 1x32 blocks); per block e = MxfpBlockScale(amax,
+// 448) into scales[b] and out = E4M3(fl(value * 2^(127 - e))).
+void CastMxfp8FromBits(const uint16_t* bits, int64_t n, bool fp16_model, uint8_t* out, uint8_t* scales);
+
 // Dequantization. With `stream` the output is written with non-temporal stores (it bypasses
 // the caches: for outputs larger than them, see StreamOutput); the values are the same.
 //

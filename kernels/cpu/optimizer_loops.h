@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "kernels/casts.h"
+#include "kernels/cpu/avx512_loops.h"
 #include "kernels/cpu/vector_casts.h"
 #include "kernels/kernels.h"
 #include "kernels/optimizer_math.h"
@@ -343,18 +344,35 @@ MAINSTAY_VECTOR_CLONES void CastFp8Span(const uint16_t* bits, int64_t n, float s
   }
 }
 
+// MXFP8 over n elements made of whole 32-element blocks: per block e = MxfpBlockScale(amax,
+// 448), q = cvt_e4m3(fl(x * 2^(127 - e))).
+template <Format kModel>
+MAINSTAY_VECTOR_CLONES void CastMxfp8Span(const uint16_t* bits, int64_t n, uint8_t* out, uint8_t* scales) {
+  constexpr int64_t kBlock = 32;
+  for (int64_t b = 0; b * kBlock < n; ++b) {
+    const uint16_t* x = bits + b * kBlock;
+    const uint8_t e = MxfpBlockScale(ModelBitsToFloat(MaxMagnitudeBits<kModel>(x, kBlock), kModel), kE4M3Max);
+    const float multiplier = MxfpMultiplier(e);
+    uint8_t* q = out + b * kBlock;
+    for (int64_t i = 0; i < kBlock; ++i) q[i] = E4M3Bits(ModelValue<kModel>(x[i]) * multiplier);
+    scales[b] = e;
+  }
+}
+
 // What an optimizer pass casts the updated values into (FusedAdamWQuantize); kNone: nothing.
 enum class CastKind { kNone, kBF16, kFP16, kFP8E4M3, kFP8E5M2, kMXFP8 };
 
-// The optimizer pass of the daemon's apply as ONE loop: the AdamW update in place and the cast
-// of the new model value. fp8: q = cvt(fl(model(p) * scale)); 16-bit: the model value in the
-// output format, little-endian; mxfp8 (n a multiple of 32): per 32-element block, the update,
-// then the block's scale e from the amax of its new model values into scales[b] and
-// q = cvt_e4m3(fl(x * 2^(127 - e))). `out` and `scales` point at the span's first output byte
-// and block scale. The update is bound by the divide/sqrt unit and the cast by the integer
-// ALUs; in one loop body they run side by side (AVX-512 has the registers for it), where two
-// loops over the sub-block would run one after the other. The same operations as AdamWSpan +
-// ModelBitsSpan + CastFp8Span / Cast16Span / CastMxfp8Span, so the same bits.
+// The optimizer pass of the daemon's apply: the AdamW update in place and the cast of the new
+// model value. fp8: q = cvt(fl(model(p) * scale)); 16-bit: the model value in the output
+// format, little-endian; mxfp8 (n a multiple of 32): per 32-element block, the block's scale e
+// from the amax of its new model values into scales[b] and q = cvt_e4m3(fl(x * 2^(127 - e))).
+// `out` and `scales` point at the span's first output byte and block scale. fp8 and 16-bit run
+// as ONE loop: the update is bound by the divide/sqrt unit and the cast by the integer ALUs,
+// and in one loop body they run side by side (AVX-512 has the registers for it). mxfp8 runs
+// the update over the whole L1-resident span first, then the cast of its model bits (the
+// AVX-512 loop where the CPU has it): a loop per block around both kept the block reduction
+// scalar (docs/benchmarks.md, "Hand-written AVX-512 casts"). The same operations as AdamWSpan
+// + ModelBitsSpan + CastFp8Span / Cast16Span / CastMxfp8Span, so the same bits.
 template <ElementType kGrad, ElementType kMoment, Format kModel, CastKind kCast>
 MAINSTAY_VECTOR_CLONES void AdamWCastSpan(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n,
                                           float scale, uint8_t* out, uint8_t* scales) {
@@ -366,17 +384,14 @@ MAINSTAY_VECTOR_CLONES void AdamWCastSpan(const AdamWArgs& args, const void* gra
   void* m = const_cast<void*>(MomentAt<kMoment>(args.m, begin));
   void* v = const_cast<void*>(MomentAt<kMoment>(args.v, begin));
   if constexpr (kCast == CastKind::kMXFP8) {
-    constexpr int64_t kBlock = 32;
-    for (int64_t b = 0; b * kBlock < n; ++b) {
-      uint16_t bits[kBlock];
-      for (int64_t j = 0; j < kBlock; ++j) {
-        bits[j] = ModelBits<kModel>(AdamWInPlace<kGrad, kMoment>(h, c, multiplier, grad, b * kBlock + j, master, m, v));
-      }
-      const uint8_t e = MxfpBlockScale(ModelBitsToFloat(MaxMagnitudeBits<kModel>(bits, kBlock), kModel), kE4M3Max);
-      const float mult = MxfpMultiplier(e);
-      uint8_t* q = out + b * kBlock;
-      for (int64_t j = 0; j < kBlock; ++j) q[j] = E4M3Bits(ModelValue<kModel>(bits[j]) * mult);
-      scales[b] = e;
+    uint16_t bits[kSubBlockElements];
+    for (int64_t i = 0; i < n; ++i) {
+      bits[i] = ModelBits<kModel>(AdamWInPlace<kGrad, kMoment>(h, c, multiplier, grad, i, master, m, v));
+    }
+    if (avx512::Enabled()) {
+      avx512::CastMxfp8FromBits(bits, n, kModel == Format::kFP16, out, scales);
+    } else {
+      CastMxfp8Span<kModel>(bits, n, out, scales);
     }
   } else {
     for (int64_t i = 0; i < n; ++i) {
@@ -393,21 +408,6 @@ MAINSTAY_VECTOR_CLONES void AdamWCastSpan(const AdamWArgs& args, const void* gra
         out[2 * i + 1] = static_cast<uint8_t>(q >> 8);
       }
     }
-  }
-}
-
-// MXFP8 over n elements made of whole 32-element blocks: per block e = MxfpBlockScale(amax,
-// 448), q = cvt_e4m3(fl(x * 2^(127 - e))).
-template <Format kModel>
-MAINSTAY_VECTOR_CLONES void CastMxfp8Span(const uint16_t* bits, int64_t n, uint8_t* out, uint8_t* scales) {
-  constexpr int64_t kBlock = 32;
-  for (int64_t b = 0; b * kBlock < n; ++b) {
-    const uint16_t* x = bits + b * kBlock;
-    const uint8_t e = MxfpBlockScale(ModelBitsToFloat(MaxMagnitudeBits<kModel>(x, kBlock), kModel), kE4M3Max);
-    const float multiplier = MxfpMultiplier(e);
-    uint8_t* q = out + b * kBlock;
-    for (int64_t i = 0; i < kBlock; ++i) q[i] = E4M3Bits(ModelValue<kModel>(x[i]) * multiplier);
-    scales[b] = e;
   }
 }
 

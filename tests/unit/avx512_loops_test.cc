@@ -12,6 +12,7 @@
 
 #include "kernels/casts.h"
 #include "kernels/cpu/avx512_loops.h"
+#include "kernels/cpu/optimizer_loops.h"
 #include "kernels/cpu/vector_casts.h"
 
 namespace mainstay::kernels::cpu {
@@ -166,6 +167,28 @@ TEST_F(Avx512LoopsTest, BlockPiecesMatchThePortableCastsAtEveryAlignment) {
   }
   EXPECT_GT(cases, 500);
   EXPECT_EQ(bad, 0);
+}
+
+// The optimizer pass's mxfp8 cast of model bits: every 16-bit pattern, in blocks whose amax is
+// each of them in turn (NaNs, infinities, subnormals and zeros included).
+TEST_F(Avx512LoopsTest, Mxfp8CastOfModelBitsMatchesThePortableCast) {
+  std::vector<uint16_t> bits(65536 * 32);
+  std::mt19937 rng(9);
+  for (size_t i = 0; i < bits.size(); ++i) {
+    bits[i] = i % 32 == 0 ? static_cast<uint16_t>(i / 32) : static_cast<uint16_t>(rng() & (rng() % 3 ? 0x3FFF : 0xFFFF));
+  }
+  const int64_t n = static_cast<int64_t>(bits.size());
+  std::vector<uint8_t> q(bits.size()), want_q(bits.size()), e(bits.size() / 32), want_e(bits.size() / 32);
+  for (bool fp16 : {false, true}) {
+    avx512::CastMxfp8FromBits(bits.data(), n, fp16, q.data(), e.data());
+    if (fp16) {
+      CastMxfp8Span<Format::kFP16>(bits.data(), n, want_q.data(), want_e.data());
+    } else {
+      CastMxfp8Span<Format::kBF16>(bits.data(), n, want_q.data(), want_e.data());
+    }
+    EXPECT_EQ(q, want_q) << "fp16 model " << fp16;
+    EXPECT_EQ(e, want_e) << "fp16 model " << fp16;
+  }
 }
 
 TEST_F(Avx512LoopsTest, BlockScalesDecodeAsThePortableDecodersForEveryCode) {
