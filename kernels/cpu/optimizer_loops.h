@@ -166,15 +166,19 @@ MAINSTAY_VECTOR_CLONES void AdamWSpanOut(const AdamWHyper h, const AdamWConstant
                                          const void* __restrict v, int64_t n, float* __restrict master_out,
                                          void* __restrict m_out, void* __restrict v_out) {
   const float multiplier = h.grad_multiplier;
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = LoadGrad(grad, kGrad, i) * multiplier;
-    float p = master[i];
-    float mi = LoadMoment(m, kMoment, i);
-    float vi = LoadMoment(v, kMoment, i);
-    AdamWElement(h, c, g, p, mi, vi);
-    master_out[i] = p;
-    StoreMoment(m_out, kMoment, i, mi);
-    StoreMoment(v_out, kMoment, i, vi);
+  for (int64_t t = 0; t < n; t += kPrefetchSlice) {
+    PrefetchAdamWSlice<kGrad, kMoment>(grad, master, m, v, t + kPrefetchAhead);
+    const int64_t end = std::min(n, t + kPrefetchSlice);
+    for (int64_t i = t; i < end; ++i) {
+      const float g = LoadGrad(grad, kGrad, i) * multiplier;
+      float p = master[i];
+      float mi = LoadMoment(m, kMoment, i);
+      float vi = LoadMoment(v, kMoment, i);
+      AdamWElement(h, c, g, p, mi, vi);
+      master_out[i] = p;
+      StoreMoment(m_out, kMoment, i, mi);
+      StoreMoment(v_out, kMoment, i, vi);
+    }
   }
 }
 
