@@ -130,8 +130,8 @@ MAINSTAY_AVX512_INLINE __m512i MinifloatMagnitude(__m512i mag) {
 // E4M3Value / E5M2Value of 16 codes (one per lane).
 MAINSTAY_AVX512_INLINE __m512 E4M3Value(__m512i q) {
   const __m512i mag = _mm512_and_si512(q, Const(0x7F));
-  __m512i bits = _mm512_ternarylogic_epi32(MinifloatMagnitude<3, 7>(mag), _mm512_slli_epi32(q, 24),
-                                           Const(0x80000000u), 0xF8);
+  const __m512i magnitude = MinifloatMagnitude<3, 7>(mag);  // (not inside the macro: its comma)
+  __m512i bits = _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi32(q, 24), Const(0x80000000u), 0xF8);
   bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(mag, Const(0x7F)), Const(0x7FC00000u));
   return AsFloat(bits);
 }
