@@ -41,6 +41,27 @@ inline constexpr int kSumLanes = 8;
 
 inline int64_t ChunkCount(int64_t n) { return (n + kChunkElements - 1) / kChunkElements; }
 
+// Software prefetch for the in-place AdamW loops that also cast: they run over slices of
+// kPrefetchSlice elements, and before each slice ask for the lines of the slice kPrefetchAhead
+// elements on, in all four arrays. The cast's arithmetic fills the core's out-of-order window,
+// so without this the loads of the next elements issue late and the loop waits on memory
+// between bursts of work: AdamW + fp8 cast at 1.25-1.33 G elements/s against 1.45-1.50 with it,
+// on 2 threads, AdamW alone 1.5-1.6 (docs/benchmarks.md, "Hand-written AVX-512 casts"; 512
+// ahead measured best of 0, 512, 1024, 2048: 2048, 32 KiB in four arrays, thrashes L1).
+inline constexpr int64_t kPrefetchSlice = 64;
+inline constexpr int64_t kPrefetchAhead = 512;
+
+// Prefetches the lines of elements [i, i + kPrefetchSlice) of an array of kBytes-byte elements
+// at `base`. Those may lie past the array's end: the address is formed as an integer, and a
+// prefetch never faults.
+template <int kBytes, bool kWrite>
+MAINSTAY_CAST_INLINE void PrefetchSlice(const void* base, int64_t i) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(i) * kBytes;
+  for (int64_t b = 0; b < kPrefetchSlice * kBytes; b += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(a + static_cast<uintptr_t>(b)), kWrite ? 1 : 0, 3);
+  }
+}
+
 // ---- Gradient statistics.
 
 // Adds (g * g) of g = grad[i] * multiplier, i in [0, n), to lanes[i % kSumLanes] and returns
@@ -54,12 +75,18 @@ MAINSTAY_VECTOR_CLONES int64_t AccumulateGradStats(const void* grad, int64_t n, 
   for (int l = 0; l < kSumLanes; ++l) acc[l] = lanes[l];
   int32_t bad = 0;
   int64_t i = 0;
-  for (; i + kSumLanes <= n; i += kSumLanes) {
-    for (int l = 0; l < kSumLanes; ++l) {
-      const float g = LoadGrad(grad, kGrad, i + l) * multiplier;
-      const double gd = static_cast<double>(g);
-      acc[l] += gd * gd;  // the square is exact in FP64; only the sum rounds
-      bad += IsFinite(g) ? 0 : 1;
+  for (; i + kSumLanes <= n;) {
+    // Slices of kPrefetchSlice (a multiple of kSumLanes: lanes keep their elements), each
+    // asking for the gradients kPrefetchAhead elements on (see PrefetchSlice).
+    PrefetchSlice<kGrad == ElementType::kBFloat16 ? 2 : 4, false>(grad, i + kPrefetchAhead);
+    const int64_t end = std::min(n - n % kSumLanes, i + kPrefetchSlice);
+    for (; i < end; i += kSumLanes) {
+      for (int l = 0; l < kSumLanes; ++l) {
+        const float g = LoadGrad(grad, kGrad, i + l) * multiplier;
+        const double gd = static_cast<double>(g);
+        acc[l] += gd * gd;  // the square is exact in FP64; only the sum rounds
+        bad += IsFinite(g) ? 0 : 1;
+      }
     }
   }
   for (int l = 0; i + l < n; ++l) {
@@ -123,27 +150,6 @@ MAINSTAY_CAST_INLINE float AdamWInPlace(const AdamWHyper& h, const AdamWConstant
   StoreMoment(m, kMoment, i, mi);
   StoreMoment(v, kMoment, i, vi);
   return p;
-}
-
-// Software prefetch for the in-place AdamW loops that also cast: they run over slices of
-// kPrefetchSlice elements, and before each slice ask for the lines of the slice kPrefetchAhead
-// elements on, in all four arrays. The cast's arithmetic fills the core's out-of-order window,
-// so without this the loads of the next elements issue late and the loop waits on memory
-// between bursts of work: AdamW + fp8 cast at 1.25-1.33 G elements/s against 1.45-1.50 with it,
-// on 2 threads, AdamW alone 1.5-1.6 (docs/benchmarks.md, "Hand-written AVX-512 casts"; 512
-// ahead measured best of 0, 512, 1024, 2048: 2048, 32 KiB in four arrays, thrashes L1).
-inline constexpr int64_t kPrefetchSlice = 64;
-inline constexpr int64_t kPrefetchAhead = 512;
-
-// Prefetches the lines of elements [i, i + kPrefetchSlice) of an array of kBytes-byte elements
-// at `base`. Those may lie past the array's end: the address is formed as an integer, and a
-// prefetch never faults.
-template <int kBytes, bool kWrite>
-MAINSTAY_CAST_INLINE void PrefetchSlice(const void* base, int64_t i) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(i) * kBytes;
-  for (int64_t b = 0; b < kPrefetchSlice * kBytes; b += 64) {
-    __builtin_prefetch(reinterpret_cast<const void*>(a + static_cast<uintptr_t>(b)), kWrite ? 1 : 0, 3);
-  }
 }
 
 template <ElementType kGrad, ElementType kMoment>
