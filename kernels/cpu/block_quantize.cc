@@ -62,18 +62,27 @@ Grid MakeGrid(Format format, const Fragment& f) {
 
 // The loops below take the FP32 magnitudes' max; RectAmax rounds each block's max to the model
 // dtype once (ModelAmaxOfRaw), which gives the max of the rounded values.
+// The loops prefetch as the optimizer's do (PrefetchSlice, vector_casts.h).
 MAINSTAY_VECTOR_CLONES void UpdateColumnMax(const float* src, int32_t* colmax, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t a = AmaxBits(FloatBits(src[i]));
-    colmax[i] = a > colmax[i] ? a : colmax[i];
+  for (int64_t t = 0; t < n; t += kPrefetchSlice) {
+    PrefetchSlice<4, false>(src, t + kPrefetchAhead);
+    const int64_t end = std::min(n, t + kPrefetchSlice);
+    for (int64_t i = t; i < end; ++i) {
+      const int32_t a = AmaxBits(FloatBits(src[i]));
+      colmax[i] = a > colmax[i] ? a : colmax[i];
+    }
   }
 }
 
 MAINSTAY_VECTOR_CLONES int32_t SegmentAmax(const float* src, int64_t n) {
   int32_t m = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t a = AmaxBits(FloatBits(src[i]));
-    m = a > m ? a : m;
+  for (int64_t t = 0; t < n; t += kPrefetchSlice) {
+    PrefetchSlice<4, false>(src, t + kPrefetchAhead);
+    const int64_t end = std::min(n, t + kPrefetchSlice);
+    for (int64_t i = t; i < end; ++i) {
+      const int32_t a = AmaxBits(FloatBits(src[i]));
+      m = a > m ? a : m;
+    }
   }
   return m;
 }
@@ -82,6 +91,7 @@ MAINSTAY_VECTOR_CLONES int32_t SegmentAmax(const float* src, int64_t n) {
 // full vectors.
 MAINSTAY_VECTOR_CLONES void WholeBlocks32Amax(const float* src, int64_t blocks, int32_t* out) {
   for (int64_t b = 0; b < blocks; ++b) {
+    if (b % 2 == 0) PrefetchSlice<4, false>(src, 32 * b + kPrefetchAhead);
     int32_t m = 0;
     for (int64_t i = 0; i < 32; ++i) {
       const int32_t a = AmaxBits(FloatBits(src[32 * b + i]));

@@ -41,26 +41,11 @@ inline constexpr int kSumLanes = 8;
 
 inline int64_t ChunkCount(int64_t n) { return (n + kChunkElements - 1) / kChunkElements; }
 
-// Software prefetch for the in-place AdamW loops that also cast: they run over slices of
-// kPrefetchSlice elements, and before each slice ask for the lines of the slice kPrefetchAhead
-// elements on, in all four arrays. The cast's arithmetic fills the core's out-of-order window,
-// so without this the loads of the next elements issue late and the loop waits on memory
-// between bursts of work: AdamW + fp8 cast at 1.25-1.33 G elements/s against 1.45-1.50 with it,
-// on 2 threads, AdamW alone 1.5-1.6 (docs/benchmarks.md, "Hand-written AVX-512 casts"; 512
-// ahead measured best of 0, 512, 1024, 2048: 2048, 32 KiB in four arrays, thrashes L1).
-inline constexpr int64_t kPrefetchSlice = 64;
-inline constexpr int64_t kPrefetchAhead = 512;
-
-// Prefetches the lines of elements [i, i + kPrefetchSlice) of an array of kBytes-byte elements
-// at `base`. Those may lie past the array's end: the address is formed as an integer, and a
-// prefetch never faults.
-template <int kBytes, bool kWrite>
-MAINSTAY_CAST_INLINE void PrefetchSlice(const void* base, int64_t i) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(i) * kBytes;
-  for (int64_t b = 0; b < kPrefetchSlice * kBytes; b += 64) {
-    __builtin_prefetch(reinterpret_cast<const void*>(a + static_cast<uintptr_t>(b)), kWrite ? 1 : 0, 3);
-  }
-}
+// The streaming loops below prefetch with PrefetchSlice (vector_casts.h): in the AdamW loops
+// that also cast, the cast's arithmetic fills the core's out-of-order window, and without it
+// the loads of the next elements issue late: AdamW + fp8 cast at 1.25-1.33 G elements/s
+// against 1.45-1.50 with it, on 2 threads, AdamW alone 1.5-1.6 (docs/benchmarks.md,
+// "Hand-written AVX-512 casts").
 
 // ---- Gradient statistics.
 

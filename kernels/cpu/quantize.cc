@@ -25,9 +25,13 @@ namespace {
 template <bool kFp16Model>
 MAINSTAY_VECTOR_CLONES int32_t AmaxLoop(const float* src, int64_t n) {
   int32_t m = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t a = AmaxBits(FloatBits(src[i]));
-    m = a > m ? a : m;
+  for (int64_t t = 0; t < n; t += kPrefetchSlice) {
+    PrefetchSlice<4, false>(src, t + kPrefetchAhead);
+    const int64_t end = std::min(n, t + kPrefetchSlice);
+    for (int64_t i = t; i < end; ++i) {
+      const int32_t a = AmaxBits(FloatBits(src[i]));
+      m = a > m ? a : m;
+    }
   }
   return ModelAmaxOfRaw<kFp16Model>(m);
 }

@@ -219,6 +219,26 @@ MAINSTAY_CAST_INLINE float MinFltMaxValue(float x) {
   return BitsFloat(SelectBits(x <= FLT_MAX, FloatBits(x), FloatBits(FLT_MAX)));
 }
 
+// Software prefetch for the streaming loops: they run over slices of kPrefetchSlice elements
+// and, before each slice, ask for the lines of the slice kPrefetchAhead elements on, in every
+// array they stream. Where a loop does real arithmetic per element it fills the core's
+// out-of-order window, the hardware prefetcher alone leaves the core waiting on memory between
+// bursts of work (512 ahead measured best of 0, 512, 1024 and 2048 on AdamW + fp8 cast: 2048,
+// 32 KiB in four arrays, thrashes L1).
+inline constexpr int64_t kPrefetchSlice = 64;
+inline constexpr int64_t kPrefetchAhead = 512;
+
+// Prefetches the lines of elements [i, i + kPrefetchSlice) of an array of kBytes-byte elements
+// at `base`. Those may lie past the array's end: the address is formed as an integer, and a
+// prefetch never faults.
+template <int kBytes, bool kWrite>
+MAINSTAY_CAST_INLINE void PrefetchSlice(const void* base, int64_t i) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(i) * kBytes;
+  for (int64_t b = 0; b < kPrefetchSlice * kBytes; b += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(a + static_cast<uintptr_t>(b)), kWrite ? 1 : 0, 3);
+  }
+}
+
 }  // namespace mainstay::kernels::cpu
 
 #endif  // MAINSTAY_KERNELS_CPU_VECTOR_CASTS_H_
