@@ -187,7 +187,11 @@ MAINSTAY_VECTOR_CLONES void AdamWSpan(const AdamWArgs& args, const void* grad, i
     float* master = const_cast<float*>(args.master) + begin;
     void* m = const_cast<void*>(MomentAt<kMoment>(args.m, begin));
     void* v = const_cast<void*>(MomentAt<kMoment>(args.v, begin));
-    for (int64_t i = 0; i < n; ++i) AdamWInPlace<kGrad, kMoment>(h, c, multiplier, grad, i, master, m, v);
+    for (int64_t t = 0; t < n; t += kPrefetchSlice) {
+      PrefetchAdamWSlice<kGrad, kMoment>(grad, master, m, v, t + kPrefetchAhead);
+      const int64_t end = std::min(n, t + kPrefetchSlice);
+      for (int64_t i = t; i < end; ++i) AdamWInPlace<kGrad, kMoment>(h, c, multiplier, grad, i, master, m, v);
+    }
   }
 }
 
