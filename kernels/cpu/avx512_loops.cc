@@ -335,6 +335,79 @@ MAINSTAY_AVX512 void CastMxfp8FromBitsLoop(const uint16_t* bits, int64_t n, uint
   }
 }
 
+// AdamWElement's operations in its order on 16 lanes (g = grad * multiplier already): the
+// updated masters; m and v are updated in registers only.
+struct AdamWVectors {
+  __m512 multiplier, beta1, beta2, one_minus_beta1, one_minus_beta2, decay, step_size, bc2_sqrt, eps;
+
+  MAINSTAY_AVX512_INLINE static AdamWVectors Of(const AdamWHyper& hyper, const AdamWConstants& c) {
+    return {_mm512_set1_ps(hyper.grad_multiplier), _mm512_set1_ps(hyper.beta1),   _mm512_set1_ps(hyper.beta2),
+            _mm512_set1_ps(c.one_minus_beta1),     _mm512_set1_ps(c.one_minus_beta2), _mm512_set1_ps(c.decay),
+            _mm512_set1_ps(c.step_size),           _mm512_set1_ps(c.bc2_sqrt),     _mm512_set1_ps(hyper.eps)};
+  }
+
+  MAINSTAY_AVX512_INLINE __m512 Updated(__m512 g, __m512 master, __m512 m, __m512 v) const {
+    const __m512 mi = _mm512_add_ps(_mm512_mul_ps(beta1, m), _mm512_mul_ps(one_minus_beta1, g));
+    const __m512 vi = _mm512_add_ps(_mm512_mul_ps(beta2, v), _mm512_mul_ps(one_minus_beta2, _mm512_mul_ps(g, g)));
+    const __m512 p = _mm512_mul_ps(master, decay);
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
+    return _mm512_sub_ps(p, _mm512_mul_ps(step_size, _mm512_div_ps(mi, denom)));
+  }
+};
+
+// The dry run of AdamW for the amax (FusedAdamW with StepOutputs::dry_run, FP32 gradients
+// and moments, only the tensor amax and the gradient statistics wanted): nothing stored. The
+// statistics follow AccumulateGradStats: lane l of the 8 FP64 accumulators takes the elements
+// i with i % 8 == l, in order (the lower 8 of a vector, then the upper 8).
+template <bool kFp16>
+MAINSTAY_AVX512 int32_t AdamWDryRunAmaxLoop(const AdamWHyper& hyper, const AdamWConstants& c, const float* grad,
+                                            const float* master, const float* m, const float* v, int64_t n,
+                                            double* lanes, int64_t* nonfinite) {
+  const AdamWVectors adamw = AdamWVectors::Of(hyper, c);
+  __m512d acc = lanes != nullptr ? _mm512_loadu_pd(lanes) : _mm512_setzero_pd();
+  __m512i raw = _mm512_setzero_si512();
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = FirstLanes(n - i);
+    Prefetch(grad + i);
+    Prefetch(master + i);
+    Prefetch(m + i);
+    Prefetch(v + i);
+    const __m512 g = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, grad + i), adamw.multiplier);
+    const __m512 updated = adamw.Updated(g, _mm512_maskz_loadu_ps(k, master + i), _mm512_maskz_loadu_ps(k, m + i),
+                                         _mm512_maskz_loadu_ps(k, v + i));
+    // AmaxBits: |x| as ordered integer bits, NaN -> 0 (and lanes past the end -> 0).
+    const __m512i a = _mm512_and_si512(AsInt(updated), Const(0x7FFFFFFFu));
+    raw = _mm512_max_epi32(raw, _mm512_maskz_mov_epi32(k & _mm512_cmple_epi32_mask(a, Const(0x7F800000u)), a));
+    if (lanes != nullptr) {
+      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
+      const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1)));
+      acc = _mm512_mask_add_pd(acc, static_cast<__mmask8>(k & 0xFF), acc, _mm512_mul_pd(lo, lo));
+      acc = _mm512_mask_add_pd(acc, static_cast<__mmask8>(k >> 8), acc, _mm512_mul_pd(hi, hi));
+      // Not finite: NaN (quiet or signaling) or +-inf.
+      bad += __builtin_popcount(static_cast<unsigned>(_mm512_mask_fpclass_ps_mask(k, g, 0x99)));
+    }
+  }
+  if (lanes != nullptr) {
+    _mm512_storeu_pd(lanes, acc);
+    *nonfinite += bad;
+  }
+  return ModelAmaxOfRaw<kFp16>(_mm512_reduce_max_epi32(raw));
+}
+
+MAINSTAY_AVX512 void AdamWDryRunMastersLoop(const AdamWHyper& hyper, const AdamWConstants& c, const float* grad,
+                                            const float* master, const float* m, const float* v, int64_t n,
+                                            float* out) {
+  const AdamWVectors adamw = AdamWVectors::Of(hyper, c);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = FirstLanes(n - i);
+    const __m512 g = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, grad + i), adamw.multiplier);
+    _mm512_mask_storeu_ps(out + i, k,
+                          adamw.Updated(g, _mm512_maskz_loadu_ps(k, master + i), _mm512_maskz_loadu_ps(k, m + i),
+                                        _mm512_maskz_loadu_ps(k, v + i)));
+  }
+}
+
 }  // namespace
 
 MAINSTAY_AVX512 void DecodeBlockScales(const uint8_t* scales, int64_t count, bool e8m0, float* out) {
@@ -347,6 +420,18 @@ MAINSTAY_AVX512 void DecodeBlockScales(const uint8_t* scales, int64_t count, boo
 
 void CastMxfp8FromBits(const uint16_t* bits, int64_t n, bool fp16_model, uint8_t* out, uint8_t* scales) {
   fp16_model ? CastMxfp8FromBitsLoop<true>(bits, n, out, scales) : CastMxfp8FromBitsLoop<false>(bits, n, out, scales);
+}
+
+int32_t AdamWDryRunAmax(const AdamWHyper& hyper, const AdamWConstants& consts, const float* grad, const float* master,
+                        const float* m, const float* v, int64_t n, bool fp16_model, double* lanes,
+                        int64_t* nonfinite) {
+  return fp16_model ? AdamWDryRunAmaxLoop<true>(hyper, consts, grad, master, m, v, n, lanes, nonfinite)
+                    : AdamWDryRunAmaxLoop<false>(hyper, consts, grad, master, m, v, n, lanes, nonfinite);
+}
+
+void AdamWDryRunMasters(const AdamWHyper& hyper, const AdamWConstants& consts, const float* grad, const float* master,
+                        const float* m, const float* v, int64_t n, float* out) {
+  AdamWDryRunMastersLoop(hyper, consts, grad, master, m, v, n, out);
 }
 
 void QuantizeFp8(const float* src, uint8_t* dst, int64_t n, float scale, bool fp16_model, bool e5m2) {
@@ -414,6 +499,14 @@ void QuantizeE4M3Piece(const float*, int64_t, int64_t, int, const float*, bool, 
 void QuantizeE2M1PiecePacked(const float*, int64_t, int64_t, const float*, bool, uint8_t*) { std::abort(); }
 void DecodeBlockScales(const uint8_t*, int64_t, bool, float*) { std::abort(); }
 void CastMxfp8FromBits(const uint16_t*, int64_t, bool, uint8_t*, uint8_t*) { std::abort(); }
+int32_t AdamWDryRunAmax(const AdamWHyper&, const AdamWConstants&, const float*, const float*, const float*, const float*,
+                        int64_t, bool, double*, int64_t*) {
+  std::abort();
+}
+void AdamWDryRunMasters(const AdamWHyper&, const AdamWConstants&, const float*, const float*, const float*,
+                        const float*, int64_t, float*) {
+  std::abort();
+}
 void DequantizeFp8(const uint8_t*, float*, int64_t, float, bool, bool) { std::abort(); }
 void DequantizeE4M3Piece(const uint8_t*, int64_t, int64_t, int, const float*, float*, bool) { std::abort(); }
 void DequantizeE2M1PiecePacked(const uint8_t*, int64_t, int64_t, const float*, float, float*, bool) { std::abort(); }

@@ -23,6 +23,9 @@
 
 #include <cstdint>
 
+#include "kernels/kernels.h"
+#include "kernels/optimizer_math.h"
+
 namespace mainstay::kernels::cpu::avx512 {
 
 // Whether the loops below run: the CPU has AVX-512 F, BW, VL and DQ, the build targets
@@ -54,6 +57,20 @@ void QuantizeE2M1PiecePacked(const float* src, int64_t c0, int64_t c1, const flo
 // given as bits (n a multiple of 32, whole 1x32 blocks); per block e = MxfpBlockScale(amax,
 // 448) into scales[b] and out = E4M3(fl(value * 2^(127 - e))).
 void CastMxfp8FromBits(const uint16_t* bits, int64_t n, bool fp16_model, uint8_t* out, uint8_t* scales);
+
+// The dry run of AdamW that only wants the amax (the daemon's probe for current scaling): for
+// n elements (FP32 gradients, masters and moments), the FP32 bits of the largest model-dtype
+// magnitude of the updated masters (NaN ignored), nothing stored. With `lanes` (the 8 FP64
+// accumulators of AccumulateGradStats, for elements starting at a multiple of 8) the squares
+// of grad * multiplier are added to them and the non-finite ones counted into *nonfinite.
+int32_t AdamWDryRunAmax(const AdamWHyper& hyper, const AdamWConstants& consts, const float* grad, const float* master,
+                        const float* m, const float* v, int64_t n, bool fp16_model, double* lanes,
+                        int64_t* nonfinite);
+
+// The updated masters of that dry run, written to out[0, n): what its amax is taken over (for
+// tests: the daemon never needs them).
+void AdamWDryRunMasters(const AdamWHyper& hyper, const AdamWConstants& consts, const float* grad, const float* master,
+                        const float* m, const float* v, int64_t n, float* out);
 
 // Dequantization. With `stream` the output is written with non-temporal stores (it bypasses
 // the caches: for outputs larger than them, see StreamOutput); the values are the same.

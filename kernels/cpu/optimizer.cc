@@ -22,6 +22,7 @@
 #include "common/format.h"
 #include "common/status.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/avx512_loops.h"
 #include "kernels/cpu/executor.h"
 #include "kernels/cpu/optimizer_loops.h"
 
@@ -120,6 +121,8 @@ struct Pass {
   float tensor_scale = 1.0f;
   QuantizedOutputs quantized;
   PassKernels k;
+  // The AVX-512 dry run for the amax (avx512::AdamWDryRunAmax) runs the whole chunk.
+  bool avx512_dry_amax = false;
 };
 
 struct ChunkResult {
@@ -178,6 +181,18 @@ void ProcessChunk(const Pass& p, UpdateFn<Args> update, const Args& args, int64_
   double lanes[kSumLanes] = {};
   int64_t nonfinite = 0;
   float amax = 0.0f;
+  if constexpr (std::is_same_v<Args, AdamWArgs>) {
+    if (p.avx512_dry_amax) {
+      const int32_t bits = avx512::AdamWDryRunAmax(
+          args.hyper, args.consts, static_cast<const float*>(p.grad.data) + lo, args.master + lo,
+          static_cast<const float*>(args.m) + lo, static_cast<const float*>(args.v) + lo, hi - lo,
+          p.model_dtype == Format::kFP16, p.want_stats ? lanes : nullptr, &nonfinite);
+      result->sum_squares = CombineLanes(lanes);
+      result->nonfinite = nonfinite;
+      result->amax = BitsFloat(static_cast<uint32_t>(bits));
+      return;
+    }
+  }
   uint16_t scratch[kSubBlockElements];
   float widened[kSubBlockElements];
   // A dry run's updated values (moments as FP32 or bf16; the widest is 4 bytes).
@@ -330,6 +345,13 @@ AdamWCastFn PickAdamWCast(const Pass& p, ElementType grad, ElementType moment) {
 void RunAdamW(const Device& device, Pass& pass, const OptimizerState& state, GradView grad,
               const AdamWHyper& hyper) {
   pass.k.adamw_cast = PickAdamWCast(pass, grad.type, state.moment_type);
+  // A dry run that wants only the tensor amax (and the statistics), on FP32 data: one AVX-512
+  // loop that stores nothing, where the portable pass writes the update to scratch, rounds it
+  // to model bits and reads those back.
+  pass.avx512_dry_amax = pass.dry_run && grad.type == ElementType::kFloat32 &&
+                         state.moment_type == ElementType::kFloat32 && pass.blocks.slots == nullptr &&
+                         pass.out.amax.tensor_amax != nullptr && pass.out.model_values.empty() &&
+                         pass.cast == CastKind::kNone && avx512::Enabled();
   const AdamWArgs args{hyper, MakeAdamWConstants(hyper), state.master, state.m, state.v};
   RunPass(device, pass, PickUpdate<AdamWKernel>(grad.type, state.moment_type, pass.dry_run), args);
 }

@@ -5,7 +5,10 @@
 // the portable casts against CUDA's conversions, and runs the whole kernels both ways.
 #include <gtest/gtest.h>
 
+#include <bit>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -188,6 +191,73 @@ TEST_F(Avx512LoopsTest, Mxfp8CastOfModelBitsMatchesThePortableCast) {
     }
     EXPECT_EQ(q, want_q) << "fp16 model " << fp16;
     EXPECT_EQ(e, want_e) << "fp16 model " << fp16;
+  }
+}
+
+// The dry run for the amax against the portable loops (AdamWSpanOut, then the model bits'
+// largest magnitude; AccumulateGradStats), with gradients of every magnitude, NaNs and
+// infinities among them, and every tail length.
+TEST_F(Avx512LoopsTest, AdamWDryRunAmaxMatchesThePortableDryRun) {
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t n = 3000;
+  std::vector<float> grad(n), master(n), m(n), v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    grad[i] = normal(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 40) - 20);
+    master[i] = normal(rng) * (i % 101 == 7 ? 1e4f : 0.05f);
+    m[i] = normal(rng) * 1e-3f;
+    v[i] = std::fabs(normal(rng)) * 1e-6f;
+  }
+  grad[17] = std::numeric_limits<float>::quiet_NaN();
+  grad[1234] = std::numeric_limits<float>::infinity();
+  master[2999] = std::numeric_limits<float>::quiet_NaN();
+  AdamWHyper h;
+  h.lr = 1e-3f;
+  h.weight_decay = 0.1f;
+  h.step = 7;
+  h.grad_multiplier = 0.5f;
+  const AdamWConstants c = MakeAdamWConstants(h);
+  for (bool fp16 : {false, true}) {
+    for (int64_t len : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{1024}, n}) {
+      // The portable dry run, as ProcessChunk does it.
+      std::vector<float> pm(static_cast<size_t>(len)), mm(static_cast<size_t>(len)), vm(static_cast<size_t>(len));
+      AdamWSpanOut<ElementType::kFloat32, ElementType::kFloat32>(h, c, grad.data(), master.data(), m.data(), v.data(),
+                                                                 len, pm.data(), mm.data(), vm.data());
+      std::vector<uint16_t> bits(static_cast<size_t>(len));
+      if (fp16) {
+        ModelBitsSpan<Format::kFP16>(pm.data(), len, bits.data());
+      } else {
+        ModelBitsSpan<Format::kBF16>(pm.data(), len, bits.data());
+      }
+      const Format model = fp16 ? Format::kFP16 : Format::kBF16;
+      const float want_amax = ModelBitsToFloat(
+          fp16 ? MaxMagnitudeBits<Format::kFP16>(bits.data(), len) : MaxMagnitudeBits<Format::kBF16>(bits.data(), len),
+          model);
+      double want_lanes[kSumLanes] = {0.5, 0, 0, 0, 0, 0, 0, 0};
+      const int64_t want_bad = AccumulateGradStats<ElementType::kFloat32>(grad.data(), len, h.grad_multiplier, want_lanes);
+
+      double lanes[kSumLanes] = {0.5, 0, 0, 0, 0, 0, 0, 0};
+      int64_t bad = 0;
+      const int32_t amax = avx512::AdamWDryRunAmax(h, c, grad.data(), master.data(), m.data(), v.data(), len, fp16,
+                                                   lanes, &bad);
+      EXPECT_EQ(static_cast<uint32_t>(amax), FloatBits(want_amax)) << "fp16 " << fp16 << " len " << len;
+      EXPECT_EQ(bad, want_bad) << "len " << len;
+      for (int l = 0; l < kSumLanes; ++l) {
+        EXPECT_EQ(std::bit_cast<uint64_t>(lanes[l]), std::bit_cast<uint64_t>(want_lanes[l])) << "lane " << l << " len " << len;
+      }
+      // The updated masters the amax is taken over, bit for bit.
+      std::vector<float> updated(static_cast<size_t>(len));
+      avx512::AdamWDryRunMasters(h, c, grad.data(), master.data(), m.data(), v.data(), len, updated.data());
+      int64_t differ = 0;
+      for (int64_t i = 0; i < len; ++i) differ += FloatBits(updated[static_cast<size_t>(i)]) != FloatBits(pm[static_cast<size_t>(i)]);
+      EXPECT_EQ(differ, 0) << "len " << len;
+      // Without statistics: the same amax, nothing else touched.
+      int64_t untouched = 5;
+      EXPECT_EQ(avx512::AdamWDryRunAmax(h, c, grad.data(), master.data(), m.data(), v.data(), len, fp16, nullptr,
+                                        &untouched),
+                amax);
+      EXPECT_EQ(untouched, 5);
+    }
   }
 }
 
