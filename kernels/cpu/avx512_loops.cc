@@ -346,14 +346,45 @@ struct AdamWVectors {
             _mm512_set1_ps(c.step_size),           _mm512_set1_ps(c.bc2_sqrt),     _mm512_set1_ps(hyper.eps)};
   }
 
-  MAINSTAY_AVX512_INLINE __m512 Updated(__m512 g, __m512 master, __m512 m, __m512 v) const {
-    const __m512 mi = _mm512_add_ps(_mm512_mul_ps(beta1, m), _mm512_mul_ps(one_minus_beta1, g));
-    const __m512 vi = _mm512_add_ps(_mm512_mul_ps(beta2, v), _mm512_mul_ps(one_minus_beta2, _mm512_mul_ps(g, g)));
+  // Updates m and v in place and returns the new master.
+  MAINSTAY_AVX512_INLINE __m512 Step(__m512 g, __m512 master, __m512& m, __m512& v) const {
+    m = _mm512_add_ps(_mm512_mul_ps(beta1, m), _mm512_mul_ps(one_minus_beta1, g));
+    v = _mm512_add_ps(_mm512_mul_ps(beta2, v), _mm512_mul_ps(one_minus_beta2, _mm512_mul_ps(g, g)));
     const __m512 p = _mm512_mul_ps(master, decay);
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
-    return _mm512_sub_ps(p, _mm512_mul_ps(step_size, _mm512_div_ps(mi, denom)));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
+    return _mm512_sub_ps(p, _mm512_mul_ps(step_size, _mm512_div_ps(m, denom)));
+  }
+
+  MAINSTAY_AVX512_INLINE __m512 Updated(__m512 g, __m512 master, __m512 m, __m512 v) const {
+    return Step(g, master, m, v);
   }
 };
+
+// The optimizer pass of the daemon's apply for per-tensor FP8 (AdamWCastSpan with kFP8E4M3 /
+// kFP8E5M2, FP32 gradients and moments): AdamW in place and the cast of the new model value,
+// one loop.
+template <bool kFp16, bool kE5M2>
+MAINSTAY_AVX512 void AdamWCastFp8Loop(const AdamWHyper& hyper, const AdamWConstants& c, const float* grad,
+                                      float* master, float* m, float* v, int64_t n, float scale, uint8_t* out) {
+  const AdamWVectors adamw = AdamWVectors::Of(hyper, c);
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = FirstLanes(n - i);
+    Prefetch(grad + i);
+    Prefetch(master + i);
+    Prefetch(m + i);
+    Prefetch(v + i);
+    const __m512 g = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, grad + i), adamw.multiplier);
+    __m512 mi = _mm512_maskz_loadu_ps(k, m + i);
+    __m512 vi = _mm512_maskz_loadu_ps(k, v + i);
+    const __m512 p = adamw.Step(g, _mm512_maskz_loadu_ps(k, master + i), mi, vi);
+    _mm512_mask_storeu_ps(master + i, k, p);
+    _mm512_mask_storeu_ps(m + i, k, mi);
+    _mm512_mask_storeu_ps(v + i, k, vi);
+    const __m512 y = _mm512_mul_ps(ModelValue<kFp16>(p), s);
+    _mm_mask_storeu_epi8(out + i, k, _mm512_cvtepi32_epi8(kE5M2 ? E5M2(y) : E4M3(y)));
+  }
+}
 
 // The dry run of AdamW for the amax (FusedAdamW with StepOutputs::dry_run, FP32 gradients
 // and moments, only the tensor amax and the gradient statistics wanted): nothing stored. The
@@ -434,6 +465,17 @@ void AdamWDryRunMasters(const AdamWHyper& hyper, const AdamWConstants& consts, c
   AdamWDryRunMastersLoop(hyper, consts, grad, master, m, v, n, out);
 }
 
+void AdamWCastFp8(const AdamWHyper& hyper, const AdamWConstants& consts, const float* grad, float* master, float* m,
+                  float* v, int64_t n, float scale, bool fp16_model, bool e5m2, uint8_t* out) {
+  if (fp16_model) {
+    e5m2 ? AdamWCastFp8Loop<true, true>(hyper, consts, grad, master, m, v, n, scale, out)
+         : AdamWCastFp8Loop<true, false>(hyper, consts, grad, master, m, v, n, scale, out);
+  } else {
+    e5m2 ? AdamWCastFp8Loop<false, true>(hyper, consts, grad, master, m, v, n, scale, out)
+         : AdamWCastFp8Loop<false, false>(hyper, consts, grad, master, m, v, n, scale, out);
+  }
+}
+
 void QuantizeFp8(const float* src, uint8_t* dst, int64_t n, float scale, bool fp16_model, bool e5m2) {
   if (fp16_model) {
     e5m2 ? QuantizeFp8Loop<true, true>(src, dst, n, scale) : QuantizeFp8Loop<true, false>(src, dst, n, scale);
@@ -505,6 +547,10 @@ int32_t AdamWDryRunAmax(const AdamWHyper&, const AdamWConstants&, const float*, 
 }
 void AdamWDryRunMasters(const AdamWHyper&, const AdamWConstants&, const float*, const float*, const float*,
                         const float*, int64_t, float*) {
+  std::abort();
+}
+void AdamWCastFp8(const AdamWHyper&, const AdamWConstants&, const float*, float*, float*, float*, int64_t, float, bool,
+                  bool, uint8_t*) {
   std::abort();
 }
 void DequantizeFp8(const uint8_t*, float*, int64_t, float, bool, bool) { std::abort(); }

@@ -72,6 +72,11 @@ int32_t AdamWDryRunAmax(const AdamWHyper& hyper, const AdamWConstants& consts, c
 void AdamWDryRunMasters(const AdamWHyper& hyper, const AdamWConstants& consts, const float* grad, const float* master,
                         const float* m, const float* v, int64_t n, float* out);
 
+// The optimizer pass's AdamW in place + per-tensor fp8 cast (AdamWCastSpan, FP32 gradients
+// and moments): master, m, v updated in place and out[i] = cvt(fl(model(new master) * scale)).
+void AdamWCastFp8(const AdamWHyper& hyper, const AdamWConstants& consts, const float* grad, float* master, float* m,
+                  float* v, int64_t n, float scale, bool fp16_model, bool e5m2, uint8_t* out);
+
 // Dequantization. With `stream` the output is written with non-temporal stores (it bypasses
 // the caches: for outputs larger than them, see StreamOutput); the values are the same.
 //

@@ -5,6 +5,7 @@
 // the portable casts against CUDA's conversions, and runs the whole kernels both ways.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -257,6 +258,54 @@ TEST_F(Avx512LoopsTest, AdamWDryRunAmaxMatchesThePortableDryRun) {
                                         &untouched),
                 amax);
       EXPECT_EQ(untouched, 5);
+    }
+  }
+}
+
+// The optimizer pass's AdamW in place + fp8 cast against the portable element functions, state
+// and output bit for bit, every tail length.
+TEST_F(Avx512LoopsTest, AdamWCastFp8MatchesThePortableLoop) {
+  std::mt19937 rng(23);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t n = 2000;
+  std::vector<float> grad(n), master(n), m(n), v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    grad[i] = normal(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 40) - 20);
+    master[i] = normal(rng) * (i % 101 == 7 ? 1e4f : 0.05f);
+    m[i] = normal(rng) * 1e-3f;
+    v[i] = std::fabs(normal(rng)) * 1e-6f;
+  }
+  grad[17] = std::numeric_limits<float>::quiet_NaN();
+  AdamWHyper h;
+  h.lr = 1e-3f;
+  h.weight_decay = 0.1f;
+  h.step = 3;
+  h.grad_multiplier = 0.25f;
+  const AdamWConstants c = MakeAdamWConstants(h);
+  for (bool fp16 : {false, true}) {
+    for (bool e5m2 : {false, true}) {
+      for (int64_t len : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{33}, n}) {
+        std::vector<float> pm = master, mm = m, vm = v;  // the portable loop's state
+        std::vector<uint8_t> want(static_cast<size_t>(len));
+        for (int64_t i = 0; i < len; ++i) {
+          const float p = AdamWInPlace<ElementType::kFloat32, ElementType::kFloat32>(h, c, h.grad_multiplier, grad.data(),
+                                                                                    i, pm.data(), mm.data(), vm.data());
+          const float y = Model(p, fp16) * 30.0f;
+          want[static_cast<size_t>(i)] = e5m2 ? E5M2Bits(y) : E4M3Bits(y);
+        }
+        std::vector<float> am = master, amm = m, avm = v;
+        std::vector<uint8_t> q(static_cast<size_t>(len) + 1, 0xAB);
+        avx512::AdamWCastFp8(h, c, grad.data(), am.data(), amm.data(), avm.data(), len, 30.0f, fp16, e5m2, q.data());
+        int64_t differ = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          const size_t k = static_cast<size_t>(i);
+          differ += FloatBits(am[k]) != FloatBits(pm[k]) || FloatBits(amm[k]) != FloatBits(mm[k]) ||
+                    FloatBits(avm[k]) != FloatBits(vm[k]);
+        }
+        EXPECT_EQ(differ, 0) << "fp16 " << fp16 << " len " << len;
+        EXPECT_TRUE(std::equal(want.begin(), want.end(), q.begin())) << "fp16 " << fp16 << " e5m2 " << e5m2 << " len " << len;
+        EXPECT_EQ(q.back(), 0xAB);
+      }
     }
   }
 }
