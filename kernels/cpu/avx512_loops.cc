@@ -222,15 +222,23 @@ MAINSTAY_AVX512 void Cast16Loop(const float* src, uint8_t* dst, int64_t n) {
   }
 }
 
+// fl(model(src[i + j]) * the multiplier of its block), j < 16, for the vector at i of a block
+// row piece of n elements starting at column c0 (lanes outside `m` read as 0).
+template <bool kFp16, int kBlockCols>
+MAINSTAY_AVX512_INLINE __m512 ScaledModelValues(const float* src, int64_t c0, int64_t i, int64_t n, __mmask16 m,
+                                                const float* mult) {
+  Prefetch(src + i);
+  return _mm512_mul_ps(ModelValue<kFp16>(_mm512_maskz_loadu_ps(m, src + i)),
+                       LaneValues<kBlockCols>(mult, c0, c0 + i, n - i));
+}
+
 template <bool kFp16, int kBlockCols>
 MAINSTAY_AVX512 void QuantizeE4M3PieceLoop(const float* src, int64_t c0, int64_t c1, const float* mult,
                                            uint8_t* dst) {
   const int64_t n = c1 - c0;
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = FirstLanes(n - i);
-    Prefetch(src + i);
-    const __m512 x = ModelValue<kFp16>(_mm512_maskz_loadu_ps(m, src + i));
-    const __m512 y = _mm512_mul_ps(x, LaneValues<kBlockCols>(mult, c0, c0 + i, n - i));
+    const __m512 y = ScaledModelValues<kFp16, kBlockCols>(src, c0, i, n, m, mult);
     _mm_mask_storeu_epi8(dst + i, m, _mm512_cvtepi32_epi8(E4M3(y)));
   }
 }
@@ -241,10 +249,8 @@ MAINSTAY_AVX512 void QuantizeE2M1PieceLoop(const float* src, int64_t c0, int64_t
   const int64_t n = c1 - c0;
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = FirstLanes(n - i);
-    Prefetch(src + i);
-    const __m512 x = ModelValue<kFp16>(_mm512_maskz_loadu_ps(m, src + i));
     // Lanes past the end give code 0: the high nibble of an odd count's last byte.
-    const __m512i code = _mm512_maskz_mov_epi32(m, E2M1(_mm512_mul_ps(x, LaneValues<16>(enc, c0, c0 + i, n - i))));
+    const __m512i code = _mm512_maskz_mov_epi32(m, E2M1(ScaledModelValues<kFp16, 16>(src, c0, i, n, m, enc)));
     // Each 64-bit lane holds codes 2k (bits 0..3) and 2k + 1 (bits 32..35): the byte is
     // code_2k | code_2k+1 << 4, the low byte of lane | lane >> 28.
     const __m128i bytes = _mm512_cvtepi64_epi8(_mm512_or_si512(code, _mm512_srli_epi64(code, 28)));
@@ -346,6 +352,16 @@ struct AdamWVectors {
             _mm512_set1_ps(c.step_size),           _mm512_set1_ps(c.bc2_sqrt),     _mm512_set1_ps(hyper.eps)};
   }
 
+  // grad[i + j] * multiplier of the lanes in k; prefetches the four arrays ahead of i.
+  MAINSTAY_AVX512_INLINE __m512 Gradients(const float* grad, const float* master, const float* m, const float* v,
+                                          int64_t i, __mmask16 k) const {
+    Prefetch(grad + i);
+    Prefetch(master + i);
+    Prefetch(m + i);
+    Prefetch(v + i);
+    return _mm512_mul_ps(_mm512_maskz_loadu_ps(k, grad + i), multiplier);
+  }
+
   // Updates m and v in place and returns the new master.
   MAINSTAY_AVX512_INLINE __m512 Step(__m512 g, __m512 master, __m512& m, __m512& v) const {
     m = _mm512_add_ps(_mm512_mul_ps(beta1, m), _mm512_mul_ps(one_minus_beta1, g));
@@ -370,11 +386,7 @@ MAINSTAY_AVX512 void AdamWCastFp8Loop(const AdamWHyper& hyper, const AdamWConsta
   const __m512 s = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = FirstLanes(n - i);
-    Prefetch(grad + i);
-    Prefetch(master + i);
-    Prefetch(m + i);
-    Prefetch(v + i);
-    const __m512 g = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, grad + i), adamw.multiplier);
+    const __m512 g = adamw.Gradients(grad, master, m, v, i, k);
     __m512 mi = _mm512_maskz_loadu_ps(k, m + i);
     __m512 vi = _mm512_maskz_loadu_ps(k, v + i);
     const __m512 p = adamw.Step(g, _mm512_maskz_loadu_ps(k, master + i), mi, vi);
@@ -400,11 +412,7 @@ MAINSTAY_AVX512 int32_t AdamWDryRunAmaxLoop(const AdamWHyper& hyper, const AdamW
   int64_t bad = 0;
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = FirstLanes(n - i);
-    Prefetch(grad + i);
-    Prefetch(master + i);
-    Prefetch(m + i);
-    Prefetch(v + i);
-    const __m512 g = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, grad + i), adamw.multiplier);
+    const __m512 g = adamw.Gradients(grad, master, m, v, i, k);
     const __m512 updated = adamw.Updated(g, _mm512_maskz_loadu_ps(k, master + i), _mm512_maskz_loadu_ps(k, m + i),
                                          _mm512_maskz_loadu_ps(k, v + i));
     // AmaxBits: |x| as ordered integer bits, NaN -> 0 (and lanes past the end -> 0).

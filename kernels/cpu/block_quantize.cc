@@ -74,19 +74,6 @@ MAINSTAY_VECTOR_CLONES void UpdateColumnMax(const float* src, int32_t* colmax, i
   }
 }
 
-MAINSTAY_VECTOR_CLONES int32_t SegmentAmax(const float* src, int64_t n) {
-  int32_t m = 0;
-  for (int64_t t = 0; t < n; t += kPrefetchSlice) {
-    PrefetchSlice<4, false>(src, t + kPrefetchAhead);
-    const int64_t end = std::min(n, t + kPrefetchSlice);
-    for (int64_t i = t; i < end; ++i) {
-      const int32_t a = AmaxBits(FloatBits(src[i]));
-      m = a > m ? a : m;
-    }
-  }
-  return m;
-}
-
 // Amax of `blocks` whole consecutive 1x32 blocks: a fixed inner trip count GCC turns into
 // full vectors.
 MAINSTAY_VECTOR_CLONES void WholeBlocks32Amax(const float* src, int64_t blocks, int32_t* out) {
@@ -180,7 +167,7 @@ int32_t RectAmax(const Grid& g, const float* master, const Rect& rect, float* bl
         }
         const int64_t lo = std::max(first, tc * bc);
         const int64_t hi = std::min(last, (tc + 1) * bc);
-        store(row, tc, lo < hi ? SegmentAmax(master + (row * g.cols + lo - g.begin), hi - lo) : 0);
+        store(row, tc, lo < hi ? RawAmax(master + (row * g.cols + lo - g.begin), hi - lo) : 0);
       }
     }
     return rect_max;

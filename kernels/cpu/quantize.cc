@@ -23,17 +23,8 @@ namespace {
 
 // The largest FP32 magnitude, rounded to the model dtype once (ModelAmaxOfRaw).
 template <bool kFp16Model>
-MAINSTAY_VECTOR_CLONES int32_t AmaxLoop(const float* src, int64_t n) {
-  int32_t m = 0;
-  for (int64_t t = 0; t < n; t += kPrefetchSlice) {
-    PrefetchSlice<4, false>(src, t + kPrefetchAhead);
-    const int64_t end = std::min(n, t + kPrefetchSlice);
-    for (int64_t i = t; i < end; ++i) {
-      const int32_t a = AmaxBits(FloatBits(src[i]));
-      m = a > m ? a : m;
-    }
-  }
-  return ModelAmaxOfRaw<kFp16Model>(m);
+int32_t AmaxLoop(const float* src, int64_t n) {
+  return ModelAmaxOfRaw<kFp16Model>(RawAmax(src, n));
 }
 
 // bf16 / fp16 data: the value's bits in the format's type, little-endian. When the format
@@ -120,7 +111,23 @@ void QuantizeTensor16(CpuExecutor* executor, Format format, Format model_dtype, 
   ForEachChunk(executor, n, [&](int64_t off, int64_t size) { loop(src + off, dst + 2 * off, size); });
 }
 
+MAINSTAY_VECTOR_CLONES int32_t RawAmaxLoop(const float* src, int64_t n) {
+  int32_t m = 0;
+  for (int64_t t = 0; t < n; t += kPrefetchSlice) {
+    PrefetchSlice<4, false>(src, t + kPrefetchAhead);
+    const int64_t end = std::min(n, t + kPrefetchSlice);
+    for (int64_t i = t; i < end; ++i) {
+      const int32_t a = AmaxBits(FloatBits(src[i]));
+      m = a > m ? a : m;
+    }
+  }
+  return m;
+}
+
 }  // namespace
+
+// A plain function around the cloned loop: the clones (and their resolver) stay in this file.
+int32_t RawAmax(const float* src, int64_t n) { return RawAmaxLoop(src, n); }
 
 int32_t PartialAmaxBits(CpuExecutor* executor, bool fp16_model, const float* master, int64_t n) {
   std::vector<int32_t> partial(static_cast<size_t>(CeilDiv(n, kChunkElements)), 0);

@@ -52,6 +52,10 @@ void ForEachRowPiece(int64_t cols, int64_t begin, int64_t end, int64_t base, int
   }
 }
 
+// The largest AmaxBits of n FP32 values (NaN counted 0), not yet rounded to the model dtype
+// (ModelAmaxOfRaw does that once per block or chunk). Prefetches as the streaming loops do.
+int32_t RawAmax(const float* src, int64_t n);
+
 // Amax of a fragment's model-dtype values, as FP32 bits in an int32 (fmax semantics), over
 // fixed chunks on `executor`. The per-tensor path of every format.
 int32_t PartialAmaxBits(CpuExecutor* executor, bool fp16_model, const float* master, int64_t n);

@@ -56,6 +56,31 @@ int64_t OutsideWritten(const std::vector<float>& out, size_t shift, int64_t n) {
   return bad;
 }
 
+// AdamW inputs: gradients of every magnitude (one NaN), masters with a few large ones, moments.
+struct AdamWCase {
+  std::vector<float> grad, master, m, v;
+  AdamWHyper h;
+  AdamWConstants c;
+
+  AdamWCase(uint32_t seed, int64_t n, int64_t step, float multiplier)
+      : grad(static_cast<size_t>(n)), master(grad.size()), m(grad.size()), v(grad.size()) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (size_t i = 0; i < grad.size(); ++i) {
+      grad[i] = normal(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 40) - 20);
+      master[i] = normal(rng) * (i % 101 == 7 ? 1e4f : 0.05f);
+      m[i] = normal(rng) * 1e-3f;
+      v[i] = std::fabs(normal(rng)) * 1e-6f;
+    }
+    grad[17] = std::numeric_limits<float>::quiet_NaN();
+    h.lr = 1e-3f;
+    h.weight_decay = 0.1f;
+    h.step = step;
+    h.grad_multiplier = multiplier;
+    c = MakeAdamWConstants(h);
+  }
+};
+
 class Avx512LoopsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -199,25 +224,11 @@ TEST_F(Avx512LoopsTest, Mxfp8CastOfModelBitsMatchesThePortableCast) {
 // largest magnitude; AccumulateGradStats), with gradients of every magnitude, NaNs and
 // infinities among them, and every tail length.
 TEST_F(Avx512LoopsTest, AdamWDryRunAmaxMatchesThePortableDryRun) {
-  std::mt19937 rng(21);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
   const int64_t n = 3000;
-  std::vector<float> grad(n), master(n), m(n), v(n);
-  for (int64_t i = 0; i < n; ++i) {
-    grad[i] = normal(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 40) - 20);
-    master[i] = normal(rng) * (i % 101 == 7 ? 1e4f : 0.05f);
-    m[i] = normal(rng) * 1e-3f;
-    v[i] = std::fabs(normal(rng)) * 1e-6f;
-  }
-  grad[17] = std::numeric_limits<float>::quiet_NaN();
-  grad[1234] = std::numeric_limits<float>::infinity();
-  master[2999] = std::numeric_limits<float>::quiet_NaN();
-  AdamWHyper h;
-  h.lr = 1e-3f;
-  h.weight_decay = 0.1f;
-  h.step = 7;
-  h.grad_multiplier = 0.5f;
-  const AdamWConstants c = MakeAdamWConstants(h);
+  AdamWCase data(21, n, 7, 0.5f);
+  data.grad[1234] = std::numeric_limits<float>::infinity();
+  data.master[2999] = std::numeric_limits<float>::quiet_NaN();
+  const auto& [grad, master, m, v, h, c] = data;
   for (bool fp16 : {false, true}) {
     for (int64_t len : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{1024}, n}) {
       // The portable dry run, as ProcessChunk does it.
@@ -265,23 +276,9 @@ TEST_F(Avx512LoopsTest, AdamWDryRunAmaxMatchesThePortableDryRun) {
 // The optimizer pass's AdamW in place + fp8 cast against the portable element functions, state
 // and output bit for bit, every tail length.
 TEST_F(Avx512LoopsTest, AdamWCastFp8MatchesThePortableLoop) {
-  std::mt19937 rng(23);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
   const int64_t n = 2000;
-  std::vector<float> grad(n), master(n), m(n), v(n);
-  for (int64_t i = 0; i < n; ++i) {
-    grad[i] = normal(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 40) - 20);
-    master[i] = normal(rng) * (i % 101 == 7 ? 1e4f : 0.05f);
-    m[i] = normal(rng) * 1e-3f;
-    v[i] = std::fabs(normal(rng)) * 1e-6f;
-  }
-  grad[17] = std::numeric_limits<float>::quiet_NaN();
-  AdamWHyper h;
-  h.lr = 1e-3f;
-  h.weight_decay = 0.1f;
-  h.step = 3;
-  h.grad_multiplier = 0.25f;
-  const AdamWConstants c = MakeAdamWConstants(h);
+  const AdamWCase data(23, n, 3, 0.25f);
+  const auto& [grad, master, m, v, h, c] = data;
   for (bool fp16 : {false, true}) {
     for (bool e5m2 : {false, true}) {
       for (int64_t len : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{33}, n}) {
