@@ -1,5 +1,7 @@
 // Hand-written AVX-512 forms of the quantize / dequantize element loops of quantize.cc and
-// block_quantize.cc, chosen at run time when the CPU has AVX-512 (F, BW, VL, DQ).
+// block_quantize.cc, and of three loops of the optimizer pass (optimizer_loops.h: the mxfp8
+// cast of model bits, AdamW + per-tensor fp8 cast, the dry run for the amax), chosen at run
+// time when the CPU has AVX-512 (F, BW, VL, DQ).
 //
 // Why they exist: the portable loops are plain C++ that GCC vectorizes, and on a streaming
 // pass they run at about half the speed of memcpy. Measured on a 2-vCPU Xeon (AVX-512): the
@@ -10,11 +12,12 @@
 // (docs/benchmarks.md, "Hand-written AVX-512 casts").
 //
 // Every function computes exactly the bits of its portable counterpart: the same integer and
-// IEEE FP32 operations of vector_casts.h, 16 lanes at a time (round to nearest even, no FMA,
-// no flush-to-zero), except where a hardware conversion is itself exact and correctly
-// rounded (FP32 <-> FP16, vcvtps2ph / vcvtph2ps, with NaNs mapped as vector_casts.h maps
-// them). tests/unit/avx512_loops_test.cc checks each against the portable casts on sampled
-// bit patterns, and quantize_test runs the whole kernels both ways (MAINSTAY_CPU_KERNELS).
+// IEEE FP32 operations of vector_casts.h and optimizer_math.h, 16 lanes at a time (round to
+// nearest even, no FMA, no flush-to-zero), except where a hardware conversion is itself exact
+// and correctly rounded (FP32 <-> FP16, vcvtps2ph / vcvtph2ps, with NaNs mapped as
+// vector_casts.h maps them). tests/unit/avx512_loops_test.cc checks each against the portable loops (sampled bit
+// patterns, every code, tail and alignment; the optimizer loops' state and outputs bit for
+// bit), and quantize_test runs the whole kernels both ways (MAINSTAY_CPU_KERNELS).
 //
 // Internal to kernels/cpu. Thread safety: pure functions over caller-owned buffers. Calling
 // any loop below when Enabled() is false is undefined (illegal instruction).
@@ -77,12 +80,12 @@ void AdamWDryRunMasters(const AdamWHyper& hyper, const AdamWConstants& consts, c
 void AdamWCastFp8(const AdamWHyper& hyper, const AdamWConstants& consts, const float* grad, float* master, float* m,
                   float* v, int64_t n, float scale, bool fp16_model, bool e5m2, uint8_t* out);
 
-// Dequantization. With `stream` the output is written with non-temporal stores (it bypasses
-// the caches: for outputs larger than them, see StreamOutput); the values are the same.
-//
 // The decoded block scales of mxfp8 (e8m0: E8M0Value) or nvfp4 (E4M3Value) of `count` blocks.
 void DecodeBlockScales(const uint8_t* scales, int64_t count, bool e8m0, float* out);
 
+// Dequantization. With `stream` the output is written with non-temporal stores (it bypasses
+// the caches: for outputs larger than them, see StreamOutput); the values are the same.
+//
 // Per-tensor FP8: dst[i] = value(src[i]) * scale_inv.
 void DequantizeFp8(const uint8_t* src, float* dst, int64_t n, float scale_inv, bool e5m2, bool stream);
 
