@@ -353,6 +353,12 @@ int Main(int argc, char** argv) {
          return Quantize(device, Format::kBF16, bf16, whole, master.cspan(), ScaleInputs{},
                          outputs(Format::kBF16, q16_bytes));
        }},
+      {"dequantize bf16", 6.0,
+       [&] {
+         QuantizedInputs in;
+         in.data = std::span<const uint8_t>(q16_bytes.data(), q16_bytes.size());
+         return Dequantize(device, Format::kBF16, whole, in, deq.span());
+       }},
       {"dequantize fp8_e4m3_current", 5.0,
        [&] {
          QuantizedInputs in;

@@ -272,6 +272,25 @@ struct Fp8Values {
   }
 };
 
+// bf16 / fp16 data (2 little-endian bytes per element) to FP32: bf16 by a shift (Bf16ToFloat);
+// fp16 by vcvtph2ps, exact, except that it quiets a signaling NaN: NaN lanes take
+// Fp16Value's bits instead (the payload shifted up, the quiet bit as it was).
+template <bool kFp16>
+struct Values16 {
+  const uint8_t* src;
+  MAINSTAY_AVX512_INLINE __m512 operator()(int64_t i, __mmask16 m, int64_t /*remaining*/) const {
+    if (i % 32 == 0) Prefetch(src + 2 * i);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, src + 2 * i);
+    if constexpr (!kFp16) return AsFloat(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    const __m512i w = _mm512_cvtepu16_epi32(h);
+    const __m512i mag = _mm512_and_si512(w, Const(0x7FFF));
+    const __m512i nan_bits = _mm512_ternarylogic_epi32(_mm512_slli_epi32(mag, 13), _mm512_slli_epi32(w, 16),
+                                                       Const(0x80000000u), 0xF8);  // mag << 13 | sign
+    return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), _mm512_cmpgt_epi32_mask(mag, Const(0x7C00)),
+                              AsFloat(_mm512_or_si512(nan_bits, Const(0x7F800000u))));
+  }
+};
+
 template <int kBlockCols>
 struct E4M3BlockValues {
   const uint8_t* q;
@@ -526,6 +545,14 @@ MAINSTAY_AVX512 void DequantizeFp8(const uint8_t* src, float* dst, int64_t n, fl
   }
 }
 
+MAINSTAY_AVX512 void Dequantize16(const uint8_t* src, float* dst, int64_t n, bool fp16, bool stream) {
+  if (fp16) {
+    StoreFloats(Values16<true>{src}, dst, n, stream);
+  } else {
+    StoreFloats(Values16<false>{src}, dst, n, stream);
+  }
+}
+
 MAINSTAY_AVX512 void DequantizeE4M3Piece(const uint8_t* q, int64_t c0, int64_t c1, int block_cols,
                                          const float* scale, float* dst, bool stream) {
   if (block_cols == 32) {
@@ -562,6 +589,7 @@ void AdamWCastFp8(const AdamWHyper&, const AdamWConstants&, const float*, float*
   std::abort();
 }
 void DequantizeFp8(const uint8_t*, float*, int64_t, float, bool, bool) { std::abort(); }
+void Dequantize16(const uint8_t*, float*, int64_t, bool, bool) { std::abort(); }
 void DequantizeE4M3Piece(const uint8_t*, int64_t, int64_t, int, const float*, float*, bool) { std::abort(); }
 void DequantizeE2M1PiecePacked(const uint8_t*, int64_t, int64_t, const float*, float, float*, bool) { std::abort(); }
 

@@ -89,6 +89,9 @@ void DecodeBlockScales(const uint8_t* scales, int64_t count, bool e8m0, float* o
 // Per-tensor FP8: dst[i] = value(src[i]) * scale_inv.
 void DequantizeFp8(const uint8_t* src, float* dst, int64_t n, float scale_inv, bool e5m2, bool stream);
 
+// bf16 / fp16 (2 little-endian bytes per element): dst[i] = Bf16ToFloat / Fp16Value.
+void Dequantize16(const uint8_t* src, float* dst, int64_t n, bool fp16, bool stream);
+
 // Block E4M3: dst[i] = E4M3Value(q[i]) * scale[block of c0 + i] (layout as QuantizeE4M3Piece).
 void DequantizeE4M3Piece(const uint8_t* q, int64_t c0, int64_t c1, int block_cols, const float* scale, float* dst,
                          bool stream);

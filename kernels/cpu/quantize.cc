@@ -184,7 +184,13 @@ absl::Status Dequantize(const Device& device, Format format, const Fragment& fra
   if (d.has_block_scales()) return BlockDequantize(device, format, fragment, in, out);
   const uint8_t* src = in.data.data();
   float* dst = out.data();
-  if (d.scaling == ScalingMode::kNone) {
+  if (d.scaling == ScalingMode::kNone && avx512::Enabled()) {
+    const bool fp16 = format == Format::kFP16;
+    const bool stream = avx512::StreamOutput(fragment.size() * 4);
+    ForEachChunk(device.executor, fragment.size(), [&](int64_t off, int64_t size) {
+      avx512::Dequantize16(src + 2 * off, dst + off, size, fp16, stream);
+    });
+  } else if (d.scaling == ScalingMode::kNone) {
     const auto loop = format == Format::kFP16 ? Dequant16Loop<true> : Dequant16Loop<false>;
     ForEachChunk(device.executor, fragment.size(),
                  [&](int64_t off, int64_t size) { loop(src + 2 * off, dst + off, size); });

@@ -320,6 +320,29 @@ TEST_F(Avx512LoopsTest, BlockScalesDecodeAsThePortableDecodersForEveryCode) {
   }
 }
 
+TEST_F(Avx512LoopsTest, SixteenBitDequantizeMatchesThePortableDecodersForEveryPattern) {
+  std::vector<uint8_t> bytes(2 * 65536);
+  for (size_t h = 0; h < 65536; ++h) {
+    bytes[2 * h] = static_cast<uint8_t>(h);
+    bytes[2 * h + 1] = static_cast<uint8_t>(h >> 8);
+  }
+  for (bool fp16 : {false, true}) {
+    for (const OutPlace& at : kOutPlaces) {
+      for (size_t n : {size_t{65536}, size_t{7}, size_t{33}}) {
+        std::vector<float> out(n + 32, -1.0f);
+        avx512::Dequantize16(bytes.data(), out.data() + at.shift, static_cast<int64_t>(n), fp16, at.stream);
+        int64_t bad = 0;
+        for (size_t h = 0; h < n; ++h) {
+          const uint16_t u = static_cast<uint16_t>(h);
+          bad += FloatBits(out[at.shift + h]) != FloatBits(fp16 ? Fp16Value(u) : Bf16ToFloat(u));
+        }
+        EXPECT_EQ(bad, 0) << "fp16 " << fp16 << " n " << n << " shift " << at.shift;
+        EXPECT_EQ(OutsideWritten(out, at.shift, static_cast<int64_t>(n)), 0);
+      }
+    }
+  }
+}
+
 TEST_F(Avx512LoopsTest, Fp8DequantizeMatchesThePortableDecodersForEveryCode) {
   // Every code, at every position of a vector and in tails of every length.
   std::vector<uint8_t> q;
