@@ -301,10 +301,13 @@ void RunPass(const Device& device, const Pass& pass, UpdateFn<Args> update, cons
 
 template <ElementType kGrad, ElementType kMoment, Format kModel>
 AdamWCastFn PickCastOut(CastKind cast) {
+  constexpr bool kFp32 = kGrad == ElementType::kFloat32 && kMoment == ElementType::kFloat32;
   switch (cast) {
     case CastKind::kFP8E4M3:
+      if (kFp32 && avx512::Enabled()) return &AdamWCastFp8SpanAvx512<kModel, CastKind::kFP8E4M3>;
       return &AdamWCastSpan<kGrad, kMoment, kModel, CastKind::kFP8E4M3>;
     case CastKind::kFP8E5M2:
+      if (kFp32 && avx512::Enabled()) return &AdamWCastFp8SpanAvx512<kModel, CastKind::kFP8E5M2>;
       return &AdamWCastSpan<kGrad, kMoment, kModel, CastKind::kFP8E5M2>;
     case CastKind::kBF16:
       return &AdamWCastSpan<kGrad, kMoment, kModel, CastKind::kBF16>;

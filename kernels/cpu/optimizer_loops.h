@@ -428,11 +428,6 @@ MAINSTAY_VECTOR_CLONES void AdamWCastSpan(const AdamWArgs& args, const void* gra
     } else {
       CastMxfp8Span<kModel>(bits, n, out, scales);
     }
-  } else if ((kCast == CastKind::kFP8E4M3 || kCast == CastKind::kFP8E5M2) && kGrad == ElementType::kFloat32 &&
-             kMoment == ElementType::kFloat32 && avx512::Enabled()) {
-    // The same loop in AVX-512 intrinsics (+10-17 %, docs/benchmarks.md).
-    avx512::AdamWCastFp8(h, c, static_cast<const float*>(grad), master, static_cast<float*>(m), static_cast<float*>(v),
-                         n, scale, kModel == Format::kFP16, kCast == CastKind::kFP8E5M2, out);
   } else {
     for (int64_t t = 0; t < n; t += kPrefetchSlice) {
       PrefetchAdamWSlice<kGrad, kMoment>(grad, master, m, v, t + kPrefetchAhead);
@@ -453,6 +448,20 @@ MAINSTAY_VECTOR_CLONES void AdamWCastSpan(const AdamWArgs& args, const void* gra
       }
     }
   }
+}
+
+// AdamWCastSpan's per-tensor fp8 form in AVX-512 intrinsics, for FP32 gradients and moments
+// (PickAdamWCast picks it when avx512::Enabled(); +10-17 %, docs/benchmarks.md). A separate
+// function: with the intrinsics' call as a branch inside AdamWCastSpan, GCC stopped
+// vectorizing the portable loop next to it (0.19 G elements/s instead of 1.35).
+template <Format kModel, CastKind kCast>
+void AdamWCastFp8SpanAvx512(const AdamWArgs& args, const void* grad, int64_t begin, int64_t n, float scale,
+                            uint8_t* out, uint8_t* /*scales*/) {
+  static_assert(kCast == CastKind::kFP8E4M3 || kCast == CastKind::kFP8E5M2);
+  avx512::AdamWCastFp8(args.hyper, args.consts, static_cast<const float*>(grad), const_cast<float*>(args.master) + begin,
+                       static_cast<float*>(const_cast<void*>(args.m)) + begin,
+                       static_cast<float*>(const_cast<void*>(args.v)) + begin, n, scale, kModel == Format::kFP16,
+                       kCast == CastKind::kFP8E5M2, out);
 }
 
 }  // namespace mainstay::kernels::cpu
