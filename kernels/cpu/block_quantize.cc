@@ -403,12 +403,12 @@ absl::Status BlockQuantize(const Device& device, Format format, Format model_dty
       format == Format::kMXFP8 ? (fp16 ? QuantizeE4M3Piece<true, 32> : QuantizeE4M3Piece<false, 32>)
                                : (fp16 ? QuantizeE4M3Piece<true, 128> : QuantizeE4M3Piece<false, 128>);
   const auto e2m1_piece = fp16 ? QuantizeE2M1Piece<true, 16> : QuantizeE2M1Piece<false, 16>;
-  const bool avx512 = avx512::Enabled();
+  const bool use_avx512 = avx512::Enabled();
   ForEachChunkPiece(device.executor, g, [&](int64_t row, int64_t c0, int64_t c1, int64_t offset) {
     const float* piece_mult = mult.get() + g.RowBase(row) + c0 / g.block_cols;
-    if (avx512 && format == Format::kNVFP4 && offset % 2 == 0) {
+    if (use_avx512 && format == Format::kNVFP4 && offset % 2 == 0) {
       avx512::QuantizeE2M1PiecePacked(src + offset, c0, c1, piece_mult, fp16, data + offset / 2);
-    } else if (avx512 && format != Format::kNVFP4) {
+    } else if (use_avx512 && format != Format::kNVFP4) {
       avx512::QuantizeE4M3Piece(src + offset, c0, c1, static_cast<int>(g.block_cols), piece_mult, fp16,
                                 data + offset);
     } else if (format == Format::kNVFP4) {
@@ -428,7 +428,7 @@ absl::Status BlockDequantize(const Device& device, Format format, const Fragment
   const uint8_t* scales = in.block_scales.data();
   const uint8_t* data = in.data.data();
   float* dst = out.data();
-  const bool avx512 = avx512::Enabled();
+  const bool use_avx512 = avx512::Enabled();
   const bool stream = avx512::StreamOutput(fragment.size() * 4);
   ForEachChunkPiece(device.executor, g, [&](int64_t row, int64_t c0, int64_t c1, int64_t offset) {
     // The dequantization factor of each block of the piece (at most kPieceElements / 16 + 2).
@@ -437,17 +437,17 @@ absl::Status BlockDequantize(const Device& device, Format format, const Fragment
     const int64_t count = (c1 - 1) / g.block_cols - c0 / g.block_cols + 1;
     if (format == Format::kFP8Block) {
       memcpy(block_scale, scales + 4 * first, static_cast<size_t>(count) * sizeof(float));
-    } else if (avx512) {
+    } else if (use_avx512) {
       avx512::DecodeBlockScales(scales + first, count, format == Format::kMXFP8, block_scale);
     } else {
       for (int64_t b = 0; b < count; ++b) {
         block_scale[b] = format == Format::kMXFP8 ? E8M0Value(scales[first + b]) : E4M3Value(scales[first + b]);
       }
     }
-    if (avx512 && format == Format::kNVFP4 && offset % 2 == 0) {
+    if (use_avx512 && format == Format::kNVFP4 && offset % 2 == 0) {
       avx512::DequantizeE2M1PiecePacked(data + offset / 2, c0, c1, block_scale, in.tensor_scale_inv, dst + offset,
                                         stream);
-    } else if (avx512 && format != Format::kNVFP4) {
+    } else if (use_avx512 && format != Format::kNVFP4) {
       avx512::DequantizeE4M3Piece(data + offset, c0, c1, static_cast<int>(g.block_cols), block_scale, dst + offset,
                                   stream);
     } else if (format == Format::kNVFP4) {
