@@ -27,6 +27,7 @@ namespace mainstay {
 namespace {
 
 using ::mainstay::testing::IsOk;
+using ::mainstay::testing::BinaryPath;
 using ::mainstay::testing::ReadFileOrEmpty;
 using ::mainstay::testing::Subprocess;
 using ::mainstay::testing::TempDir;
@@ -68,9 +69,10 @@ class NcclTransportGpuTest : public ::testing::Test {
 
   // Runs nccl_trainer over `transport`; returns its exit code (-1 when it did not exit).
   int RunTrainer(const std::string& transport, const std::string& coordinator) {
-    auto trainer = Subprocess::Start({{MAINSTAY_NCCL_TRAINER_BIN, "--coordinator", coordinator, "--transport",
-                                       transport, "--out", dir_->File("pulled-" + transport), "--chunk-bytes", "8192"},
-                                      dir_->File("trainer-" + transport + ".log")});
+    auto trainer = Subprocess::Start(
+        {{BinaryPath("MAINSTAY_NCCL_TRAINER_BIN", MAINSTAY_NCCL_TRAINER_BIN), "--coordinator", coordinator,
+          "--transport", transport, "--out", dir_->File("pulled-" + transport), "--chunk-bytes", "8192"},
+         dir_->File("trainer-" + transport + ".log")});
     EXPECT_THAT(trainer.status(), IsOk());
     if (!trainer.ok()) return -1;
     absl::StatusOr<int> status = (*trainer)->Wait(kTrainerTimeout);
@@ -90,10 +92,10 @@ TEST_F(NcclTransportGpuTest, PushFromDevicePullMatchesGrpcBitForBit) {
   absl::StatusOr<std::unique_ptr<TempDir>> dir = TempDir::Create("mainstay-nccl-gpu");
   ASSERT_THAT(dir.status(), IsOk());
   dir_ = *std::move(dir);
-  auto coordinator = Subprocess::Start({{MAINSTAY_COORDINATOR_BIN, "--listen", "127.0.0.1:0", "--state-dir",
-                                         dir_->File("state"), "--port-file", dir_->File("cport"), "--metrics-listen",
-                                         "off"},
-                                        dir_->File("coordinator.log")});
+  auto coordinator = Subprocess::Start(
+      {{BinaryPath("MAINSTAY_COORDINATOR_BIN", MAINSTAY_COORDINATOR_BIN), "--listen", "127.0.0.1:0", "--state-dir",
+        dir_->File("state"), "--port-file", dir_->File("cport"), "--metrics-listen", "off"},
+       dir_->File("coordinator.log")});
   ASSERT_THAT(coordinator.status(), IsOk());
   absl::StatusOr<int> cport = testing::WaitForPortFile(dir_->File("cport"), **coordinator, kStartTimeout);
   ASSERT_THAT(cport.status(), IsOk()) << Logs();
@@ -106,10 +108,11 @@ TEST_F(NcclTransportGpuTest, PushFromDevicePullMatchesGrpcBitForBit) {
   } else {
     daemon_gpu.emplace("CUDA_VISIBLE_DEVICES", std::to_string((*devices)[1].ordinal));
   }
-  auto daemon = Subprocess::Start({{MAINSTAYD_BIN, "--coordinator", address, "--listen", "127.0.0.1:0", "--node-name",
-                                    "node0", "--threads", "2", "--memory-bytes", "4000000000", "--port-file",
-                                    dir_->File("dport"), "--metrics-listen", "off", "--transports", "nccl"},
-                                   dir_->File("daemon.log")});
+  auto daemon =
+      Subprocess::Start({{BinaryPath("MAINSTAYD_BIN", MAINSTAYD_BIN), "--coordinator", address, "--listen",
+                          "127.0.0.1:0", "--node-name", "node0", "--threads", "2", "--memory-bytes", "4000000000",
+                          "--port-file", dir_->File("dport"), "--metrics-listen", "off", "--transports", "nccl"},
+                         dir_->File("daemon.log")});
   daemon_gpu.reset();  // the trainers see every device and use device 0
   ASSERT_THAT(daemon.status(), IsOk());
   ASSERT_THAT(testing::WaitForPortFile(dir_->File("dport"), **daemon, kStartTimeout).status(), IsOk()) << Logs();

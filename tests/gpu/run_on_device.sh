@@ -1,48 +1,158 @@
 #!/usr/bin/env bash
-# Builds and runs every GPU test and GPU benchmark in one call, then prints a summary.
-# Meant for a machine with an NVIDIA GPU (H200 / B200); run from anywhere:
-#   bash tests/gpu/run_on_device.sh
-# Builds only for the architecture of GPU 0 to keep the build short. Logs go to $OUT when
-# set (the device runner collects that folder), else to build-gpu/logs.
+# The GPU check, on a machine with an NVIDIA GPU, from a bundle built on the development machine
+# (scripts/device_bundle.sh): no compiler, CMake or package registry is needed there.
+#
+#   here:   bash scripts/device_bundle.sh                  (builds and packs build-device/)
+#   there:  bash tests/gpu/run_on_device.sh [BUNDLE_DIR]   (default build-device)
+#
+# Runs the bundle's test binaries directly (not through CTest), with LD_LIBRARY_PATH = the
+# bundle's libraries plus the folder of NCCL: the system's, or the one inside PyTorch's
+# nvidia-nccl wheel. Every step has a time limit and the whole run stays under 6 minutes.
+# Prints one summary table: each test binary's result (pass / FAIL / skip, with googletest's
+# counts) and each kernel's fraction of the device's copy bandwidth (kernels_bench_gpu, same
+# run). A binary is "skip" only when it exits 77, which it does only when every case skipped
+# (tests/testing/gtest_skip_main.cc): a skipped case never hides a failed one.
+# Logs go to $OUT when set (the folder the device tool brings back), else BUNDLE_DIR/logs.
+# Exit status: 0 when nothing failed (skips allowed), 1 otherwise.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
+bundle=$(readlink -f "${1:-build-device}")
+logs=${OUT:-$bundle/logs}
+budget_s=${MAINSTAY_DEVICE_CHECK_SECONDS:-330}
 start=$(date +%s)
-build=build-gpu
-logs=${OUT:-$build/logs}
 mkdir -p "$logs"
 
-bash scripts/install_deps.sh > "$logs/deps.log" 2>&1 || echo "install_deps failed (offline?); building with what is installed"
-nvidia-smi -L || { echo "no NVIDIA GPU visible"; exit 1; }
-arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '.')
-echo "== configure for sm_$arch"
-cmake -S . -B "$build" -G Ninja -DMAINSTAY_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" > "$logs/configure.log" 2>&1 ||
-  { tail -30 "$logs/configure.log"; exit 1; }
-echo "== build"
-cmake --build "$build" -j"$(nproc)" > "$logs/build.log" 2>&1 || { grep -E "error|FAILED" "$logs/build.log" | head -40; exit 1; }
-echo "build done in $(( $(date +%s) - start ))s"
+[ -x "$bundle/bin/kernels_gpu_test" ] || {
+  echo "no bundle at $bundle: run 'bash scripts/device_bundle.sh' on the build machine and carry the folder" >&2
+  exit 1
+}
+echo "== bundle $bundle"
+cat "$bundle/MANIFEST"
 
-echo "== gpu tests"
-ctest --test-dir "$build" -L gpu -E nccl_transport_gpu_test --output-on-failure --timeout 300 2>&1 |
-  tee "$logs/ctest-gpu.log"
-test_rc=${PIPESTATUS[0]}
-# The nccl transport end to end, verbose: a skip (NCCL refusing a trainer and a daemon on one GPU)
-# shows NCCL's reason; its daemon and trainer logs are printed on failure.
-echo "== nccl transport (coordinator + mainstayd --transports nccl + trainer processes)"
-ctest --test-dir "$build" -R nccl_transport_gpu_test -V --timeout 900 2>&1 | tee "$logs/ctest-nccl.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || test_rc=1
+# ---- Libraries: the bundle's, its libstdc++ only when this glibc is new enough for it, NCCL.
+version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -1)" = "$2" ]; }
+glibc=$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')
+needed=$(awk '/^glibc_needed / {print $2}' "$bundle/MANIFEST")
+libpath=$bundle/lib
+if [ -n "$glibc" ] && version_ge "$glibc" "$needed"; then
+  libpath=$libpath:$bundle/lib/cxx
+  echo "glibc $glibc: using the bundle's libstdc++"
+else
+  echo "glibc ${glibc:-unknown} is older than $needed: using this machine's libstdc++"
+fi
+nccl_dir=""
+if ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2 '; then
+  nccl_dir=system
+else
+  for py in python3 python; do
+    command -v "$py" > /dev/null || continue
+    nccl_dir=$(timeout 30 "$py" -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null)
+    [ -n "$nccl_dir" ] && [ -e "$nccl_dir/libnccl.so.2" ] && break
+    nccl_dir=""
+  done
+  if [ -z "$nccl_dir" ]; then
+    found=$(timeout 30 find / -xdev -name 'libnccl.so.2' -not -path "$bundle/*" 2>/dev/null | head -1)
+    [ -n "$found" ] && nccl_dir=$(dirname "$found")
+  fi
+  [ -n "$nccl_dir" ] && libpath=$libpath:$nccl_dir
+fi
+echo "NCCL: ${nccl_dir:-not found}"
+export LD_LIBRARY_PATH=$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+missing=$(ldd "$bundle"/bin/* 2>/dev/null | grep 'not found' | sort -u | awk '{print $1}' | tr '\n' ' ')
+[ -n "$missing" ] && echo "libraries not found: $missing"
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
+else
+  echo "gpu: nvidia-smi not found"
+fi
 
-echo "== gpu benchmarks"
-bench_rc=0
-shopt -s nullglob
-benches=("$build"/bench/*_gpu)
-for b in "${benches[@]}"; do
-  echo "-- $b"
-  timeout 300 "$b" 2>&1 | tee "$logs/$(basename "$b").log" || bench_rc=1
+# ---- Steps. Each row: name, result, detail.
+rows=()
+row() { rows+=("$(printf '%-34s %-6s %s' "$1" "$2" "$3")"); }
+remaining() { echo $(( budget_s - ($(date +%s) - start) )); }
+# gtest NAME LIMIT_S [ENV=VALUE...] -- COMMAND...: runs a googletest binary and records its row.
+gtest() {
+  local name=$1 limit=$2
+  shift 2
+  local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  local left
+  left=$(remaining)
+  if [ "$left" -lt 10 ]; then row "$name" "FAIL" "not run: the check's ${budget_s}s budget is spent"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (limit ${limit}s)"
+  local log=$logs/$name.log t0 rc
+  t0=$(date +%s)
+  env "${envs[@]}" timeout "$limit" "$@" > "$log" 2>&1
+  rc=$?
+  local counts
+  counts=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ test' "$log" | sed -E 's/^\[  ([A-Z]+) +\] ([0-9]+) tests?.*/\2 \1/' |
+    tr '[:upper:]' '[:lower:]' | paste -sd, - | sed 's/,/, /g')
+  local detail="${counts:-no googletest summary}, $(( $(date +%s) - t0 ))s"
+  case $rc in
+    0) row "$name" "pass" "$detail" ;;
+    77) row "$name" "skip" "$detail: $(grep -m1 -A1 ': Skipped' "$log" | tail -1)" ;;
+    124) row "$name" "FAIL" "timed out after ${limit}s; $detail"; tail -20 "$log" ;;
+    *) row "$name" "FAIL" "exit $rc; $detail"; grep -E 'Failure|FAILED|Error|error' "$log" | head -20 ;;
+  esac
+}
+
+gtest cuda_device_test 60 -- "$bundle/bin/cuda_device_test"
+gtest kernels_gpu_test 150 -- "$bundle/bin/kernels_gpu_test"
+if [ -x "$bundle/bin/nccl_transport_gpu_test" ]; then
+  if [ -z "$nccl_dir" ]; then
+    row nccl_transport_gpu_test "FAIL" "no libnccl.so.2 on this machine (system or nvidia-nccl wheel)"
+  else
+    gtest nccl_transport_gpu_test 150 "MAINSTAY_COORDINATOR_BIN=$bundle/bin/mainstay-coordinator" \
+      "MAINSTAYD_BIN=$bundle/bin/mainstayd" "MAINSTAY_NCCL_TRAINER_BIN=$bundle/bin/nccl_trainer" \
+      -- "$bundle/bin/nccl_transport_gpu_test"
+  fi
+fi
+
+# compute-sanitizer on the tests that run the tile kernels (block amaxes, mxfp8 in the pass).
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+tile_tests='*AmaxQuantizeDequantizeMatchCpuForEveryFormatAndFragment*:*FusedAdamWQuantizeMatchesCpu*'
+for tool in memcheck racecheck; do
+  if [ -z "$sanitizer" ]; then
+    row "sanitizer_$tool" "skip" "compute-sanitizer not on this machine"
+  else
+    gtest "sanitizer_$tool" 60 -- "$sanitizer" --tool "$tool" --error-exitcode 3 \
+      "$bundle/bin/kernels_gpu_test" --gtest_filter="$tile_tests"
+  fi
 done
+
+# ---- Kernels against the device's copy bandwidth.
+bench_rows=()
+left=$(remaining)
+if [ "$left" -ge 20 ]; then
+  limit=$(( left < 90 ? left : 90 ))
+  echo "== kernels_bench_gpu (limit ${limit}s)"
+  timeout "$limit" "$bundle/bin/kernels_bench_gpu" 5 > "$logs/kernels_bench_gpu.log" 2>&1
+  rc=$?
+  cat "$logs/kernels_bench_gpu.log"
+  # Rows: name (may hold spaces), ms, Gelem/s, GB/s, memcpy GB/s, ratio.
+  while read -r line; do bench_rows+=("$line"); done < <(awk 'NF >= 6 && $NF ~ /^[0-9.]+$/ && $(NF-4) ~ /^[0-9.]+$/ {
+      name = $1; for (i = 2; i <= NF - 5; ++i) name = name " " $i;
+      printf "%-40s %6s of copy bandwidth (%s GB/s)\n", name, $NF, $(NF-2) }' "$logs/kernels_bench_gpu.log")
+  case $rc in
+    0) if [ ${#bench_rows[@]} -gt 0 ]; then row kernels_bench_gpu "pass" "${#bench_rows[@]} kernels measured"
+       else row kernels_bench_gpu "skip" "$(head -1 "$logs/kernels_bench_gpu.log")"; fi ;;
+    124) row kernels_bench_gpu "FAIL" "timed out after ${limit}s" ;;
+    *) row kernels_bench_gpu "FAIL" "exit $rc: $(tail -1 "$logs/kernels_bench_gpu.log")" ;;
+  esac
+else
+  row kernels_bench_gpu "FAIL" "not run: the check's ${budget_s}s budget is spent"
+fi
 
 echo
 echo "== summary ($(( $(date +%s) - start ))s)"
-grep -E "tests passed|tests failed|Skipped|Failed" "$logs/ctest-gpu.log" | tail -5
-grep -E "tests passed|tests failed|\(Skipped\)|SKIPPED \]|NCCL refused" "$logs/ctest-nccl.log" | tail -5
-echo "benchmarks run: ${#benches[@]} (rc $bench_rc)"
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+printf '%-34s %-6s %s\n' "step" "result" "detail"
+printf '%s\n' "${rows[@]}"
+if [ ${#bench_rows[@]} -gt 0 ]; then
+  echo
+  printf '%-40s %s\n' "kernel" "fraction of device copy bandwidth (cudaMemcpy D2D, same bytes, same run)"
+  printf '%s\n' "${bench_rows[@]}"
+fi
+printf '%s\n' "${rows[@]}" | grep -q ' FAIL ' && exit 1
+exit 0

@@ -127,6 +127,11 @@ std::string ReadFileOrEmpty(const std::string& path) {
   return text.str();
 }
 
+std::string BinaryPath(const char* env_name, const char* built_path) {
+  const char* value = std::getenv(env_name);
+  return value != nullptr && *value != '\0' ? std::string(value) : std::string(built_path);
+}
+
 absl::StatusOr<int> WaitForPortFile(const std::string& path, Subprocess& process, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {

@@ -82,6 +82,11 @@ absl::StatusOr<int> WaitForPortFile(const std::string& path, Subprocess& process
 // Reads a whole file (e.g. a child's log for a failure message); empty when unreadable.
 std::string ReadFileOrEmpty(const std::string& path);
 
+// The program a test starts: the environment variable `env_name` when set and not empty (a
+// prebuilt bundle run elsewhere, tests/gpu/run_on_device.sh), else `built_path` (the build
+// tree's, compiled in by CMake).
+std::string BinaryPath(const char* env_name, const char* built_path);
+
 }  // namespace mainstay::testing
 
 #endif  // MAINSTAY_TESTS_TESTING_SUBPROCESS_H_
