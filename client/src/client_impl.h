@@ -28,6 +28,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "client/src/buffer_pool.h"
+#include "client/src/cuda_driver.h"
 #include "client/src/thread_pool.h"
 #include "client/src/transport.h"
 #include "common/grpc_tls.h"
@@ -167,6 +168,8 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   // Data-plane transports (transport.h), made at Connect and constant afterwards. null: not
   // started (not asked for, compiled out, or UCX failed to start under "auto": see *_note).
   std::string transport_request;  // "auto", "grpc", "ucx" or "nccl"
+  // Where pushed buffers live, and the waits of PushOptions::cuda_event / cuda_stream.
+  const client_internal::CudaDriver* cuda = &client_internal::ClientCudaDriver();
   std::unique_ptr<client_internal::DataTransport> grpc_transport;
   std::unique_ptr<client_internal::DataTransport> ucx_transport;
   std::unique_ptr<client_internal::DataTransport> nccl_transport;

@@ -43,6 +43,29 @@ absl::Status CheckSpan(ElementSpan data, int64_t want, absl::string_view what, b
 }
 
 // Completes one handle once every part of a multi-shard push has finished.
+// The CUDA work a call's pushes wait for (PushOptions::cuda_event / cuda_stream), waited for once
+// by whichever of them runs first; the others get the same result.
+class CudaReady {
+ public:
+  CudaReady(const client_internal::CudaDriver& cuda, client_internal::PendingCudaWork work)
+      : cuda_(cuda), work_(std::move(work)) {}
+  absl::Status Await() {
+    absl::MutexLock lock(&mu_);  // the others wait here while the first one waits for CUDA
+    if (!done_) {
+      status_ = cuda_.Wait(std::move(work_));
+      done_ = true;
+    }
+    return status_;
+  }
+
+ private:
+  const client_internal::CudaDriver& cuda_;
+  absl::Mutex mu_;
+  client_internal::PendingCudaWork work_ ABSL_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
 struct PushCountdown {
   absl::Mutex mu;
   int remaining ABSL_GUARDED_BY(mu) = 0;
@@ -307,6 +330,25 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
                                         v1::PushKind kind, const std::vector<ElementSpan>& data,
                                         int32_t num_contributors, const PushOptions& push_options) {
   if (reader) return PushHandle::Ready(ReaderRefusal());
+  // The grpc and ucx transports read a push's payload with the CPU: device memory is refused
+  // here, before anything is recorded or sent. "auto" never picks nccl (transport.h).
+  if (transport_request != "nccl") {
+    for (size_t i = 0; i < shards.size(); ++i) {
+      if (std::optional<int> device = cuda->DeviceOf(data[i].data); device.has_value()) {
+        const std::string readers = transport_request == "auto"
+                                        ? "the grpc and ucx transports read"
+                                        : absl::StrCat("the ", transport_request, " transport reads");
+        return PushHandle::Ready(InvalidArgumentError(
+            "data", "the buffer pushed for bucket ", bucket, " shard ", shards[i], " is in the memory of CUDA device ",
+            *device, ", and ", readers, " pushes with the CPU: copy it to host memory (pinned memory, with ",
+            "PushOptions::cuda_stream or cuda_event naming the copy), or connect with transport \"nccl\""));
+      }
+    }
+  }
+  absl::StatusOr<client_internal::PendingCudaWork> work = cuda->Capture(push_options.cuda_stream,
+                                                                        push_options.cuda_event);
+  if (!work.ok()) return PushHandle::Ready(work.status());
+  auto cuda_ready = std::make_shared<CudaReady>(*cuda, *std::move(work));
   const Deadline deadline = DeadlineAfter(push_options.timeout);
   auto countdown = std::make_shared<PushCountdown>();
   {
@@ -325,7 +367,12 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
     const int32_t shard = shards[i];
     const ElementSpan part = data[i];
     push_pool->Schedule([this, bucket, shard, step, kind, part, num_contributors, push_options, deadline, done,
-                         countdown, crc] {
+                         countdown, crc, cuda_ready] {
+      if (absl::Status ready = cuda_ready->Await(); !ready.ok()) {
+        countdown->Done(ready);
+        done->set_value(ready);
+        return;
+      }
       Route landed;
       client_internal::ReplicaCopies copies =
           StartReplicaCopies(bucket, shard, step, kind, part, num_contributors, push_options, deadline, crc.get());
@@ -364,8 +411,11 @@ absl::Status Client::Impl::PushStepAgain(int64_t step, const std::vector<client_
   RefreshPlacement(DeadlineAfter(std::chrono::milliseconds(0)), 0).IgnoreError();
   std::vector<PushHandle> handles;
   for (const client_internal::StepPush& p : pushes) {
+    PushOptions options = p.options;  // the buffer was produced (its CRC matched): no CUDA wait
+    options.cuda_event = nullptr;
+    options.cuda_stream.reset();
     handles.push_back(SchedulePushes(p.bucket, {p.shard}, step, v1::PUSH_KIND_GRADIENT, {p.data}, p.num_contributors,
-                                     p.options));
+                                     options));
   }
   // A push answered "already decided" (FAILED_PRECONDITION naming a committed step at or past
   // this one) says the step committed after all (the pushes a move carried): that answer wins.

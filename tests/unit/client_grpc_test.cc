@@ -4,11 +4,16 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <dlfcn.h>
+
+#include <atomic>
 #include <cmath>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
+#include "client/src/cuda_driver.h"
 #include "client/src/testing/fake_services.h"
 #include "client/src/testing/test_specs.h"
 #include "kernels/casts.h"
@@ -33,6 +38,49 @@ std::vector<float> Random(int64_t n, uint32_t seed, float scale = 0.1f) {
 }
 
 float Bf16Round(float x) { return kernels::Bf16ToFloat(kernels::FloatToBf16(x)); }
+
+// A CUDA driver for machines without a GPU: one host range stands for device memory of device
+// 1, and the CUDA work a push waits for ends when the test says (or fails).
+class FakeCudaDriver : public client_internal::CudaDriver {
+ public:
+  FakeCudaDriver(const void* device_begin, size_t device_bytes) : begin_(device_begin), bytes_(device_bytes) {}
+
+  std::optional<int> DeviceOf(const void* p) const override {
+    const auto* b = static_cast<const char*>(begin_);
+    const auto* q = static_cast<const char*>(p);
+    if (q >= b && q < b + bytes_) return 1;
+    return std::nullopt;
+  }
+  absl::StatusOr<client_internal::PendingCudaWork> Capture(std::optional<void*> stream, void* event) const override {
+    if (event != nullptr) return client_internal::PendingCudaWork(event, nullptr, nullptr);
+    if (!stream.has_value()) return client_internal::PendingCudaWork();
+    // The "recorded event" is the release counter: its release counts.
+    return client_internal::PendingCudaWork(&released_, nullptr,
+                                            [](void* e) { static_cast<std::atomic<int>*>(e)->fetch_add(1); });
+  }
+  absl::Status Wait(client_internal::PendingCudaWork work) const override {
+    if (work.empty()) return absl::OkStatus();
+    ++waits_;
+    finished_.WaitForNotification();
+    return fail_ ? absl::InternalError("the CUDA work that produces the pushed buffer failed (fake)")
+                 : absl::OkStatus();
+  }
+
+  void Finish(bool fail) {
+    fail_ = fail;
+    finished_.Notify();
+  }
+  int waits() const { return waits_.load(); }
+  int released() const { return released_.load(); }
+
+ private:
+  const void* begin_;
+  size_t bytes_;
+  absl::Notification finished_;
+  bool fail_ = false;
+  mutable std::atomic<int> waits_{0};
+  mutable std::atomic<int> released_{0};
+};
 
 class ClientGrpcTest : public ::testing::Test {
  protected:
@@ -537,6 +585,96 @@ TEST_F(ClientGrpcTest, BadArgumentsAreRefusedWithoutACall) {
   EXPECT_THAT(c.PullBucket(0, -5).Wait(), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_EQ(cluster_->stats().push_streams, 0);
   EXPECT_EQ(cluster_->stats().pull_streams, 0);
+}
+
+TEST_F(ClientGrpcTest, DeviceMemoryIsRefusedBeforeAnythingIsSent) {
+  StartCluster();
+  const int64_t n = 4096;
+  std::vector<float> device(n, 0.01f);  // stands for device memory
+  FakeCudaDriver cuda(device.data(), device.size() * sizeof(float));
+  client_internal::ScopedCudaDriverForTesting use(&cuda);
+  ConnectRanks(testing_fakes::SmallSpec(1), 1);
+  Client& c = *clients_[0];
+  const Bucket& b = c.layout().buckets[0];
+  ASSERT_LE(b.numel, n);
+  const int before = cluster_->stats().push_streams;
+  EXPECT_THAT(c.PushInitialParams(0, std::span<const float>(device.data(), b.numel)).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("memory of CUDA device 1")));
+  const absl::StatusOr<PushResult> refused =
+      c.PushGrad(0, 0, ElementSpan::Fp32(std::span<const float>(device.data(), b.shard_numel))).Wait();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bucket 0 shard 0")));
+  EXPECT_THAT(refused.status().message(), HasSubstr("transport \"nccl\""));
+  EXPECT_EQ(cluster_->stats().push_streams, before);
+  // Nothing of the step was recorded: FinishStep has no push to wait for.
+  EXPECT_THAT(c.FinishStep(0, 0.1, 0.0), StatusIs(absl::StatusCode::kFailedPrecondition));
+  // The same values from host memory go through.
+  PushInitial(RandomBuckets(4));
+  std::vector<float> host(device.begin(), device.begin() + b.shard_numel);
+  for (int32_t k = 0; k < static_cast<int32_t>(c.layout().buckets.size()); ++k) {
+    std::vector<float> g(c.layout().buckets[k].shard_numel, 0.01f);
+    ASSERT_THAT(c.PushGrad(k, 0, ElementSpan::Fp32(k == 0 ? host : g)).Wait(), IsOk());
+  }
+  EXPECT_THAT(c.FinishStep(0, 0.1, 0.0), IsOk());
+}
+
+TEST_F(ClientGrpcTest, PushWaitsForTheCudaWorkThatProducesItsBuffer) {
+  StartCluster();
+  FakeCudaDriver cuda(nullptr, 0);
+  client_internal::ScopedCudaDriverForTesting use(&cuda);
+  ConnectRanks(testing_fakes::SmallSpec(1), 1);
+  Client& c = *clients_[0];
+  PushInitial(RandomBuckets(4));
+  const int before = cluster_->stats().push_streams;
+  std::vector<std::vector<float>> g;
+  for (const Bucket& b : c.layout().buckets) g.emplace_back(b.shard_numel, 0.01f);
+  PushOptions on_stream;
+  on_stream.cuda_stream = nullptr;  // the legacy default stream
+  std::vector<PushHandle> handles;
+  for (int32_t k = 0; k < static_cast<int32_t>(g.size()); ++k) {
+    handles.push_back(c.PushGrad(k, 0, ElementSpan::Fp32(g[k]), on_stream));
+  }
+  EXPECT_FALSE(handles[0].WaitFor(std::chrono::milliseconds(300)));
+  EXPECT_EQ(cluster_->stats().push_streams, before);  // nothing read or sent while the work runs
+  cuda.Finish(/*fail=*/false);
+  for (PushHandle& h : handles) EXPECT_THAT(h.Wait(), IsOk());
+  EXPECT_EQ(cuda.waits(), static_cast<int>(g.size()));
+  EXPECT_EQ(cuda.released(), static_cast<int>(g.size()));  // each recorded event released once
+  EXPECT_THAT(c.FinishStep(0, 0.1, 0.0), IsOk());
+}
+
+TEST_F(ClientGrpcTest, FailedCudaWorkFailsThePushAndSendsNothing) {
+  StartCluster();
+  FakeCudaDriver cuda(nullptr, 0);
+  client_internal::ScopedCudaDriverForTesting use(&cuda);
+  ConnectRanks(testing_fakes::SmallSpec(1), 1);
+  Client& c = *clients_[0];
+  PushInitial(RandomBuckets(4));
+  const int before = cluster_->stats().push_streams;
+  std::vector<float> g(c.layout().buckets[0].shard_numel, 0.01f);
+  int event = 0;  // any handle: the fake only passes it on
+  PushOptions options;
+  options.cuda_event = &event;
+  cuda.Finish(/*fail=*/true);
+  EXPECT_THAT(c.PushGrad(0, 0, ElementSpan::Fp32(g), options).Wait(),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("CUDA work")));
+  EXPECT_EQ(cluster_->stats().push_streams, before);
+  EXPECT_THAT(c.FinishStep(0, 0.1, 0.0), StatusIs(absl::StatusCode::kInternal));
+}
+
+TEST_F(ClientGrpcTest, CudaStreamWithoutADriverIsRefused) {
+  if (void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL); lib != nullptr) {
+    dlclose(lib);
+    GTEST_SKIP() << "this machine has a CUDA driver";
+  }
+  StartCluster();
+  ConnectRanks(testing_fakes::SmallSpec(1), 1);
+  Client& c = *clients_[0];
+  std::vector<float> g(c.layout().buckets[0].shard_numel, 0.01f);
+  PushOptions options;
+  options.cuda_stream = nullptr;
+  EXPECT_THAT(c.PushGrad(0, 0, ElementSpan::Fp32(g), options).Wait(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("libcuda.so.1")));
+  EXPECT_EQ(cluster_->stats().push_streams, 0);
 }
 
 }  // namespace

@@ -25,6 +25,9 @@
 // changed meanwhile is detected and not pushed again); initial parameters until the push's
 // handle is ready (Wait returned). Destroying the Client cancels
 // the operations still in flight (their handles complete with CANCELLED) and waits for them.
+// Pushed buffers are host memory for the grpc and ucx transports, which read them with the CPU:
+// a device pointer is refused (INVALID_ARGUMENT) before anything is sent. The nccl transport
+// takes host and device memory (docs/transports.md).
 // Thread safety: every method may be called concurrently from any thread. Handles may be waited
 // on from any thread, any number of times.
 #ifndef MAINSTAY_CLIENT_CLIENT_H_
@@ -187,6 +190,19 @@ struct PushResult {
 struct PushOptions {
   double loss_scale = 0.0;               // multiplied into the gradients (fp16 recipes); 0 = none
   std::chrono::milliseconds timeout{0};  // 0 = ClientOptions::timeout
+  // The CUDA work that produces the pushed buffer, when it is still in flight at the push (an
+  // asynchronous copy into a pinned buffer, the kernel that writes the gradients): the push
+  // waits for it, on the client's own thread, before it reads the buffer, so the caller needs
+  // no synchronize of its own. Both are handles of the CUDA context current on the calling
+  // thread (cudaEvent_t / cudaStream_t, or the driver's CUevent / CUstream).
+  //   cuda_event: a recorded event; it must not be recorded again before the push's handle
+  //     is ready.
+  //   cuda_stream (when cuda_event is unset; nullptr = the legacy default stream): the work
+  //     enqueued on the stream before the push call (the client records an event there).
+  // A failed wait (the producing work faulted) fails the push (INTERNAL, nothing sent);
+  // FAILED_PRECONDITION when either is set and the process has no CUDA driver.
+  void* cuda_event = nullptr;
+  std::optional<void*> cuda_stream;
 };
 
 // Machine-readable detail a daemon or the coordinator attached to an error (ErrorDetail).

@@ -1,0 +1,151 @@
+#include "client/src/cuda_driver.h"
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+
+namespace mainstay::client_internal {
+namespace {
+
+// The few driver API declarations used here (values as cuda.h documents them), so that the
+// client builds without CUDA.
+using CUresult = int;
+using CUdeviceptr = unsigned long long;  // NOLINT(runtime/int): the driver's own type
+constexpr CUresult kCudaSuccess = 0;
+constexpr int kAttributeMemoryType = 2;     // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+constexpr int kAttributeIsManaged = 8;      // CU_POINTER_ATTRIBUTE_IS_MANAGED
+constexpr int kAttributeDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+constexpr unsigned kMemoryTypeDevice = 2;   // CU_MEMORYTYPE_DEVICE
+constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
+// CU_STREAM_LEGACY: the legacy default stream, whichever default the caller was compiled for.
+void* const kLegacyStream = reinterpret_cast<void*>(uintptr_t{1});
+
+struct DriverApi {
+  CUresult (*pointer_get_attribute)(void* data, int attribute, CUdeviceptr ptr) = nullptr;
+  CUresult (*ctx_get_current)(void** ctx) = nullptr;
+  CUresult (*ctx_set_current)(void* ctx) = nullptr;
+  CUresult (*event_create)(void** event, unsigned flags) = nullptr;
+  CUresult (*event_record)(void* event, void* stream) = nullptr;
+  CUresult (*event_synchronize)(void* event) = nullptr;
+  CUresult (*event_destroy)(void* event) = nullptr;
+  CUresult (*get_error_name)(CUresult error, const char** name) = nullptr;
+  bool loaded = false;
+};
+
+template <typename F>
+bool Load(void* lib, const char* name, F& out) {
+  out = reinterpret_cast<F>(dlsym(lib, name));
+  return out != nullptr;
+}
+
+const DriverApi& Api() {
+  static const DriverApi api = [] {
+    DriverApi a;
+    // RTLD_NOLOAD first: the driver a CUDA program already loaded; else load it (it stays).
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) return a;
+    a.loaded = Load(lib, "cuPointerGetAttribute", a.pointer_get_attribute) &&
+               Load(lib, "cuCtxGetCurrent", a.ctx_get_current) && Load(lib, "cuCtxSetCurrent", a.ctx_set_current) &&
+               Load(lib, "cuEventCreate", a.event_create) && Load(lib, "cuEventRecord", a.event_record) &&
+               Load(lib, "cuEventSynchronize", a.event_synchronize) &&
+               Load(lib, "cuEventDestroy_v2", a.event_destroy) && Load(lib, "cuGetErrorName", a.get_error_name);
+    return a;
+  }();
+  return api;
+}
+
+std::string ErrorName(CUresult r) {
+  const char* name = nullptr;
+  if (Api().get_error_name != nullptr && Api().get_error_name(r, &name) == kCudaSuccess && name != nullptr) {
+    return name;
+  }
+  return absl::StrCat("CUresult ", r);
+}
+
+void DestroyEvent(void* event) { (void)Api().event_destroy(event); }
+
+class SystemDriver final : public CudaDriver {
+ public:
+  std::optional<int> DeviceOf(const void* p) const override {
+    const DriverApi& api = Api();
+    if (!api.loaded || p == nullptr) return std::nullopt;
+    const auto ptr = static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(p));
+    unsigned type = 0;
+    // Not initialized, no context, or memory CUDA does not know: not device memory.
+    if (api.pointer_get_attribute(&type, kAttributeMemoryType, ptr) != kCudaSuccess || type != kMemoryTypeDevice) {
+      return std::nullopt;
+    }
+    unsigned managed = 0;
+    if (api.pointer_get_attribute(&managed, kAttributeIsManaged, ptr) == kCudaSuccess && managed != 0) {
+      return std::nullopt;  // managed memory: the CPU may read it
+    }
+    int ordinal = 0;
+    if (api.pointer_get_attribute(&ordinal, kAttributeDeviceOrdinal, ptr) != kCudaSuccess) ordinal = 0;
+    return ordinal;
+  }
+
+  absl::StatusOr<PendingCudaWork> Capture(std::optional<void*> stream, void* event) const override {
+    if (event == nullptr && !stream.has_value()) return PendingCudaWork();
+    const DriverApi& api = Api();
+    if (!api.loaded) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "PushOptions names a CUDA ", event != nullptr ? "event" : "stream",
+          " but this process has no CUDA driver (libcuda.so.1 could not be loaded)"));
+    }
+    void* context = nullptr;
+    if (CUresult r = api.ctx_get_current(&context); r != kCudaSuccess) {
+      return absl::InternalError(absl::StrCat("cuCtxGetCurrent: ", ErrorName(r)));
+    }
+    if (event != nullptr) return PendingCudaWork(event, context, nullptr);
+    void* recorded = nullptr;
+    if (CUresult r = api.event_create(&recorded, kEventDisableTiming); r != kCudaSuccess) {
+      return absl::InternalError(absl::StrCat("cuEventCreate for PushOptions::cuda_stream: ", ErrorName(r)));
+    }
+    PendingCudaWork work(recorded, context, &DestroyEvent);
+    void* s = *stream == nullptr ? kLegacyStream : *stream;
+    if (CUresult r = api.event_record(recorded, s); r != kCudaSuccess) {
+      return absl::InternalError(absl::StrCat("cuEventRecord on PushOptions::cuda_stream: ", ErrorName(r)));
+    }
+    return work;
+  }
+
+  absl::Status Wait(PendingCudaWork work) const override {
+    if (work.empty()) return absl::OkStatus();
+    const DriverApi& api = Api();
+    // The push runs on a pool thread: make the caller's context current there, as the driver
+    // requires of an event of that context.
+    if (work.context() != nullptr) {
+      if (CUresult r = api.ctx_set_current(work.context()); r != kCudaSuccess) {
+        return absl::InternalError(absl::StrCat("cuCtxSetCurrent before waiting for the push's CUDA work: ",
+                                                ErrorName(r)));
+      }
+    }
+    if (CUresult r = api.event_synchronize(work.event()); r != kCudaSuccess) {
+      return absl::InternalError(absl::StrCat(
+          "the CUDA work that produces the pushed buffer failed (cuEventSynchronize: ", ErrorName(r),
+          "); nothing was sent"));
+    }
+    return absl::OkStatus();
+  }
+};
+
+std::atomic<const CudaDriver*> g_override{nullptr};
+
+}  // namespace
+
+const CudaDriver& ClientCudaDriver() {
+  static const SystemDriver system;
+  const CudaDriver* o = g_override.load();
+  return o != nullptr ? *o : system;
+}
+
+ScopedCudaDriverForTesting::ScopedCudaDriverForTesting(const CudaDriver* driver)
+    : previous_(g_override.exchange(driver)) {}
+
+ScopedCudaDriverForTesting::~ScopedCudaDriverForTesting() { g_override.store(previous_); }
+
+}  // namespace mainstay::client_internal
