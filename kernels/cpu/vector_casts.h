@@ -12,7 +12,13 @@
 //     pattern with the exponent rebased by an integer add; subnormal codes as the mantissa
 //     converted to float times a power of two (no FP32 subnormal is ever an operand).
 //
-// Internal to kernels/cpu (and its tests). Thread safety: pure functions.
+// The CUDA kernels use the same functions on the device (kernels/cuda/fragment_visit.cuh):
+// straight-line code keeps a warp's lanes together whatever their values' ranges (casts.h's
+// E2M1 takes its subnormal branch for |y| < 1, which splits nearly every warp). Every one is
+// checked against CUDA's host conversions on all 2^32 FP32 bit patterns
+// (tests/unit/cast_oracle_test.cc).
+//
+// Internal to kernels/ (and its tests). Thread safety: pure functions.
 #ifndef MAINSTAY_KERNELS_CPU_VECTOR_CASTS_H_
 #define MAINSTAY_KERNELS_CPU_VECTOR_CASTS_H_
 
@@ -38,7 +44,9 @@
 // The casts below are the bodies of vectorized loops: a call left out of line keeps the whole
 // loop scalar (GCC's inliner gave up on MinifloatSatBits once a translation unit had enough
 // callers, and the one-loop fp8 pass fell from 0.70 to 0.12 G elem/s), so they always inline.
-#if defined(__GNUC__)
+#if defined(__CUDACC__)
+#define MAINSTAY_CAST_INLINE __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
 #define MAINSTAY_CAST_INLINE inline __attribute__((always_inline))
 #else
 #define MAINSTAY_CAST_INLINE inline
@@ -133,7 +141,11 @@ MAINSTAY_CAST_INLINE uint8_t MinifloatSatBits(float y) {
   const uint32_t sub = FloatBits(BitsFloat(a) + BitsFloat(kMagicBits)) - kMagicBits;
   // Both fit in int32 (normal <= bits(inf) >> kDrop), so the clamp is a signed min.
   const int32_t code = static_cast<int32_t>(SelectBits(LessBits(a, kMinNormalBits), sub, normal));
+#if defined(__CUDA_ARCH__)
+  const uint32_t clamped = static_cast<uint32_t>(min(code, static_cast<int32_t>(kMaxCode)));
+#else
   const uint32_t clamped = static_cast<uint32_t>(std::min(code, static_cast<int32_t>(kMaxCode)));
+#endif
   const uint32_t sign = (u >> 31) << (kExpBits + kMantBits);
   return static_cast<uint8_t>(SelectBits(IsNanBits(a), kNanCode, clamped | sign));
 }

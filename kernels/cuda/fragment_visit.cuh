@@ -27,6 +27,7 @@
 #include "common/format.h"
 #include "common/status.h"
 #include "kernels/casts.h"
+#include "kernels/cpu/vector_casts.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/kernels.h"
 #include "kernels/optimizer_math.h"
@@ -303,13 +304,27 @@ __device__ __forceinline__ void CastFp8x4(const float (&y)[4], bool e5m2, uint8_
   q[3] = static_cast<uint8_t>(hi >> 8);
 #else
 #pragma unroll
-  for (int k = 0; k < 4; ++k) q[k] = e5m2 ? FloatToE5M2(y[k]) : FloatToE4M3(y[k]);
+  for (int k = 0; k < 4; ++k) q[k] = e5m2 ? cpu::E5M2Bits(y[k]) : cpu::E4M3Bits(y[k]);
 #endif
 }
 
+// ---- Encoders on the device: the branch-free forms of kernels/cpu/vector_casts.h, equal bit
+// for bit to casts.h's (tests/unit/cast_oracle_test.cc checks both against CUDA's conversions on
+// every FP32 pattern). casts.h's forms branch on the value's range, so the lanes of a warp
+// whose values straddle a boundary (E2M1's subnormals are |y| < 1) would run both paths.
+
+// ToModelBits(x, model_dtype) (bf16 or fp16 bits); model_dtype is the same on every lane.
+__device__ __forceinline__ uint16_t DeviceModelBits(float x, Format model_dtype) {
+  const uint32_t u = FloatBits(x);
+  return model_dtype == Format::kFP16 ? cpu::Fp16Bits(u) : cpu::Bf16Bits(u);
+}
+
+// FloatToE2M1(y): a 4-bit code in the low nibble.
+__device__ __forceinline__ uint8_t DeviceE2M1(float y) { return cpu::E2M1Bits(y); }
+
 // Model-dtype value of a master: float(bf16_rne(master)) or float(fp16(master)).
 __device__ __forceinline__ float ModelValue(float master, Format model_dtype) {
-  return ModelBitsToFloat(ToModelBits(master, model_dtype), model_dtype);
+  return ModelBitsToFloat(DeviceModelBits(master, model_dtype), model_dtype);
 }
 
 // ---- Reductions.

@@ -62,7 +62,7 @@ __device__ __forceinline__ void StoreMoments(void* p, ElementType type, int64_t 
   if (type == ElementType::kBFloat16) {
     uint16_t b[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) b[k] = FloatToBf16(v[k]);
+    for (int k = 0; k < 4; ++k) b[k] = DeviceModelBits(v[k], Format::kBF16);
     StoreU16x4(static_cast<uint16_t*>(p), j, cnt, vec, b);
   } else {
     StoreF32x4(static_cast<float*>(p), j, cnt, vec, v);
@@ -81,6 +81,17 @@ struct FlatCast {
   uint8_t* data = nullptr;
 };
 
+// Which arrays take 16-byte (8 for 16-bit and packed arrays) accesses on aligned runs: each
+// array by its own base address, so one misaligned array costs only its own accesses.
+struct VectorArrays {
+  bool grad = false;
+  bool master = false;
+  bool m = false;
+  bool v = false;
+  bool model = false;  // model_values
+  bool cast = false;   // FlatCast::data
+};
+
 template <bool kAdam>
 struct OptimizerOp {
   GradSource grad;
@@ -96,12 +107,11 @@ struct OptimizerOp {
   FlatCast cast;
   bool stats;    // accumulate gradient stats
   bool dry_run;  // StepOutputs::dry_run: the state is read, not written
-  bool vec_ok;   // every array aligned for vector access
+  VectorArrays vec_arrays;
 
   __device__ __forceinline__ void operator()(int64_t j, int cnt, bool vec, float (&x)[4], GradAccum& acc) const {
-    vec = vec && vec_ok;
     float g[4];
-    grad.Load(j, cnt, vec, g);
+    grad.Load(j, cnt, vec && vec_arrays.grad, g);
     if (stats) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -109,9 +119,9 @@ struct OptimizerOp {
       }
     }
     float p[4], mm[4], vv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    LoadF32x4(master, j, cnt, vec, p);
-    LoadMoments(m, moment_type, j, cnt, vec, mm);
-    if constexpr (kAdam) LoadMoments(v, moment_type, j, cnt, vec, vv);
+    LoadF32x4(master, j, cnt, vec && vec_arrays.master, p);
+    LoadMoments(m, moment_type, j, cnt, vec && vec_arrays.m, mm);
+    if constexpr (kAdam) LoadMoments(v, moment_type, j, cnt, vec && vec_arrays.v, vv);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       if (k < cnt) {
@@ -123,29 +133,29 @@ struct OptimizerOp {
       }
     }
     if (!dry_run) {
-      StoreF32x4(master, j, cnt, vec, p);
-      StoreMoments(m, moment_type, j, cnt, vec, mm);
-      if constexpr (kAdam) StoreMoments(v, moment_type, j, cnt, vec, vv);
+      StoreF32x4(master, j, cnt, vec && vec_arrays.master, p);
+      StoreMoments(m, moment_type, j, cnt, vec && vec_arrays.m, mm);
+      if constexpr (kAdam) StoreMoments(v, moment_type, j, cnt, vec && vec_arrays.v, vv);
     }
     uint16_t bits[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      bits[k] = ToModelBits(p[k], model_dtype);
+      bits[k] = DeviceModelBits(p[k], model_dtype);
       x[k] = ModelBitsToFloat(bits[k], model_dtype);
     }
-    if (model_values != nullptr) StoreU16x4(model_values, j, cnt, vec, bits);
+    if (model_values != nullptr) StoreU16x4(model_values, j, cnt, vec && vec_arrays.model, bits);
     if (cast.mode == PassCast::k16Bit) {
       uint16_t b[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) b[k] = ToModelBits(x[k], cast.format);
-      StoreU16x4Bytes(cast.data, j, cnt, vec, b);
+      for (int k = 0; k < 4; ++k) b[k] = DeviceModelBits(x[k], cast.format);
+      StoreU16x4Bytes(cast.data, j, cnt, vec && vec_arrays.cast, b);
     } else if (cast.mode == PassCast::kFp8) {
       float y[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) y[k] = x[k] * cast.scale;
       uint8_t q[4];
       CastFp8x4(y, cast.e5m2, q);
-      StoreU8x4(cast.data, j, cnt, vec, q);
+      StoreU8x4(cast.data, j, cnt, vec && vec_arrays.cast, q);
     }
   }
 };
@@ -234,9 +244,11 @@ OptimizerOp<kAdam> MakeOp(Format model_dtype, GradView grad, float multiplier, c
   op.stats = out.grad_sum_squares != nullptr || out.grad_nonfinite != nullptr;
   op.dry_run = out.dry_run;
   const uintptr_t moment_align = state.moment_type == ElementType::kBFloat16 ? 8 : 16;
-  op.vec_ok = GradAligned(grad) && Aligned(state.master, 16) && Aligned(state.m, moment_align) &&
-              (!kAdam || Aligned(state.v, moment_align)) &&
-              (op.model_values == nullptr || Aligned(op.model_values, 8));
+  op.vec_arrays.grad = GradAligned(grad);
+  op.vec_arrays.master = Aligned(state.master, 16);
+  op.vec_arrays.m = Aligned(state.m, moment_align);
+  op.vec_arrays.v = kAdam && Aligned(state.v, moment_align);
+  op.vec_arrays.model = Aligned(op.model_values, 8);
   return op;
 }
 
@@ -319,14 +331,14 @@ absl::Status FusedAdamWQuantize(const Device& device, Format format, Format mode
   float scale_inv = 0.0f;
   if (d.scaling == ScalingMode::kNone) {  // bf16 / fp16
     op.cast = FlatCast{PassCast::k16Bit, format, false, 1.0f, data};
-    op.vec_ok = op.vec_ok && Aligned(data, 8);
+    op.vec_arrays.cast = Aligned(data, 8);
   } else {  // fp8 delayed or current (kernels.cc admits nothing else here)
     const bool e5m2 = d.element == ElementType::kE5M2;
     const float scale = d.scaling == ScalingMode::kCurrent
                             ? CurrentScalingScale(scales.tensor_amax, e5m2 ? kE5M2Max : kE4M3Max, scales.pow2_scales)
                             : scales.tensor_scale;
     op.cast = FlatCast{PassCast::kFp8, format, e5m2, scale, data};
-    op.vec_ok = op.vec_ok && Aligned(data, 4);
+    op.vec_arrays.cast = Aligned(data, 4);
     scale_inv_out = quantized.tensor_scale_inv;
     scale_inv = ScaleInv(scale);
   }

@@ -47,18 +47,20 @@ struct QuantizeOp {
   const float* factor;  // kFp8Blocks, kNvfp4: element multiplier per block of the range
   BlockGeometry geo;
   uint8_t* data;
-  bool vec_ok;  // master and data aligned for vector access
+  // Vector accesses on aligned runs, each array by its own base address.
+  bool vec_master;  // 16-byte aligned
+  bool vec_data;    // aligned as DataAlignment(format)
 
   __device__ __forceinline__ void operator()(int64_t j, int cnt, bool vec, float (&x)[4], GradAccum&) const {
-    vec = vec && vec_ok;
     float m[4];
-    LoadF32x4(master, j, cnt, vec, m);
+    LoadF32x4(master, j, cnt, vec && vec_master, m);
+    vec = vec && vec_data;  // below, only data is accessed
 #pragma unroll
     for (int k = 0; k < 4; ++k) x[k] = ModelValue(m[k], model_dtype);
     if constexpr (K == QuantKind::k16Bit) {
       uint16_t b[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) b[k] = ToModelBits(x[k], format);
+      for (int k = 0; k < 4; ++k) b[k] = DeviceModelBits(x[k], format);
       StoreU16x4Bytes(data, j, cnt, vec, b);
     } else {
       float y[4];
@@ -74,7 +76,7 @@ struct QuantizeOp {
       uint8_t q[4];
       if constexpr (K == QuantKind::kNvfp4) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) q[k] = FloatToE2M1(y[k]);
+        for (int k = 0; k < 4; ++k) q[k] = DeviceE2M1(y[k]);
         StoreNibbles4(data, j, cnt, vec, q);
       } else {
         CastFp8x4(y, e5m2, q);
@@ -135,19 +137,21 @@ struct DequantizeOp {
   bool e5m2;              // kFp8Tensor
   BlockGeometry geo;
   float* out;
-  bool vec_ok;  // data and out aligned for vector access
+  // Vector accesses on aligned runs, each array by its own base address.
+  bool vec_data;  // aligned as DataAlignment(format)
+  bool vec_out;   // 16-byte aligned
 
   __device__ __forceinline__ void operator()(int64_t j, int cnt, bool vec, float (&x)[4], GradAccum&) const {
-    vec = vec && vec_ok;
+    const bool vec_in = vec && vec_data;
     float y[4];
     if constexpr (K == DequantKind::k16Bit) {
       uint16_t b[4];
-      LoadU16x4Bytes(data, j, cnt, vec, b);
+      LoadU16x4Bytes(data, j, cnt, vec_in, b);
 #pragma unroll
       for (int k = 0; k < 4; ++k) y[k] = ModelBitsToFloat(b[k], format);
     } else if constexpr (K == DequantKind::kNvfp4) {
       uint8_t b0, b1 = 0;
-      if (vec) {
+      if (vec_in) {
         const uint16_t t = *reinterpret_cast<const uint16_t*>(data + j / 2);
         b0 = static_cast<uint8_t>(t & 0xFF);
         b1 = static_cast<uint8_t>(t >> 8);
@@ -165,7 +169,7 @@ struct DequantizeOp {
       }
     } else {
       uint8_t q[4];
-      LoadU8x4(data, j, cnt, vec, q);
+      LoadU8x4(data, j, cnt, vec_in, q);
       if constexpr (K == DequantKind::kFp8Tensor) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) y[k] = (e5m2 ? E5M2ToFloat(q[k]) : E4M3ToFloat(q[k])) * scale_inv;
@@ -184,7 +188,7 @@ struct DequantizeOp {
         }
       }
     }
-    StoreF32x4(out, j, cnt, vec, y);
+    StoreF32x4(out, j, cnt, vec && vec_out, y);
 #pragma unroll
     for (int k = 0; k < 4; ++k) x[k] = 0.0f;
   }
@@ -250,7 +254,8 @@ absl::Status Quantize(const Device& device, Format format, Format model_dtype, c
     red.scalar_value = format == Format::kNVFP4 ? s_dec : ScaleInv(scale);
   }
 
-  const bool vec_ok = Aligned(master.data(), 16) && Aligned(out.data.data(), DataAlignment(format));
+  const bool vec_master = Aligned(master.data(), 16);
+  const bool vec_data = Aligned(out.data.data(), DataAlignment(format));
   const BlockGeometry geo = MakeBlockGeometry(format, fragment);
   Scratch scratch(stream);
   const float* factor = nullptr;
@@ -269,20 +274,20 @@ absl::Status Quantize(const Device& device, Format format, Format model_dtype, c
     case Format::kBF16:
     case Format::kFP16:
       return LaunchQuantize(QuantizeOp<QuantKind::k16Bit>{master.data(), model_dtype, format, false, 1.0f, nullptr,
-                                                          geo, out.data.data(), vec_ok},
+                                                          geo, out.data.data(), vec_master, vec_data},
                             n, red, stream);
     case Format::kMXFP8:
     case Format::kFP8Block:
       return LaunchQuantize(QuantizeOp<QuantKind::kFp8Blocks>{master.data(), model_dtype, format, false, 1.0f,
-                                                              factor, geo, out.data.data(), vec_ok},
+                                                              factor, geo, out.data.data(), vec_master, vec_data},
                             n, red, stream);
     case Format::kNVFP4:
       return LaunchQuantize(QuantizeOp<QuantKind::kNvfp4>{master.data(), model_dtype, format, false, 1.0f, factor,
-                                                          geo, out.data.data(), vec_ok},
+                                                          geo, out.data.data(), vec_master, vec_data},
                             n, red, stream);
     default:  // fp8 per-tensor, delayed or current
       return LaunchQuantize(QuantizeOp<QuantKind::kFp8Tensor>{master.data(), model_dtype, format, e5m2, scale,
-                                                              nullptr, geo, out.data.data(), vec_ok},
+                                                              nullptr, geo, out.data.data(), vec_master, vec_data},
                             n, red, stream);
   }
 }
@@ -293,7 +298,8 @@ absl::Status Dequantize(const Device& device, Format format, const Fragment& fra
   const int64_t n = fragment.size();
   if (n == 0) return absl::OkStatus();
   const bool e5m2 = Describe(format).element == ElementType::kE5M2;
-  const bool vec_ok = Aligned(out.data(), 16) && Aligned(in.data.data(), DataAlignment(format));
+  const bool vec_data = Aligned(in.data.data(), DataAlignment(format));
+  const bool vec_out = Aligned(out.data(), 16);
   const BlockGeometry geo = MakeBlockGeometry(format, fragment);
   const uint8_t* data = in.data.data();
   const uint8_t* scales = in.block_scales.data();
@@ -302,19 +308,19 @@ absl::Status Dequantize(const Device& device, Format format, const Fragment& fra
     case Format::kBF16:
     case Format::kFP16:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::k16Bit>{data, scales, inv, format, false, geo, out.data(), vec_ok}, n, stream);
+          DequantizeOp<DequantKind::k16Bit>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, stream);
     case Format::kMXFP8:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::kMxfp8>{data, scales, inv, format, false, geo, out.data(), vec_ok}, n, stream);
+          DequantizeOp<DequantKind::kMxfp8>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, stream);
     case Format::kFP8Block:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::kFp8Block>{data, scales, inv, format, false, geo, out.data(), vec_ok}, n, stream);
+          DequantizeOp<DequantKind::kFp8Block>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, stream);
     case Format::kNVFP4:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::kNvfp4>{data, scales, inv, format, false, geo, out.data(), vec_ok}, n, stream);
+          DequantizeOp<DequantKind::kNvfp4>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, stream);
     default:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::kFp8Tensor>{data, scales, inv, format, e5m2, geo, out.data(), vec_ok}, n, stream);
+          DequantizeOp<DequantKind::kFp8Tensor>{data, scales, inv, format, e5m2, geo, out.data(), vec_data, vec_out}, n, stream);
   }
 }
 

@@ -766,5 +766,41 @@ TEST_F(KernelsGpuTest, DeviceFp8CastEqualsSharedCastOnEveryBf16Value) {
   }
 }
 
+// The 16-bit casts on the device (the branch-free forms of kernels/cpu/vector_casts.h) equal
+// casts.h on FP32 patterns of every exponent: subnormals, the fp16 overflow edge, ties, NaNs,
+// infinities, for each model dtype and 16-bit format, also from misaligned buffers.
+TEST_F(KernelsGpuTest, Device16BitCastsEqualSharedCastsOnEveryExponent) {
+  std::mt19937 rng(20);
+  std::vector<float> master;
+  for (uint32_t e = 0; e < 512; ++e) {  // sign and exponent
+    for (uint32_t m : {0u, 1u, 0x1000u, 0x7FFFu, 0x8000u, 0x18000u, 0xFFFu, 0x1FFFu, 0x7FFFFFu}) {
+      master.push_back(BitsFloat((e << 23) | m));
+    }
+    for (int k = 0; k < 64; ++k) master.push_back(BitsFloat((e << 23) | (rng() & 0x7FFFFFu)));
+  }
+  const int64_t n = static_cast<int64_t>(master.size()) / 64 * 64;
+  master.resize(static_cast<size_t>(n));
+  const Fragment f{{n / 64, 64}, {0, n}};
+  for (Format model : {Format::kBF16, Format::kFP16}) {
+    for (Format format : {Format::kBF16, Format::kFP16}) {
+      for (bool misaligned : {false, true}) {
+        SCOPED_TRACE(
+            absl::StrCat(FormatName(format), " from model ", FormatName(model), misaligned ? " misaligned" : ""));
+        absl::StatusOr<QuantizeResult> q =
+            RunQuantize(gpu_, format, model, f, master, {1.0f, 0.0f, {}, false}, misaligned);
+        ASSERT_THAT(q, IsOk());
+        std::vector<uint8_t> want(static_cast<size_t>(2 * n));
+        for (int64_t i = 0; i < n; ++i) {
+          const float x = ModelBitsToFloat(ToModelBits(master[i], model), model);
+          const uint16_t b = ToModelBits(x, format);
+          want[2 * i] = static_cast<uint8_t>(b & 0xFF);
+          want[2 * i + 1] = static_cast<uint8_t>(b >> 8);
+        }
+        ExpectSame(want, q->data, "16-bit bytes");
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mainstay::kernels

@@ -1,7 +1,9 @@
 // Checks kernels/casts.h and kernels/scaling.h against the CUDA toolkit's host-side
 // conversions (cuda_fp8.h, cuda_fp4.h, cuda_bf16.h, cuda_fp16.h compiled by the host compiler),
 // the oracle FORMATS.md names for single-value casts:
-//   - every FP32 bit pattern (2^32) through each encoder, on all hardware threads;
+//   - every FP32 bit pattern (2^32) through each encoder, on all hardware threads: casts.h's,
+//     and the branch-free forms (kernels/cpu/vector_casts.h) that the CPU loops and the CUDA
+//     kernels run;
 //   - every code of each decoder;
 //   - hand-derived special values from FORMATS.md "Pitfalls to test" and the scale rules.
 // Built only when MAINSTAY_CUDA_INCLUDE_DIR is set (the CUDA headers, not a GPU, are needed).
@@ -24,6 +26,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/casts.h"
+#include "kernels/cpu/vector_casts.h"
 #include "kernels/scaling.h"
 
 namespace mainstay::kernels {
@@ -64,7 +67,11 @@ std::string Hex(uint64_t v, int digits) {
 
 // ---- Exhaustive encoder check.
 
-enum Kind { kE4M3, kE5M2, kE2M1, kE8M0, kBf16, kFp16, kKinds };
+enum Kind {
+  kE4M3, kE5M2, kE2M1, kE8M0, kBf16, kFp16,
+  // The branch-free forms (kernels/cpu/vector_casts.h) that the CPU loops and the CUDA kernels run.
+  kE4M3Bits, kE5M2Bits, kE2M1Bits, kBf16Bits, kFp16Bits, kKinds
+};
 constexpr const char* kKindNames[kKinds] = {
     "FloatToE4M3 vs __nv_cvt_float_to_fp8(SATFINITE, E4M3)",
     "FloatToE5M2 vs __nv_cvt_float_to_fp8(SATFINITE, E5M2)",
@@ -72,8 +79,13 @@ constexpr const char* kKindNames[kKinds] = {
     "E8M0RoundUp vs __nv_cvt_float_to_e8m0(SATFINITE, cudaRoundPosInf)",
     "FloatToBf16 vs __float2bfloat16_rn",
     "FloatToFp16 vs __float2half_rn",
+    "cpu::E4M3Bits vs __nv_cvt_float_to_fp8(SATFINITE, E4M3)",
+    "cpu::E5M2Bits vs __nv_cvt_float_to_fp8(SATFINITE, E5M2)",
+    "cpu::E2M1Bits vs __nv_cvt_float_to_fp4(E2M1, cudaRoundNearest)",
+    "cpu::Bf16Bits vs __float2bfloat16_rn",
+    "cpu::Fp16Bits vs __float2half_rn",
 };
-constexpr int kKindDigits[kKinds] = {2, 2, 1, 2, 4, 4};
+constexpr int kKindDigits[kKinds] = {2, 2, 1, 2, 4, 4, 2, 2, 1, 4, 4};
 
 struct Mismatches {
   uint64_t count = 0;
@@ -108,10 +120,12 @@ void CheckRange(uint64_t begin, uint64_t end, Tally& tally) {
   for (uint64_t i = begin; i < end; ++i) {
     const uint32_t u = static_cast<uint32_t>(i);
     const float x = BitsFloat(u);
-    const uint32_t ours[kKinds] = {FloatToE4M3(x), FloatToE5M2(x), FloatToE2M1(x),
-                                   E8M0RoundUp(x), FloatToBf16(x), FloatToFp16(x)};
-    const uint32_t theirs[kKinds] = {OracleE4M3(x), OracleE5M2(x), OracleE2M1(x),
-                                     OracleE8M0(x), OracleBf16(x), OracleFp16(x)};
+    const uint32_t ours[kKinds] = {FloatToE4M3(x),   FloatToE5M2(x),   FloatToE2M1(x),   E8M0RoundUp(x),
+                                   FloatToBf16(x),   FloatToFp16(x),   cpu::E4M3Bits(x), cpu::E5M2Bits(x),
+                                   cpu::E2M1Bits(x), cpu::Bf16Bits(u), cpu::Fp16Bits(u)};
+    const uint32_t theirs[kKinds] = {OracleE4M3(x), OracleE5M2(x), OracleE2M1(x), OracleE8M0(x),
+                                     OracleBf16(x), OracleFp16(x), OracleE4M3(x), OracleE5M2(x),
+                                     OracleE2M1(x), OracleBf16(x), OracleFp16(x)};
     for (int k = 0; k < kKinds; ++k) {
       if (ours[k] != theirs[k]) [[unlikely]] tally.kinds[k].Record(u, ours[k], theirs[k]);
     }
