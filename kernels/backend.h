@@ -33,6 +33,7 @@ MAINSTAY_KERNELS_BACKEND_FUNCTIONS
 namespace cuda {
 // kernels/cuda/*.cu when CUDA is built, kernels/cuda_stub.cc (UNIMPLEMENTED) otherwise.
 MAINSTAY_KERNELS_BACKEND_FUNCTIONS
+absl::Status Synchronize(const Device& device);  // kernels.h Synchronize, for kCuda
 }  // namespace cuda
 }  // namespace mainstay::kernels
 

@@ -32,5 +32,6 @@ absl::Status FusedSgd(const Device&, Format, Format, const Fragment&, GradView, 
   return NotBuilt();
 }
 absl::Status GradStats(const Device&, GradView, int64_t, float, double*, int64_t*) { return NotBuilt(); }
+absl::Status Synchronize(const Device&) { return NotBuilt(); }
 
 }  // namespace mainstay::kernels::cuda

@@ -181,4 +181,9 @@ absl::Status GradStats(const Device& device, GradView grad, int64_t n, float mul
   MAINSTAY_DISPATCH(GradStats(device, grad, n, multiplier, sum_squares, nonfinite));
 }
 
+absl::Status Synchronize(const Device& device) {
+  if (device.kind == Device::Kind::kCpu) return absl::OkStatus();
+  return cuda::Synchronize(device);
+}
+
 }  // namespace mainstay::kernels

@@ -24,9 +24,14 @@
 // Memory: every pointer / span is caller-owned and must stay valid until the call returns
 // (CPU) or until the stream reaches the work (CUDA: device pointers, asynchronous on
 // `Device::stream`; scalar outputs such as `tensor_amax` are device pointers too).
-// Thread safety: calls on distinct buffers may run concurrently.
+// Thread safety: calls on distinct buffers may run concurrently (CUDA calls that share a stream
+// enqueue one at a time; each stream keeps one persistent device workspace for the calls'
+// scratch, sized by the largest call: kernels/cuda/stream_call.h).
 // Errors: INVALID_ARGUMENT for a bad fragment or a span of the wrong size (nothing written);
-// UNIMPLEMENTED for a backend that is not compiled in; INTERNAL for a CUDA failure.
+// UNIMPLEMENTED for a backend that is not compiled in; INTERNAL for a CUDA failure, naming the
+// call and its kernel. A fault inside a kernel shows later (CUDA reports it asynchronously):
+// at Synchronize, or at the next call's launch on any stream, and both name the call and
+// kernels last enqueued on the stream.
 #ifndef MAINSTAY_KERNELS_KERNELS_H_
 #define MAINSTAY_KERNELS_KERNELS_H_
 
@@ -193,6 +198,11 @@ absl::Status FusedSgd(const Device& device, Format format, Format model_dtype, c
 // elements times `multiplier`: the partial stats a daemon computes when a shard arrives.
 absl::Status GradStats(const Device& device, GradView grad, int64_t n, float multiplier, double* sum_squares,
                        int64_t* nonfinite);
+
+// Waits until the work enqueued on `device` has run: kCpu returns at once (its calls are
+// synchronous); kCuda waits for Device::stream. INTERNAL when that work failed (a kernel
+// fault), naming CUDA's error and the last call and kernels enqueued on the stream.
+absl::Status Synchronize(const Device& device);
 
 }  // namespace mainstay::kernels
 

@@ -15,10 +15,10 @@ namespace {
 using CUresult = int;
 using CUdeviceptr = unsigned long long;  // NOLINT(runtime/int): the driver's own type
 constexpr CUresult kCudaSuccess = 0;
-constexpr int kAttributeMemoryType = 2;     // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
-constexpr int kAttributeIsManaged = 8;      // CU_POINTER_ATTRIBUTE_IS_MANAGED
-constexpr int kAttributeDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-constexpr unsigned kMemoryTypeDevice = 2;   // CU_MEMORYTYPE_DEVICE
+constexpr int kAttributeMemoryType = 2;      // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+constexpr int kAttributeIsManaged = 8;       // CU_POINTER_ATTRIBUTE_IS_MANAGED
+constexpr int kAttributeDeviceOrdinal = 9;   // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+constexpr unsigned kMemoryTypeDevice = 2;    // CU_MEMORYTYPE_DEVICE
 constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
 // CU_STREAM_LEGACY: the legacy default stream, whichever default the caller was compiled for.
 void* const kLegacyStream = reinterpret_cast<void*>(uintptr_t{1});
@@ -92,9 +92,9 @@ class SystemDriver final : public CudaDriver {
     if (event == nullptr && !stream.has_value()) return PendingCudaWork();
     const DriverApi& api = Api();
     if (!api.loaded) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "PushOptions names a CUDA ", event != nullptr ? "event" : "stream",
-          " but this process has no CUDA driver (libcuda.so.1 could not be loaded)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("PushOptions names a CUDA ", event != nullptr ? "event" : "stream",
+                       " but this process has no CUDA driver (libcuda.so.1 could not be loaded)"));
     }
     void* context = nullptr;
     if (CUresult r = api.ctx_get_current(&context); r != kCudaSuccess) {
@@ -120,14 +120,14 @@ class SystemDriver final : public CudaDriver {
     // requires of an event of that context.
     if (work.context() != nullptr) {
       if (CUresult r = api.ctx_set_current(work.context()); r != kCudaSuccess) {
-        return absl::InternalError(absl::StrCat("cuCtxSetCurrent before waiting for the push's CUDA work: ",
-                                                ErrorName(r)));
+        return absl::InternalError(
+            absl::StrCat("cuCtxSetCurrent before waiting for the push's CUDA work: ", ErrorName(r)));
       }
     }
     if (CUresult r = api.event_synchronize(work.event()); r != kCudaSuccess) {
-      return absl::InternalError(absl::StrCat(
-          "the CUDA work that produces the pushed buffer failed (cuEventSynchronize: ", ErrorName(r),
-          "); nothing was sent"));
+      return absl::InternalError(
+          absl::StrCat("the CUDA work that produces the pushed buffer failed (cuEventSynchronize: ", ErrorName(r),
+                       "); nothing was sent"));
     }
     return absl::OkStatus();
   }

@@ -29,6 +29,7 @@
 #include "kernels/casts.h"
 #include "kernels/cpu/vector_casts.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/stream_call.h"
 #include "kernels/kernels.h"
 #include "kernels/optimizer_math.h"
 #include "kernels/scaling.h"
@@ -48,30 +49,6 @@ inline int GridFor(int64_t items, int64_t items_per_cta) {
 inline cudaStream_t StreamOf(const Device& device) { return static_cast<cudaStream_t>(device.stream); }
 
 inline bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-// Stream-ordered scratch memory, freed (stream-ordered too) when the guard goes out of scope,
-// also on an early error return: the free runs after the work already enqueued.
-class Scratch {
- public:
-  explicit Scratch(cudaStream_t stream) : stream_(stream) {}
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  ~Scratch() {
-    if (ptr_ != nullptr) (void)cudaFreeAsync(ptr_, stream_);
-  }
-  absl::Status Allocate(size_t bytes) {
-    MAINSTAY_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&ptr_, bytes, stream_));
-    return absl::OkStatus();
-  }
-  template <typename T>
-  T* as(size_t byte_offset = 0) const {
-    return reinterpret_cast<T*>(static_cast<char*>(ptr_) + byte_offset);
-  }
-
- private:
-  cudaStream_t stream_;
-  void* ptr_ = nullptr;
-};
 
 // ---- Index math.
 
@@ -541,12 +518,15 @@ __global__ void __launch_bounds__(kThreads)
 // Launches the TileKernel for `format`'s block shape. `cast` only for mxfp8.
 template <bool kCast, class Op>
 absl::Status LaunchTiles(Format format, const TileGeometry& t, Op op, float* block_amax, const ReduceOutputs& red,
-                         const MxfpCast& cast, cudaStream_t stream, int* grid_out) {
+                         const MxfpCast& cast, StreamCall& call, int* grid_out) {
+  const cudaStream_t stream = call.stream();
+  const char* kernel = "TileKernel";
   int grid = 1;
   switch (format) {
     case Format::kMXFP8:
       grid = TileGrid<1, 32, 8>(t.nblocks);
       TileKernel<1, 32, 8, kCast, Op><<<grid, kThreads, 0, stream>>>(op, t, block_amax, red, cast);
+      kernel = kCast ? "TileKernel<1x32, mxfp8 cast>" : "TileKernel<1x32>";
       break;
     case Format::kNVFP4:
       if constexpr (kCast) {
@@ -554,6 +534,7 @@ absl::Status LaunchTiles(Format format, const TileGeometry& t, Op op, float* blo
       } else {
         grid = TileGrid<16, 16, 32>(t.nblocks);
         TileKernel<16, 16, 32, false, Op><<<grid, kThreads, 0, stream>>>(op, t, block_amax, red, cast);
+        kernel = "TileKernel<16x16>";
       }
       break;
     case Format::kFP8Block:
@@ -562,12 +543,13 @@ absl::Status LaunchTiles(Format format, const TileGeometry& t, Op op, float* blo
       } else {
         grid = TileGrid<128, 128, kThreads>(t.nblocks);
         TileKernel<128, 128, kThreads, false, Op><<<grid, kThreads, 0, stream>>>(op, t, block_amax, red, cast);
+        kernel = "TileKernel<128x128>";
       }
       break;
     default:
       return absl::InternalError("format has no blocks");
   }
-  MAINSTAY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  MAINSTAY_RETURN_IF_ERROR(call.Launched(kernel));
   if (grid_out != nullptr) *grid_out = grid;
   return absl::OkStatus();
 }

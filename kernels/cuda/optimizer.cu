@@ -11,7 +11,7 @@
 //   block; for mxfp8 8 lanes hold a block's 32 updated values, reduce the amax with shuffles,
 //   then cast and store them.
 //   Gradient stats: per-thread FP64 sums, reduced per CTA in a fixed tree into per-CTA
-//   partials (stream-ordered scratch), then FinalizeStatsKernel adds them in a fixed order.
+//   partials (the stream's persistent workspace, stream_call.h), then FinalizeStatsKernel adds them in a fixed order.
 //   Grid sizes depend only on the fragment, so the sum is reproducible run to run.
 #include <cuda_runtime.h>
 
@@ -205,29 +205,31 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Per-CTA partials of the gradient stats, then their sum into the caller's scalars.
+// (In the call's workspace: `grid` doubles, then `grid` counts.)
 class StatsPartials {
  public:
-  StatsPartials(cudaStream_t stream, int grid) : scratch_(stream), stream_(stream), grid_(grid) {}
+  StatsPartials(StreamCall& call, int grid) : call_(call), grid_(grid) {}
 
   absl::Status Allocate(ReduceOutputs& red) {
-    MAINSTAY_RETURN_IF_ERROR(scratch_.Allocate(static_cast<size_t>(grid_) * (sizeof(double) + sizeof(long long))));
-    red.part_sum_squares = scratch_.as<double>();
-    red.part_nonfinite = scratch_.as<long long>(static_cast<size_t>(grid_) * sizeof(double));
+    MAINSTAY_ASSIGN_OR_RETURN(void* w,
+                              call_.Workspace(static_cast<size_t>(grid_) * (sizeof(double) + sizeof(long long))));
+    sums_ = static_cast<double*>(w);
+    counts_ = reinterpret_cast<long long*>(sums_ + grid_);
+    red.part_sum_squares = sums_;
+    red.part_nonfinite = counts_;
     return absl::OkStatus();
   }
 
   absl::Status Finalize(double* sum_squares, int64_t* nonfinite) {
-    FinalizeStatsKernel<<<1, kThreads, 0, stream_>>>(
-        scratch_.as<double>(), scratch_.as<long long>(static_cast<size_t>(grid_) * sizeof(double)), grid_,
-        sum_squares, nonfinite);
-    MAINSTAY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    return absl::OkStatus();
+    FinalizeStatsKernel<<<1, kThreads, 0, call_.stream()>>>(sums_, counts_, grid_, sum_squares, nonfinite);
+    return call_.Launched("FinalizeStatsKernel");
   }
 
  private:
-  Scratch scratch_;
-  cudaStream_t stream_;
+  StreamCall& call_;
   int grid_;
+  double* sums_ = nullptr;
+  long long* counts_ = nullptr;
 };
 
 template <bool kAdam>
@@ -252,15 +254,19 @@ OptimizerOp<kAdam> MakeOp(Format model_dtype, GradView grad, float multiplier, c
   return op;
 }
 
-// One optimizer pass over the fragment. `mx_cast`: the mxfp8 in-pass cast (AdamW only);
-// `scale_inv_out` / `scale_inv`: a per-tensor scale_inv to store (fp8 delayed).
+// One optimizer pass over the fragment. `what`: the kernels.h call, as errors name it;
+// `mx_cast`: the mxfp8 in-pass cast (AdamW only); `scale_inv_out` / `scale_inv`: a per-tensor
+// scale_inv to store (fp8 delayed).
 template <bool kAdam>
-absl::Status RunOptimizer(const Device& device, Format format, const Fragment& fragment, const OptimizerOp<kAdam>& op,
-                          const StepOutputs& out, const MxfpCast* mx_cast, float* scale_inv_out, float scale_inv) {
-  const cudaStream_t stream = StreamOf(device);
+absl::Status RunOptimizer(const Device& device, const char* what, Format format, const Fragment& fragment,
+                          const OptimizerOp<kAdam>& op, const StepOutputs& out, const MxfpCast* mx_cast,
+                          float* scale_inv_out, float scale_inv) {
+  StreamCall call(StreamOf(device), absl::StrCat(what, " ", FormatName(format)));
+  const cudaStream_t stream = call.stream();
   const int64_t n = fragment.size();
   if (out.amax.tensor_amax != nullptr) {
-    MAINSTAY_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(out.amax.tensor_amax, 0, sizeof(float), stream));
+    MAINSTAY_RETURN_IF_ERROR(
+        call.Check(cudaMemsetAsync(out.amax.tensor_amax, 0, sizeof(float), stream), "cudaMemsetAsync(tensor_amax)"));
   }
   float* block_amax = out.amax.block_amax.empty() ? nullptr : out.amax.block_amax.data();
   const bool tiles = n > 0 && (block_amax != nullptr || mx_cast != nullptr);
@@ -274,7 +280,7 @@ absl::Status RunOptimizer(const Device& device, Format format, const Fragment& f
   red.tensor_amax = out.amax.tensor_amax;
   red.scalar_out = scale_inv_out;
   red.scalar_value = scale_inv;
-  StatsPartials partials(stream, grid);
+  StatsPartials partials(call, grid);
   if (op.stats) MAINSTAY_RETURN_IF_ERROR(partials.Allocate(red));
 
   if (tiles) {
@@ -282,16 +288,16 @@ absl::Status RunOptimizer(const Device& device, Format format, const Fragment& f
     if constexpr (kAdam) {
       if (mx_cast != nullptr) {
         MAINSTAY_RETURN_IF_ERROR(
-            LaunchTiles<true>(format, geometry, op, block_amax, red, *mx_cast, stream, &launched));
+            LaunchTiles<true>(format, geometry, op, block_amax, red, *mx_cast, call, &launched));
       }
     }
     if (mx_cast == nullptr) {
-      MAINSTAY_RETURN_IF_ERROR(LaunchTiles<false>(format, geometry, op, block_amax, red, MxfpCast{}, stream, &launched));
+      MAINSTAY_RETURN_IF_ERROR(LaunchTiles<false>(format, geometry, op, block_amax, red, MxfpCast{}, call, &launched));
     }
     if (launched != grid) return absl::InternalError("tile grid mismatch");
   } else {
     FlatKernel<<<grid, kThreads, 0, stream>>>(op, n, red);
-    MAINSTAY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    MAINSTAY_RETURN_IF_ERROR(call.Launched(kAdam ? "FlatKernel<AdamW>" : "FlatKernel<SGD>"));
   }
   if (op.stats) MAINSTAY_RETURN_IF_ERROR(partials.Finalize(out.grad_sum_squares, out.grad_nonfinite));
   return absl::OkStatus();
@@ -304,7 +310,7 @@ absl::Status FusedAdamW(const Device& device, Format format, Format model_dtype,
   OptimizerOp<true> op = MakeOp<true>(model_dtype, grad, hyper.grad_multiplier, state, out);
   op.adam = hyper;
   op.adam_c = MakeAdamWConstants(hyper);
-  return RunOptimizer(device, format, fragment, op, out, nullptr, nullptr, 0.0f);
+  return RunOptimizer(device, "FusedAdamW", format, fragment, op, out, nullptr, nullptr, 0.0f);
 }
 
 absl::Status FusedAdamWQuantize(const Device& device, Format format, Format model_dtype, const Fragment& fragment,
@@ -324,7 +330,7 @@ absl::Status FusedAdamWQuantize(const Device& device, Format format, Format mode
                                   fragment.elements.begin, ", ", fragment.elements.end, ")");
     }
     const MxfpCast mx{data, quantized.block_scales.data(), Aligned(data, 4)};
-    return RunOptimizer(device, format, fragment, op, out, &mx, nullptr, 0.0f);
+    return RunOptimizer(device, "FusedAdamWQuantize", format, fragment, op, out, &mx, nullptr, 0.0f);
   }
   const FormatDescriptor& d = Describe(format);
   float* scale_inv_out = nullptr;
@@ -342,26 +348,28 @@ absl::Status FusedAdamWQuantize(const Device& device, Format format, Format mode
     scale_inv_out = quantized.tensor_scale_inv;
     scale_inv = ScaleInv(scale);
   }
-  return RunOptimizer(device, format, fragment, op, out, nullptr, scale_inv_out, scale_inv);
+  return RunOptimizer(device, "FusedAdamWQuantize", format, fragment, op, out, nullptr, scale_inv_out, scale_inv);
 }
 
 absl::Status FusedSgd(const Device& device, Format format, Format model_dtype, const Fragment& fragment, GradView grad,
                       const OptimizerState& state, const SgdHyper& hyper, const StepOutputs& out) {
   OptimizerOp<false> op = MakeOp<false>(model_dtype, grad, hyper.grad_multiplier, state, out);
   op.sgd = hyper;
-  return RunOptimizer(device, format, fragment, op, out, nullptr, nullptr, 0.0f);
+  return RunOptimizer(device, "FusedSgd", format, fragment, op, out, nullptr, nullptr, 0.0f);
 }
+
+absl::Status Synchronize(const Device& device) { return SynchronizeStream(StreamOf(device)); }
 
 absl::Status GradStats(const Device& device, GradView grad, int64_t n, float multiplier, double* sum_squares,
                        int64_t* nonfinite) {
-  const cudaStream_t stream = StreamOf(device);
+  StreamCall call(StreamOf(device), "GradStats");
   const int grid = FlatGridFor(n);
   ReduceOutputs red;
-  StatsPartials partials(stream, grid);
+  StatsPartials partials(call, grid);
   MAINSTAY_RETURN_IF_ERROR(partials.Allocate(red));
   const GradStatsOp op{GradSource{grad.data, grad.type, multiplier}, GradAligned(grad)};
-  FlatKernel<<<grid, kThreads, 0, stream>>>(op, n, red);
-  MAINSTAY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  FlatKernel<<<grid, kThreads, 0, call.stream()>>>(op, n, red);
+  MAINSTAY_RETURN_IF_ERROR(call.Launched("FlatKernel<GradStats>"));
   return partials.Finalize(sum_squares, nonfinite);
 }
 

@@ -7,8 +7,8 @@
 //   ComputePartialAmax: with per-block amax, TileKernel (one thread group per block of the
 //     range, one plain store per block); tensor amax only, FlatKernel + one atomicMax per CTA.
 //   Quantize: block formats first turn each block amax into its stored scale and its element
-//     multiplier (BlockFactorKernel, one thread per block, multipliers in stream-ordered
-//     scratch); then FlatKernel casts runs of 4 elements, looking up each element's block.
+//     multiplier (BlockFactorKernel, one thread per block, multipliers in the stream's
+//     persistent workspace, stream_call.h); then FlatKernel casts runs of 4 elements, looking up each element's block.
 //   Dequantize: FlatKernel, decoding each element's block scale in place.
 #include <cuda_runtime.h>
 
@@ -113,10 +113,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <QuantKind K>
-absl::Status LaunchQuantize(const QuantizeOp<K>& op, int64_t n, const ReduceOutputs& red, cudaStream_t stream) {
-  FlatKernel<<<FlatGridFor(n), kThreads, 0, stream>>>(op, n, red);
-  MAINSTAY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return absl::OkStatus();
+absl::Status LaunchQuantize(const QuantizeOp<K>& op, int64_t n, const ReduceOutputs& red, StreamCall& call) {
+  FlatKernel<<<FlatGridFor(n), kThreads, 0, call.stream()>>>(op, n, red);
+  return call.Launched("FlatKernel<Quantize>");
 }
 
 // ---- Dequantize.
@@ -195,10 +194,9 @@ struct DequantizeOp {
 };
 
 template <DequantKind K>
-absl::Status LaunchDequantize(const DequantizeOp<K>& op, int64_t n, cudaStream_t stream) {
-  FlatKernel<<<FlatGridFor(n), kThreads, 0, stream>>>(op, n, ReduceOutputs{});
-  MAINSTAY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return absl::OkStatus();
+absl::Status LaunchDequantize(const DequantizeOp<K>& op, int64_t n, StreamCall& call) {
+  FlatKernel<<<FlatGridFor(n), kThreads, 0, call.stream()>>>(op, n, ReduceOutputs{});
+  return call.Launched("FlatKernel<Dequantize>");
 }
 
 uintptr_t DataAlignment(Format format) {
@@ -216,27 +214,27 @@ uintptr_t DataAlignment(Format format) {
 
 absl::Status ComputePartialAmax(const Device& device, Format format, Format model_dtype, const Fragment& fragment,
                                 std::span<const float> master, const AmaxOutputs& out) {
-  const cudaStream_t stream = StreamOf(device);
+  StreamCall call(StreamOf(device), absl::StrCat("ComputePartialAmax ", FormatName(format)));
   const int64_t n = fragment.size();
   if (out.tensor_amax != nullptr) {
-    MAINSTAY_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(out.tensor_amax, 0, sizeof(float), stream));
+    MAINSTAY_RETURN_IF_ERROR(
+        call.Check(cudaMemsetAsync(out.tensor_amax, 0, sizeof(float), call.stream()), "cudaMemsetAsync(tensor_amax)"));
   }
   const ModelValueOp op{master.data(), model_dtype, Aligned(master.data(), 16)};
   ReduceOutputs red;
   red.tensor_amax = out.tensor_amax;
   if (!out.block_amax.empty()) {
     return LaunchTiles<false>(format, MakeTileGeometry(format, fragment), op, out.block_amax.data(), red, MxfpCast{},
-                              stream, nullptr);
+                              call, nullptr);
   }
   if (out.tensor_amax == nullptr || n == 0) return absl::OkStatus();
-  FlatKernel<<<FlatGridFor(n), kThreads, 0, stream>>>(op, n, red);
-  MAINSTAY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return absl::OkStatus();
+  FlatKernel<<<FlatGridFor(n), kThreads, 0, call.stream()>>>(op, n, red);
+  return call.Launched("FlatKernel<Amax>");
 }
 
 absl::Status Quantize(const Device& device, Format format, Format model_dtype, const Fragment& fragment,
                       std::span<const float> master, const ScaleInputs& scales, const QuantizedOutputs& out) {
-  const cudaStream_t stream = StreamOf(device);
+  StreamCall call(StreamOf(device), absl::StrCat("Quantize ", FormatName(format)));
   const int64_t n = fragment.size();
   const FormatDescriptor& d = Describe(format);
   const bool e5m2 = d.element == ElementType::kE5M2;
@@ -257,16 +255,15 @@ absl::Status Quantize(const Device& device, Format format, Format model_dtype, c
   const bool vec_master = Aligned(master.data(), 16);
   const bool vec_data = Aligned(out.data.data(), DataAlignment(format));
   const BlockGeometry geo = MakeBlockGeometry(format, fragment);
-  Scratch scratch(stream);
   const float* factor = nullptr;
   if (d.has_block_scales()) {
     const int64_t nblocks = ScaleBlockRange(format, fragment.view, fragment.elements).size();
     if (nblocks > 0) {
-      MAINSTAY_RETURN_IF_ERROR(scratch.Allocate(static_cast<size_t>(nblocks) * sizeof(float)));
-      BlockFactorKernel<<<GridFor(nblocks, kThreads), kThreads, 0, stream>>>(
-          format, scales.block_amax.data(), nblocks, s_enc, s_dec, out.block_scales.data(), scratch.as<float>());
-      MAINSTAY_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-      factor = scratch.as<float>();
+      MAINSTAY_ASSIGN_OR_RETURN(void* w, call.Workspace(static_cast<size_t>(nblocks) * sizeof(float)));
+      BlockFactorKernel<<<GridFor(nblocks, kThreads), kThreads, 0, call.stream()>>>(
+          format, scales.block_amax.data(), nblocks, s_enc, s_dec, out.block_scales.data(), static_cast<float*>(w));
+      MAINSTAY_RETURN_IF_ERROR(call.Launched("BlockFactorKernel"));
+      factor = static_cast<const float*>(w);
     }
   }
 
@@ -275,28 +272,28 @@ absl::Status Quantize(const Device& device, Format format, Format model_dtype, c
     case Format::kFP16:
       return LaunchQuantize(QuantizeOp<QuantKind::k16Bit>{master.data(), model_dtype, format, false, 1.0f, nullptr,
                                                           geo, out.data.data(), vec_master, vec_data},
-                            n, red, stream);
+                            n, red, call);
     case Format::kMXFP8:
     case Format::kFP8Block:
       return LaunchQuantize(QuantizeOp<QuantKind::kFp8Blocks>{master.data(), model_dtype, format, false, 1.0f,
                                                               factor, geo, out.data.data(), vec_master, vec_data},
-                            n, red, stream);
+                            n, red, call);
     case Format::kNVFP4:
       return LaunchQuantize(QuantizeOp<QuantKind::kNvfp4>{master.data(), model_dtype, format, false, 1.0f, factor,
                                                           geo, out.data.data(), vec_master, vec_data},
-                            n, red, stream);
+                            n, red, call);
     default:  // fp8 per-tensor, delayed or current
       return LaunchQuantize(QuantizeOp<QuantKind::kFp8Tensor>{master.data(), model_dtype, format, e5m2, scale,
                                                               nullptr, geo, out.data.data(), vec_master, vec_data},
-                            n, red, stream);
+                            n, red, call);
   }
 }
 
 absl::Status Dequantize(const Device& device, Format format, const Fragment& fragment, const QuantizedInputs& in,
                         std::span<float> out) {
-  const cudaStream_t stream = StreamOf(device);
   const int64_t n = fragment.size();
   if (n == 0) return absl::OkStatus();
+  StreamCall call(StreamOf(device), absl::StrCat("Dequantize ", FormatName(format)));
   const bool e5m2 = Describe(format).element == ElementType::kE5M2;
   const bool vec_data = Aligned(in.data.data(), DataAlignment(format));
   const bool vec_out = Aligned(out.data(), 16);
@@ -308,19 +305,19 @@ absl::Status Dequantize(const Device& device, Format format, const Fragment& fra
     case Format::kBF16:
     case Format::kFP16:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::k16Bit>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, stream);
+          DequantizeOp<DequantKind::k16Bit>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, call);
     case Format::kMXFP8:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::kMxfp8>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, stream);
+          DequantizeOp<DequantKind::kMxfp8>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, call);
     case Format::kFP8Block:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::kFp8Block>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, stream);
+          DequantizeOp<DequantKind::kFp8Block>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, call);
     case Format::kNVFP4:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::kNvfp4>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, stream);
+          DequantizeOp<DequantKind::kNvfp4>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, call);
     default:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::kFp8Tensor>{data, scales, inv, format, e5m2, geo, out.data(), vec_data, vec_out}, n, stream);
+          DequantizeOp<DequantKind::kFp8Tensor>{data, scales, inv, format, e5m2, geo, out.data(), vec_data, vec_out}, n, call);
   }
 }
 

@@ -15,11 +15,15 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -800,6 +804,67 @@ TEST_F(KernelsGpuTest, Device16BitCastsEqualSharedCastsOnEveryExponent) {
       }
     }
   }
+}
+
+// Calls from two host threads on one stream share its workspace (stream_call.h): each call's
+// kernels are enqueued together, so no call reads the block factors another call wrote there.
+TEST_F(KernelsGpuTest, CallsFromTwoThreadsOnOneStreamKeepTheirScratchApart) {
+  const Fragment f{{256, 256}, {0, 65536}};
+  for (Format format : {Format::kMXFP8, Format::kNVFP4, Format::kFP8Block}) {
+    SCOPED_TRACE(FormatName(format));
+    std::vector<float> master[2];
+    HostScales hs[2];
+    QuantizeResult want[2];
+    for (int t = 0; t < 2; ++t) {
+      master[t] = MakeValues(256, 256, 40 + t, false);
+      absl::StatusOr<AmaxResult> amax = RunAmax(cpu_, format, Format::kBF16, f, master[t], false);
+      ASSERT_THAT(amax, IsOk());
+      hs[t].tensor_amax = amax->tensor[0];
+      hs[t].block_amax = amax->blocks;
+      absl::StatusOr<QuantizeResult> q = RunQuantize(cpu_, format, Format::kBF16, f, master[t], hs[t], false);
+      ASSERT_THAT(q, IsOk());
+      want[t] = *std::move(q);
+    }
+    std::atomic<int> wrong{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 2; ++t) {
+      threads.emplace_back([&, t] {
+        for (int rep = 0; rep < 20; ++rep) {
+          absl::StatusOr<QuantizeResult> got = RunQuantize(gpu_, format, Format::kBF16, f, master[t], hs[t], false);
+          if (!got.ok() || got->data != want[t].data || got->scales != want[t].scales) ++wrong;
+        }
+      });
+    }
+    for (std::thread& th : threads) th.join();
+    EXPECT_EQ(wrong.load(), 0) << "of 40 quantizations from two threads on one stream";
+  }
+}
+
+// Quantizes from an unmapped address on `stream`, then prints the status of the call (or of
+// Synchronize after it) and exits 0 when it failed.
+[[noreturn]] void QuantizeFromUnmappedMemory(cudaStream_t stream) {
+  Device gpu;
+  gpu.kind = Device::Kind::kCuda;
+  gpu.stream = stream;
+  const Fragment f{{256, 256}, {0, 65536}};
+  const auto* unmapped = reinterpret_cast<const float*>(uintptr_t{0x1000});
+  uint8_t* data = nullptr;
+  float* scale_inv = nullptr;
+  if (cudaMalloc(&data, 65536) != cudaSuccess || cudaMalloc(&scale_inv, sizeof(float)) != cudaSuccess) std::exit(3);
+  const ScaleInputs scales{1.0f, 0.0f, {}, false};
+  const QuantizedOutputs out{{data, 65536}, {}, scale_inv};
+  absl::Status s = Quantize(gpu, Format::kFP8E4M3Delayed, Format::kBF16, f, {unmapped, 65536}, scales, out);
+  if (s.ok()) s = Synchronize(gpu);
+  std::fprintf(stderr, "status: %s\n", s.ToString().c_str());
+  std::exit(s.ok() ? 1 : 0);
+}
+
+// A kernel that faults is reported, at Synchronize, with the kernels.h call and the kernel.
+// In a child process: the fault spoils the CUDA context of the process it happens in.
+TEST_F(KernelsGpuTest, KernelFaultNamesTheCallAndTheKernel) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(QuantizeFromUnmappedMemory(stream_), ::testing::ExitedWithCode(0),
+              "status: INTERNAL.*Quantize .*FlatKernel<Quantize>");
 }
 
 }  // namespace
