@@ -21,15 +21,17 @@
 //              [--transport auto|grpc|ucx]   (UCX_TLS in the environment reaches the daemons too)
 //              [--move-at-step S] [--replication R [--kill-at-step S] [--lease-ttl-ms N]]
 //              [--grad-norm 0.5]   (every step's global gradient norm; the job clips above 1)
-//              [--readers N]       (then --steps more steps with N readers polling every version)
+//              [--readers N]       (then --steps more steps with N readers polling for new versions)
 //              [--reader-bytes-per-sec B]  (the daemons' cap on readers' traffic, mainstayd's flag)
 //              [--replica-copies on|off]   (ClientOptions::replica_copies; fwd_MB: the payload the
 //                                           answering daemon still forwarded to its replicas)
 //
 // With --readers N, N reader threads (each its own Client with the job's reader token: the
-// weight-serving path of docs/weight_serving.md) start after the measured steps and read every
-// new version in full (every bucket, every tensor's published form) while --steps more steps
-// run; reported: both medians and their ratio. Then one reader's full read of the last version
+// weight-serving path of docs/weight_serving.md) start after the measured steps, each read the
+// newest version once (their first read, which faults their pull buffers in, timed apart), then
+// poll while --steps more steps run: whenever a newer version is out, each pins the newest and
+// reads it in full (every bucket, every tensor's published form), skipping versions when it is
+// slower than the steps; reported: both medians and their ratio, and the versions read. Then one reader's full read of the last version
 // against a trainer's pull of the same buckets and a memcpy of as many bytes, in the same run.
 //
 // Two baselines, measured in the same run: the whole model's update on --baseline-threads
@@ -379,20 +381,25 @@ int64_t ReadVersion(Client& reader, int64_t version, int64_t* bytes,
   return version;
 }
 
+// Polls as an inference engine's refit does: whenever a version newer than the last one it read
+// is out, pins the newest (so that training cannot evict it mid-read), reads it whole, releases
+// the pin. A reader slower than the steps skips versions rather than falling behind.
 void ReaderLoop(Client& reader, int64_t from, const std::atomic<bool>& stop, ReaderTally& tally) {
   int64_t version = from;
   while (!stop.load()) {
-    int64_t bytes = 0;
-    // (A bounded wait: the loop sees `stop` after the last step.)
-    if (ReadVersion(reader, version + 1, &bytes, std::chrono::seconds(3)) >= 0) {
-      ++version;
-      tally.versions += 1;
-      tally.bytes += bytes;
+    absl::StatusOr<VersionPin> pin = reader.PinNewestVersion(std::chrono::minutes(1));
+    if (!pin.ok() || pin->version <= version) {
+      if (pin.ok()) reader.ReleasePin(*pin).IgnoreError();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a step takes ~1 s here
       continue;
     }
-    // Evicted before it was read (or a wait that timed out): go on from the newest.
-    absl::StatusOr<PulledBucket> newest = reader.PullShard(0, 0, Client::kLatestVersion).Wait();
-    if (newest.ok()) version = std::max(version, newest->version() - 1);
+    int64_t bytes = 0;
+    if (ReadVersion(reader, pin->version, &bytes) >= 0) {
+      version = pin->version;
+      tally.versions += 1;
+      tally.bytes += bytes;
+    }
+    reader.ReleasePin(*pin).IgnoreError();
   }
 }
 
@@ -529,6 +536,20 @@ int Main(int argc, char** argv) {
           if (!c.ok()) Die(c.status().ToString());
           readers.push_back(*std::move(c));
         }
+        // Each reader first reads the newest version once, before the measured steps: its pull
+        // buffers are new memory, page-faulted in on that first read (a one-time cost, like a
+        // trainer's, whose client fills its pool at Connect), reported apart.
+        const Clock::time_point warm = Clock::now();
+        std::vector<std::thread> first_reads;
+        for (int r = 0; r < f.readers; ++r) {
+          first_reads.emplace_back([&, r] {
+            int64_t bytes = 0;
+            if (ReadVersion(*readers[static_cast<size_t>(r)], step, &bytes) < 0) Die("a reader's first read failed");
+          });
+        }
+        for (std::thread& t : first_reads) t.join();
+        std::printf("readers' first read of version %lld (their buffers faulted in; not in the steps below): %.2f s\n",
+                    static_cast<long long>(step), Seconds(warm, Clock::now()));
         for (int r = 0; r < f.readers; ++r) {
           reader_threads.emplace_back([&, r] { ReaderLoop(*readers[static_cast<size_t>(r)], step, stop_readers, tallies[static_cast<size_t>(r)]); });
         }

@@ -42,7 +42,6 @@ absl::Status CheckSpan(ElementSpan data, int64_t want, absl::string_view what, b
   return absl::OkStatus();
 }
 
-// Completes one handle once every part of a multi-shard push has finished.
 // The CUDA work a call's pushes wait for (PushOptions::cuda_event / cuda_stream), waited for once
 // by whichever of them runs first; the others get the same result.
 class CudaReady {
@@ -66,6 +65,7 @@ class CudaReady {
   absl::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
+// Completes one handle once every part of a multi-shard push has finished.
 struct PushCountdown {
   absl::Mutex mu;
   int remaining ABSL_GUARDED_BY(mu) = 0;
