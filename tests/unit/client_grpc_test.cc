@@ -134,6 +134,18 @@ class ClientGrpcTest : public ::testing::Test {
     }
     return handles;
   }
+  // A one-rank job on a fresh cluster whose client takes `cuda` for the CUDA driver (the
+  // client keeps the driver it was made with), initial parameters pushed.
+  // nullptr (the failure reported) when that did not work.
+  Client* ConnectWithCudaDriver(const client_internal::CudaDriver& cuda) {
+    StartCluster();
+    if (cluster_ == nullptr) return nullptr;
+    client_internal::ScopedCudaDriverForTesting use(&cuda);
+    ConnectRanks(testing_fakes::SmallSpec(1), 1);
+    if (clients_.empty()) return nullptr;
+    PushInitial(RandomBuckets(4));
+    return ::testing::Test::HasFailure() ? nullptr : clients_[0].get();
+  }
   // FinishStep on every rank at once.
   std::vector<absl::StatusOr<StepStats>> FinishAll(int64_t step, double lr, double wd) {
     std::vector<absl::StatusOr<StepStats>> out(clients_.size(), absl::UnknownError("not run"));
@@ -617,14 +629,22 @@ TEST_F(ClientGrpcTest, DeviceMemoryIsRefusedBeforeAnythingIsSent) {
   EXPECT_THAT(c.FinishStep(0, 0.1, 0.0), IsOk());
 }
 
-TEST_F(ClientGrpcTest, PushWaitsForTheCudaWorkThatProducesItsBuffer) {
-  StartCluster();
-  FakeCudaDriver cuda(nullptr, 0);
-  client_internal::ScopedCudaDriverForTesting use(&cuda);
-  ConnectRanks(testing_fakes::SmallSpec(1), 1);
-  Client& c = *clients_[0];
-  PushInitial(RandomBuckets(4));
-  const int before = cluster_->stats().push_streams;
+// A one-rank job whose client takes a fake CUDA driver with no device memory.
+class ClientCudaWaitTest : public ClientGrpcTest {
+ protected:
+  void SetUp() override {
+    client_ = ConnectWithCudaDriver(cuda_);
+    ASSERT_NE(client_, nullptr);
+    before_ = cluster_->stats().push_streams;
+  }
+
+  FakeCudaDriver cuda_{nullptr, 0};
+  Client* client_ = nullptr;
+  int before_ = 0;  // push streams the daemons saw before the test's pushes
+};
+
+TEST_F(ClientCudaWaitTest, PushWaitsForTheCudaWorkThatProducesItsBuffer) {
+  Client& c = *client_;
   std::vector<std::vector<float>> g;
   for (const Bucket& b : c.layout().buckets) g.emplace_back(b.shard_numel, 0.01f);
   PushOptions on_stream;
@@ -634,30 +654,24 @@ TEST_F(ClientGrpcTest, PushWaitsForTheCudaWorkThatProducesItsBuffer) {
     handles.push_back(c.PushGrad(k, 0, ElementSpan::Fp32(g[k]), on_stream));
   }
   EXPECT_FALSE(handles[0].WaitFor(std::chrono::milliseconds(300)));
-  EXPECT_EQ(cluster_->stats().push_streams, before);  // nothing read or sent while the work runs
-  cuda.Finish(/*fail=*/false);
+  EXPECT_EQ(cluster_->stats().push_streams, before_);  // nothing read or sent while the work runs
+  cuda_.Finish(/*fail=*/false);
   for (PushHandle& h : handles) EXPECT_THAT(h.Wait(), IsOk());
-  EXPECT_EQ(cuda.waits(), static_cast<int>(g.size()));
-  EXPECT_EQ(cuda.released(), static_cast<int>(g.size()));  // each recorded event released once
+  EXPECT_EQ(cuda_.waits(), static_cast<int>(g.size()));
+  EXPECT_EQ(cuda_.released(), static_cast<int>(g.size()));  // each recorded event released once
   EXPECT_THAT(c.FinishStep(0, 0.1, 0.0), IsOk());
 }
 
-TEST_F(ClientGrpcTest, FailedCudaWorkFailsThePushAndSendsNothing) {
-  StartCluster();
-  FakeCudaDriver cuda(nullptr, 0);
-  client_internal::ScopedCudaDriverForTesting use(&cuda);
-  ConnectRanks(testing_fakes::SmallSpec(1), 1);
-  Client& c = *clients_[0];
-  PushInitial(RandomBuckets(4));
-  const int before = cluster_->stats().push_streams;
+TEST_F(ClientCudaWaitTest, FailedCudaWorkFailsThePushAndSendsNothing) {
+  Client& c = *client_;
   std::vector<float> g(c.layout().buckets[0].shard_numel, 0.01f);
   int event = 0;  // any handle: the fake only passes it on
   PushOptions options;
   options.cuda_event = &event;
-  cuda.Finish(/*fail=*/true);
+  cuda_.Finish(/*fail=*/true);
   EXPECT_THAT(c.PushGrad(0, 0, ElementSpan::Fp32(g), options).Wait(),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("CUDA work")));
-  EXPECT_EQ(cluster_->stats().push_streams, before);
+  EXPECT_EQ(cluster_->stats().push_streams, before_);
   EXPECT_THAT(c.FinishStep(0, 0.1, 0.0), StatusIs(absl::StatusCode::kInternal));
 }
 
