@@ -31,8 +31,9 @@
 // newest version once (their first read, which faults their pull buffers in, timed apart), then
 // poll while --steps more steps run: whenever a newer version is out, each pins the newest and
 // reads it in full (every bucket, every tensor's published form), skipping versions when it is
-// slower than the steps; reported: both medians and their ratio, and the versions read. Then one reader's full read of the last version
-// against a trainer's pull of the same buckets and a memcpy of as many bytes, in the same run.
+// slower than the steps; reported: both medians and their ratio, and the versions read. Then
+// one reader's full read of the last version against a trainer's pull of the same buckets and a
+// memcpy of as many bytes, in the same run.
 //
 // Two baselines, measured in the same run: the whole model's update on --baseline-threads
 // threads (the ratio the tables before 2026-12-06 report), and the in-process distributed

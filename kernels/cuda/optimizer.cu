@@ -11,7 +11,8 @@
 //   block; for mxfp8 8 lanes hold a block's 32 updated values, reduce the amax with shuffles,
 //   then cast and store them.
 //   Gradient stats: per-thread FP64 sums, reduced per CTA in a fixed tree into per-CTA
-//   partials (the stream's persistent workspace, stream_call.h), then FinalizeStatsKernel adds them in a fixed order.
+//   partials (in the stream's persistent workspace, stream_call.h), then FinalizeStatsKernel
+//   adds them in a fixed order.
 //   Grid sizes depend only on the fragment, so the sum is reproducible run to run.
 #include <cuda_runtime.h>
 

@@ -270,21 +270,21 @@ absl::Status Quantize(const Device& device, Format format, Format model_dtype, c
   switch (format) {
     case Format::kBF16:
     case Format::kFP16:
-      return LaunchQuantize(QuantizeOp<QuantKind::k16Bit>{master.data(), model_dtype, format, false, 1.0f, nullptr,
-                                                          geo, out.data.data(), vec_master, vec_data},
+      return LaunchQuantize(QuantizeOp<QuantKind::k16Bit>{master.data(), model_dtype, format, false, 1.0f, nullptr, geo,
+                                                          out.data.data(), vec_master, vec_data},
                             n, red, call);
     case Format::kMXFP8:
     case Format::kFP8Block:
-      return LaunchQuantize(QuantizeOp<QuantKind::kFp8Blocks>{master.data(), model_dtype, format, false, 1.0f,
-                                                              factor, geo, out.data.data(), vec_master, vec_data},
+      return LaunchQuantize(QuantizeOp<QuantKind::kFp8Blocks>{master.data(), model_dtype, format, false, 1.0f, factor,
+                                                              geo, out.data.data(), vec_master, vec_data},
                             n, red, call);
     case Format::kNVFP4:
-      return LaunchQuantize(QuantizeOp<QuantKind::kNvfp4>{master.data(), model_dtype, format, false, 1.0f, factor,
-                                                          geo, out.data.data(), vec_master, vec_data},
+      return LaunchQuantize(QuantizeOp<QuantKind::kNvfp4>{master.data(), model_dtype, format, false, 1.0f, factor, geo,
+                                                          out.data.data(), vec_master, vec_data},
                             n, red, call);
     default:  // fp8 per-tensor, delayed or current
-      return LaunchQuantize(QuantizeOp<QuantKind::kFp8Tensor>{master.data(), model_dtype, format, e5m2, scale,
-                                                              nullptr, geo, out.data.data(), vec_master, vec_data},
+      return LaunchQuantize(QuantizeOp<QuantKind::kFp8Tensor>{master.data(), model_dtype, format, e5m2, scale, nullptr,
+                                                              geo, out.data.data(), vec_master, vec_data},
                             n, red, call);
   }
 }
@@ -305,19 +305,24 @@ absl::Status Dequantize(const Device& device, Format format, const Fragment& fra
     case Format::kBF16:
     case Format::kFP16:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::k16Bit>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, call);
+          DequantizeOp<DequantKind::k16Bit>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n,
+          call);
     case Format::kMXFP8:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::kMxfp8>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, call);
+          DequantizeOp<DequantKind::kMxfp8>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n,
+          call);
     case Format::kFP8Block:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::kFp8Block>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, call);
+          DequantizeOp<DequantKind::kFp8Block>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n,
+          call);
     case Format::kNVFP4:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::kNvfp4>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n, call);
+          DequantizeOp<DequantKind::kNvfp4>{data, scales, inv, format, false, geo, out.data(), vec_data, vec_out}, n,
+          call);
     default:
       return LaunchDequantize(
-          DequantizeOp<DequantKind::kFp8Tensor>{data, scales, inv, format, e5m2, geo, out.data(), vec_data, vec_out}, n, call);
+          DequantizeOp<DequantKind::kFp8Tensor>{data, scales, inv, format, e5m2, geo, out.data(), vec_data, vec_out}, n,
+          call);
   }
 }
 

@@ -11,7 +11,8 @@
 # Prints one summary table: each test binary's result (pass / FAIL / skip, with googletest's
 # counts) and each kernel's fraction of the device's copy bandwidth (kernels_bench_gpu, same
 # run). A binary is "skip" only when it exits 77, which it does only when every case skipped
-# (tests/testing/gtest_skip_main.cc): a skipped case never hides a failed one.
+# (tests/testing/gtest_skip_main.cc): a skipped case never hides a failed one. Where nvidia-smi
+# lists a GPU, "no CUDA device" is a FAIL (e.g. a driver older than the bundle's libcudart).
 # Logs go to $OUT when set (the folder the device tool brings back), else BUNDLE_DIR/logs.
 # Exit status: 0 when nothing failed (skips allowed), 1 otherwise.
 set -uo pipefail
@@ -60,8 +61,10 @@ echo "NCCL: ${nccl_dir:-not found}"
 export LD_LIBRARY_PATH=$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 missing=$(ldd "$bundle"/bin/* 2>/dev/null | grep 'not found' | sort -u | awk '{print $1}' | tr '\n' ' ')
 [ -n "$missing" ] && echo "libraries not found: $missing"
+gpus=0
 if command -v nvidia-smi > /dev/null; then
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 else
   echo "gpu: nvidia-smi not found"
 fi
@@ -92,7 +95,16 @@ gtest() {
   local detail="${counts:-no googletest summary}, $(( $(date +%s) - t0 ))s"
   case $rc in
     0) row "$name" "pass" "$detail" ;;
-    77) row "$name" "skip" "$detail: $(grep -m1 -A1 ': Skipped' "$log" | tail -1)" ;;
+    77)
+      local why
+      why=$(grep -m1 -A1 ': Skipped' "$log" | tail -1)
+      if [ "$gpus" -gt 0 ] && [ "$why" = "no CUDA device" ]; then
+        # CUDA found nothing where the driver lists GPUs: e.g. a driver older than the bundle's
+        # libcudart. Not a skip: the check did not run.
+        row "$name" "FAIL" "$detail: CUDA sees no device but nvidia-smi lists $gpus (driver too old for $(awk '/^cudart / {print $2}' "$bundle/MANIFEST")?)"
+      else
+        row "$name" "skip" "$detail: $why"
+      fi ;;
     124) row "$name" "FAIL" "timed out after ${limit}s; $detail"; tail -20 "$log" ;;
     *) row "$name" "FAIL" "exit $rc; $detail"; grep -E 'Failure|FAILED|Error|error' "$log" | head -20 ;;
   esac
@@ -137,6 +149,7 @@ if [ "$left" -ge 20 ]; then
       printf "%-40s %6s of copy bandwidth (%s GB/s)\n", name, $NF, $(NF-2) }' "$logs/kernels_bench_gpu.log")
   case $rc in
     0) if [ ${#bench_rows[@]} -gt 0 ]; then row kernels_bench_gpu "pass" "${#bench_rows[@]} kernels measured"
+       elif [ "$gpus" -gt 0 ]; then row kernels_bench_gpu "FAIL" "measured nothing although nvidia-smi lists $gpus GPU(s)"
        else row kernels_bench_gpu "skip" "$(head -1 "$logs/kernels_bench_gpu.log")"; fi ;;
     124) row kernels_bench_gpu "FAIL" "timed out after ${limit}s" ;;
     *) row kernels_bench_gpu "FAIL" "exit $rc: $(tail -1 "$logs/kernels_bench_gpu.log")" ;;
