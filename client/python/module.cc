@@ -137,11 +137,25 @@ class PyClient {
     return py::cast(std::move(h));
   }
 
-  PushOptions Options(double loss_scale, double timeout_s) const {
+  // `cuda_stream` / `cuda_event`: None, or a raw CUDA handle as an int (PyTorch:
+  // torch.cuda.current_stream().cuda_stream, 0 = the legacy default stream; an event's
+  // .cuda_event), as PushOptions::cuda_stream / cuda_event take them.
+  PushOptions Options(double loss_scale, double timeout_s, const py::object& cuda_stream = py::none(),
+                      const py::object& cuda_event = py::none()) const {
     PushOptions o;
     o.loss_scale = loss_scale;
     o.timeout = Millis(timeout_s);
+    if (!cuda_stream.is_none()) o.cuda_stream = CudaHandle(cuda_stream, "cuda_stream");
+    if (!cuda_event.is_none()) o.cuda_event = CudaHandle(cuda_event, "cuda_event");
     return o;
+  }
+
+  static void* CudaHandle(const py::object& handle, const char* name) {
+    if (!py::isinstance<py::int_>(handle) || handle.cast<py::int_>() < py::int_(0)) {
+      throw py::type_error(absl::StrCat(name, " must be None or a CUDA handle as a non-negative int, got ",
+                                        py::str(py::repr(handle)).cast<std::string>()));
+    }
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(handle.cast<uint64_t>()));
   }
 
   // lr and weight_decay for every param group, or `groups`: one (lr, weight_decay) pair or
@@ -331,30 +345,40 @@ PYBIND11_MODULE(_mainstay, m) {
         Check(s);
       })
       .def("push_grad", [](PyClient& c, int32_t bucket, int64_t step, const py::array& grad, bool wait,
-                           double loss_scale, const std::string& dtype, double timeout_s) {
+                           double loss_scale, const std::string& dtype, double timeout_s, const py::object& cuda_stream,
+                           const py::object& cuda_event) {
         py::object keep;
         ElementSpan span = SpanOf(grad, dtype, &keep);
-        return c.Track(c.client().PushGrad(bucket, step, span, c.Options(loss_scale, timeout_s)), keep, wait, step);
+        return c.Track(c.client().PushGrad(bucket, step, span, c.Options(loss_scale, timeout_s, cuda_stream, cuda_event)),
+                       keep, wait, step);
       }, py::arg("bucket"), py::arg("step"), py::arg("grad"), py::arg("wait") = false, py::arg("loss_scale") = 0.0,
-         py::arg("dtype") = "", py::arg("timeout_s") = 0.0,
-         "Reduced mode: this rank's shard (shard_numel elements) of the bucket's reduced gradient.")
+         py::arg("dtype") = "", py::arg("timeout_s") = 0.0, py::kw_only(), py::arg("cuda_stream") = py::none(),
+         py::arg("cuda_event") = py::none(),
+         "Reduced mode: this rank's shard (shard_numel elements) of the bucket's reduced gradient. "
+         "cuda_stream / cuda_event (raw handles as ints): the push waits for that CUDA work before it reads the "
+         "buffer (e.g. an asynchronous copy into pinned memory).")
       .def("push_shard", [](PyClient& c, int32_t bucket, int32_t shard, int64_t step, const py::array& grad,
                             int32_t num_contributors, bool wait, double loss_scale, const std::string& dtype,
-                            double timeout_s) {
+                            double timeout_s, const py::object& cuda_stream, const py::object& cuda_event) {
         py::object keep;
         ElementSpan span = SpanOf(grad, dtype, &keep);
         return c.Track(c.client().PushShard(bucket, shard, step, span, num_contributors,
-                                            c.Options(loss_scale, timeout_s)), keep, wait, step);
+                                            c.Options(loss_scale, timeout_s, cuda_stream, cuda_event)),
+                       keep, wait, step);
       }, py::arg("bucket"), py::arg("shard"), py::arg("step"), py::arg("grad"), py::arg("num_contributors"),
-         py::arg("wait") = false, py::arg("loss_scale") = 0.0, py::arg("dtype") = "", py::arg("timeout_s") = 0.0)
+         py::arg("wait") = false, py::arg("loss_scale") = 0.0, py::arg("dtype") = "", py::arg("timeout_s") = 0.0,
+         py::kw_only(), py::arg("cuda_stream") = py::none(), py::arg("cuda_event") = py::none())
       .def("push_bucket_unreduced", [](PyClient& c, int32_t bucket, int64_t step, const py::array& grad, bool wait,
-                                       double loss_scale, const std::string& dtype, double timeout_s) {
+                                       double loss_scale, const std::string& dtype, double timeout_s,
+                                       const py::object& cuda_stream, const py::object& cuda_event) {
         py::object keep;
         ElementSpan span = SpanOf(grad, dtype, &keep);
-        return c.Track(c.client().PushBucketUnreduced(bucket, step, span, c.Options(loss_scale, timeout_s)), keep,
-                       wait, step);
+        return c.Track(c.client().PushBucketUnreduced(bucket, step, span,
+                                                      c.Options(loss_scale, timeout_s, cuda_stream, cuda_event)),
+                       keep, wait, step);
       }, py::arg("bucket"), py::arg("step"), py::arg("grad"), py::arg("wait") = false, py::arg("loss_scale") = 0.0,
-         py::arg("dtype") = "", py::arg("timeout_s") = 0.0,
+         py::arg("dtype") = "", py::arg("timeout_s") = 0.0, py::kw_only(), py::arg("cuda_stream") = py::none(),
+         py::arg("cuda_event") = py::none(),
          "Unreduced mode: this rank's own gradient of the whole bucket; the daemons sum the D ranks.")
       .def("push_initial_params", [](PyClient& c, int32_t bucket, const py::array& params, bool all_shards, bool wait,
                                      double timeout_s) {

@@ -5,6 +5,7 @@ client/src/testing (a real gRPC coordinator and daemons in one process).
 
     PYTHONPATH=<build>/client/python python3 test_mainstay.py <build>/client/mainstay_client_fake_server
 """
+import ctypes
 import json
 import subprocess
 import sys
@@ -232,6 +233,24 @@ class EndToEndTest(unittest.TestCase):
             c0.push_grad(0, 0, grads[0][:buckets[0]["shard_numel"]], wait=True)
         self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
         self.assertEqual(e.exception.info["committed_step"], 1)
+
+        # A push that names the CUDA work producing its buffer needs the CUDA driver; without
+        # one it is refused before anything is sent. A handle must be an int.
+        with self.assertRaises(TypeError):
+            c0.push_grad(0, 2, grads[0][:buckets[0]["shard_numel"]], cuda_stream="default")
+        if not _has_cuda_driver():
+            with self.assertRaises(mainstay.Error) as e:
+                c0.push_grad(0, 2, grads[0][:buckets[0]["shard_numel"]], wait=True, cuda_stream=0)
+            self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+            self.assertIn("libcuda.so.1", str(e.exception))
+
+
+def _has_cuda_driver():
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":
