@@ -348,7 +348,9 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
   absl::StatusOr<client_internal::PendingCudaWork> work = cuda->Capture(push_options.cuda_stream,
                                                                         push_options.cuda_event);
   if (!work.ok()) return PushHandle::Ready(work.status());
-  auto cuda_ready = std::make_shared<CudaReady>(*cuda, *std::move(work));
+  // Most pushes name no CUDA work: then there is nothing to share or wait for.
+  std::shared_ptr<CudaReady> cuda_ready =
+      work->empty() ? nullptr : std::make_shared<CudaReady>(*cuda, *std::move(work));
   const Deadline deadline = DeadlineAfter(push_options.timeout);
   auto countdown = std::make_shared<PushCountdown>();
   {
@@ -368,7 +370,7 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
     const ElementSpan part = data[i];
     push_pool->Schedule([this, bucket, shard, step, kind, part, num_contributors, push_options, deadline, done,
                          countdown, crc, cuda_ready] {
-      if (absl::Status ready = cuda_ready->Await(); !ready.ok()) {
+      if (absl::Status ready = cuda_ready != nullptr ? cuda_ready->Await() : absl::OkStatus(); !ready.ok()) {
         countdown->Done(ready);
         done->set_value(ready);
         return;

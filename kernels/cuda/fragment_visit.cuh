@@ -296,9 +296,6 @@ __device__ __forceinline__ uint16_t DeviceModelBits(float x, Format model_dtype)
   return model_dtype == Format::kFP16 ? cpu::Fp16Bits(u) : cpu::Bf16Bits(u);
 }
 
-// FloatToE2M1(y): a 4-bit code in the low nibble.
-__device__ __forceinline__ uint8_t DeviceE2M1(float y) { return cpu::E2M1Bits(y); }
-
 // Model-dtype value of a master: float(bf16_rne(master)) or float(fp16(master)).
 __device__ __forceinline__ float ModelValue(float master, Format model_dtype) {
   return ModelBitsToFloat(DeviceModelBits(master, model_dtype), model_dtype);

@@ -76,7 +76,7 @@ struct QuantizeOp {
       uint8_t q[4];
       if constexpr (K == QuantKind::kNvfp4) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) q[k] = DeviceE2M1(y[k]);
+        for (int k = 0; k < 4; ++k) q[k] = cpu::E2M1Bits(y[k]);
         StoreNibbles4(data, j, cnt, vec, q);
       } else {
         CastFp8x4(y, e5m2, q);
