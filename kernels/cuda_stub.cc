@@ -1,5 +1,7 @@
 // The CUDA backend when Mainstay is built without CUDA: every call is UNIMPLEMENTED.
+#include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/memory.h"
 
 namespace mainstay::kernels::cuda {
 namespace {
@@ -35,3 +37,11 @@ absl::Status GradStats(const Device&, GradView, int64_t, float, double*, int64_t
 absl::Status Synchronize(const Device&) { return NotBuilt(); }
 
 }  // namespace mainstay::kernels::cuda
+
+namespace mainstay::kernels {
+absl::StatusOr<std::unique_ptr<StateMemory>> CudaStateMemory(int ordinal) {
+  return absl::UnimplementedError(absl::StrCat("cuda:", ordinal,
+                                               ": this Mainstay was built without CUDA "
+                                               "(MAINSTAY_ENABLE_CUDA=OFF or no nvcc); run with --device cpu"));
+}
+}  // namespace mainstay::kernels

@@ -51,8 +51,11 @@ struct Device {
   // kCpu: the thread pool to run on; nullptr = the calling thread only. Results never depend
   // on the thread count (reductions combine fixed-size chunks in a fixed order).
   CpuExecutor* executor = nullptr;
-  // kCuda: the cudaStream_t to enqueue on (nullptr = the legacy default stream).
+  // kCuda: the cudaStream_t to enqueue on (nullptr = the legacy default stream), and the
+  // device it belongs to: each call makes it the calling thread's current device (-1: the
+  // calling thread's current device is the stream's).
   void* stream = nullptr;
+  int ordinal = -1;
 };
 
 // One fragment of one tensor.

@@ -25,7 +25,8 @@ limit_mib=60
 grep -q "kernels_gpu_test" "$build/build.ninja" 2>/dev/null ||
   { echo "$build was configured without CUDA: the GPU tests are not built (nvcc in /usr/local/cuda?)" >&2; exit 1; }
 
-targets=(mainstayd mainstay-coordinator mainstay_client cuda_device_test kernels_gpu_test kernels_bench_gpu)
+targets=(mainstayd mainstay-coordinator mainstay_client cuda_device_test kernels_gpu_test daemon_gpu_test
+         kernels_bench_gpu)
 have_nccl=0
 if grep -q "nccl_transport_gpu_test" "$build/build.ninja" 2>/dev/null; then
   have_nccl=1
@@ -37,7 +38,7 @@ cmake --build "$build" -j"$(nproc)" --target "${targets[@]}"
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/lib/cxx"
 programs=(server/grpc/mainstayd server/grpc/mainstay-coordinator tests/gpu/cuda_device_test
-          tests/gpu/kernels_gpu_test bench/kernels_bench_gpu)
+          tests/gpu/kernels_gpu_test tests/gpu/daemon_gpu_test bench/kernels_bench_gpu)
 [ "$have_nccl" = 1 ] && programs+=(tests/gpu/nccl_transport_gpu_test tests/gpu/nccl_trainer)
 for p in "${programs[@]}"; do
   strip -o "$bundle/bin/$(basename "$p")" "$build/$p"

@@ -46,7 +46,12 @@ inline int GridFor(int64_t items, int64_t items_per_cta) {
   return static_cast<int>(g < 1 ? 1 : (g > kMaxGrid ? kMaxGrid : g));
 }
 
-inline cudaStream_t StreamOf(const Device& device) { return static_cast<cudaStream_t>(device.stream); }
+// The call's stream, with its device made current on the calling thread (a launch on another
+// device's stream fails; the daemon's step threads never chose a device themselves).
+inline cudaStream_t StreamOf(const Device& device) {
+  if (device.ordinal >= 0) (void)cudaSetDevice(device.ordinal);  // a bad one fails the launch that follows
+  return static_cast<cudaStream_t>(device.stream);
+}
 
 inline bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 

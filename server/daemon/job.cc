@@ -739,10 +739,10 @@ absl::StatusOr<ShardStateCopy> Job::ReadShardState(int32_t bucket, int32_t shard
   ShardStateCopy copy;
   copy.version = it->second->initialized ? version_ : -1;
   copy.committed_step = committed_step_;
-  copy.master = it->second->master;
+  copy.master.assign(it->second->master.begin(), it->second->master.end());
   copy.moment_type = job_.spec.optimizer.moment_dtype;
-  copy.m = it->second->m;
-  copy.v = it->second->v;
+  copy.m.assign(it->second->m.begin(), it->second->m.end());
+  copy.v.assign(it->second->v.begin(), it->second->v.end());
   return copy;
 }
 

@@ -36,10 +36,10 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <span>
 #include <memory>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -56,15 +56,16 @@
 #include "common/layout.h"
 #include "common/step_hyper.h"
 #include "kernels/kernels.h"
+#include "mainstay/v1/checkpoint.pb.h"
 #include "mainstay/v1/coordinator.pb.h"
 #include "mainstay/v1/shard.pb.h"
-#include "server/daemon/reduction_plan.h"
-#include "mainstay/v1/checkpoint.pb.h"
 #include "server/checkpoint/checkpoint_files.h"
-#include "server/daemon/reader_limiter.h"
-#include "server/daemon/scaling_state.h"
 #include "server/daemon/peer_client.h"
+#include "server/daemon/reader_limiter.h"
+#include "server/daemon/reduction_plan.h"
+#include "server/daemon/scaling_state.h"
 #include "server/daemon/shard_state.h"
+#include "server/daemon/state_buffer.h"
 #include "server/peer/peer_group.h"
 
 namespace mainstay::metrics {
@@ -87,7 +88,8 @@ struct JobSnapshot {
 };
 
 struct JobOptions {
-  kernels::Device device;                      // where the kernels run (CPU executor)
+  // Not owned, required: where shard state lives and the kernels run (kernels/memory.h).
+  kernels::StateMemory* memory = nullptr;
   peer::PeerGroupFactory* peers = nullptr;     // not owned; may be null for one-daemon jobs
   std::string daemon_id;                       // this daemon
   int retained_versions = 4;
@@ -264,9 +266,16 @@ class Job : public std::enable_shared_from_this<Job> {
     bool initialized = false;  // has masters (version 0 published)
     bool incoming = false;     // assigned from a peer, not copied yet (job_move.cc)
     bool replica = false;      // a replica: updated from its primary's forwarded inputs
-    std::vector<float> master, scratch_master;
-    std::vector<uint8_t> m, v, scratch_m, scratch_v;
-    std::vector<float> grad_sum;  // for num_contributors > 1
+    StateBuffer<float> master, scratch_master;
+    StateBuffer<uint8_t> m, v, scratch_m, scratch_v;
+    std::vector<float> grad_sum;  // for num_contributors > 1 (host; staged like a push)
+    // The kernels' scalar outputs and inputs, per fragment (FragmentCast::slot): amaxes, the
+    // cast's scale_inv, gradient statistics. In state memory, so that a GPU writes them.
+    StateBuffer<uint8_t> scalars;
+    // Staged memory only (a GPU): the step's gradient input, and the new version's data and
+    // scales before they go to the host (StateMemory::staged). Allocated when the shard is
+    // touched (TouchNewShards), else by its first step.
+    StateBuffer<uint8_t> grad_stage, cast_stage;
     std::map<int64_t, std::shared_ptr<const QuantizedShard>> versions;
     // The data buffer of the last version evicted while nobody else held it: the next version
     // is cast into it (no allocation and no page faults in the step). Step thread and commit.
@@ -282,9 +291,9 @@ class Job : public std::enable_shared_from_this<Job> {
         master.swap(scratch_master);
         m.swap(scratch_m);
         v.swap(scratch_v);
-        std::vector<float>().swap(scratch_master);
-        std::vector<uint8_t>().swap(scratch_m);
-        std::vector<uint8_t>().swap(scratch_v);
+        scratch_master.clear();
+        scratch_m.clear();
+        scratch_v.clear();
       }
       initialized = true;
       versions[published->version] = std::move(published);
@@ -364,6 +373,7 @@ class Job : public std::enable_shared_from_this<Job> {
     kernels::Fragment frag;       // the tensor's 2D view and the fragment's element range
     int64_t offset = 0;           // of the fragment inside the shard, elements
     IndexRange blocks;            // its scale blocks (FragmentScaleBlocks)
+    int64_t slot = 0;             // its bytes in ShardState::scalars (layout: job_step.cc)
     std::vector<float> block_amax;  // reduced, per block of `blocks` (block-scaled formats)
     float tensor_scale = 1.0f;    // fp8 delayed: the scale to cast with
     float tensor_amax = 0.0f;     // reduced whole-tensor amax (before the MAX: this fragment's)
@@ -488,8 +498,20 @@ class Job : public std::enable_shared_from_this<Job> {
                                          const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of);
   // Version `version` of `s`, its data and scale buffers allocated and zeroed for `casts`
   // (reusing the shard's spare buffer). Step thread.
-  // One FragmentCast per fragment of `s`, in shard order, with no amaxes yet.
+  // One FragmentCast per fragment of `s`, in shard order, with no amaxes yet, and each its
+  // slot in s.scalars.
   std::vector<FragmentCast> FragmentCasts(const ShardState& s) const;
+  // Makes the shard's step buffers in state memory exist: s.scalars for `casts` and, on staged
+  // memory, the cast staging (StageGradient makes the gradient's). Allocates only once;
+  // RESOURCE_EXHAUSTED (nothing written) when they do not fit. Step thread.
+  absl::Status EnsureStepBuffers(ShardState& s, const std::vector<FragmentCast>& casts);
+  // Where the kernels write fragment `c`'s amaxes: its slots in s.scalars.
+  static kernels::AmaxOutputs AmaxSlots(ShardState& s, const FragmentCast& c);
+  // After the memory's Synchronize: the amaxes the kernels wrote to the slots, into `c`.
+  static void TakeAmaxes(const ShardState& s, FragmentCast& c);
+  // On staged memory: copies `grad` (host bytes of `numel` elements) into s.grad_stage and
+  // returns the view of the copy there; on host memory, `grad` itself.
+  absl::StatusOr<kernels::GradView> StageGradient(ShardState& s, kernels::GradView grad);
   std::shared_ptr<QuantizedShard> NewSnapshot(ShardState& s, const std::vector<FragmentCast>& casts,
                                               int64_t version);
   // Fills `snapshot` (from NewSnapshot) from the fragments' casts: quantized from the scratch

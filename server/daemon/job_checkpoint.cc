@@ -52,7 +52,8 @@ absl::StatusOr<JobSnapshot> Job::SnapshotAt(int64_t committed_step, absl::Time d
   // The copies' memory is allocated and touched before the lock is taken, so that the copy
   // under the lock (which holds back the step's commit and every pull) is a plain memcpy
   // without page faults: on the machine of docs/benchmarks.md faulting in fresh pages costs
-  // as much as copying into them.
+  // as much as copying into them. (On a GPU daemon the source pages still migrate from the
+  // device under the lock: managed memory, docs/daemon.md.)
   std::map<Key, std::array<size_t, 3>> sizes;  // master, m, v elements
   {
     absl::MutexLock lock(&mu_);
@@ -166,9 +167,12 @@ absl::Status Job::LoadRestore(const Restore& restore, const std::vector<std::sha
     // Straight into the scratch buffers the restore's step publishes from (no copy; on a
     // failure they are overwritten by the next step as always). Every element is read.
     ShardState& s = *state;
-    s.scratch_master.resize(n);
-    s.scratch_m.resize(n * mb);
-    s.scratch_v.resize(adamw ? n * mb : 0);
+    kernels::StateMemory& memory = *options_.memory;
+    if (s.scratch_master.size() != n) MAINSTAY_RETURN_IF_ERROR(s.scratch_master.Reset(memory, static_cast<int64_t>(n)));
+    if (s.scratch_m.size() != n * mb) MAINSTAY_RETURN_IF_ERROR(s.scratch_m.Reset(memory, static_cast<int64_t>(n * mb)));
+    if (s.scratch_v.size() != (adamw ? n * mb : 0)) {
+      MAINSTAY_RETURN_IF_ERROR(s.scratch_v.Reset(memory, static_cast<int64_t>(adamw ? n * mb : 0)));
+    }
     for (const TensorFragment& f : shard.fragments) {
       const size_t off = static_cast<size_t>(f.bucket_offset - shard.elements.begin);
       MAINSTAY_RETURN_IF_ERROR(reader.ReadRange(layout.tensors[static_cast<size_t>(f.tensor)].name, f.elements.begin,
@@ -223,7 +227,10 @@ void Job::RunRestore() {
   absl::StatusOr<StepResult> result =
       loaded.ok() ? ExecuteStep(-1, inputs, shards, members, epoch, {}) : absl::StatusOr<StepResult>(loaded);
 
-  if (!result.ok()) BreakGroup();  // a failed collective leaves the group unusable
+  if (!result.ok()) {
+    BreakGroup();                          // a failed collective leaves the group unusable
+    (void)options_.memory->Synchronize();  // no kernel of the failed attempt still runs
+  }
   mu_.Lock();
   executing_step_ = -2;
   if (!result.ok()) {

@@ -72,9 +72,9 @@ absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest
   copy.version = state->initialized ? version_ : -1;
   copy.committed_step = committed_step_;
   copy.moment_type = job_.spec.optimizer.moment_dtype;
-  copy.master = state->master;
-  copy.m = state->m;
-  copy.v = state->v;
+  copy.master.assign(state->master.begin(), state->master.end());
+  copy.m.assign(state->m.begin(), state->m.end());
+  copy.v.assign(state->v.begin(), state->v.end());
   copy.scaling = committed_scaling_;
   if (!state->versions.empty()) copy.newest = state->versions.rbegin()->second;
   if (auto it = stats_.find(committed_step_); it != stats_.end()) copy.committed_stats = it->second;
@@ -127,6 +127,22 @@ void Job::RunMovesIn() {
     }
     copies.emplace_back(key, std::move(copy));
   }
+  // The copies' state, in this daemon's state memory (all of it, or the move waits and retries),
+  // outside the lock: allocating and filling it takes time (page migration on a GPU).
+  struct Installed {
+    StateBuffer<float> master;
+    StateBuffer<uint8_t> m, v;
+  };
+  std::vector<Installed> installed(copies.size());
+  for (size_t k = 0; k < copies.size() && failed.ok(); ++k) {
+    ShardStateCopy& copy = *copies[k].second;
+    failed = installed[k].master.Assign(*options_.memory, std::span<const float>(copy.master));
+    if (failed.ok()) failed = installed[k].m.Assign(*options_.memory, std::span<const uint8_t>(copy.m));
+    if (failed.ok()) failed = installed[k].v.Assign(*options_.memory, std::span<const uint8_t>(copy.v));
+    std::vector<float>().swap(copy.master);  // one copy of the state at a time
+    std::vector<uint8_t>().swap(copy.m);
+    std::vector<uint8_t>().swap(copy.v);
+  }
   mu_.Lock();
   if (stopping_) return;
   if (failed.ok() && !copies.empty()) {
@@ -141,8 +157,9 @@ void Job::RunMovesIn() {
   const bool fresh = std::all_of(shards_.begin(), shards_.end(), [](const auto& e) { return e.second->incoming; });
   const size_t mb = static_cast<size_t>(BitsOf(job_.spec.optimizer.moment_dtype) / 8);
   const bool adamw = job_.spec.optimizer.type == OptimizerType::kAdamW;
-  for (const auto& [key, copy] : copies) {
-    if (!failed.ok()) break;
+  for (size_t k = 0; k < copies.size() && failed.ok(); ++k) {
+    const auto& [key, copy] = copies[k];
+    const Installed& state = installed[k];
     auto it = shards_.find(key);
     const int64_t numel = job_.layout.buckets[static_cast<size_t>(key.first)].shard_numel;
     if (copy->committed_step != (fresh ? copies.front().second->committed_step : committed_step_) ||
@@ -151,9 +168,9 @@ void Job::RunMovesIn() {
                                                copy->committed_step, " version ", copy->version,
                                                ", this daemon's shards at step ", committed_step_, " version ",
                                                version_, "; copying again"));
-    } else if (copy->version >= 0 && (static_cast<int64_t>(copy->master.size()) != numel ||
-                                      copy->m.size() != static_cast<size_t>(numel) * mb ||
-                                      copy->v.size() != (adamw ? static_cast<size_t>(numel) * mb : 0))) {
+    } else if (copy->version >= 0 && (static_cast<int64_t>(state.master.size()) != numel ||
+                                      state.m.size() != static_cast<size_t>(numel) * mb ||
+                                      state.v.size() != (adamw ? static_cast<size_t>(numel) * mb : 0))) {
       failed = absl::DataLossError(absl::StrCat("the copy of ", ShardName(key.first, key.second),
                                                 " has buffers of the wrong size"));
     } else if (std::any_of(copy->pending.begin(), copy->pending.end(), [&](const PendingPushCopy& p) {
@@ -177,12 +194,13 @@ void Job::RunMovesIn() {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), kRetryInterval);
     return;
   }
-  for (auto& [key, copy] : copies) {
+  for (size_t k = 0; k < copies.size(); ++k) {
+    const auto& [key, copy] = copies[k];
     ShardState& s = *shards_.at(key);
     s.initialized = copy->version >= 0;
-    s.master = std::move(copy->master);
-    s.m = std::move(copy->m);
-    s.v = std::move(copy->v);
+    s.master = std::move(installed[k].master);
+    s.m = std::move(installed[k].m);
+    s.v = std::move(installed[k].v);
     s.versions.clear();
     if (copy->newest != nullptr) s.versions[copy->newest->version] = copy->newest;
     s.incoming = false;

@@ -108,11 +108,29 @@ kernels::GradView GradAt(kernels::GradView grad, int64_t offset) {
   return {static_cast<const uint8_t*>(grad.data) + offset * ElementBytes(grad.type), grad.type};
 }
 
-kernels::OptimizerState StateAt(std::vector<float>& master, std::vector<uint8_t>& m, std::vector<uint8_t>& v,
+kernels::OptimizerState StateAt(StateBuffer<float>& master, StateBuffer<uint8_t>& m, StateBuffer<uint8_t>& v,
                                 int64_t offset, const OptimizerSpec& opt) {
   const int moment_bytes = ElementBytes(opt.moment_dtype);
   return {master.data() + offset, m.data() + offset * moment_bytes,
           opt.type == OptimizerType::kAdamW ? v.data() + offset * moment_bytes : nullptr, opt.moment_dtype};
+}
+
+// A fragment's bytes in ShardState::scalars, at FragmentCast::slot: the gradient statistics
+// (double sum of squares, int64 non-finite count), the tensor amax, the cast's scale_inv, then
+// one amax per scale block (the kernels' output, later the reduced input of the cast).
+constexpr int64_t kSlotSumSquares = 0, kSlotNonfinite = 8, kSlotAmax = 16, kSlotScaleInv = 20, kSlotBlocks = 24;
+int64_t SlotBytes(const IndexRange& blocks) { return (kSlotBlocks + 4 * blocks.size() + 7) / 8 * 8; }
+template <typename T>
+T* SlotAt(const StateBuffer<uint8_t>& scalars, int64_t offset) {
+  return reinterpret_cast<T*>(const_cast<uint8_t*>(scalars.data()) + offset);
+}
+
+// `b` holding `n` zeroes: a new block when its size differs, else zeroed in place.
+template <typename T>
+absl::Status ZeroFilled(kernels::StateMemory& memory, StateBuffer<T>& b, int64_t n) {
+  if (b.size() != static_cast<size_t>(n)) return b.Reset(memory, n);
+  if (n > 0) std::memset(b.data(), 0, b.size() * sizeof(T));
+  return absl::OkStatus();
 }
 
 // Step `step`'s update of one fragment (AdamW or SGD as the job says): the probe's dry run, or
@@ -139,7 +157,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   const Layout& layout = job_.layout;
   const OptimizerSpec& opt = job_.spec.optimizer;
   const Format model = job_.recipe.model_dtype;
-  const kernels::Device& device = options_.device;
+  const kernels::Device& device = options_.memory->device();
   const absl::Time deadline = absl::Now() + options_.peer_timeout;
   // The group is joined right before the first reduction, after the forwards: a daemon holding
   // only replicas starts its step when the first one arrives.
@@ -195,6 +213,11 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
                             reduced ? in.crc32c : 0, reduced && in.copies_sent});
       }
     }
+    // On a GPU the kernels read the gradients from state memory (the forwards keep the host's).
+    for (size_t i = 0; i < shards.size(); ++i) {
+      if (shards[i]->replica) continue;
+      MAINSTAY_ASSIGN_OR_RETURN(grads[i], StageGradient(*shards[i], grads[i]));
+    }
     absl::Status forwarded;
     int64_t forwarded_bytes = 0;
     std::thread forwarder;
@@ -213,32 +236,44 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     const bool bet = !last_step_clipped_ && hyper.size() == static_cast<size_t>(num_groups_);
     absl::Status stats_status;
     for (size_t i = 0; i < shards.size() && stats_status.ok(); ++i) {
-      const ShardState& s = *shards[i];
+      ShardState& s = *shards[i];
       if (s.replica) continue;
       casts[i] = FragmentCasts(s);
+      stats_status = EnsureStepBuffers(s, casts[i]);
+      if (!stats_status.ok()) break;
       const float unscale = static_cast<float>(1.0 / loss_scales[i]);
       for (FragmentCast& c : casts[i]) {
-        double sum_squares = 0.0;
-        int64_t nonfinite = 0;
+        // The kernels write the statistics to the fragment's slot; they are summed below, in
+        // this same order, once the device has run them.
+        auto* sum_squares = SlotAt<double>(s.scalars, c.slot + kSlotSumSquares);
+        auto* nonfinite = SlotAt<int64_t>(s.scalars, c.slot + kSlotNonfinite);
         const LayoutTensor& tensor = layout.tensors[static_cast<size_t>(c.f->tensor)];
         const Format format = layout.buckets[static_cast<size_t>(s.bucket)].format;
         if (bet && NeedsAmaxBeforeCast(format, c.frag, adamw)) {
           kernels::StepOutputs out;
-          out.amax = kernels::AmaxOutputs{&c.tensor_amax, std::span<float>(c.block_amax)};
-          out.grad_sum_squares = &sum_squares;
-          out.grad_nonfinite = &nonfinite;
+          out.amax = AmaxSlots(s, c);
+          out.grad_sum_squares = sum_squares;
+          out.grad_nonfinite = nonfinite;
           out.dry_run = true;
           stats_status = UpdateFragment(device, format, model, c.frag, GradAt(grads[i], c.offset),
-                                        StateAt(shards[i]->master, shards[i]->m, shards[i]->v, c.offset, opt), opt,
+                                        StateAt(s.master, s.m, s.v, c.offset, opt), opt,
                                         hyper[static_cast<size_t>(tensor.param_group)], step, unscale, out);
           c.probed = true;
         } else {
-          stats_status = kernels::GradStats(device, GradAt(grads[i], c.offset), c.frag.size(), unscale, &sum_squares,
-                                            &nonfinite);
+          stats_status =
+              kernels::GradStats(device, GradAt(grads[i], c.offset), c.frag.size(), unscale, sum_squares, nonfinite);
         }
         if (!stats_status.ok()) break;
-        partial[0] += sum_squares;
-        partial[1] += static_cast<double>(nonfinite);
+      }
+    }
+    if (stats_status.ok()) stats_status = options_.memory->Synchronize();
+    for (size_t i = 0; i < shards.size() && stats_status.ok(); ++i) {
+      ShardState& s = *shards[i];
+      if (s.replica) continue;
+      for (FragmentCast& c : casts[i]) {
+        partial[0] += *SlotAt<double>(s.scalars, c.slot + kSlotSumSquares);
+        partial[1] += static_cast<double>(*SlotAt<int64_t>(s.scalars, c.slot + kSlotNonfinite));
+        if (c.probed) TakeAmaxes(s, c);
       }
     }
     if (forwarder.joinable()) forwarder.join();  // every forward lands before this daemon's SUM
@@ -316,7 +351,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
                                                        ShardName(shards[i]->bucket, shards[i]->shard), " drops its "
                                                        "input of step ", step, " (--inject-fault)"));
       }
-      grads[i] = {in.data.data(), in.dtype};
+      MAINSTAY_ASSIGN_OR_RETURN(grads[i], StageGradient(*shards[i], {in.data.data(), in.dtype}));
       loss_scales[i] = in.loss_scale;
     }
     double clip = 1.0;
@@ -379,39 +414,54 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       r[3] = std::max(r[3], -wd);
     }
   }
+  std::vector<std::vector<char>> amax_written(shards.size());  // per shard, per fragment
   for (size_t i = 0; i < shards.size(); ++i) {
     ShardState& s = *shards[i];
     const Bucket& bucket = layout.buckets[static_cast<size_t>(s.bucket)];
-    const size_t n = static_cast<size_t>(s.numel);
+    const int64_t n = s.numel;
     if (restoring) {
       // LoadRestore read the state into the scratch buffers.
     } else if (step < 0) {
       const std::vector<uint8_t>& initial = s.replica ? replica_in.at({s.bucket, s.shard}).data
                                                       : inputs.shards.at({s.bucket, s.shard}).by_rank.begin()->second;
-      s.scratch_master.resize(n);
-      std::memcpy(s.scratch_master.data(), initial.data(), n * 4);
-      s.scratch_m.assign(n * static_cast<size_t>(moment_bytes), 0);
-      s.scratch_v.assign(adamw ? n * static_cast<size_t>(moment_bytes) : 0, 0);
+      if (s.scratch_master.size() != static_cast<size_t>(n)) {
+        MAINSTAY_RETURN_IF_ERROR(s.scratch_master.Reset(*options_.memory, n));
+      }
+      std::memcpy(s.scratch_master.data(), initial.data(), static_cast<size_t>(n) * 4);
+      MAINSTAY_RETURN_IF_ERROR(ZeroFilled(*options_.memory, s.scratch_m, n * moment_bytes));
+      MAINSTAY_RETURN_IF_ERROR(ZeroFilled(*options_.memory, s.scratch_v, adamw ? n * moment_bytes : 0));
     }
     if (casts[i].empty()) casts[i] = FragmentCasts(s);  // step 1 built the primaries' casts
-    for (FragmentCast& c : casts[i]) {
+    MAINSTAY_RETURN_IF_ERROR(EnsureStepBuffers(s, casts[i]));
+    amax_written[i].assign(casts[i].size(), 0);
+    for (size_t k = 0; k < casts[i].size(); ++k) {
+      const FragmentCast& c = casts[i][k];
       const LayoutTensor& tensor = layout.tensors[static_cast<size_t>(c.f->tensor)];
-      kernels::AmaxOutputs amax{&c.tensor_amax, std::span<float>(c.block_amax)};
       const kernels::Fragment& frag = c.frag;
       if (step < 0) {
         const float* master = s.scratch_master.data() + c.offset;
         MAINSTAY_RETURN_IF_ERROR(kernels::ComputePartialAmax(
-            device, bucket.format, model, frag, std::span<const float>(master, static_cast<size_t>(frag.size())), amax));
+            device, bucket.format, model, frag, std::span<const float>(master, static_cast<size_t>(frag.size())),
+            AmaxSlots(s, c)));
+        amax_written[i][k] = 1;
       } else if (!c.probed && NeedsAmaxBeforeCast(bucket.format, frag, adamw) &&
                  !(s.replica && TensorScaleOnly(bucket.format))) {
         kernels::StepOutputs out;
-        out.amax = amax;
+        out.amax = AmaxSlots(s, c);
         out.dry_run = true;
         MAINSTAY_RETURN_IF_ERROR(UpdateFragment(device, bucket.format, model, frag, GradAt(grads[i], c.offset),
                                                 StateAt(s.master, s.m, s.v, c.offset, opt), opt,
                                                 hyper[static_cast<size_t>(tensor.param_group)], step, multipliers[i],
                                                 out));
+        amax_written[i][k] = 1;
       }
+    }
+  }
+  MAINSTAY_RETURN_IF_ERROR(options_.memory->Synchronize());
+  for (size_t i = 0; i < shards.size(); ++i) {
+    for (size_t k = 0; k < casts[i].size(); ++k) {
+      FragmentCast& c = casts[i][k];
+      if (amax_written[i][k]) TakeAmaxes(*shards[i], c);
       float& r = reduced[static_cast<size_t>(c.f->tensor)];
       r = std::max(r, c.tensor_amax);
       plan_.Contribute(c.f->tensor, c.blocks, c.block_amax, std::span<float>(reduced));
@@ -479,7 +529,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     u.grads = std::move(grads);
     u.multipliers = std::move(multipliers);
     u.hyper = hyper;
-    u.replica_in = std::move(replica_in);  // the replicas' gradient views point into these
+    u.replica_in = std::move(replica_in);  // the replicas' gradient views point into these (unstaged)
     // The new versions' memory, now: the apply allocates nothing.
     for (size_t i = 0; i < shards.size(); ++i) u.snapshots.push_back(NewSnapshot(*shards[i], casts[i], step + 1));
     u.casts = std::move(casts);
@@ -519,9 +569,48 @@ std::vector<Job::FragmentCast> Job::FragmentCasts(const ShardState& s) const {
     c.offset = f.bucket_offset - shard.elements.begin;
     c.blocks = FragmentScaleBlocks(layout, f);
     c.block_amax.assign(static_cast<size_t>(c.blocks.size()), 0.0f);
+    c.slot = casts.empty() ? 0 : casts.back().slot + SlotBytes(casts.back().blocks);
     casts.push_back(std::move(c));
   }
   return casts;
+}
+
+absl::Status Job::EnsureStepBuffers(ShardState& s, const std::vector<FragmentCast>& casts) {
+  kernels::StateMemory& memory = *options_.memory;
+  const int64_t scalar_bytes = casts.empty() ? 0 : casts.back().slot + SlotBytes(casts.back().blocks);
+  if (s.scalars.size() != static_cast<size_t>(scalar_bytes))
+    MAINSTAY_RETURN_IF_ERROR(s.scalars.Reset(memory, scalar_bytes));
+  if (!memory.staged()) return absl::OkStatus();
+  const Bucket& bucket = job_.layout.buckets[static_cast<size_t>(s.bucket)];
+  const FormatDescriptor& d = Describe(bucket.format);
+  int64_t num_scales = 0;
+  for (const FragmentCast& c : casts) num_scales += c.blocks.size();
+  const int64_t cast_bytes =
+      DataBytes(bucket.format, s.numel) + (d.has_block_scales() ? num_scales * (BitsOf(d.block_scale) / 8) : 0);
+  if (s.cast_stage.size() != static_cast<size_t>(cast_bytes))
+    MAINSTAY_RETURN_IF_ERROR(s.cast_stage.Reset(memory, cast_bytes));
+  return absl::OkStatus();
+}
+
+kernels::AmaxOutputs Job::AmaxSlots(ShardState& s, const FragmentCast& c) {
+  return {SlotAt<float>(s.scalars, c.slot + kSlotAmax),
+          std::span<float>(SlotAt<float>(s.scalars, c.slot + kSlotBlocks), static_cast<size_t>(c.blocks.size()))};
+}
+
+void Job::TakeAmaxes(const ShardState& s, FragmentCast& c) {
+  c.tensor_amax = *SlotAt<float>(s.scalars, c.slot + kSlotAmax);
+  const float* blocks = SlotAt<float>(s.scalars, c.slot + kSlotBlocks);
+  std::copy(blocks, blocks + c.blocks.size(), c.block_amax.begin());
+}
+
+absl::StatusOr<kernels::GradView> Job::StageGradient(ShardState& s, kernels::GradView grad) {
+  kernels::StateMemory& memory = *options_.memory;
+  if (!memory.staged()) return grad;
+  const int64_t bytes = s.numel * ElementBytes(grad.type);
+  if (s.grad_stage.size() < static_cast<size_t>(bytes))
+    MAINSTAY_RETURN_IF_ERROR(s.grad_stage.Reset(memory, s.numel * 4));
+  MAINSTAY_RETURN_IF_ERROR(memory.Copy(s.grad_stage.data(), grad.data, bytes));
+  return kernels::GradView{s.grad_stage.data(), grad.type};
 }
 
 std::shared_ptr<QuantizedShard> Job::NewSnapshot(ShardState& s, const std::vector<FragmentCast>& casts,
@@ -550,27 +639,37 @@ absl::Status Job::CastShard(ShardState& s, const std::vector<FragmentCast>& cast
   const Layout& layout = job_.layout;
   const OptimizerSpec& opt = job_.spec.optimizer;
   const Format model = job_.recipe.model_dtype;
-  const kernels::Device& device = options_.device;
+  const kernels::Device& device = options_.memory->device();
   const Bucket& bucket = layout.buckets[static_cast<size_t>(s.bucket)];
   const Shard& shard = bucket.shards[static_cast<size_t>(s.shard)];
   const FormatDescriptor& d = Describe(bucket.format);
   const bool adamw = opt.type == OptimizerType::kAdamW;
   const int scale_bytes = d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0;
   float* masters = update != nullptr ? s.master.data() : s.scratch_master.data();
+  // On staged memory the kernels cast into s.cast_stage (data, then scales), copied out below.
+  kernels::StateMemory& memory = *options_.memory;
+  uint8_t* data_out = memory.staged() ? s.cast_stage.data() : snapshot.data.data();
+  uint8_t* scales_out = memory.staged() ? s.cast_stage.data() + snapshot.data.size() : snapshot.scales.data();
+  const bool pow2_scales = kernels::ScaleInputs{}.pow2_scales;  // the recipes' (fp8 current: no)
   int64_t scale_offset = 0;
   for (const FragmentCast& c : casts) {
     const kernels::Fragment& frag = c.frag;
     kernels::ScaleInputs in;
+    in.pow2_scales = pow2_scales;
     in.tensor_scale = c.tensor_scale;
     in.tensor_amax = c.tensor_amax;
-    in.block_amax = c.block_amax;
+    // The reduced block amaxes, where the kernels read them.
+    float* block_amax = SlotAt<float>(s.scalars, c.slot + kSlotBlocks);
+    std::copy(c.block_amax.begin(), c.block_amax.end(), block_amax);
+    in.block_amax = std::span<const float>(block_amax, c.block_amax.size());
     const IndexRange bytes = FragmentShardByteRange(bucket, shard, *c.f);
-    float scale_inv = 0.0f;
+    float* scale_inv = SlotAt<float>(s.scalars, c.slot + kSlotScaleInv);
+    *scale_inv = 0.0f;
     kernels::QuantizedOutputs out;
-    out.data = std::span<uint8_t>(snapshot.data.data() + bytes.begin, static_cast<size_t>(bytes.size()));
-    out.block_scales = std::span<uint8_t>(snapshot.scales.data() + scale_offset * scale_bytes,
-                                          static_cast<size_t>(c.blocks.size() * scale_bytes));
-    out.tensor_scale_inv = d.tensor_scale ? &scale_inv : nullptr;
+    out.data = std::span<uint8_t>(data_out + bytes.begin, static_cast<size_t>(bytes.size()));
+    out.block_scales =
+        std::span<uint8_t>(scales_out + scale_offset * scale_bytes, static_cast<size_t>(c.blocks.size() * scale_bytes));
+    out.tensor_scale_inv = d.tensor_scale ? scale_inv : nullptr;
     const std::span<const float> master(masters + c.offset, static_cast<size_t>(frag.size()));
     bool cast = false;  // done in the update's pass
     if (update != nullptr) {
@@ -591,18 +690,26 @@ absl::Status Job::CastShard(ShardState& s, const std::vector<FragmentCast>& cast
     }
     if (!cast) MAINSTAY_RETURN_IF_ERROR(kernels::Quantize(device, bucket.format, model, frag, master, in, out));
     scale_offset += c.blocks.size();
+  }
+  if (memory.staged()) {
+    MAINSTAY_RETURN_IF_ERROR(memory.Copy(snapshot.data.data(), data_out, static_cast<int64_t>(snapshot.data.size())));
+    MAINSTAY_RETURN_IF_ERROR(
+        memory.Copy(snapshot.scales.data(), scales_out, static_cast<int64_t>(snapshot.scales.size())));
+  }
+  MAINSTAY_RETURN_IF_ERROR(memory.Synchronize());
+  for (const FragmentCast& c : casts) {
     FragmentMeta meta;
     meta.tensor = c.f->tensor;
     meta.elements = c.f->elements;
     meta.format = bucket.format;
     if (d.scaling == ScalingMode::kDelayed) {
-      meta.scale = in.tensor_scale;
+      meta.scale = c.tensor_scale;
     } else if (d.scaling == ScalingMode::kCurrent) {
-      meta.scale = kernels::CurrentScalingScale(c.tensor_amax, Fp8Max(bucket.format), in.pow2_scales);
+      meta.scale = kernels::CurrentScalingScale(c.tensor_amax, Fp8Max(bucket.format), pow2_scales);
     } else if (bucket.format == Format::kNVFP4) {
       meta.scale = kernels::Nvfp4GlobalEncodeScale(c.tensor_amax);
     }
-    meta.scale_inv = scale_inv;
+    meta.scale_inv = *SlotAt<float>(s.scalars, c.slot + kSlotScaleInv);
     meta.amax = HasTensorAmax(bucket.format) ? c.tensor_amax : 0.0f;
     snapshot.fragments.push_back(meta);
   }
@@ -652,9 +759,18 @@ void Job::TouchNewShards() {
     if (s->initialized || !s->scratch_master.empty()) continue;
     const auto n = static_cast<size_t>(s->numel);
     const Format format = job_.layout.buckets[static_cast<size_t>(s->bucket)].format;
-    s->scratch_master.assign(n, 0.0f);
-    s->scratch_m.assign(n * moment_bytes, 0);
-    s->scratch_v.assign(adamw ? n * moment_bytes : 0, 0);
+    kernels::StateMemory& memory = *options_.memory;
+    absl::Status touched = s->scratch_master.Reset(memory, s->numel);
+    if (touched.ok()) touched = s->scratch_m.Reset(memory, s->numel * static_cast<int64_t>(moment_bytes));
+    if (touched.ok()) touched = s->scratch_v.Reset(memory, adamw ? s->numel * static_cast<int64_t>(moment_bytes) : 0);
+    if (touched.ok()) touched = EnsureStepBuffers(*s, FragmentCasts(*s));
+    if (touched.ok() && memory.staged()) touched = s->grad_stage.Reset(memory, s->numel * 4);
+    if (!touched.ok()) {
+      // Version 0 allocates them again, and fails the step if they still do not fit.
+      Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": ", touched.ToString()));
+      s->scratch_master.clear();
+      continue;
+    }
     s->spare_data.assign(static_cast<size_t>(DataBytes(format, s->numel)), 0);
     pushes.emplace_back(n * 4, 0);  // the initial parameters' or a first FP32 gradient's landing
   }
@@ -715,7 +831,12 @@ void Job::RunSteps() {
     mu_.Unlock();
 
     absl::StatusOr<StepResult> result = ExecuteStep(step, inputs, shards, members, epoch, replicas_of);
-    if (!result.ok()) BreakGroup();  // a failed collective leaves the group unusable
+    if (!result.ok()) {
+      BreakGroup();  // a failed collective leaves the group unusable
+      // A failed attempt may have left kernels running on the GPU; the next one (or a move)
+      // writes the buffers they read only after them. Their own error was reported already.
+      (void)options_.memory->Synchronize();
+    }
     if (result.ok() && step >= 0 && job_.spec.replication_factor > 1) {
       // Decided: but it is committed and acknowledged only once every replica holds the decision.
       if (absl::Status held = ConfirmDecisionHeld(step); !held.ok()) result = held;

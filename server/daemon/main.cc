@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -32,6 +33,7 @@
 #include "common/stop_signals.h"
 #include "common/status.h"
 #include "kernels/cpu/executor.h"
+#include "kernels/memory.h"
 #include "common/grpc_tls.h"
 #include "common/tls.h"
 #include "server/coordinator/admin_auth.h"
@@ -68,10 +70,16 @@ flags:
   --advertise HOST            host name or IP that trainers and peers use to reach this daemon
                               (default: the --listen host, or the machine's host name for 0.0.0.0)
   --node-name NAME            node for locality (default: the host name)
+  --device DEVICE             where shard state lives and the optimizer and casts run: cpu (default)
+                              or cuda:N (CUDA device N as CUDA_VISIBLE_DEVICES numbers them; managed
+                              memory resident on it, the CUDA kernels on a stream of the daemon's).
+                              Exit 2 when that device is not there or cannot run this build.
+                              cpu-staged: tests only, host memory staged as on a GPU
   --threads N                 kernel threads (default: the cores this process may use: its CPU
                               affinity, capped by its cgroup's CPU quota)
-  --memory-bytes N            host memory offered for shard state (default: 80% of physical memory);
-                              an assignment whose shards would not fit is refused (RESOURCE_EXHAUSTED)
+  --memory-bytes N            memory offered for shard state: host memory with --device cpu, device
+                              memory with cuda:N (default: 80% of it); an assignment whose shards
+                              would not fit is refused (RESOURCE_EXHAUSTED)
   --retained-versions N       published versions kept per shard (default 4)
   --reader-bytes-per-sec N    cap on what readers (pulls with a job's reader token) take from this
                               daemon, all jobs together; trainers are never capped (default 0: none)
@@ -117,8 +125,8 @@ flags:
   --transports LIST           data-plane transports to offer trainers besides gRPC, comma-separated:
                               auto (default: every one this build has that starts here), grpc
                               (gRPC only), ucx (UCX; exit 1 if it cannot start), nccl (NCCL between
-                              device buffers, on CUDA device 0 of CUDA_VISIBLE_DEVICES; exit 1 if
-                              it cannot start). Trainers pick per connection (docs/transports.md);
+                              device buffers, on the --device GPU, else CUDA device 0 of
+                              CUDA_VISIBLE_DEVICES; exit 1 if it cannot start). Trainers pick per connection (docs/transports.md);
                               `mainstayctl connections` shows it
   --ucx-dedicated-workers WHO which UCX trainer connections get a worker (and thread) of their own:
                               local (default: trainers on this host, which may use shared memory,
@@ -159,7 +167,8 @@ struct Flags {
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   static const std::set<std::string> kValued = {
       "--coordinator", "--state-dir",      "--coordinator-listen", "--listen",        "--advertise",
-      "--node-name",   "--threads",        "--memory-bytes",       "--retained-versions", "--peer-timeout-ms",
+      "--node-name",   "--threads",        "--memory-bytes",       "--device",
+      "--retained-versions", "--peer-timeout-ms",
       "--push-idle-timeout-ms", "--lease-ttl-ms", "--port-file",     "--coordinator-port-file", "--metrics-listen", "--metrics-port-file",
       "--drain-timeout-ms", "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-client-auth",
       "--tls-server-name", "--admin-token-file", "--health-listen", "--tls-internal-name",
@@ -270,6 +279,21 @@ int Fail(const absl::Status& status, int code) {
   return code;
 }
 
+// --device: "cpu", or "cuda:N". The CPU kernels run on `executor`.
+absl::StatusOr<std::unique_ptr<kernels::StateMemory>> OpenStateMemory(const std::string& device,
+                                                                      kernels::CpuExecutor* executor) {
+  if (device == "cpu") return kernels::HostStateMemory(executor);
+  // Tests only: host memory that stages the kernels' inputs and outputs as a GPU does.
+  if (device == "cpu-staged") return kernels::HostStateMemory(executor, /*staged=*/true);
+  int ordinal = -1;
+  if (absl::StartsWith(device, "cuda:") && absl::SimpleAtoi(device.substr(5), &ordinal) && ordinal >= 0) {
+    absl::StatusOr<std::unique_ptr<kernels::StateMemory>> memory = kernels::CudaStateMemory(ordinal);
+    if (!memory.ok()) return absl::Status(memory.status().code(), absl::StrCat("--device ", memory.status().message()));
+    return memory;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("--device: expected cpu or cuda:N (N >= 0), got \"", device, "\""));
+}
+
 int Main(int argc, char** argv) {
   // First: any thread started later (gRPC's and UCX's own ones, started by credentials and
   // contexts as the flags are read) inherits the mask, so only Wait below takes SIGTERM.
@@ -283,9 +307,15 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "mainstayd: %s\n(see --help)\n", std::string(flags.status().message()).c_str());
     return 2;
   }
-  const int64_t physical = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
   absl::StatusOr<int64_t> threads = IntFlag(*flags, "--threads", kernels::AvailableCores());
-  absl::StatusOr<int64_t> memory = IntFlag(*flags, "--memory-bytes", physical / 10 * 8);
+  if (!threads.ok()) return Fail(threads.status(), 2);
+  kernels::CpuExecutor executor(static_cast<int>(*threads));
+  absl::StatusOr<std::unique_ptr<kernels::StateMemory>> state_memory =
+      OpenStateMemory(flags->Get("--device", "cpu"), &executor);
+  if (!state_memory.ok()) return Fail(state_memory.status(), 2);
+  const bool on_device = (*state_memory)->device().kind == kernels::Device::Kind::kCuda;
+  std::fprintf(stderr, "mainstayd: shard state on %s\n", (*state_memory)->Describe().c_str());
+  absl::StatusOr<int64_t> memory = IntFlag(*flags, "--memory-bytes", (*state_memory)->capacity_bytes() / 10 * 8);
   absl::StatusOr<int64_t> retained = IntFlag(*flags, "--retained-versions", 4);
   absl::StatusOr<int64_t> peer_timeout = IntFlag(*flags, "--peer-timeout-ms", 120000);
   absl::StatusOr<int64_t> lease = IntFlag(*flags, "--lease-ttl-ms", 0);
@@ -390,7 +420,6 @@ int Main(int argc, char** argv) {
     }
   }
 
-  kernels::CpuExecutor executor(static_cast<int>(*threads));
   std::unique_ptr<CoordinatorLink> link;
   peer::GlooPeerGroupOptions gloo_options;
   gloo_options.hostname = advertise;
@@ -416,7 +445,7 @@ int Main(int argc, char** argv) {
   peer::GlooPeerGroupFactory peers(&kv, gloo_options);
 
   ShardDaemonOptions daemon_options;
-  daemon_options.device.executor = &executor;
+  daemon_options.memory = state_memory->get();
   daemon_options.peers = &peers;
   daemon_options.retained_versions = static_cast<int>(*retained);
   daemon_options.reader_bytes_per_sec = *reader_cap;
@@ -462,7 +491,10 @@ int Main(int argc, char** argv) {
   // The nccl transport's daemon end: its calls arrive on the Shard service, so it starts first.
   std::unique_ptr<NcclChannelServer> nccl_server;
   if (want_nccl) {
-    absl::StatusOr<std::unique_ptr<NcclChannelServer>> started = NcclChannelServer::Start({&daemon, &drain, &kv});
+    // On the daemon's GPU with --device cuda:N, else device 0 of CUDA_VISIBLE_DEVICES.
+    const int nccl_device = on_device ? (*state_memory)->device().ordinal : 0;
+    absl::StatusOr<std::unique_ptr<NcclChannelServer>> started =
+        NcclChannelServer::Start({&daemon, &drain, &kv, nccl_device});
     if (started.ok()) {
       nccl_server = *std::move(started);
       Log(LogLevel::kInfo, "daemon", absl::StrCat("NCCL data plane: ", nccl_server->Describe()));
@@ -537,8 +569,14 @@ int Main(int argc, char** argv) {
     reg.set_ucx_worker_address(ucx_server->worker_address());
   }
   if (nccl_server != nullptr) reg.add_transports(v1::TRANSPORT_NCCL);
-  reg.mutable_resources()->set_host_memory_bytes(*memory);
-  reg.mutable_resources()->set_memory_kind(v1::MEMORY_KIND_HOST);
+  if (on_device) {
+    reg.mutable_resources()->set_device_memory_bytes(*memory);
+    reg.mutable_resources()->set_device_count(1);
+    reg.mutable_resources()->set_memory_kind(v1::MEMORY_KIND_DEVICE);
+  } else {
+    reg.mutable_resources()->set_host_memory_bytes(*memory);
+    reg.mutable_resources()->set_memory_kind(v1::MEMORY_KIND_HOST);
+  }
   reg.mutable_resources()->set_cpu_threads(static_cast<int32_t>(*threads));
   reg.set_version("0.1.0");
   reg.set_requested_lease_ttl_ms(*lease);

@@ -13,7 +13,10 @@
 
 namespace mainstay::daemon {
 
-ShardDaemon::ShardDaemon(ShardDaemonOptions options) : options_(std::move(options)) {
+ShardDaemon::ShardDaemon(ShardDaemonOptions options)
+    : options_(std::move(options)),
+      own_memory_(options_.memory == nullptr ? kernels::HostStateMemory(nullptr) : nullptr),
+      memory_(options_.memory != nullptr ? options_.memory : own_memory_.get()) {
   if (options_.reader_bytes_per_sec > 0) reader_limiter_ = std::make_unique<ReaderLimiter>(options_.reader_bytes_per_sec);
   if (options_.metrics == nullptr) return;
   absl::StatusOr<std::unique_ptr<metrics::DaemonMetrics>> m = metrics::DaemonMetrics::Create(options_.metrics);
@@ -111,7 +114,7 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
     MAINSTAY_RETURN_IF_ERROR(job->Assign(request));
   } else {
     JobOptions options;
-    options.device = options_.device;
+    options.memory = memory_;
     options.peers = options_.peers;
     options.daemon_id = daemon_id();
     options.retained_versions = options_.retained_versions;

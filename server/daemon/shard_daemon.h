@@ -31,6 +31,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "kernels/kernels.h"
+#include "kernels/memory.h"
 #include "mainstay/v1/shard.pb.h"
 #include "server/daemon/connection_table.h"
 #include "server/daemon/job.h"
@@ -41,7 +42,9 @@
 namespace mainstay::daemon {
 
 struct ShardDaemonOptions {
-  kernels::Device device;                   // kernels' device; its executor is not owned
+  // Where shard state lives and the kernels run (mainstayd --device); not owned. Null: host
+  // memory, the kernels on the step's own thread.
+  kernels::StateMemory* memory = nullptr;
   peer::PeerGroupFactory* peers = nullptr;  // not owned; null: only jobs placed on this daemon alone
   int retained_versions = 4;                // published versions kept per shard
   // Memory for shard state (mainstayd --memory-bytes): an AssignShard whose job would need more
@@ -143,6 +146,9 @@ class ShardDaemon {
   absl::StatusOr<int64_t> AdmitLocked(const v1::AssignShardRequest& request) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ShardDaemonOptions options_;
+  // options_.memory, or host memory of our own when it is null.
+  const std::unique_ptr<kernels::StateMemory> own_memory_;
+  kernels::StateMemory* const memory_;
   ConnectionTable connections_;
   std::unique_ptr<metrics::DaemonMetrics> metrics_;  // set in the constructor, then constant
   std::unique_ptr<ReaderLimiter> reader_limiter_;    // the same; null: no reader cap

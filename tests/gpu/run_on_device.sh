@@ -112,6 +112,8 @@ gtest() {
 
 gtest cuda_device_test 60 -- "$bundle/bin/cuda_device_test"
 gtest kernels_gpu_test 150 -- "$bundle/bin/kernels_gpu_test"
+# The daemon's step with its state on the GPU (mainstayd --device cuda:0), against the CPU.
+gtest daemon_gpu_test 90 -- "$bundle/bin/daemon_gpu_test"
 if [ -x "$bundle/bin/nccl_transport_gpu_test" ]; then
   if [ -z "$nccl_dir" ]; then
     row nccl_transport_gpu_test "FAIL" "no libnccl.so.2 on this machine (system or nvidia-nccl wheel)"

@@ -120,6 +120,23 @@ class DaemonLifecycleTest : public ::testing::Test {
   std::string coordinator_address_;
 };
 
+TEST_F(DaemonLifecycleTest, ADeviceThatIsNotThereOrBadlyNamedExitsWithCode2AndSaysWhich) {
+  // cuda:0 too, where this machine has no GPU (CI): the daemon must not fall back to the CPU.
+  std::vector<std::pair<std::string, std::string>> cases = {
+      {"cuda:4096", "--device cuda:4096"}, {"gpu0", "expected cpu or cuda:N"}, {"cuda:-1", "expected cpu or cuda:N"}};
+  if (access("/dev/nvidia0", F_OK) != 0) cases.push_back({"cuda:0", "--device cuda:0"});
+  for (const auto& [device, says] : cases) {
+    const std::string log = dir_->File(absl::StrCat("device-", device, ".log"));
+    MAINSTAY_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Subprocess> daemon,
+                                  Subprocess::Start({{MAINSTAYD_BIN, "--coordinator", "127.0.0.1:1", "--listen",
+                                                      "127.0.0.1:0", "--device", device, "--metrics-listen", "off"},
+                                                     log}));
+    MAINSTAY_ASSERT_OK_AND_ASSIGN(int status, daemon->Wait(kStartTimeout));
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << device << ": " << testing::DescribeWaitStatus(status);
+    EXPECT_THAT(ReadFileOrEmpty(log), HasSubstr(says)) << device;
+  }
+}
+
 TEST_F(DaemonLifecycleTest, ShardHealthIsNotServingUntilTheDaemonHasRegistered) {
   const int coordinator_port = FreePort();
   const int daemon_port = FreePort();

@@ -171,8 +171,11 @@ class Cluster {
   // step ask the others (false: they give it up alone, the behaviour before agreed outcomes).
   // With spec.replication_factor R > 1, rank r's shards have replicas on the R-1 daemons after
   // its primary, (r + k) % daemons.
+  // `memory`: every daemon's state memory (null: host memory; kernels::HostStateMemory with
+  // staged = true runs the GPU's staging on the CPU).
   Cluster(const JobSpec& spec, int daemons, checkpoint::CheckpointFs* fs = nullptr,
-          const std::map<int, daemon::StepFault>& faults = {}, bool ask_peers = true)
+          const std::map<int, daemon::StepFault>& faults = {}, bool ask_peers = true,
+          kernels::StateMemory* memory = nullptr)
       : spec_(spec) {
     resolved_ = *ResolveJob(spec);
     for (int32_t r = 0; r < spec.data_parallel_size; ++r) {
@@ -183,6 +186,7 @@ class Cluster {
       o.peers = &peers_;
       o.peer_timeout = absl::Seconds(2);
       o.fs = fs;
+      o.memory = memory;
       if (ask_peers) o.peer_client = &peer_client_;
       if (auto f = faults.find(i); f != faults.end()) o.faults.list = {f->second};
       daemons_.push_back(std::make_unique<ShardDaemon>(o));

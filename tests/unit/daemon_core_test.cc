@@ -22,6 +22,7 @@
 #include "common/layout_proto.h"
 #include "common/status.h"
 #include "kernels/kernels.h"
+#include "kernels/memory.h"
 #include "server/daemon/scaling_state.h"
 #include "server/daemon/shard_daemon.h"
 #include "server/peer/fake_peer_group.h"
@@ -48,10 +49,20 @@ struct Case {
   std::string recipe;
   LayoutPolicy policy;
   int daemons;
+  // The daemons stage every kernel input and output through their state memory, as on a GPU
+  // (mainstayd --device cuda:N), with the CPU kernels: the staging must change no bit.
+  bool staged = false;
 };
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
-  return absl::StrCat(info.param.recipe, "_", LayoutPolicyName(info.param.policy), "_", info.param.daemons, "d");
+  return absl::StrCat(info.param.recipe, "_", LayoutPolicyName(info.param.policy), "_", info.param.daemons, "d",
+                      info.param.staged ? "_staged" : "");
+}
+
+// The state memory of a case's daemons: null (host memory) unless staged.
+kernels::StateMemory* MemoryFor(const Case& c) {
+  static kernels::StateMemory* const staged = kernels::HostStateMemory(nullptr, /*staged=*/true).release();
+  return c.staged ? staged : nullptr;
 }
 
 class StepEngineTest : public ::testing::TestWithParam<Case> {};
@@ -59,7 +70,7 @@ class StepEngineTest : public ::testing::TestWithParam<Case> {};
 TEST_P(StepEngineTest, ShardedStepsEqualTheUnshardedReferenceBitForBit) {
   const Case& p = GetParam();
   const JobSpec spec = MakeSpec(p.recipe, p.policy, 2);
-  Cluster cluster(spec, p.daemons);
+  Cluster cluster(spec, p.daemons, nullptr, {}, true, MemoryFor(p));
   Reference ref(cluster.resolved());
   cluster.PushInitial(ref);
   ExpectMatchesReference(cluster, ref, 0);
@@ -78,18 +89,23 @@ TEST_P(StepEngineTest, ShardedStepsEqualTheUnshardedReferenceBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Recipes, StepEngineTest,
-    ::testing::Values(Case{"bf16_mixed", LayoutPolicy::kFlat, 2},
-                      Case{"bf16_with_fp8_mixed", LayoutPolicy::kFlat, 2},
-                      Case{"bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2},
-                      Case{"bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kWholeTensor, 2},
-                      Case{"bf16_with_mxfp8_mixed", LayoutPolicy::kFlat, 2},
-                      Case{"bf16_with_fp8_subchannel_scaling_mixed", LayoutPolicy::kFlat, 2},
-                      Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kFlat, 2},
-                      Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kFlat, 1},
-                      Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kWholeTensor, 2}),
-    CaseName);
+INSTANTIATE_TEST_SUITE_P(Recipes, StepEngineTest,
+                         ::testing::Values(Case{"bf16_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_fp8_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kWholeTensor, 2},
+                                           Case{"bf16_with_mxfp8_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_fp8_subchannel_scaling_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kFlat, 1},
+                                           Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kWholeTensor, 2},
+                                           Case{"bf16_mixed", LayoutPolicy::kFlat, 2, true},
+                                           Case{"bf16_with_fp8_mixed", LayoutPolicy::kFlat, 2, true},
+                                           Case{"bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2, true},
+                                           Case{"bf16_with_mxfp8_mixed", LayoutPolicy::kFlat, 2, true},
+                                           Case{"bf16_with_fp8_subchannel_scaling_mixed", LayoutPolicy::kFlat, 2, true},
+                                           Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kFlat, 2, true}),
+                         CaseName);
 
 // Clipping against the probe's bet (job_step.cc): a step after an unclipped one probes its
 // amaxes before it knows the clip factor, betting on 1; a clipped step loses the bet and probes
@@ -108,7 +124,7 @@ TEST_P(ClipStepEngineTest, StepsThatBetOnNoClippingAndStepsThatLostEqualTheRefer
   const std::vector<float> scales = {1, 4, 4, 1, 1, 4, 1, 1};
   const std::vector<bool> bets = {true, true, false, false, true, true, false, true};
   spec.optimizer.max_grad_norm = static_cast<float>(2 * Reference(*ResolveJob(spec)).GradNorm(0));
-  Cluster cluster(spec, p.daemons);
+  Cluster cluster(spec, p.daemons, nullptr, {}, true, MemoryFor(p));
   Reference ref(cluster.resolved());
   cluster.PushInitial(ref);
   ExpectMatchesReference(cluster, ref, 0);
@@ -138,7 +154,9 @@ INSTANTIATE_TEST_SUITE_P(Recipes, ClipStepEngineTest,
                                            Case{"bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2},
                                            Case{"bf16_with_mxfp8_mixed", LayoutPolicy::kFlat, 2},
                                            Case{"bf16_with_fp8_subchannel_scaling_mixed", LayoutPolicy::kFlat, 2},
-                                           Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kWholeTensor, 2}),
+                                           Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kWholeTensor, 2},
+                                           Case{"bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2, true},
+                                           Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kWholeTensor, 2, true}),
                          CaseName);
 
 // Param groups: each tensor is updated with its group's lr and weight_decay of the step, bit for
@@ -247,7 +265,7 @@ TEST_P(SgdStepEngineTest, ShardedSgdStepsEqualTheUnshardedReferenceBitForBit) {
   JobSpec spec = MakeSpec(p.recipe, p.policy, 2);
   spec.optimizer.type = OptimizerType::kSGD;
   spec.optimizer.momentum = 0.9f;
-  Cluster cluster(spec, p.daemons);
+  Cluster cluster(spec, p.daemons, nullptr, {}, true, MemoryFor(p));
   Reference ref(cluster.resolved());
   cluster.PushInitial(ref);
   for (int64_t step = 0; step < 3; ++step) {
@@ -266,7 +284,8 @@ INSTANTIATE_TEST_SUITE_P(Recipes, SgdStepEngineTest,
                          ::testing::Values(Case{"bf16_mixed", LayoutPolicy::kFlat, 2},
                                            Case{"bf16_with_mxfp8_mixed", LayoutPolicy::kFlat, 2},
                                            Case{"bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2},
-                                           Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kFlat, 2}),
+                                           Case{"bf16_with_nvfp4_mixed", LayoutPolicy::kFlat, 2},
+                                           Case{"bf16_with_mxfp8_mixed", LayoutPolicy::kFlat, 2, true}),
                          CaseName);
 
 class StepProtocolTest : public ::testing::Test {

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "common/job_spec.h"
+#include "kernels/memory.h"
 #include "server/checkpoint/checkpoint_fs.h"
 #include "tests/testing/daemon_cluster.h"
 #include "tests/testing/reference_model.h"
@@ -90,6 +91,7 @@ struct Case {
   int d;        // trainer ranks
   int daemons;
   int replication;
+  bool staged = false;  // state memory staged as on a GPU (kernels/memory.h), CPU kernels
 };
 
 class ReplicaTest : public ::testing::TestWithParam<Case> {};
@@ -99,7 +101,8 @@ TEST_P(ReplicaTest, ReplicasStayBitIdenticalToTheirPrimariesAndTheReference) {
   JobSpec spec = MakeSpec(p.recipe, LayoutPolicy::kFlat, p.d);
   spec.replication_factor = p.replication;
   AssignParamGroups(spec);  // the replicas get every group's hyperparameters from their primary
-  Cluster cluster(spec, p.daemons);
+  const std::unique_ptr<kernels::StateMemory> staged = kernels::HostStateMemory(nullptr, /*staged=*/true);
+  Cluster cluster(spec, p.daemons, nullptr, {}, true, p.staged ? staged.get() : nullptr);
   Reference ref(cluster.resolved());
   cluster.PushInitial(ref);
   ExpectMatchesReference(cluster, ref, 0);
@@ -119,17 +122,17 @@ TEST_P(ReplicaTest, ReplicasStayBitIdenticalToTheirPrimariesAndTheReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Recipes, ReplicaTest,
-    ::testing::Values(Case{"bf16_with_fp8_mixed", 2, 2, 2},  // each daemon a primary and a replica
-                      Case{"bf16_with_fp8_current_scaling_mixed", 3, 3, 2},
-                      Case{"bf16_with_nvfp4_mixed", 2, 3, 3},   // a daemon holding replicas only
-                      Case{"bf16_with_mxfp8_mixed", 3, 3, 3},
-                      Case{"bf16_with_fp8_mixed", 3, 4, 2}),  // primaries, replicas and both
-    [](const ::testing::TestParamInfo<Case>& info) {
-      return absl::StrCat(info.param.recipe, "_d", info.param.d, "_", info.param.daemons, "daemons_r",
-                          info.param.replication);
-    });
+INSTANTIATE_TEST_SUITE_P(Recipes, ReplicaTest,
+                         ::testing::Values(Case{"bf16_with_fp8_mixed", 2, 2, 2},  // each daemon a primary and a replica
+                                           Case{"bf16_with_fp8_current_scaling_mixed", 3, 3, 2},
+                                           Case{"bf16_with_nvfp4_mixed", 2, 3, 3},  // a daemon holding replicas only
+                                           Case{"bf16_with_mxfp8_mixed", 3, 3, 3},
+                                           Case{"bf16_with_fp8_mixed", 3, 4, 2},  // primaries, replicas and both
+                                           Case{"bf16_with_nvfp4_mixed", 2, 3, 3, true}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return absl::StrCat(info.param.recipe, "_d", info.param.d, "_", info.param.daemons,
+                                               "daemons_r", info.param.replication, info.param.staged ? "_staged" : "");
+                         });
 
 TEST(ReplicaTest, TrainersCannotPushToOrPullFromAReplica) {
   JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
