@@ -86,10 +86,12 @@ absl::Status RunDaemonsList(const Args& args, Output& output) {
   }
   Table t({"DAEMON", "STATE", "NODE", "ADDRESS", "MEMORY", "USED", "SHARDS", "LEASE"});
   for (const v1::DaemonInfo& d : response.daemons()) {
-    const int64_t memory = d.resources().memory_kind() == v1::MEMORY_KIND_DEVICE ? d.resources().device_memory_bytes()
-                                                                                 : d.resources().host_memory_bytes();
+    // A daemon started with --device cuda:N offers device memory ("GPU" beside it).
+    const bool device = d.resources().memory_kind() == v1::MEMORY_KIND_DEVICE;
+    const int64_t memory = device ? d.resources().device_memory_bytes() : d.resources().host_memory_bytes();
     t.AddRow({d.endpoint().daemon_id(), DaemonState(d.state()), d.endpoint().node_name(), d.endpoint().address(),
-              Bytes(memory), Bytes(d.used_bytes()), absl::StrCat(d.shard_count()), LeaseLeft(d.lease_expires_unix_ms())});
+              absl::StrCat(Bytes(memory), device ? " GPU" : ""), Bytes(d.used_bytes()), absl::StrCat(d.shard_count()),
+              LeaseLeft(d.lease_expires_unix_ms())});
   }
   t.Print(output.out);
   return absl::OkStatus();
