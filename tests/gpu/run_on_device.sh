@@ -2,8 +2,10 @@
 # The GPU check, on a machine with an NVIDIA GPU, from a bundle built on the development machine
 # (scripts/device_bundle.sh): no compiler, CMake or package registry is needed there.
 #
-#   here:   bash scripts/device_bundle.sh                  (builds and packs build-device/)
-#   there:  bash tests/gpu/run_on_device.sh [BUNDLE_DIR]   (default build-device)
+#   here:   bash scripts/device_bundle.sh                  (builds and packs build-device/ and
+#                                                           build-device.tar.gz, what is carried)
+#   there:  bash tests/gpu/run_on_device.sh [BUNDLE_DIR]   (default build-device; unpacked from
+#                                                           BUNDLE_DIR.tar.gz when only that is there)
 #
 # Runs the bundle's test binaries directly (not through CTest), with LD_LIBRARY_PATH = the
 # bundle's libraries plus the folder of NCCL: the system's, or the one inside PyTorch's
@@ -17,7 +19,12 @@
 # Exit status: 0 when nothing failed (skips allowed), 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
-bundle=$(readlink -f "${1:-build-device}")
+bundle_arg=${1:-build-device}
+if [ ! -d "$bundle_arg" ] && [ -f "$bundle_arg.tar.gz" ]; then
+  echo "== unpacking $bundle_arg.tar.gz"
+  tar -C "$(dirname "$bundle_arg")" -xzf "$bundle_arg.tar.gz" || exit 1
+fi
+bundle=$(readlink -f "$bundle_arg")
 logs=${OUT:-$bundle/logs}
 budget_s=${MAINSTAY_DEVICE_CHECK_SECONDS:-330}
 start=$(date +%s)
@@ -114,6 +121,15 @@ gtest cuda_device_test 60 -- "$bundle/bin/cuda_device_test"
 gtest kernels_gpu_test 150 -- "$bundle/bin/kernels_gpu_test"
 # The daemon's step with its state on the GPU (mainstayd --device cuda:0), against the CPU.
 gtest daemon_gpu_test 90 -- "$bundle/bin/daemon_gpu_test"
+# The same through real processes: coordinator and two `mainstayd --device cuda:0` on the one GPU,
+# trainers over gRPC, every recipe and cluster shape of the slice, bit for bit.
+if [ "$gpus" -gt 0 ]; then
+  gtest slice_test_device_cuda 120 "MAINSTAY_COORDINATOR_BIN=$bundle/bin/mainstay-coordinator" \
+    "MAINSTAYD_BIN=$bundle/bin/mainstayd" "MAINSTAY_TRANSPORT=grpc" "MAINSTAY_TEST_DAEMON_FLAGS=--device cuda:0" \
+    -- "$bundle/bin/slice_test" --gtest_filter='Slice/EveryRecipeTest.*:Slice/ClusterShapeTest.*'
+else
+  row slice_test_device_cuda "skip" "no GPU listed by nvidia-smi"
+fi
 if [ -x "$bundle/bin/nccl_transport_gpu_test" ]; then
   if [ -z "$nccl_dir" ]; then
     row nccl_transport_gpu_test "FAIL" "no libnccl.so.2 on this machine (system or nvidia-nccl wheel)"
