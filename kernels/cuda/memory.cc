@@ -54,9 +54,10 @@ class CudaMemory final : public StateMemory {
     // and back. Zeroed and made resident on the device now, not by the step's first kernel.
     absl::Status s = CudaStatus(
         cudaMemAdvise(block, static_cast<size_t>(bytes), cudaMemAdviseSetPreferredLocation, here), "cudaMemAdvise");
-    if (s.ok())
+    if (s.ok()) {
       s = CudaStatus(cudaMemPrefetchAsync(block, static_cast<size_t>(bytes), here, 0, stream()),
                      "cudaMemPrefetchAsync");
+    }
     if (s.ok()) s = CudaStatus(cudaMemsetAsync(block, 0, static_cast<size_t>(bytes), stream()), "cudaMemsetAsync");
     if (s.ok()) s = CudaStatus(cudaStreamSynchronize(stream()), "cudaStreamSynchronize");
     if (!s.ok()) {

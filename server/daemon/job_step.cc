@@ -578,8 +578,9 @@ std::vector<Job::FragmentCast> Job::FragmentCasts(const ShardState& s) const {
 absl::Status Job::EnsureStepBuffers(ShardState& s, const std::vector<FragmentCast>& casts) {
   kernels::StateMemory& memory = *options_.memory;
   const int64_t scalar_bytes = casts.empty() ? 0 : casts.back().slot + SlotBytes(casts.back().blocks);
-  if (s.scalars.size() != static_cast<size_t>(scalar_bytes))
+  if (s.scalars.size() != static_cast<size_t>(scalar_bytes)) {
     MAINSTAY_RETURN_IF_ERROR(s.scalars.Reset(memory, scalar_bytes));
+  }
   if (!memory.staged()) return absl::OkStatus();
   const Bucket& bucket = job_.layout.buckets[static_cast<size_t>(s.bucket)];
   const FormatDescriptor& d = Describe(bucket.format);
@@ -587,8 +588,9 @@ absl::Status Job::EnsureStepBuffers(ShardState& s, const std::vector<FragmentCas
   for (const FragmentCast& c : casts) num_scales += c.blocks.size();
   const int64_t cast_bytes =
       DataBytes(bucket.format, s.numel) + (d.has_block_scales() ? num_scales * (BitsOf(d.block_scale) / 8) : 0);
-  if (s.cast_stage.size() != static_cast<size_t>(cast_bytes))
+  if (s.cast_stage.size() != static_cast<size_t>(cast_bytes)) {
     MAINSTAY_RETURN_IF_ERROR(s.cast_stage.Reset(memory, cast_bytes));
+  }
   return absl::OkStatus();
 }
 
@@ -607,8 +609,9 @@ absl::StatusOr<kernels::GradView> Job::StageGradient(ShardState& s, kernels::Gra
   kernels::StateMemory& memory = *options_.memory;
   if (!memory.staged()) return grad;
   const int64_t bytes = s.numel * ElementBytes(grad.type);
-  if (s.grad_stage.size() < static_cast<size_t>(bytes))
+  if (s.grad_stage.size() < static_cast<size_t>(bytes)) {
     MAINSTAY_RETURN_IF_ERROR(s.grad_stage.Reset(memory, s.numel * 4));
+  }
   MAINSTAY_RETURN_IF_ERROR(memory.Copy(s.grad_stage.data(), grad.data, bytes));
   return kernels::GradView{s.grad_stage.data(), grad.type};
 }
