@@ -18,6 +18,8 @@
 //
 //   step_bench --coordinator-bin PATH --daemon-bin PATH [--params 256e6] [--dp 2] [--steps 3]
 //              [--recipe bf16_with_fp8_current_scaling_mixed] [--daemon-threads 1]
+//              [--daemon-device cpu|cuda:N]  (mainstayd --device: the daemons' shard state and step
+//                                             on that GPU; the baselines stay on the CPU)
 //              [--transport auto|grpc|ucx]   (UCX_TLS in the environment reaches the daemons too)
 //              [--move-at-step S] [--replication R [--kill-at-step S] [--lease-ttl-ms N]]
 //              [--grad-norm 0.5]   (every step's global gradient norm; the job clips above 1)
@@ -93,6 +95,7 @@ struct Flags {
   int dp = 2;
   int steps = 3;
   int daemon_threads = 1;
+  std::string daemon_device = "cpu";  // mainstayd --device
   int baseline_threads = 1;
   std::string recipe = "bf16_with_fp8_current_scaling_mixed";
   std::string transport = "auto";
@@ -121,6 +124,7 @@ Flags ParseFlags(int argc, char** argv) {
     else if (name == "--dp") f.dp = std::atoi(value.c_str());
     else if (name == "--steps") f.steps = std::atoi(value.c_str());
     else if (name == "--daemon-threads") f.daemon_threads = std::atoi(value.c_str());
+    else if (name == "--daemon-device") f.daemon_device = value;
     else if (name == "--baseline-threads") f.baseline_threads = std::atoi(value.c_str());
     else if (name == "--recipe") f.recipe = value;
     else if (name == "--transport") f.transport = value;
@@ -411,8 +415,9 @@ int Main(int argc, char** argv) {
   if (!job.ok()) Die(job.status().ToString());
   int64_t params = 0;
   for (const LayoutTensor& t : job->layout.tensors) params += t.numel;
-  std::printf("model: %zu tensors [4096 x 4096], %.1fM parameters, recipe %s, D=%d, %zu buckets\n",
-              job->layout.tensors.size(), params / 1e6, f.recipe.c_str(), f.dp, job->layout.buckets.size());
+  std::printf("model: %zu tensors [4096 x 4096], %.1fM parameters, recipe %s, D=%d, %zu buckets; daemons on %s\n",
+              job->layout.tensors.size(), params / 1e6, f.recipe.c_str(), f.dp, job->layout.buckets.size(),
+              f.daemon_device.c_str());
 
   std::printf("baseline: in-process fused AdamW + amax + quantize of the whole model on %d thread(s)...\n",
               f.baseline_threads);
@@ -444,6 +449,7 @@ int Main(int argc, char** argv) {
                                      std::to_string(f.daemon_threads), "--retained-versions", "2", "--metrics-listen", "off",
                                      "--port-file", port_file};
     if (f.lease_ttl_ms > 0) argv.insert(argv.end(), {"--lease-ttl-ms", std::to_string(f.lease_ttl_ms)});
+    if (f.daemon_device != "cpu") argv.insert(argv.end(), {"--device", f.daemon_device});
     if (!f.reader_bytes_per_sec.empty()) argv.insert(argv.end(), {"--reader-bytes-per-sec", f.reader_bytes_per_sec});
     auto d = testing::Subprocess::Start({argv, (*dir)->File(absl::StrCat("daemon", i, ".log"))});
     if (!d.ok()) Die(d.status().ToString());

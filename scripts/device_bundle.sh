@@ -5,7 +5,7 @@
 #   bash scripts/device_bundle.sh [BUNDLE_DIR]        (default build-device)
 #
 #   BUNDLE_DIR/bin/     the GPU test binaries, slice_test, nccl_trainer, mainstayd,
-#                       mainstay-coordinator and the GPU benchmarks, stripped
+#                       mainstay-coordinator, step_bench and the GPU benchmarks, stripped
 #   BUNDLE_DIR/lib/     libmainstay_client and every shared library they load that is not glibc's,
 #                       the CUDA driver's or NCCL's (the device has its own of those: NCCL possibly
 #                       only inside PyTorch's nvidia-nccl wheel, which the runner finds)
@@ -28,7 +28,7 @@ grep -q "kernels_gpu_test" "$build/build.ninja" 2>/dev/null ||
   { echo "$build was configured without CUDA: the GPU tests are not built (nvcc in /usr/local/cuda?)" >&2; exit 1; }
 
 targets=(mainstayd mainstay-coordinator mainstay_client cuda_device_test kernels_gpu_test daemon_gpu_test
-         slice_test kernels_bench_gpu)
+         slice_test step_bench kernels_bench_gpu)
 have_nccl=0
 if grep -q "nccl_transport_gpu_test" "$build/build.ninja" 2>/dev/null; then
   have_nccl=1
@@ -40,7 +40,8 @@ cmake --build "$build" -j"$(nproc)" --target "${targets[@]}"
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/lib/cxx"
 programs=(server/grpc/mainstayd server/grpc/mainstay-coordinator tests/gpu/cuda_device_test
-          tests/gpu/kernels_gpu_test tests/gpu/daemon_gpu_test tests/integration/slice_test bench/kernels_bench_gpu)
+          tests/gpu/kernels_gpu_test tests/gpu/daemon_gpu_test tests/integration/slice_test bench/step_bench
+          bench/kernels_bench_gpu)
 [ "$have_nccl" = 1 ] && programs+=(tests/gpu/nccl_transport_gpu_test tests/gpu/nccl_trainer)
 for p in "${programs[@]}"; do
   strip -o "$bundle/bin/$(basename "$p")" "$build/$p"

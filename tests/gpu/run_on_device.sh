@@ -176,6 +176,33 @@ else
   row kernels_bench_gpu "FAIL" "not run: the check's ${budget_s}s budget is spent"
 fi
 
+# ---- The daemon's step on the GPU against the CPU daemon: step_bench (64M parameters, two
+# daemons and two trainers over gRPC) once with the daemons on --device cuda:0, once on the CPU,
+# in the same run. Its log holds the per-phase table (update, quantize, ...).
+step_rows=()
+if [ "$gpus" -gt 0 ] && [ -x "$bundle/bin/step_bench" ]; then
+  for device in cuda:0 cpu; do
+    left=$(remaining)
+    if [ "$left" -lt 45 ]; then row "step_bench_$device" "FAIL" "not run: the check's ${budget_s}s budget is spent"; continue; fi
+    limit=$(( left < 120 ? left : 120 ))
+    log=$logs/step_bench_${device/:/}.log
+    echo "== step_bench --daemon-device $device (limit ${limit}s)"
+    timeout "$limit" "$bundle/bin/step_bench" --coordinator-bin "$bundle/bin/mainstay-coordinator" \
+      --daemon-bin "$bundle/bin/mainstayd" --params 64e6 --steps 3 --transport grpc --daemon-threads 4 \
+      --daemon-device "$device" > "$log" 2>&1
+    rc=$?
+    step=$(grep -m1 '^slice step (median' "$log")
+    if [ "$rc" -eq 0 ] && [ -n "$step" ]; then
+      row "step_bench_$device" "pass" "see below"
+      step_rows+=("$(printf '%-8s %s' "$device" "$step")")
+    else
+      row "step_bench_$device" "FAIL" "exit $rc: $(grep -v '^20[0-9][0-9]-' "$log" | tail -1)"
+    fi
+  done
+else
+  row step_bench "skip" "no GPU listed by nvidia-smi"
+fi
+
 echo
 echo "== summary ($(( $(date +%s) - start ))s)"
 printf '%-34s %-6s %s\n' "step" "result" "detail"
@@ -184,6 +211,11 @@ if [ ${#bench_rows[@]} -gt 0 ]; then
   echo
   printf '%-40s %s\n' "kernel" "fraction of device copy bandwidth (cudaMemcpy D2D, same bytes, same run)"
   printf '%s\n' "${bench_rows[@]}"
+fi
+if [ ${#step_rows[@]} -gt 0 ]; then
+  echo
+  echo "daemons  step_bench, 64M parameters, 2 daemons x 4 threads, 2 trainers over gRPC (logs: step_bench_*.log)"
+  printf '%s\n' "${step_rows[@]}"
 fi
 printf '%s\n' "${rows[@]}" | grep -q ' FAIL ' && exit 1
 exit 0
