@@ -578,6 +578,9 @@ int Main(int argc, char** argv) {
     reg.mutable_resources()->set_memory_kind(v1::MEMORY_KIND_HOST);
   }
   reg.mutable_resources()->set_cpu_threads(static_cast<int32_t>(*threads));
+  // Where its shard state lives, as `mainstayctl daemons show` prints it: "cpu" or
+  // "cuda:0 (NVIDIA H200, sm_90, 139 GiB)".
+  (*reg.mutable_labels())["device"] = (*state_memory)->Describe();
   reg.set_version("0.1.0");
   reg.set_requested_lease_ttl_ms(*lease);
   link_options.on_registered = [&daemon](const v1::RegisterDaemonResponse& r) {

@@ -267,6 +267,11 @@ TEST_F(DaemonLifecycleTest, SigtermLetsTheStepInFlightCommitThenDeregistersAndEx
     } else {
       ASSERT_EQ(response.daemons_size(), 1);
       EXPECT_EQ(response.daemons(0).state(), v1::DAEMON_STATE_DOWN);
+      // Where its shard state lived (mainstayd --device, cpu by default), as registered.
+      const auto device = response.daemons(0).labels().find("device");
+      ASSERT_NE(device, response.daemons(0).labels().end()) << response.DebugString();
+      EXPECT_EQ(device->second, "cpu");
+      EXPECT_EQ(response.daemons(0).resources().memory_kind(), v1::MEMORY_KIND_HOST);
     }
   }
 }
