@@ -59,7 +59,9 @@ class Cluster:
         self.trainers = []
         self.lease_ms = lease_ms
         self.coordinator_flags = list(coordinator_flags)
-        self.daemon_flags = list(daemon_flags)
+        # MAINSTAY_TEST_DAEMON_FLAGS (space-separated) goes to every daemon too, as in slice_test:
+        # e.g. "--device cpu-staged" (CTest's fault_matrix_test_cpu_staged).
+        self.daemon_flags = list(daemon_flags) + os.environ.get("MAINSTAY_TEST_DAEMON_FLAGS", "").split()
         self.daemon_hosts = daemon_hosts or {}
         self.host = host
         self._use_port(free_port())
