@@ -111,7 +111,7 @@ absl::Status CheckOptions(const ClientOptions& o) {
     return InvalidArgumentError("pull_buffer_cache_bytes", "must be >= 0, or -1 for the job's parameter bytes");
   }
   if (!o.transport.empty() && o.transport != "auto" && !client_internal::ParseTransport(o.transport).ok()) {
-    return InvalidArgumentError("transport", "'", o.transport, "' is not one of auto, grpc, ucx, nccl");
+    return InvalidArgumentError("transport", "'", o.transport, "' is not one of auto, grpc, ucx, nccl, cuda_ipc");
   }
   return absl::OkStatus();
 }
@@ -127,7 +127,7 @@ Client::Impl::~Impl() {
     shutting_down = true;
     for (grpc::ClientContext* context : active_calls) context->TryCancel();
   }
-  for (auto* t : {grpc_transport.get(), ucx_transport.get(), nccl_transport.get()}) {
+  for (auto* t : {grpc_transport.get(), ucx_transport.get(), nccl_transport.get(), cuda_ipc_transport.get()}) {
     if (t != nullptr) t->Shutdown();
   }
   push_pool.reset();  // runs what is queued: each task now ends at once with CANCELLED
@@ -396,7 +396,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     impl->transport_request = env != nullptr && *env != '\0' ? env : "auto";
     if (impl->transport_request != "auto" && !client_internal::ParseTransport(impl->transport_request).ok()) {
       return InvalidArgumentError("transport", "MAINSTAY_TRANSPORT='", impl->transport_request,
-                                  "' is not one of auto, grpc, ucx, nccl");
+                                  "' is not one of auto, grpc, ucx, nccl, cuda_ipc");
     }
   } else {
     impl->transport_request = impl->options.transport;

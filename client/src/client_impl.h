@@ -167,12 +167,13 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
 
   // Data-plane transports (transport.h), made at Connect and constant afterwards. null: not
   // started (not asked for, compiled out, or UCX failed to start under "auto": see *_note).
-  std::string transport_request;  // "auto", "grpc", "ucx" or "nccl"
+  std::string transport_request;  // "auto", "grpc", "ucx", "nccl" or "cuda_ipc"
   // Where pushed buffers live, and the waits of PushOptions::cuda_event / cuda_stream.
   const client_internal::CudaDriver* cuda = &client_internal::ClientCudaDriver();
   std::unique_ptr<client_internal::DataTransport> grpc_transport;
   std::unique_ptr<client_internal::DataTransport> ucx_transport;
   std::unique_ptr<client_internal::DataTransport> nccl_transport;
+  std::unique_ptr<client_internal::DataTransport> cuda_ipc_transport;
   std::string ucx_note;  // why there is no ucx transport under "auto"
   // Daemons (by UCX worker address) whose UCX attach failed under "auto": reached by grpc.
   absl::flat_hash_map<std::string, std::string> ucx_fallback ABSL_GUARDED_BY(mu);

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace mainstay::client_internal {
 namespace {
@@ -15,11 +16,13 @@ namespace {
 using CUresult = int;
 using CUdeviceptr = unsigned long long;  // NOLINT(runtime/int): the driver's own type
 constexpr CUresult kCudaSuccess = 0;
+constexpr int kAttributeContext = 1;         // CU_POINTER_ATTRIBUTE_CONTEXT
 constexpr int kAttributeMemoryType = 2;      // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
 constexpr int kAttributeIsManaged = 8;       // CU_POINTER_ATTRIBUTE_IS_MANAGED
 constexpr int kAttributeDeviceOrdinal = 9;   // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 constexpr unsigned kMemoryTypeDevice = 2;    // CU_MEMORYTYPE_DEVICE
 constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
+constexpr size_t kIpcHandleBytes = 64;       // CU_IPC_HANDLE_SIZE
 // CU_STREAM_LEGACY: the legacy default stream, whichever default the caller was compiled for.
 void* const kLegacyStream = reinterpret_cast<void*>(uintptr_t{1});
 
@@ -33,6 +36,9 @@ struct DriverApi {
   CUresult (*event_destroy)(void* event) = nullptr;
   CUresult (*get_error_name)(CUresult error, const char** name) = nullptr;
   bool loaded = false;
+  // For the cuda_ipc transport (null where the driver lacks them).
+  CUresult (*mem_get_address_range)(CUdeviceptr* base, size_t* size, CUdeviceptr p) = nullptr;
+  CUresult (*ipc_get_mem_handle)(void* handle, CUdeviceptr p) = nullptr;
 };
 
 template <typename F>
@@ -53,6 +59,11 @@ const DriverApi& Api() {
                Load(lib, "cuEventCreate", a.event_create) && Load(lib, "cuEventRecord", a.event_record) &&
                Load(lib, "cuEventSynchronize", a.event_synchronize) &&
                Load(lib, "cuEventDestroy_v2", a.event_destroy) && Load(lib, "cuGetErrorName", a.get_error_name);
+    if (!Load(lib, "cuMemGetAddressRange_v2", a.mem_get_address_range) ||
+        !Load(lib, "cuIpcGetMemHandle", a.ipc_get_mem_handle)) {
+      a.mem_get_address_range = nullptr;
+      a.ipc_get_mem_handle = nullptr;
+    }
     return a;
   }();
   return api;
@@ -130,6 +141,45 @@ class SystemDriver final : public CudaDriver {
                        "); nothing was sent"));
     }
     return absl::OkStatus();
+  }
+
+  absl::Status CanExportIpc() const override {
+    const DriverApi& api = Api();
+    if (!api.loaded || api.ipc_get_mem_handle == nullptr) {
+      return absl::FailedPreconditionError(
+          "this process has no CUDA driver with IPC (libcuda.so.1 with cuIpcGetMemHandle could not be loaded)");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<IpcRegion> ExportIpc(const void* p) const override {
+    MAINSTAY_RETURN_IF_ERROR(CanExportIpc());
+    const DriverApi& api = Api();
+    if (!DeviceOf(p).has_value()) return absl::InvalidArgumentError("not device memory: nothing to export");
+    const auto ptr = static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(p));
+    // The calls below act in the allocation's context; the push runs on a pool thread.
+    void* context = nullptr;
+    if (CUresult r = api.pointer_get_attribute(&context, kAttributeContext, ptr); r == kCudaSuccess && context) {
+      if (CUresult set = api.ctx_set_current(context); set != kCudaSuccess) {
+        return absl::InternalError(absl::StrCat("cuCtxSetCurrent to the buffer's context: ", ErrorName(set)));
+      }
+    }
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (CUresult r = api.mem_get_address_range(&base, &size, ptr); r != kCudaSuccess) {
+      return absl::FailedPreconditionError(absl::StrCat("cuMemGetAddressRange: ", ErrorName(r)));
+    }
+    IpcRegion region;
+    region.handle.resize(kIpcHandleBytes);
+    if (CUresult r = api.ipc_get_mem_handle(region.handle.data(), base); r != kCudaSuccess) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cuIpcGetMemHandle: ", ErrorName(r),
+          " (memory from cudaMalloc can be exported; virtual-memory allocations such as PyTorch's expandable "
+          "segments cannot: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, or use the nccl transport)"));
+    }
+    region.offset = static_cast<uint64_t>(ptr - base);
+    region.allocation_bytes = static_cast<uint64_t>(size);
+    return region;
   }
 };
 

@@ -1,7 +1,8 @@
 // Internal: what the client asks of the CUDA driver about the buffers handed to its pushes:
 // where a buffer lives (the grpc and ucx transports read pushes with the CPU, so a device
 // pointer must be refused before they touch it), and waiting for the CUDA work that produces a
-// buffer (PushOptions::cuda_stream / cuda_event).
+// buffer (PushOptions::cuda_stream / cuda_event), and exporting a buffer's allocation for the
+// cuda_ipc transport.
 //
 // The real driver is libcuda.so.1, loaded with dlopen on first use: the client needs no CUDA to
 // build, and a process without a GPU, a driver or a CUDA context gets "host memory" for every
@@ -11,7 +12,9 @@
 #ifndef MAINSTAY_CLIENT_SRC_CUDA_DRIVER_H_
 #define MAINSTAY_CLIENT_SRC_CUDA_DRIVER_H_
 
+#include <cstdint>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -81,6 +84,25 @@ class CudaDriver {
   // Blocks until `work` completed (no-op when empty), from any thread. INTERNAL with the driver's
   // error name when the work failed (e.g. a kernel fault on that stream).
   virtual absl::Status Wait(PendingCudaWork work) const = 0;
+
+  // The device allocation that holds `p`, as another process of this node maps it (the
+  // cuda_ipc transport): its CUDA IPC memory handle (64 bytes), where `p` is in it, and its size.
+  struct IpcRegion {
+    std::string handle;
+    uint64_t offset = 0;
+    uint64_t allocation_bytes = 0;
+  };
+  // From any thread. FAILED_PRECONDITION when this process has no CUDA driver, or the memory
+  // cannot be exported (e.g. virtual-memory allocations made without an IPC handle type, as
+  // PyTorch's expandable segments are), with the driver's error name; INVALID_ARGUMENT when `p`
+  // is not device memory. The default (test drivers): UNIMPLEMENTED.
+  // OK when ExportIpc can work in this process; else why not (FAILED_PRECONDITION).
+  virtual absl::Status CanExportIpc() const {
+    return absl::UnimplementedError("this CUDA driver cannot export device memory");
+  }
+  virtual absl::StatusOr<IpcRegion> ExportIpc(const void* p) const {
+    return absl::UnimplementedError("this CUDA driver cannot export device memory");
+  }
 };
 
 // The driver the client's new Clients use: the process's libcuda, or the fake a test installed.

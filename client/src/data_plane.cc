@@ -137,6 +137,12 @@ absl::Status Client::Impl::StartTransports(Deadline deadline) {
     if (!nccl.ok()) return Annotate(nccl.status(), "transport nccl");
     nccl_transport = *std::move(nccl);
   }
+  if (want == "cuda_ipc") {
+    absl::StatusOr<std::unique_ptr<client_internal::DataTransport>> ipc =
+        client_internal::MakeCudaIpcTransport(context, *cuda);
+    if (!ipc.ok()) return Annotate(ipc.status(), "transport cuda_ipc");
+    cuda_ipc_transport = *std::move(ipc);
+  }
   // A daemon that does not have the job yet is asked again for a few seconds at a time, with the
   // placement re-read in between: the job may have gone to another daemon meanwhile (one that
   // had no room for it refused it), and the old one would never have it.
@@ -180,6 +186,7 @@ absl::StatusOr<client_internal::DataTransport*> Client::Impl::TransportFor(const
   std::vector<v1::Transport> available = {v1::TRANSPORT_GRPC};
   if (ucx_transport != nullptr) available.push_back(v1::TRANSPORT_UCX);
   if (nccl_transport != nullptr) available.push_back(v1::TRANSPORT_NCCL);
+  if (cuda_ipc_transport != nullptr) available.push_back(v1::TRANSPORT_CUDA_IPC);
   absl::StatusOr<v1::Transport> chosen = client_internal::ChooseTransport(transport_request, available, daemon);
   if (!chosen.ok()) return chosen.status();
   if (*chosen == v1::TRANSPORT_UCX && transport_request == "auto") {
@@ -202,6 +209,8 @@ absl::StatusOr<client_internal::DataTransport*> Client::Impl::TransportFor(const
       return ucx_transport.get();
     case v1::TRANSPORT_NCCL:
       return nccl_transport.get();
+    case v1::TRANSPORT_CUDA_IPC:
+      return cuda_ipc_transport.get();
     default:
       return grpc_transport.get();
   }
@@ -331,8 +340,8 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
                                         int32_t num_contributors, const PushOptions& push_options) {
   if (reader) return PushHandle::Ready(ReaderRefusal());
   // The grpc and ucx transports read a push's payload with the CPU: device memory is refused
-  // here, before anything is recorded or sent. "auto" never picks nccl (transport.h).
-  if (transport_request != "nccl") {
+  // here, before anything is recorded or sent. "auto" never picks nccl or cuda_ipc (transport.h).
+  if (transport_request != "nccl" && transport_request != "cuda_ipc") {
     for (size_t i = 0; i < shards.size(); ++i) {
       if (std::optional<int> device = cuda->DeviceOf(data[i].data); device.has_value()) {
         const std::string readers = transport_request == "auto"
@@ -341,7 +350,8 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
         return PushHandle::Ready(InvalidArgumentError(
             "data", "the buffer pushed for bucket ", bucket, " shard ", shards[i], " is in the memory of CUDA device ",
             *device, ", and ", readers, " pushes with the CPU: copy it to host memory (pinned memory, with ",
-            "PushOptions::cuda_stream or cuda_event naming the copy), or connect with transport \"nccl\""));
+            "PushOptions::cuda_stream or cuda_event naming the copy), or connect with transport \"nccl\" (or ",
+            "\"cuda_ipc\" to a daemon on the trainer's node)"));
       }
     }
   }

@@ -6,6 +6,10 @@
 #include "client/src/transport.h"
 
 namespace mainstay::client_internal {
+namespace {
+constexpr v1::Transport kTransports[] = {v1::TRANSPORT_GRPC, v1::TRANSPORT_UCX, v1::TRANSPORT_NCCL,
+                                         v1::TRANSPORT_CUDA_IPC};
+}  // namespace
 
 std::string TransportName(v1::Transport t) {
   switch (t) {
@@ -15,17 +19,19 @@ std::string TransportName(v1::Transport t) {
       return "ucx";
     case v1::TRANSPORT_NCCL:
       return "nccl";
+    case v1::TRANSPORT_CUDA_IPC:
+      return "cuda_ipc";
     default:
       return "unspecified";
   }
 }
 
 absl::StatusOr<v1::Transport> ParseTransport(absl::string_view name) {
-  for (v1::Transport t : {v1::TRANSPORT_GRPC, v1::TRANSPORT_UCX, v1::TRANSPORT_NCCL}) {
+  for (v1::Transport t : kTransports) {
     if (name == TransportName(t)) return t;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("transport: '", name, "' is not one of auto, grpc, ucx, nccl"));
+      absl::StrCat("transport: '", name, "' is not one of auto, grpc, ucx, nccl, cuda_ipc"));
 }
 
 absl::StatusOr<v1::Transport> ChooseTransport(absl::string_view requested, const std::vector<v1::Transport>& available,
@@ -37,7 +43,7 @@ absl::StatusOr<v1::Transport> ChooseTransport(absl::string_view requested, const
   auto here = [&](v1::Transport t) { return std::find(available.begin(), available.end(), t) != available.end(); };
   auto names = [&](auto pred) {
     std::vector<std::string> out;
-    for (v1::Transport t : {v1::TRANSPORT_GRPC, v1::TRANSPORT_UCX, v1::TRANSPORT_NCCL}) {
+    for (v1::Transport t : kTransports) {
       if (pred(t)) out.push_back(TransportName(t));
     }
     return absl::StrJoin(out, ",");

@@ -6,6 +6,8 @@
 //   ucx   UCP tagged messages straight between the trainer's and the daemon's buffers
 //   nccl  NCCL send/recv between device buffers (needs CUDA and NCCL at build time); control
 //         messages over the Shard service (OpenNcclChannel, NcclPush, NcclPull)
+//   cuda_ipc  pushes of device memory to a daemon on this node, which copies them out of the
+//         trainer's allocation by its CUDA IPC handle (CudaIpcPush); host pushes and pulls by gRPC
 //
 // A backend compiled out is built from its *_stub.cc: Make* answers UNIMPLEMENTED.
 //
@@ -25,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "client/src/cuda_driver.h"
 #include "client/src/pull_assembly.h"
 #include "mainstay/buffers.h"
 #include "mainstay/v1/common.pb.h"
@@ -69,7 +72,7 @@ class DataTransport {
   virtual ~DataTransport() = default;
   virtual v1::Transport kind() const = 0;
   // Whether the client may read a push's payload at `data` on the CPU (its CRC-32C): false for
-  // device memory, which only the nccl transport takes.
+  // device memory, which only the nccl and cuda_ipc transports take.
   virtual bool HostReadable(const void* data) const { return true; }
   // Whether the transport computes a push's CRC-32C itself, chunk by chunk while earlier chunks
   // are in flight, and sends it after the payload (TransportContext.push_crc32c). Otherwise the
@@ -98,11 +101,15 @@ absl::StatusOr<std::unique_ptr<DataTransport>> MakeUcxTransport(const TransportC
 // UNIMPLEMENTED when built without CUDA and NCCL; UNAVAILABLE without a CUDA device. Uses the
 // CUDA device current on the calling thread (Client::Connect's).
 absl::StatusOr<std::unique_ptr<DataTransport>> MakeNcclTransport(const TransportContext& context);
+// FAILED_PRECONDITION when `cuda` cannot export device memory here (no CUDA driver). `cuda` must
+// outlive the transport.
+absl::StatusOr<std::unique_ptr<DataTransport>> MakeCudaIpcTransport(const TransportContext& context,
+                                                                    const CudaDriver& cuda);
 
 // The transport to use with a daemon offering `offered`: `requested` ("auto", "grpc", "ucx",
 // "nccl") when the daemon offers it (FAILED_PRECONDITION naming both sides otherwise), or for
-// "auto" the best both sides have: ucx, else grpc (nccl only when asked for: it needs device
-// buffers). `available` is what this client could start.
+// "auto" the best both sides have: ucx, else grpc (nccl and cuda_ipc only when asked for: they
+// are for device buffers). `available` is what this client could start.
 absl::StatusOr<v1::Transport> ChooseTransport(absl::string_view requested, const std::vector<v1::Transport>& available,
                                               const v1::DaemonEndpoint& daemon);
 // "grpc" for TRANSPORT_GRPC, ...

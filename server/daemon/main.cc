@@ -43,6 +43,8 @@
 #include "server/grpc/grpc_peer_client.h"
 #include "server/grpc/coordinator_service.h"
 #include "server/grpc/shard_service.h"
+#include "server/cudaipc/cuda_ipc_server.h"
+#include "server/cudaipc/ipc_memory.h"
 #include "server/nccl/nccl_channel_server.h"
 #include "server/ucx/ucx_data_server.h"
 #include "server/metrics/metrics_server.h"
@@ -126,7 +128,9 @@ flags:
                               auto (default: every one this build has that starts here), grpc
                               (gRPC only), ucx (UCX; exit 1 if it cannot start), nccl (NCCL between
                               device buffers, on the --device GPU, else CUDA device 0 of
-                              CUDA_VISIBLE_DEVICES; exit 1 if it cannot start). Trainers pick per connection (docs/transports.md);
+                              CUDA_VISIBLE_DEVICES; exit 1 if it cannot start), cuda_ipc (pushes
+                              from trainers' device memory on this node, by CUDA IPC handles; needs
+                              --device cuda:N; exit 1 if it cannot start). Trainers pick per connection (docs/transports.md);
                               `mainstayctl connections` shows it
   --ucx-dedicated-workers WHO which UCX trainer connections get a worker (and thread) of their own:
                               local (default: trainers on this host, which may use shared memory,
@@ -459,17 +463,27 @@ int Main(int argc, char** argv) {
   StepDrain drain;
 
   bool want_ucx = false, need_ucx = false, want_nccl = false, need_nccl = false;
+  bool want_ipc = false, need_ipc = false;
   for (absl::string_view t : absl::StrSplit(flags->Get("--transports", "auto"), ',')) {
     if (t == "auto") {
-      want_ucx = want_nccl = true;
+      want_ucx = want_nccl = want_ipc = true;
     } else if (t == "ucx") {
       want_ucx = need_ucx = true;
     } else if (t == "nccl") {
       want_nccl = need_nccl = true;
+    } else if (t == "cuda_ipc") {
+      want_ipc = need_ipc = true;
     } else if (t != "grpc") {
-      return Fail(
-          absl::InvalidArgumentError(absl::StrCat("--transports: '", t, "' is not one of auto, grpc, ucx, nccl")), 2);
+      return Fail(absl::InvalidArgumentError(
+                      absl::StrCat("--transports: '", t, "' is not one of auto, grpc, ucx, nccl, cuda_ipc")),
+                  2);
     }
+  }
+  if (need_ipc && !on_device) {
+    return Fail(absl::InvalidArgumentError(
+                    "--transports cuda_ipc needs the shard state on a GPU (--device cuda:N): the daemon copies "
+                    "trainers' device memory with that GPU"),
+                2);
   }
   UcxDataServer::Options ucx_options{&daemon, &drain};
   if (const std::string who = flags->Get("--ucx-dedicated-workers", "local"); who == "all") {
@@ -504,6 +518,33 @@ int Main(int argc, char** argv) {
       Log(LogLevel::kInfo, "daemon", absl::StrCat("no NCCL data plane: ", started.status().message()));
     }
   }
+  // The cuda_ipc transport's daemon end (a daemon on a GPU): trainers on this node hand over
+  // their device memory's IPC handles on the Shard service, so it starts first too.
+  std::unique_ptr<IpcMemory> ipc_memory;
+  std::unique_ptr<CudaIpcServer> ipc_server;
+  if (want_ipc && on_device) {
+    absl::StatusOr<std::unique_ptr<CudaIpcServer>> started = absl::UnknownError("not started");
+    if (absl::StatusOr<std::unique_ptr<IpcMemory>> opened = MakeCudaIpcMemory((*state_memory)->device().ordinal);
+        opened.ok()) {
+      ipc_memory = *std::move(opened);
+      CudaIpcServer::Options ipc_options;
+      ipc_options.daemon = &daemon;
+      ipc_options.drain = &drain;
+      ipc_options.memory = ipc_memory.get();
+      ipc_options.device_name = (*state_memory)->Describe();
+      started = CudaIpcServer::Start(std::move(ipc_options));
+    } else {
+      started = opened.status();
+    }
+    if (started.ok()) {
+      ipc_server = *std::move(started);
+      Log(LogLevel::kInfo, "daemon", absl::StrCat("cuda_ipc data plane: ", ipc_server->Describe()));
+    } else if (need_ipc) {
+      return Fail(started.status(), 1);
+    } else {
+      Log(LogLevel::kInfo, "daemon", absl::StrCat("no cuda_ipc data plane: ", started.status().message()));
+    }
+  }
   ShardServer::Options server_options;
   server_options.listen_address = listen;
   server_options.daemon = &daemon;
@@ -514,6 +555,7 @@ int Main(int argc, char** argv) {
   server_options.drain = &drain;
   server_options.health_listen_address = flags->Get("--health-listen");
   server_options.nccl = nccl_server.get();
+  server_options.cuda_ipc = ipc_server.get();
   server_options.push_idle_timeout = absl::Milliseconds(*push_idle);
   server_options.waits = waits;
   absl::StatusOr<std::unique_ptr<ShardServer>> server = ShardServer::Start(server_options);
@@ -569,6 +611,7 @@ int Main(int argc, char** argv) {
     reg.set_ucx_worker_address(ucx_server->worker_address());
   }
   if (nccl_server != nullptr) reg.add_transports(v1::TRANSPORT_NCCL);
+  if (ipc_server != nullptr) reg.add_transports(v1::TRANSPORT_CUDA_IPC);
   if (on_device) {
     reg.mutable_resources()->set_device_memory_bytes(*memory);
     reg.mutable_resources()->set_device_count(1);
@@ -653,6 +696,7 @@ int Main(int argc, char** argv) {
   (*server)->Shutdown();
   if (ucx_server != nullptr) ucx_server->Shutdown();
   if (nccl_server != nullptr) nccl_server->Shutdown();
+  if (ipc_server != nullptr) ipc_server->Shutdown();
   daemon.Shutdown();
   if (metrics_server != nullptr) metrics_server->Shutdown();
   if (lease_collector != 0) registry->RemoveCollector(lease_collector);

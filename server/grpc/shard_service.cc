@@ -556,11 +556,24 @@ absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& re
                         "this daemon does not serve the nccl transport (mainstayd --transports nccl)");
 }
 
+::grpc::Status NoCudaIpc() {
+  return ::grpc::Status(::grpc::StatusCode::UNIMPLEMENTED,
+                        "this daemon does not serve the cuda_ipc transport (it needs mainstayd --device cuda:N, "
+                        "and --transports auto or cuda_ipc)");
+}
+
 class ShardService final : public v1::Shard::CallbackService {
  public:
   ShardService(ShardDaemon* core, Calls* calls, grpc_server::Waiters* waiters, StepDrain* drain,
-               grpc_server::InternalPeers internal, NcclChannelServer* nccl, PushStreams* streams)
-      : core_(core), calls_(calls), waiters_(waiters), drain_(drain), internal_(std::move(internal)), nccl_(nccl),
+               grpc_server::InternalPeers internal, NcclChannelServer* nccl, CudaIpcServer* cuda_ipc,
+               PushStreams* streams)
+      : core_(core),
+        calls_(calls),
+        waiters_(waiters),
+        drain_(drain),
+        internal_(std::move(internal)),
+        nccl_(nccl),
+        cuda_ipc_(cuda_ipc),
         streams_(streams) {
     if (metrics::DaemonMetrics* m = core->metrics(); m != nullptr) {
       pushed_bytes_ = m->PushedBytes(kTransport);
@@ -738,6 +751,54 @@ class ShardService final : public v1::Shard::CallbackService {
                               [&]() -> absl::Status { return nccl_->Close(*request); });
   }
 
+  // ---- The cuda_ipc transport (server/cudaipc): the push's payload is copied out of the
+  // trainer's device memory while the call runs.
+  ::grpc::ServerUnaryReactor* AttachCudaIpc(::grpc::CallbackServerContext* context,
+                                            const v1::AttachCudaIpcRequest* request,
+                                            v1::AttachCudaIpcResponse* response) override {
+    if (cuda_ipc_ == nullptr) {
+      ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+      reactor->Finish(NoCudaIpc());
+      return reactor;
+    }
+    return grpc_server::Serve(calls_, context, response, ShuttingDown(), [&] { return cuda_ipc_->Attach(*request); });
+  }
+  ::grpc::ServerUnaryReactor* CudaIpcPush(::grpc::CallbackServerContext* context, const v1::CudaIpcPushRequest* request,
+                                          v1::PushGradResponse* response) override {
+    ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (cuda_ipc_ == nullptr) {
+      reactor->Finish(NoCudaIpc());
+      return reactor;
+    }
+    if (!calls_->Enter()) {
+      reactor->Finish(ShuttingDown());
+      return reactor;
+    }
+    // The copy and the store take milliseconds: off the gRPC threads.
+    const bool spawned = calls_->Spawn([this, context, request, response, reactor] {
+      absl::StatusOr<v1::PushGradResponse> stored = cuda_ipc_->Push(*request);
+      if (stored.ok()) *response = *std::move(stored);
+      reactor->Finish(ToGrpcWithDetail(context, stored.status()));
+      calls_->Exit();
+    });
+    if (!spawned) {
+      reactor->Finish(ShuttingDown());
+      calls_->Exit();
+    }
+    return reactor;
+  }
+  ::grpc::ServerUnaryReactor* DetachCudaIpc(::grpc::CallbackServerContext* context,
+                                            const v1::DetachCudaIpcRequest* request,
+                                            v1::DetachCudaIpcResponse* response) override {
+    if (cuda_ipc_ == nullptr) {
+      ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+      reactor->Finish(NoCudaIpc());
+      return reactor;
+    }
+    return grpc_server::Serve(calls_, context, response, ShuttingDown(),
+                              [&]() -> absl::Status { return cuda_ipc_->Detach(*request); });
+  }
+
  private:
   // The nccl calls' view of a call that is over: cancelled by the trainer, or the server drains.
   NcclChannelServer::Cancelled CancelledFn(::grpc::CallbackServerContext* context) const {
@@ -750,6 +811,7 @@ class ShardService final : public v1::Shard::CallbackService {
   StepDrain* const drain_;
   const grpc_server::InternalPeers internal_;
   NcclChannelServer* const nccl_;  // null: no nccl transport
+  CudaIpcServer* const cuda_ipc_;  // null: no cuda_ipc transport
   PushStreams* const streams_;     // the open PushGrad streams
   std::shared_ptr<metrics::Counter> pushed_bytes_, pulled_bytes_;  // null: no metrics
 };
@@ -820,7 +882,7 @@ absl::StatusOr<std::unique_ptr<ShardServer>> ShardServer::Start(Options options)
   impl->streams = std::make_unique<PushStreams>(options.push_idle_timeout);
   impl->waiters = std::make_unique<grpc_server::Waiters>(options.waits);
   impl->service = std::make_unique<ShardService>(options.daemon, &impl->calls, impl->waiters.get(), options.drain,
-                                                 internal, options.nccl, impl->streams.get());
+                                                 internal, options.nccl, options.cuda_ipc, impl->streams.get());
   options.daemon->SetChangeListener(
       [waiters = impl->waiters.get()](const std::string& job_id) { waiters->Notify(job_id); });
   ::grpc::EnableDefaultHealthCheckService(true);

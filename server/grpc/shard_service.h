@@ -31,6 +31,7 @@
 #include "absl/time/time.h"
 #include "common/cluster_secret.h"
 #include "common/tls.h"
+#include "server/cudaipc/cuda_ipc_server.h"
 #include "server/daemon/shard_daemon.h"
 #include "server/daemon/step_drain.h"
 #include "server/grpc/waiters.h"
@@ -64,6 +65,9 @@ class ShardServer {
     // The nccl transport's calls go here; not owned, must outlive the server. Null: they answer
     // UNIMPLEMENTED (mainstayd started without --transports nccl).
     NcclChannelServer* nccl = nullptr;
+    // The cuda_ipc transport's calls go here; not owned, must outlive the server. Null: they
+    // answer UNIMPLEMENTED (a daemon on the CPU, or --transports without cuda_ipc).
+    CudaIpcServer* cuda_ipc = nullptr;
     // A PushGrad stream that receives no message for this long is cancelled (nothing of it is
     // stored), and a second stream of the same (job, bucket, shard, step, rank) cancels the
     // first (server/grpc/push_streams.h). mainstayd --push-idle-timeout-ms.

@@ -4,10 +4,11 @@
 // what it pulled (versions, packed data, block scales, per-tensor scales) to --out, so that two
 // runs over different transports can be compared byte for byte.
 //
-//   nccl_trainer --coordinator HOST:PORT --transport nccl|grpc --out FILE [--chunk-bytes N]
+//   nccl_trainer --coordinator HOST:PORT --transport nccl|cuda_ipc|grpc --out FILE [--chunk-bytes N]
 //
-// With --transport nccl, gradients are pushed from device buffers (cudaMalloc) on CUDA device 0,
-// except at step 1, which pushes from host memory (the staged path). The inputs are the same
+// With --transport nccl or cuda_ipc, gradients are pushed from device buffers on CUDA device 0
+// (for cuda_ipc, parts of one cudaMalloc allocation, at offsets in it), except at step 1, which
+// pushes from host memory (nccl stages it, cuda_ipc sends it by gRPC). The inputs are the same
 // for every transport.
 //
 // Exit codes: 0 done; 77 NCCL refused the channel because this process and the daemon share a
@@ -76,7 +77,8 @@ void PutBytes(std::string& out, std::span<const uint8_t> bytes) {
 int Run(const std::map<std::string, std::string>& flags) {
   const std::string transport = flags.at("--transport");
   const bool nccl = transport == "nccl";
-  if (nccl && cudaSetDevice(0) != cudaSuccess) {
+  const bool from_device = nccl || transport == "cuda_ipc";
+  if (from_device && cudaSetDevice(0) != cudaSuccess) {
     return Fail("cudaSetDevice(0)", absl::UnavailableError(cudaGetErrorString(cudaGetLastError())));
   }
   mainstay::ClientOptions options;
@@ -114,6 +116,21 @@ int Run(const std::map<std::string, std::string>& flags) {
   }
 
   std::vector<float*> device(layout.buckets.size(), nullptr);
+  // cuda_ipc: one allocation holds every bucket's gradient, 256 bytes apart, as a caching
+  // allocator hands out parts of its blocks (the daemon maps it once, reads at offsets).
+  float* block = nullptr;
+  if (transport == "cuda_ipc") {
+    size_t floats = 0;
+    for (const mainstay::Bucket& b : layout.buckets) floats += static_cast<size_t>(b.shard_numel) + 64;
+    if (cudaMalloc(reinterpret_cast<void**>(&block), floats * sizeof(float)) != cudaSuccess) {
+      return Fail("cudaMalloc", absl::ResourceExhaustedError(cudaGetErrorString(cudaGetLastError())));
+    }
+    size_t offset = 64;
+    for (const mainstay::Bucket& b : layout.buckets) {
+      device[static_cast<size_t>(b.index)] = block + offset;
+      offset += static_cast<size_t>(b.shard_numel) + 64;
+    }
+  }
   for (int64_t step = 0; step < kSteps; ++step) {
     pushes.clear();
     std::vector<std::vector<float>> grads;
@@ -121,7 +138,7 @@ int Run(const std::map<std::string, std::string>& flags) {
       std::vector<float>& g = grads.emplace_back(static_cast<size_t>(b.shard_numel));
       for (int64_t i = 0; i < b.shard_numel; ++i) g[static_cast<size_t>(i)] = GradValue(step, b.index, i);
       const float* source = g.data();
-      if (nccl && step != 1) {
+      if (from_device && step != 1) {
         float*& d = device[static_cast<size_t>(b.index)];
         if (d == nullptr && cudaMalloc(reinterpret_cast<void**>(&d), g.size() * sizeof(float)) != cudaSuccess) {
           return Fail("cudaMalloc", absl::ResourceExhaustedError(cudaGetErrorString(cudaGetLastError())));
@@ -141,7 +158,11 @@ int Run(const std::map<std::string, std::string>& flags) {
     std::printf("step %lld: version %lld, grad norm %.9g\n", static_cast<long long>(step),
                 static_cast<long long>(stats->version), stats->grad_norm);
   }
-  for (float* d : device) cudaFree(d);
+  if (block != nullptr) {
+    cudaFree(block);
+  } else {
+    for (float* d : device) cudaFree(d);
+  }
 
   std::string out = "mainstay-nccl-gpu-test-v1";
   for (const mainstay::Bucket& b : layout.buckets) {
@@ -176,8 +197,9 @@ int main(int argc, char** argv) {
   std::map<std::string, std::string> flags;
   for (int i = 1; i + 1 < argc; i += 2) flags[argv[i]] = argv[i + 1];
   if (argc % 2 == 0 || !flags.count("--coordinator") || !flags.count("--transport") || !flags.count("--out")) {
-    std::fprintf(stderr, "usage: nccl_trainer --coordinator HOST:PORT --transport nccl|grpc --out FILE "
-                         "[--chunk-bytes N]\n");
+    std::fprintf(stderr,
+                 "usage: nccl_trainer --coordinator HOST:PORT --transport nccl|cuda_ipc|grpc --out FILE "
+                 "[--chunk-bytes N]\n");
     return 2;
   }
   return Run(flags);

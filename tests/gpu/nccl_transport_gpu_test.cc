@@ -8,6 +8,9 @@
 // sets NCCL_MULTI_RANK_GPU_ENABLE=1 (an experimental setting of newer NCCL releases; older ones
 // ignore it) and, when NCCL still refuses, reports a skip with NCCL's reason, never a pass. With
 // two or more GPUs the daemon runs on the second one. Without a GPU: skipped.
+//
+// The cuda_ipc transport the same way, with the daemon's shard state on the trainer's GPU
+// (mainstayd --device cuda:0 --transports cuda_ipc): one GPU is enough, as it is no NCCL.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -16,6 +19,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -61,10 +65,56 @@ class NcclTransportGpuTest : public ::testing::Test {
   std::string Logs() const {
     if (dir_ == nullptr) return "";
     std::string out;
-    for (const char* name : {"coordinator.log", "daemon.log", "trainer-grpc.log", "trainer-nccl.log"}) {
+    for (const char* name :
+         {"coordinator.log", "daemon.log", "trainer-grpc.log", "trainer-nccl.log", "trainer-cuda_ipc.log"}) {
       absl::StrAppend(&out, "--- ", name, "\n", ReadFileOrEmpty(dir_->File(name)));
     }
     return out;
+  }
+
+  // A temporary folder and a coordinator in it; its address.
+  std::string StartCoordinator() {
+    absl::StatusOr<std::unique_ptr<TempDir>> dir = TempDir::Create("mainstay-transport-gpu");
+    EXPECT_THAT(dir.status(), IsOk());
+    if (!dir.ok()) return "";
+    dir_ = *std::move(dir);
+    auto coordinator = Subprocess::Start(
+        {{BinaryPath("MAINSTAY_COORDINATOR_BIN", MAINSTAY_COORDINATOR_BIN), "--listen", "127.0.0.1:0", "--state-dir",
+          dir_->File("state"), "--port-file", dir_->File("cport"), "--metrics-listen", "off"},
+         dir_->File("coordinator.log")});
+    EXPECT_THAT(coordinator.status(), IsOk());
+    if (!coordinator.ok()) return "";
+    coordinator_ = *std::move(coordinator);
+    absl::StatusOr<int> cport = testing::WaitForPortFile(dir_->File("cport"), *coordinator_, kStartTimeout);
+    EXPECT_THAT(cport.status(), IsOk()) << Logs();
+    return cport.ok() ? absl::StrCat("127.0.0.1:", *cport) : "";
+  }
+
+  // A mainstayd registered with `coordinator`, with `flags` added; false if it did not come up.
+  bool StartDaemon(const std::string& coordinator, const std::vector<std::string>& flags) {
+    std::vector<std::string> args = {BinaryPath("MAINSTAYD_BIN", MAINSTAYD_BIN),
+                                     "--coordinator",
+                                     coordinator,
+                                     "--listen",
+                                     "127.0.0.1:0",
+                                     "--node-name",
+                                     "node0",
+                                     "--threads",
+                                     "2",
+                                     "--memory-bytes",
+                                     "4000000000",
+                                     "--port-file",
+                                     dir_->File("dport"),
+                                     "--metrics-listen",
+                                     "off"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    auto daemon = Subprocess::Start({args, dir_->File("daemon.log")});
+    EXPECT_THAT(daemon.status(), IsOk());
+    if (!daemon.ok()) return false;
+    daemon_ = *std::move(daemon);
+    absl::Status up = testing::WaitForPortFile(dir_->File("dport"), *daemon_, kStartTimeout).status();
+    EXPECT_THAT(up, IsOk()) << Logs();
+    return up.ok();
   }
 
   // Runs nccl_trainer over `transport`; returns its exit code (-1 when it did not exit).
@@ -81,25 +131,37 @@ class NcclTransportGpuTest : public ::testing::Test {
     return WEXITSTATUS(*status);
   }
 
+  // What the `transport` run pulled equals the grpc run's, byte for byte.
+  void ExpectPulledAsOverGrpc(const std::string& transport) {
+    const std::string over_grpc = ReadFileOrEmpty(dir_->File("pulled-grpc"));
+    const std::string other = ReadFileOrEmpty(dir_->File("pulled-" + transport));
+    ASSERT_GT(over_grpc.size(), 1000u) << Logs();
+    ASSERT_EQ(over_grpc.size(), other.size()) << Logs();
+    size_t first_difference = over_grpc.size();
+    for (size_t i = 0; i < over_grpc.size(); ++i) {
+      if (over_grpc[i] != other[i]) {
+        first_difference = i;
+        break;
+      }
+    }
+    EXPECT_EQ(first_difference, over_grpc.size())
+        << "the " << transport << " run pulled other bytes than the grpc run\n"
+        << Logs();
+    EXPECT_THAT(ReadFileOrEmpty(dir_->File("trainer-" + transport + ".log")),
+                ::testing::HasSubstr("transport " + transport));
+  }
+
   std::unique_ptr<TempDir> dir_;
+  std::unique_ptr<Subprocess> coordinator_;
+  std::unique_ptr<Subprocess> daemon_;
 };
 
 TEST_F(NcclTransportGpuTest, PushFromDevicePullMatchesGrpcBitForBit) {
   absl::StatusOr<std::vector<cuda::DeviceInfo>> devices = cuda::ListDevices();
   ASSERT_THAT(devices.status(), IsOk());
   if (devices->empty()) GTEST_SKIP() << "no CUDA device";
-
-  absl::StatusOr<std::unique_ptr<TempDir>> dir = TempDir::Create("mainstay-nccl-gpu");
-  ASSERT_THAT(dir.status(), IsOk());
-  dir_ = *std::move(dir);
-  auto coordinator = Subprocess::Start(
-      {{BinaryPath("MAINSTAY_COORDINATOR_BIN", MAINSTAY_COORDINATOR_BIN), "--listen", "127.0.0.1:0", "--state-dir",
-        dir_->File("state"), "--port-file", dir_->File("cport"), "--metrics-listen", "off"},
-       dir_->File("coordinator.log")});
-  ASSERT_THAT(coordinator.status(), IsOk());
-  absl::StatusOr<int> cport = testing::WaitForPortFile(dir_->File("cport"), **coordinator, kStartTimeout);
-  ASSERT_THAT(cport.status(), IsOk()) << Logs();
-  const std::string address = absl::StrCat("127.0.0.1:", *cport);
+  const std::string address = StartCoordinator();
+  ASSERT_FALSE(address.empty());
 
   // One GPU: both processes on it (see the file comment). More: the daemon on the second.
   std::optional<ScopedEnv> shared_gpu, daemon_gpu;
@@ -108,14 +170,9 @@ TEST_F(NcclTransportGpuTest, PushFromDevicePullMatchesGrpcBitForBit) {
   } else {
     daemon_gpu.emplace("CUDA_VISIBLE_DEVICES", std::to_string((*devices)[1].ordinal));
   }
-  auto daemon =
-      Subprocess::Start({{BinaryPath("MAINSTAYD_BIN", MAINSTAYD_BIN), "--coordinator", address, "--listen",
-                          "127.0.0.1:0", "--node-name", "node0", "--threads", "2", "--memory-bytes", "4000000000",
-                          "--port-file", dir_->File("dport"), "--metrics-listen", "off", "--transports", "nccl"},
-                         dir_->File("daemon.log")});
+  const bool up = StartDaemon(address, {"--transports", "nccl"});
   daemon_gpu.reset();  // the trainers see every device and use device 0
-  ASSERT_THAT(daemon.status(), IsOk());
-  ASSERT_THAT(testing::WaitForPortFile(dir_->File("dport"), **daemon, kStartTimeout).status(), IsOk()) << Logs();
+  ASSERT_TRUE(up);
   EXPECT_THAT(ReadFileOrEmpty(dir_->File("daemon.log")), ::testing::HasSubstr("NCCL data plane: NCCL"));
 
   ASSERT_EQ(RunTrainer("grpc", address), 0) << Logs();
@@ -125,21 +182,25 @@ TEST_F(NcclTransportGpuTest, PushFromDevicePullMatchesGrpcBitForBit) {
                  << (*devices)[0].name << "): " << ReadFileOrEmpty(dir_->File("trainer-nccl.log"));
   }
   ASSERT_EQ(nccl, 0) << Logs();
-
-  const std::string over_grpc = ReadFileOrEmpty(dir_->File("pulled-grpc"));
-  const std::string over_nccl = ReadFileOrEmpty(dir_->File("pulled-nccl"));
-  ASSERT_GT(over_grpc.size(), 1000u) << Logs();
-  ASSERT_EQ(over_grpc.size(), over_nccl.size()) << Logs();
-  size_t first_difference = over_grpc.size();
-  for (size_t i = 0; i < over_grpc.size(); ++i) {
-    if (over_grpc[i] != over_nccl[i]) {
-      first_difference = i;
-      break;
-    }
-  }
-  EXPECT_EQ(first_difference, over_grpc.size()) << "the nccl run pulled other bytes than the grpc run\n" << Logs();
-  EXPECT_THAT(ReadFileOrEmpty(dir_->File("trainer-nccl.log")), ::testing::HasSubstr("transport nccl"));
+  ExpectPulledAsOverGrpc("nccl");
   EXPECT_THAT(ReadFileOrEmpty(dir_->File("daemon.log")), ::testing::HasSubstr("channel "));
+}
+
+// The daemon on the trainers' GPU (state in its memory, the step on its kernels); cuda_ipc pushes
+// read straight out of the trainer's allocation.
+TEST_F(NcclTransportGpuTest, CudaIpcPushFromDeviceOnTheDaemonsGpuMatchesGrpcBitForBit) {
+  absl::StatusOr<std::vector<cuda::DeviceInfo>> devices = cuda::ListDevices();
+  ASSERT_THAT(devices.status(), IsOk());
+  if (devices->empty()) GTEST_SKIP() << "no CUDA device";
+  const std::string address = StartCoordinator();
+  ASSERT_FALSE(address.empty());
+  ASSERT_TRUE(StartDaemon(address, {"--device", "cuda:0", "--transports", "cuda_ipc"}));
+  EXPECT_THAT(ReadFileOrEmpty(dir_->File("daemon.log")), ::testing::HasSubstr("cuda_ipc data plane: CUDA IPC on"));
+
+  ASSERT_EQ(RunTrainer("grpc", address), 0) << Logs();
+  ASSERT_EQ(RunTrainer("cuda_ipc", address), 0) << Logs();
+  ExpectPulledAsOverGrpc("cuda_ipc");
+  EXPECT_THAT(ReadFileOrEmpty(dir_->File("daemon.log")), ::testing::HasSubstr("cuda-ipc: session "));
 }
 
 }  // namespace

@@ -130,14 +130,19 @@ if [ "$gpus" -gt 0 ]; then
 else
   row slice_test_device_cuda "skip" "no GPU listed by nvidia-smi"
 fi
+# The nccl and cuda_ipc transports, each against grpc, through trainer processes (the client
+# library links NCCL, so both need it). cuda_ipc with the daemon on the trainer's GPU.
 if [ -x "$bundle/bin/nccl_transport_gpu_test" ]; then
-  if [ -z "$nccl_dir" ]; then
-    row nccl_transport_gpu_test "FAIL" "no libnccl.so.2 on this machine (system or nvidia-nccl wheel)"
-  else
-    gtest nccl_transport_gpu_test 150 "MAINSTAY_COORDINATOR_BIN=$bundle/bin/mainstay-coordinator" \
-      "MAINSTAYD_BIN=$bundle/bin/mainstayd" "MAINSTAY_NCCL_TRAINER_BIN=$bundle/bin/nccl_trainer" \
-      -- "$bundle/bin/nccl_transport_gpu_test"
-  fi
+  for case in nccl_transport_gpu_test:'*PushFromDevicePull*' cuda_ipc_gpu_test:'*CudaIpc*'; do
+    name=${case%%:*}
+    if [ -z "$nccl_dir" ]; then
+      row "$name" "FAIL" "no libnccl.so.2 on this machine (system or nvidia-nccl wheel)"
+    else
+      gtest "$name" 150 "MAINSTAY_COORDINATOR_BIN=$bundle/bin/mainstay-coordinator" \
+        "MAINSTAYD_BIN=$bundle/bin/mainstayd" "MAINSTAY_NCCL_TRAINER_BIN=$bundle/bin/nccl_trainer" \
+        -- "$bundle/bin/nccl_transport_gpu_test" --gtest_filter="${case#*:}"
+    fi
+  done
 fi
 
 # compute-sanitizer on the tests that run the tile kernels (block amaxes, mxfp8 in the pass).

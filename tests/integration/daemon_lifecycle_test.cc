@@ -137,6 +137,20 @@ TEST_F(DaemonLifecycleTest, ADeviceThatIsNotThereOrBadlyNamedExitsWithCode2AndSa
   }
 }
 
+TEST_F(DaemonLifecycleTest, CudaIpcWithoutAGpuDeviceExitsWithCode2) {
+  for (const std::string device : {"cpu", "cpu-staged"}) {
+    const std::string log = dir_->File(absl::StrCat("ipc-", device, ".log"));
+    MAINSTAY_ASSERT_OK_AND_ASSIGN(
+        std::unique_ptr<Subprocess> daemon,
+        Subprocess::Start({{MAINSTAYD_BIN, "--coordinator", "127.0.0.1:1", "--listen", "127.0.0.1:0", "--device",
+                            device, "--transports", "grpc,cuda_ipc", "--metrics-listen", "off"},
+                           log}));
+    MAINSTAY_ASSERT_OK_AND_ASSIGN(int status, daemon->Wait(kStartTimeout));
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << device << ": " << testing::DescribeWaitStatus(status);
+    EXPECT_THAT(ReadFileOrEmpty(log), HasSubstr("--transports cuda_ipc needs the shard state on a GPU")) << device;
+  }
+}
+
 TEST_F(DaemonLifecycleTest, ShardHealthIsNotServingUntilTheDaemonHasRegistered) {
   const int coordinator_port = FreePort();
   const int daemon_port = FreePort();
@@ -162,6 +176,18 @@ TEST_F(DaemonLifecycleTest, SigtermLetsTheStepInFlightCommitThenDeregistersAndEx
   MAINSTAY_ASSERT_OK_AND_ASSIGN(int daemon_port, testing::WaitForPortFile(dir_->File("dport"), *daemon_, kStartTimeout));
   const std::string daemon_address = absl::StrCat("127.0.0.1:", daemon_port);
   ASSERT_TRUE(WaitForHealth(daemon_address, kShardService, HealthCheckResponse::SERVING, kStartTimeout)) << Logs();
+
+  // The cuda_ipc calls of a daemon on the CPU say what it would take.
+  {
+    auto shard = v1::Shard::NewStub(::grpc::CreateChannel(daemon_address, ::grpc::InsecureChannelCredentials()));
+    ::grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+    v1::AttachCudaIpcRequest request;
+    request.set_job_id("any");
+    v1::AttachCudaIpcResponse response;
+    EXPECT_THAT(FromGrpcStatus(shard->AttachCudaIpc(&context, request, &response)),
+                StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("--device cuda:N")));
+  }
 
   // Two ranks on the one daemon: a step is in flight while only rank 0 has pushed it.
   JobSpec spec;
@@ -272,6 +298,8 @@ TEST_F(DaemonLifecycleTest, SigtermLetsTheStepInFlightCommitThenDeregistersAndEx
       ASSERT_NE(device, response.daemons(0).labels().end()) << response.DebugString();
       EXPECT_EQ(device->second, "cpu");
       EXPECT_EQ(response.daemons(0).resources().memory_kind(), v1::MEMORY_KIND_HOST);
+      // A daemon on the CPU does not offer cuda_ipc (it copies trainers' memory with its GPU).
+      for (int t : response.daemons(0).endpoint().transports()) EXPECT_NE(t, v1::TRANSPORT_CUDA_IPC);
     }
   }
 }

@@ -1,13 +1,13 @@
 // libmainstay_client end to end over real gRPC against the in-process fake coordinator and
 // daemons (client/src/testing/fake_services.h): create/attach, both push modes, FinishStep,
 // pulls, retries on UNAVAILABLE, stale placement epochs, deadlines and errors.
+#include <dlfcn.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <dlfcn.h>
-
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <thread>
 #include <vector>
@@ -66,6 +66,21 @@ class FakeCudaDriver : public client_internal::CudaDriver {
                  : absl::OkStatus();
   }
 
+  // The fake daemons' convention (fake_services.h): the handle holds the allocation's address.
+  absl::Status CanExportIpc() const override { return absl::OkStatus(); }
+  absl::StatusOr<IpcRegion> ExportIpc(const void* p) const override {
+    if (!DeviceOf(p).has_value()) return absl::InvalidArgumentError("not device memory");
+    ++exports_;
+    IpcRegion r;
+    r.handle.assign(64, '\0');
+    const auto base = reinterpret_cast<uintptr_t>(begin_);
+    std::memcpy(r.handle.data(), &base, sizeof(base));
+    r.offset = static_cast<uint64_t>(static_cast<const char*>(p) - static_cast<const char*>(begin_));
+    r.allocation_bytes = bytes_;
+    return r;
+  }
+  int exports() const { return exports_.load(); }
+
   void Finish(bool fail) {
     fail_ = fail;
     finished_.Notify();
@@ -80,6 +95,7 @@ class FakeCudaDriver : public client_internal::CudaDriver {
   bool fail_ = false;
   mutable std::atomic<int> waits_{0};
   mutable std::atomic<int> released_{0};
+  mutable std::atomic<int> exports_{0};
 };
 
 class ClientGrpcTest : public ::testing::Test {
@@ -689,6 +705,83 @@ TEST_F(ClientGrpcTest, CudaStreamWithoutADriverIsRefused) {
   EXPECT_THAT(c.PushGrad(0, 0, ElementSpan::Fp32(g), options).Wait(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("libcuda.so.1")));
   EXPECT_EQ(cluster_->stats().push_streams, 0);
+}
+
+// The cuda_ipc transport against the fake daemons: device memory goes by its IPC handle (no
+// PushGrad stream), host memory and pulls by gRPC, and the job trains exactly as over grpc.
+TEST_F(ClientGrpcTest, CudaIpcPushesDeviceMemoryByHandleAndTrainsAsOverGrpc) {
+  constexpr int kSteps = 3;
+  auto run = [&](const std::string& transport) -> std::vector<std::vector<float>> {
+    clients_.clear();
+    FakeClusterOptions options;
+    options.offer_cuda_ipc = true;
+    StartCluster(options);
+    std::vector<float> device(1 << 20);  // stands for one device allocation
+    FakeCudaDriver cuda(device.data(), device.size() * sizeof(float));
+    client_internal::ScopedCudaDriverForTesting use(&cuda);
+    ClientOptions base;
+    base.transport = transport;
+    ConnectRanks(testing_fakes::SmallSpec(1), 1, base);
+    if (clients_.empty()) return {};
+    Client& c = *clients_[0];
+    PushInitial(RandomBuckets(4));
+    const int64_t initial_streams = cluster_->stats().push_streams;
+    const auto& buckets = c.layout().buckets;
+    for (int64_t step = 0; step < kSteps; ++step) {
+      size_t offset = 64;  // shards at offsets inside the allocation, as a caching allocator places them
+      for (int32_t k = 0; k < static_cast<int32_t>(buckets.size()); ++k) {
+        const std::vector<float> g = Random(buckets[k].shard_numel, 100 + static_cast<uint32_t>(step * 10 + k));
+        std::copy(g.begin(), g.end(), device.begin() + static_cast<ptrdiff_t>(offset));
+        const std::span<const float> on_device(device.data() + offset, g.size());
+        EXPECT_THAT(c.PushGrad(k, step, ElementSpan::Fp32(transport == "cuda_ipc" ? on_device : std::span(g))).Wait(),
+                    IsOk());
+        offset += g.size() + 64;
+      }
+      EXPECT_THAT(c.FinishStep(step, 0.1, 0.0), IsOk());
+    }
+    if (transport == "cuda_ipc") {
+      const int64_t pushes = kSteps * static_cast<int64_t>(buckets.size());
+      EXPECT_EQ(cluster_->stats().cuda_ipc_pushes, pushes);
+      EXPECT_EQ(cuda.exports(), pushes);
+      EXPECT_EQ(cluster_->stats().push_streams, initial_streams);  // no gradient went by PushGrad
+      EXPECT_EQ(cluster_->stats().cuda_ipc_attaches, 2);           // one session per daemon, at Connect
+      for (const DataConnection& d : c.connections()) EXPECT_EQ(d.transport, "cuda_ipc");
+    }
+    EXPECT_THAT(c.PullBucket(0, kSteps).Wait(), IsOk());  // pulls by gRPC
+    std::vector<std::vector<float>> masters;
+    for (int32_t k = 0; k < static_cast<int32_t>(buckets.size()); ++k) masters.push_back(cluster_->Master(k));
+    clients_.clear();  // before the driver they use goes
+    return masters;
+  };
+  const std::vector<std::vector<float>> over_ipc = run("cuda_ipc");
+  const std::vector<std::vector<float>> over_grpc = run("grpc");
+  ASSERT_FALSE(over_ipc.empty());
+  EXPECT_EQ(over_ipc, over_grpc);
+}
+
+TEST_F(ClientGrpcTest, CudaIpcNeedsADaemonThatOffersItAndACudaDriver) {
+  StartCluster();  // the daemons do not offer cuda_ipc
+  std::vector<float> device(1024);
+  FakeCudaDriver cuda(device.data(), device.size() * sizeof(float));
+  ClientOptions options;
+  options.coordinator = cluster_->coordinator_address();
+  options.job_spec_json = testing_fakes::SmallSpec(1);
+  options.transport = "cuda_ipc";
+  {
+    client_internal::ScopedCudaDriverForTesting use(&cuda);
+    EXPECT_THAT(Client::Connect(options).status(),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("cuda_ipc is not offered by daemon")));
+  }
+  if (void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL); lib != nullptr) {
+    dlclose(lib);
+    GTEST_SKIP() << "this machine has a CUDA driver";
+  }
+  FakeClusterOptions offering;
+  offering.offer_cuda_ipc = true;
+  StartCluster(offering);
+  options.coordinator = cluster_->coordinator_address();
+  EXPECT_THAT(Client::Connect(options).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("transport cuda_ipc: CUDA: ")));
 }
 
 }  // namespace

@@ -26,8 +26,8 @@
 // handle is ready (Wait returned). Destroying the Client cancels
 // the operations still in flight (their handles complete with CANCELLED) and waits for them.
 // Pushed buffers are host memory for the grpc and ucx transports, which read them with the CPU:
-// a device pointer is refused (INVALID_ARGUMENT) before anything is sent. The nccl transport
-// takes host and device memory (docs/transports.md).
+// a device pointer is refused (INVALID_ARGUMENT) before anything is sent. The nccl and cuda_ipc
+// transports take host and device memory (docs/transports.md).
 // Thread safety: every method may be called concurrently from any thread. Handles may be waited
 // on from any thread, any number of times.
 #ifndef MAINSTAY_CLIENT_CLIENT_H_
@@ -82,11 +82,13 @@ struct ClientOptions {
   std::chrono::milliseconds initial_backoff{50};    // first wait after UNAVAILABLE
   std::chrono::milliseconds max_backoff{2000};      // the wait doubles up to this
   // Data-plane transport to the daemons (docs/transports.md): "auto" picks, per daemon, the best
-  // both ends have (ucx, else grpc); "grpc", "ucx" or "nccl" insist on one (Connect fails with
-  // FAILED_PRECONDITION naming the daemon that does not offer it). Empty: the environment
-  // variable MAINSTAY_TRANSPORT, else "auto". "nccl" uses the CUDA device current on the thread
-  // calling Connect: pushes take buffers in its memory (host memory is staged), and NCCL refuses
-  // a daemon on the same GPU (docs/transports.md, NCCL).
+  // both ends have (ucx, else grpc); "grpc", "ucx", "nccl" or "cuda_ipc" insist on one (Connect
+  // fails with FAILED_PRECONDITION naming the daemon that does not offer it). Empty: the
+  // environment variable MAINSTAY_TRANSPORT, else "auto". "nccl" uses the CUDA device current on
+  // the thread calling Connect: pushes take buffers in its memory (host memory is staged), and
+  // NCCL refuses a daemon on the same GPU (docs/transports.md, NCCL). "cuda_ipc" is for daemons
+  // on this node with their state on a GPU: they read pushed device buffers by CUDA IPC handle;
+  // host pushes and pulls go by gRPC (docs/transports.md, CUDA IPC).
   std::string transport;
   // Payload chunk size, both directions (push chunks, pull max_chunk_bytes); 1 KiB .. 4 MiB.
   // A shard moves as a pipeline of chunks, never as one message.
@@ -164,7 +166,7 @@ struct DaemonAddress {
 struct DataConnection {
   std::string daemon_id;
   std::string address;
-  std::string transport;  // "grpc", "ucx" or "nccl"
+  std::string transport;  // "grpc", "ucx", "nccl" or "cuda_ipc"
   std::string note;       // why "auto" did not pick a faster transport; empty otherwise
 };
 struct ShardOwner {

@@ -71,6 +71,77 @@ class FakeDaemon final : public v1::Shard::Service {
       payload += c.data();
     }
     if (static_cast<int64_t>(payload.size()) != h.total_bytes()) return Invalid("short payload");
+    {
+      absl::MutexLock lock(&s_->mu);
+      ++s_->stats.push_streams;
+      s_->stats.max_chunk_bytes = std::max(s_->stats.max_chunk_bytes, max_chunk);
+    }
+    return Store(context, h, payload, shard_numel, response);
+  }
+
+  // The cuda_ipc transport's calls. A "handle" here is what the tests' fake CUDA driver exports:
+  // the allocation's address in this process in its first 8 bytes.
+  grpc::Status AttachCudaIpc(grpc::ServerContext* context, const v1::AttachCudaIpcRequest* request,
+                             v1::AttachCudaIpcResponse* response) override {
+    absl::MutexLock lock(&s_->mu);
+    grpc::Status admitted = s_->Admit(context, index_, request->job_id(), request->job_token(), 0, -1, 0);
+    if (!admitted.ok()) return admitted;
+    if (request->boot_id().empty()) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "fake daemon: another node (no boot id)");
+    }
+    ++s_->stats.cuda_ipc_attaches;
+    response->set_session_id(static_cast<uint64_t>(1000 + s_->stats.cuda_ipc_attaches));
+    response->set_device(0);
+    return grpc::Status::OK;
+  }
+  grpc::Status CudaIpcPush(grpc::ServerContext* context, const v1::CudaIpcPushRequest* request,
+                           v1::PushGradResponse* response) override {
+    const v1::PushGradHeader& h = request->header();
+    int64_t shard_numel = 0;
+    {
+      absl::MutexLock lock(&s_->mu);
+      if (request->session_id() <= 1000 ||
+          request->session_id() > 1000 + static_cast<uint64_t>(s_->stats.cuda_ipc_attaches)) {
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake daemon: unknown cuda_ipc session");
+      }
+      grpc::Status admitted =
+          s_->Admit(context, index_, h.job_id(), h.job_token(), h.placement_epoch(), h.bucket(), h.shard());
+      if (!admitted.ok()) return admitted;
+      shard_numel = s_->layout->buckets[h.bucket()].shard_numel;
+      ++s_->stats.cuda_ipc_pushes;
+    }
+    const v1::CudaIpcRegion& m = request->memory();
+    if (m.handle().size() != 64) return Invalid("a CUDA IPC handle has 64 bytes");
+    if (m.offset() + static_cast<uint64_t>(h.total_bytes()) > m.allocation_bytes()) return Invalid("range outside");
+    uintptr_t base = 0;
+    std::memcpy(&base, m.handle().data(), sizeof(base));
+    const std::string payload(reinterpret_cast<const char*>(base) + m.offset(), static_cast<size_t>(h.total_bytes()));
+    return Store(context, h, payload, shard_numel, response);
+  }
+
+  // A whole push's payload (PushGrad's chunks, or a cuda_ipc push's bytes), stored.
+  grpc::Status Store(grpc::ServerContext* context, const v1::PushGradHeader& h, const std::string& payload,
+                     int64_t shard_numel, v1::PushGradResponse* response) {
+    {
+      absl::MutexLock lock(&s_->mu);
+      if (h.kind() == v1::PUSH_KIND_GRADIENT && h.step() <= s_->committed_step) {
+        v1::ErrorDetail detail;
+        detail.set_committed_step(s_->committed_step);
+        return WithDetail(context, grpc::StatusCode::FAILED_PRECONDITION, "step already committed", detail);
+      }
+    }
+    if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS && (h.step() != -1 || h.dtype() != v1::ELEMENT_TYPE_FP32)) {
+      return Invalid("initial parameters need step -1 and fp32");
+    }
+    if (h.kind() == v1::PUSH_KIND_GRADIENT && h.step() < 0) return Invalid("negative step");
+    if (h.dtype() != v1::ELEMENT_TYPE_FP32 && h.dtype() != v1::ELEMENT_TYPE_BF16 &&
+        h.dtype() != v1::ELEMENT_TYPE_FP16) {
+      return Invalid("bad dtype");
+    }
+    const int elem = h.dtype() == v1::ELEMENT_TYPE_FP32 ? 4 : 2;
+    if (h.total_bytes() != shard_numel * elem || static_cast<int64_t>(payload.size()) != h.total_bytes()) {
+      return Invalid("wrong total_bytes");
+    }
     if (h.crc32c() != 0 && ::mainstay::Crc32c(payload.data(), payload.size()) != h.crc32c()) {
       absl::MutexLock lock(&s_->mu);
       ++s_->stats.wrong_crc;
@@ -88,8 +159,6 @@ class FakeDaemon final : public v1::Shard::Service {
       if (h.loss_scale() > 0) values[i] = static_cast<float>(values[i] / h.loss_scale());
     }
     absl::MutexLock lock(&s_->mu);
-    ++s_->stats.push_streams;
-    s_->stats.max_chunk_bytes = std::max(s_->stats.max_chunk_bytes, max_chunk);
     response->set_received_elements(shard_numel);
     if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS) {
       if (s_->version >= 1) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "already trained");

@@ -204,6 +204,7 @@ class FakeCoordinator final : public v1::Coordinator::Service {
       e->set_address(s_->daemon_addresses[i]);
       e->set_node_name("localhost");
       e->add_transports(v1::TRANSPORT_GRPC);
+      if (s_->options.offer_cuda_ipc) e->add_transports(v1::TRANSPORT_CUDA_IPC);
     }
     return grpc::Status::OK;
   }

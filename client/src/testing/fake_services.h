@@ -10,7 +10,9 @@
 // on non-finite gradients, and publish each tensor quantized whole (kernels::Quantize, model
 // dtype bf16, fp8 delayed scale 1) sliced into the fragments of the shard. The coordinator's
 // port also serves Admin CreateCheckpoint / RestoreCheckpoint, keeping checkpoints in memory
-// (restore puts back the masters, version and committed step, and advances the epoch).
+// (restore puts back the masters, version and committed step, and advances the epoch). The
+// daemons serve the cuda_ipc calls too, for the tests' fake CUDA driver: a "handle" holds the
+// allocation's address in this process in its first 8 bytes.
 //
 // Thread safety: everything may be called concurrently. Not production code.
 #ifndef MAINSTAY_CLIENT_SRC_TESTING_FAKE_SERVICES_H_
@@ -39,6 +41,7 @@ struct FakeClusterOptions {
   // no Admin service at all (its calls answer UNIMPLEMENTED: an old coordinator).
   std::string admin_token;
   bool serve_admin = true;
+  bool offer_cuda_ipc = false;  // the placement lists TRANSPORT_CUDA_IPC for every daemon
 };
 
 struct FakeStats {
@@ -50,6 +53,8 @@ struct FakeStats {
   int64_t finish_calls = 0;
   int64_t pull_streams = 0;
   int64_t wrong_crc = 0;           // pushes whose crc32c did not match (rejected)
+  int64_t cuda_ipc_attaches = 0;   // AttachCudaIpc calls answered OK
+  int64_t cuda_ipc_pushes = 0;     // CudaIpcPush calls admitted
 };
 
 class FakeCluster {

@@ -1,0 +1,196 @@
+// The cuda_ipc transport (docs/transports.md, CUDA IPC): pushes of device memory to a daemon on
+// this trainer's node. The trainer exports the allocation that holds the pushed buffer
+// (CudaDriver::ExportIpc: its CUDA IPC handle and the buffer's offset in it) and the daemon
+// copies the payload out of it while the CudaIpcPush call runs; nothing moves through this
+// process's host memory, and no NCCL communicator is needed, so a trainer and a daemon may share
+// one GPU. Each daemon gets one session (AttachCudaIpc), opened at Attach and again after a
+// daemon restart. Pushes from host memory and every pull go over gRPC (the grpc transport).
+//
+// The push's CUDA work (PushOptions::cuda_stream / cuda_event) is waited for before Push is
+// called (data_plane.cc), so the daemon reads finished bytes.
+#include <unistd.h>
+
+#include <atomic>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "client/src/cuda_driver.h"
+#include "client/src/rpc_errors.h"
+#include "client/src/transport.h"
+#include "common/status.h"
+
+namespace mainstay::client_internal {
+namespace {
+
+constexpr absl::Duration kDetachTimeout = absl::Milliseconds(500);
+
+std::string FirstLine(const char* path) {
+  std::string line;
+  std::ifstream in(path);
+  std::getline(in, line);
+  return line;
+}
+
+std::string HostName() {
+  char name[256] = {0};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "unknown";
+  return name;
+}
+
+std::string PidNamespace() {
+  char link[256] = {0};
+  const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
+  return n > 0 ? std::string(link, static_cast<size_t>(n)) : std::string();
+}
+
+class CudaIpcTransport final : public DataTransport {
+ public:
+  CudaIpcTransport(const TransportContext& context, const CudaDriver& cuda, std::unique_ptr<DataTransport> grpc)
+      : context_(context), cuda_(cuda), grpc_(std::move(grpc)) {}
+
+  ~CudaIpcTransport() override {
+    Shutdown();
+    std::map<std::string, Session> sessions;
+    {
+      absl::MutexLock lock(&mu_);
+      sessions.swap(sessions_);
+    }
+    // The daemons close the mappings now rather than when this process is found gone.
+    std::vector<std::thread> detachers;
+    for (auto& [daemon, s] : sessions) {
+      detachers.emplace_back([this, s = s] {
+        v1::DetachCudaIpcRequest request;
+        request.set_session_id(s.id);
+        request.set_job_id(context_.job_id);
+        request.set_job_token(context_.job_token);
+        v1::DetachCudaIpcResponse response;
+        grpc::ClientContext call;
+        call.set_deadline(absl::ToChronoTime(absl::Now() + kDetachTimeout));
+        s.stub->DetachCudaIpc(&call, request, &response).ok();  // best effort
+      });
+    }
+    for (std::thread& t : detachers) t.join();
+  }
+
+  v1::Transport kind() const override { return v1::TRANSPORT_CUDA_IPC; }
+
+  bool HostReadable(const void* data) const override { return !cuda_.DeviceOf(data).has_value(); }
+
+  // Opens the session now, retrying while the daemon answers UNAVAILABLE (it may not have
+  // received the job yet).
+  absl::Status Attach(const v1::DaemonEndpoint& daemon, Deadline deadline) override {
+    absl::Duration backoff = absl::Milliseconds(50);
+    while (true) {
+      absl::StatusOr<Session> s = SessionTo(daemon, deadline);
+      if (s.ok() || s.status().code() != absl::StatusCode::kUnavailable) return s.status();
+      if (absl::Now() + backoff >= absl::FromChrono(deadline) || shutdown_.load()) return s.status();
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, absl::Seconds(1));
+    }
+  }
+
+  absl::StatusOr<v1::PushGradResponse> Push(const Route& route, const v1::PushGradHeader& header, ElementSpan data,
+                                            Deadline deadline, grpc::ClientContext* context) override {
+    if (data.bytes() == 0 || HostReadable(data.data)) return grpc_->Push(route, header, data, deadline, context);
+    absl::StatusOr<CudaDriver::IpcRegion> region = cuda_.ExportIpc(data.data);
+    if (!region.ok()) return Annotate(region.status(), "cuda_ipc: exporting the pushed buffer");
+    MAINSTAY_ASSIGN_OR_RETURN(Session s, SessionTo(route.endpoint, deadline));
+    v1::CudaIpcPushRequest request;
+    request.set_session_id(s.id);
+    *request.mutable_header() = header;
+    request.mutable_memory()->set_handle(region->handle);
+    request.mutable_memory()->set_offset(region->offset);
+    request.mutable_memory()->set_allocation_bytes(region->allocation_bytes);
+    v1::PushGradResponse response;
+    absl::Status status = StatusFromCall(route.stub->CudaIpcPush(context, request, &response), context);
+    if (absl::IsUnavailable(status)) Forget(route.endpoint.daemon_id(), s.id);  // the retry attaches again
+    if (!status.ok()) return status;
+    return response;
+  }
+
+  absl::Status Pull(const Route& route, const v1::PullParamsRequest& request, ShardPullAssembler& assembler,
+                    Deadline deadline, grpc::ClientContext* context) override {
+    return grpc_->Pull(route, request, assembler, deadline, context);
+  }
+
+  void Shutdown() override {
+    shutdown_.store(true);
+    grpc_->Shutdown();
+  }
+
+ private:
+  struct Session {
+    uint64_t id = 0;
+    std::shared_ptr<v1::Shard::Stub> stub;
+  };
+
+  void Forget(const std::string& daemon_id, uint64_t id) {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(daemon_id);
+    if (it != sessions_.end() && it->second.id == id) sessions_.erase(it);
+  }
+
+  absl::StatusOr<Session> SessionTo(const v1::DaemonEndpoint& daemon, Deadline deadline) {
+    if (shutdown_.load()) return absl::CancelledError("the client is shutting down");
+    absl::MutexLock attach_lock(&attach_mu_);  // one attach at a time: no duplicate sessions
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = sessions_.find(daemon.daemon_id());
+      if (it != sessions_.end()) return it->second;
+    }
+    Session s;
+    s.stub = context_.stub_for(daemon.address());
+    v1::AttachCudaIpcRequest request;
+    request.set_job_id(context_.job_id);
+    request.set_job_token(context_.job_token);
+    request.set_rank(context_.rank);
+    request.set_boot_id(boot_id_);
+    request.set_pid_namespace(pid_namespace_);
+    request.set_pid(static_cast<int64_t>(getpid()));
+    request.set_node_name(node_);
+    v1::AttachCudaIpcResponse response;
+    grpc::ClientContext call;
+    call.set_deadline(deadline);
+    absl::Status status = StatusFromCall(s.stub->AttachCudaIpc(&call, request, &response), &call);
+    if (status.ok() && response.session_id() == 0) status = absl::InternalError("session id 0");
+    if (!status.ok()) {
+      return absl::Status(status.code(), absl::StrCat("attaching cuda_ipc to daemon ", daemon.daemon_id(), " (",
+                                                      daemon.address(), "): ", status.message()));
+    }
+    s.id = response.session_id();
+    absl::MutexLock lock(&mu_);
+    sessions_[daemon.daemon_id()] = s;
+    return s;
+  }
+
+  const TransportContext context_;
+  const CudaDriver& cuda_;
+  const std::unique_ptr<DataTransport> grpc_;  // host-memory pushes and every pull
+  const std::string boot_id_ = FirstLine("/proc/sys/kernel/random/boot_id");
+  const std::string pid_namespace_ = PidNamespace();
+  const std::string node_ = HostName();
+  std::atomic<bool> shutdown_{false};
+  absl::Mutex attach_mu_;
+  absl::Mutex mu_;
+  std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);  // by daemon id
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DataTransport>> MakeCudaIpcTransport(const TransportContext& context,
+                                                                    const CudaDriver& cuda) {
+  if (!context.stub_for) return absl::InternalError("the cuda_ipc transport needs stub_for");
+  if (absl::Status s = cuda.CanExportIpc(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("CUDA: ", s.message()));
+  }
+  return std::unique_ptr<DataTransport>(new CudaIpcTransport(context, cuda, MakeGrpcTransport(context)));
+}
+
+}  // namespace mainstay::client_internal

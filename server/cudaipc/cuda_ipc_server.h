@@ -1,0 +1,74 @@
+// The daemon's end of the cuda_ipc transport (docs/transports.md, CUDA IPC). A trainer on this
+// daemon's node opens a session (AttachCudaIpc), then pushes device memory by handing over the
+// CUDA IPC handle of its allocation with the payload's offset (CudaIpcPush). The daemon maps the
+// allocation once per session (IpcMemory::Open, cached), copies the payload into the core's
+// PushSession, and stores it as PushGrad would: nothing is stored unless every byte was copied.
+// Pulls and everything else go over gRPC. server/grpc/shard_service.cc adapts it; no gRPC and no
+// CUDA in here (the IpcMemory does the CUDA), so tests run it with a fake.
+//
+// Sessions end when the trainer detaches, when a new session of the same (job, rank) replaces
+// them, when the daemon stops, or when the trainer's process is found gone (checked at each
+// attach, for trainers in this daemon's pid namespace): their mappings are closed then, which
+// lets the trainer's driver free the memory. At most Options.max_mappings allocations stay
+// mapped per session; the least recently used one is closed beyond that.
+//
+// Ownership: the options' daemon, drain and memory are not owned and must outlive the server.
+// Thread safety: every method is thread-safe; pushes of one session may run concurrently.
+#ifndef MAINSTAY_SERVER_CUDAIPC_CUDA_IPC_SERVER_H_
+#define MAINSTAY_SERVER_CUDAIPC_CUDA_IPC_SERVER_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "mainstay/v1/shard.pb.h"
+#include "server/cudaipc/ipc_memory.h"
+#include "server/daemon/shard_daemon.h"
+#include "server/daemon/step_drain.h"
+
+namespace mainstay::daemon {
+
+class CudaIpcServer {
+ public:
+  struct Options {
+    ShardDaemon* daemon = nullptr;  // required, not owned
+    StepDrain* drain = nullptr;     // not owned; null: no graceful drain
+    IpcMemory* memory = nullptr;    // required, not owned
+    std::string device_name;        // for AttachCudaIpcResponse, e.g. "cuda:0 (NVIDIA H200, ...)"
+    // This host's boot id and this process's pid namespace; empty: read from /proc.
+    std::string boot_id;
+    std::string pid_namespace;
+    int max_sessions = 1024;  // open sessions at most (RESOURCE_EXHAUSTED beyond)
+    int max_mappings = 64;    // mapped allocations per session at most (the oldest is closed)
+    // Whether process `pid` of this pid namespace is alive; null: kill(pid, 0).
+    std::function<bool(int64_t pid)> alive;
+  };
+  // INVALID_ARGUMENT for bad options.
+  static absl::StatusOr<std::unique_ptr<CudaIpcServer>> Start(Options options);
+  ~CudaIpcServer();
+
+  // The calls of shard.proto. Errors as documented there.
+  absl::StatusOr<v1::AttachCudaIpcResponse> Attach(const v1::AttachCudaIpcRequest& request);
+  absl::StatusOr<v1::PushGradResponse> Push(const v1::CudaIpcPushRequest& request);
+  absl::Status Detach(const v1::DetachCudaIpcRequest& request);
+
+  // "CUDA IPC on cuda:0 (...)", for the start-up log.
+  std::string Describe() const;
+  int sessions() const;
+  int mappings() const;  // mapped allocations over every session (closed ones excluded)
+  // Refuses new calls (UNAVAILABLE), waits for the pushes in flight, closes every session.
+  // Idempotent.
+  void Shutdown();
+
+  struct State;
+
+ private:
+  explicit CudaIpcServer(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace mainstay::daemon
+
+#endif  // MAINSTAY_SERVER_CUDAIPC_CUDA_IPC_SERVER_H_

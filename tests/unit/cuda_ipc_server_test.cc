@@ -1,0 +1,317 @@
+// The cuda_ipc transport's daemon end (server/cudaipc/cuda_ipc_server.h) on a real ShardDaemon,
+// with a fake IpcMemory whose "device allocations" are host buffers: sessions, pushes copied out
+// of the trainer's allocation (the steps equal the reference bit for bit), the refusals (another
+// node, wrong token or job, bad handle, a range outside the allocation, a copy that fails: nothing
+// stored), the mapping cache and when mappings are closed.
+#include "server/cudaipc/cuda_ipc_server.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "tests/testing/daemon_cluster.h"
+
+namespace mainstay {
+namespace {
+
+using ::mainstay::daemon::CudaIpcServer;
+using ::mainstay::daemon::IpcMemory;
+using ::mainstay::testing::Cluster;
+using ::mainstay::testing::IsOk;
+using ::mainstay::testing::kJob;
+using ::mainstay::testing::kToken;
+using ::mainstay::testing::MakeSpec;
+using ::mainstay::testing::Reference;
+using ::mainstay::testing::StatusIs;
+using ::testing::HasSubstr;
+
+constexpr char kBoot[] = "boot-A";
+constexpr char kNamespace[] = "pid:[4026531836]";
+
+// Allocations are host buffers named by 64-byte handles; counts what the server opens and closes.
+class FakeIpcMemory : public IpcMemory {
+ public:
+  // A new "allocation" of `bytes` bytes and its handle.
+  std::string Export(std::vector<uint8_t>* buffer) {
+    absl::MutexLock lock(&mu_);
+    std::string handle(daemon::kCudaIpcHandleBytes, '\0');
+    const uint64_t id = ++next_;
+    std::memcpy(handle.data(), &id, sizeof(id));
+    allocations_[handle] = buffer;
+    return handle;
+  }
+  int device() const override { return 0; }
+  absl::StatusOr<Mapping> Open(absl::string_view handle) override {
+    absl::MutexLock lock(&mu_);
+    auto it = allocations_.find(std::string(handle));
+    if (it == allocations_.end()) return absl::FailedPreconditionError("cudaIpcOpenMemHandle (fake): unknown handle");
+    ++opens_;
+    open_.insert(it->second->data());
+    return Mapping{it->second->data(), it->second->size()};
+  }
+  absl::Status CopyToHost(const Mapping& m, uint64_t offset, void* dest, uint64_t bytes) override {
+    if (fail_copies_.load()) return absl::InternalError("copying out of a trainer's CUDA IPC memory (fake failure)");
+    {
+      absl::MutexLock lock(&mu_);
+      EXPECT_TRUE(open_.count(m.base)) << "a copy from a closed mapping";
+    }
+    std::memcpy(dest, static_cast<const uint8_t*>(m.base) + offset, bytes);
+    return absl::OkStatus();
+  }
+  void Close(const Mapping& m) override {
+    absl::MutexLock lock(&mu_);
+    EXPECT_EQ(open_.erase(m.base), 1u) << "closed twice, or never opened";
+    ++closes_;
+  }
+  int opens() const {
+    absl::MutexLock lock(&mu_);
+    return opens_;
+  }
+  int still_open() const {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(open_.size());
+  }
+  std::atomic<bool> fail_copies_{false};
+
+ private:
+  mutable absl::Mutex mu_;
+  uint64_t next_ = 0;
+  std::map<std::string, std::vector<uint8_t>*> allocations_;
+  std::set<void*> open_;
+  int opens_ = 0, closes_ = 0;
+};
+
+class CudaIpcServerTest : public ::testing::Test {
+ protected:
+  CudaIpcServerTest() : cluster_(MakeSpec("bf16_with_fp8_mixed", LayoutPolicy::kFlat, 2), 1) {}
+  void SetUp() override {
+    CudaIpcServer::Options o;
+    o.daemon = &cluster_.daemon(0);
+    o.memory = &memory_;
+    o.device_name = "cuda:0 (fake)";
+    o.boot_id = kBoot;
+    o.pid_namespace = kNamespace;
+    o.max_mappings = 2;
+    o.alive = [this](int64_t pid) {
+      absl::MutexLock lock(&mu_);
+      return dead_.count(pid) == 0;
+    };
+    auto server = CudaIpcServer::Start(std::move(o));
+    ASSERT_THAT(server, IsOk());
+    server_ = *std::move(server);
+  }
+
+  v1::AttachCudaIpcRequest AttachRequest(int32_t rank, int64_t pid = 0) const {
+    v1::AttachCudaIpcRequest r;
+    r.set_job_id(kJob);
+    r.set_job_token(kToken);
+    r.set_rank(rank);
+    r.set_boot_id(kBoot);
+    r.set_pid_namespace(kNamespace);
+    r.set_pid(pid);
+    r.set_node_name("node-a");
+    return r;
+  }
+  uint64_t Attach(int32_t rank, int64_t pid = 0) {
+    auto r = server_->Attach(AttachRequest(rank, pid));
+    EXPECT_THAT(r, IsOk());
+    return r.ok() ? r->session_id() : 0;
+  }
+  // Rank `shard`'s push of `values` at `step` out of `allocation` at byte `offset` (copied there).
+  absl::StatusOr<v1::PushGradResponse> Push(uint64_t session, int32_t bucket, int32_t shard, int64_t step,
+                                            v1::PushKind kind, const std::vector<float>& values,
+                                            const std::string& handle, std::vector<uint8_t>& allocation,
+                                            uint64_t offset = 0) {
+    if (offset + values.size() * 4 <= allocation.size()) {
+      std::memcpy(allocation.data() + offset, values.data(), values.size() * 4);
+    }
+    v1::CudaIpcPushRequest r;
+    r.set_session_id(session);
+    *r.mutable_header() = cluster_.PushHeader(bucket, shard, step, shard, kind, values);
+    r.mutable_header()->set_num_contributors(1);
+    r.mutable_memory()->set_handle(handle);
+    r.mutable_memory()->set_offset(offset);
+    r.mutable_memory()->set_allocation_bytes(allocation.size());
+    return server_->Push(r);
+  }
+
+  Cluster cluster_;
+  FakeIpcMemory memory_;
+  std::unique_ptr<CudaIpcServer> server_;
+  absl::Mutex mu_;
+  std::set<int64_t> dead_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(CudaIpcServerTest, PushesCopiedOutOfTheTrainersMemoryTrainLikeTheReference) {
+  Reference ref(cluster_.resolved());
+  const Layout& layout = cluster_.layout();
+  // One "device allocation" per rank, each shard's gradient at its own offset in it (as a
+  // trainer's caching allocator hands out parts of one block).
+  std::vector<uint64_t> sessions;
+  std::vector<std::vector<uint8_t>> allocations(2, std::vector<uint8_t>(8 << 20));
+  std::vector<std::string> handles;
+  for (int32_t r = 0; r < 2; ++r) {
+    sessions.push_back(Attach(r));
+    handles.push_back(memory_.Export(&allocations[r]));
+  }
+  auto offset_of = [&](int32_t bucket) { return static_cast<uint64_t>(bucket) * (1 << 20) + 256; };
+  for (const Bucket& b : layout.buckets) {
+    for (const Shard& s : b.shards) {
+      auto values = cluster_.ShardValues(
+          b, s, [&](int32_t t, int64_t i) { return ref.master(static_cast<size_t>(t))[static_cast<size_t>(i)]; });
+      ASSERT_THAT(Push(sessions[s.rank], b.index, s.rank, -1, v1::PUSH_KIND_INITIAL_PARAMS, values, handles[s.rank],
+                       allocations[s.rank], offset_of(b.index)),
+                  IsOk());
+    }
+  }
+  ExpectMatchesReference(cluster_, ref, 0);
+  for (int64_t step = 0; step < 3; ++step) {
+    const float lr = 1e-3f * static_cast<float>(step + 1);
+    for (const Bucket& b : layout.buckets) {
+      for (const Shard& s : b.shards) {
+        auto pushed = Push(sessions[s.rank], b.index, s.rank, step, v1::PUSH_KIND_GRADIENT,
+                           cluster_.GradShard(b, s, step), handles[s.rank], allocations[s.rank], offset_of(b.index));
+        ASSERT_THAT(pushed, IsOk());
+        EXPECT_FALSE(pushed->duplicate());
+        EXPECT_EQ(pushed->received_elements(), b.shard_numel);
+      }
+    }
+    for (const auto& stats : cluster_.Finish(step, lr)) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(step, lr);
+    ExpectMatchesReference(cluster_, ref, step + 1);
+  }
+  // Each allocation was opened once, and stays mapped for the session.
+  EXPECT_EQ(memory_.opens(), 2);
+  EXPECT_EQ(server_->mappings(), 2);
+  // The same push again is a duplicate: nothing is copied.
+  const Bucket& b0 = layout.buckets[0];
+  const std::vector<float> next = cluster_.GradShard(b0, b0.shards[0], 3);
+  ASSERT_THAT(Push(sessions[0], 0, 0, 3, v1::PUSH_KIND_GRADIENT, next, handles[0], allocations[0]), IsOk());
+  memory_.fail_copies_ = true;
+  auto again = Push(sessions[0], 0, 0, 3, v1::PUSH_KIND_GRADIENT, next, handles[0], allocations[0]);
+  ASSERT_THAT(again, IsOk());
+  EXPECT_TRUE(again->duplicate());
+  memory_.fail_copies_ = false;
+  // Detaching closes the session's mappings; its id is refused afterwards.
+  v1::DetachCudaIpcRequest detach;
+  detach.set_session_id(sessions[0]);
+  detach.set_job_id(kJob);
+  detach.set_job_token(kToken);
+  ASSERT_THAT(server_->Detach(detach), IsOk());
+  EXPECT_EQ(memory_.still_open(), 1);
+  EXPECT_THAT(Push(sessions[0], 0, 0, 3, v1::PUSH_KIND_GRADIENT, next, handles[0], allocations[0]),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("attach again")));
+  server_->Shutdown();
+  EXPECT_EQ(memory_.still_open(), 0);
+  EXPECT_EQ(server_->sessions(), 0);
+}
+
+TEST_F(CudaIpcServerTest, AttachRefusesOtherNodesWrongTokensAndUnknownJobs) {
+  v1::AttachCudaIpcRequest other = AttachRequest(0);
+  other.set_boot_id("boot-B");
+  EXPECT_THAT(server_->Attach(other).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("another node")));
+  other.clear_boot_id();
+  EXPECT_THAT(server_->Attach(other).status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  v1::AttachCudaIpcRequest wrong = AttachRequest(0);
+  wrong.set_job_token("not-the-token");
+  EXPECT_THAT(server_->Attach(wrong).status(), StatusIs(absl::StatusCode::kPermissionDenied));
+  v1::AttachCudaIpcRequest unknown = AttachRequest(0);
+  unknown.set_job_id("no-such-job");
+  EXPECT_THAT(server_->Attach(unknown).status(), StatusIs(absl::StatusCode::kUnavailable));
+  unknown.clear_job_id();
+  EXPECT_THAT(server_->Attach(unknown).status(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(server_->sessions(), 0);
+  v1::AttachCudaIpcResponse ok = *server_->Attach(AttachRequest(0));
+  EXPECT_NE(ok.session_id(), 0u);
+  EXPECT_EQ(ok.device_name(), "cuda:0 (fake)");
+}
+
+TEST_F(CudaIpcServerTest, BadPushesAreRefusedAndStoreNothing) {
+  const uint64_t session = Attach(0);
+  const Bucket& b = cluster_.layout().buckets[0];
+  const std::vector<float> values = cluster_.GradShard(b, b.shards[0], 0);
+  std::vector<uint8_t> allocation(values.size() * 4 + 64);
+  const std::string handle = memory_.Export(&allocation);
+  // Beyond the allocation's end: the range is checked against the mapped size, not the claim.
+  EXPECT_THAT(Push(session, 0, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, values, handle, allocation, 128),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside the exported allocation")));
+  // Not a handle.
+  EXPECT_THAT(Push(session, 0, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, values, "short", allocation),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("64")));
+  // A handle this host cannot open.
+  EXPECT_THAT(Push(session, 0, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, values, std::string(64, 'x'), allocation),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unknown handle")));
+  // The copy fails.
+  memory_.fail_copies_ = true;
+  EXPECT_THAT(Push(session, 0, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, values, handle, allocation),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("fake failure")));
+  memory_.fail_copies_ = false;
+  // Another job's header on this session; an unknown session.
+  v1::CudaIpcPushRequest r;
+  r.set_session_id(session);
+  *r.mutable_header() = cluster_.PushHeader(0, 0, -1, 0, v1::PUSH_KIND_INITIAL_PARAMS, values);
+  r.mutable_header()->set_job_id("job-2");
+  r.mutable_memory()->set_handle(handle);
+  EXPECT_THAT(server_->Push(r).status(), StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("job-1")));
+  r.set_session_id(session + 1);
+  EXPECT_THAT(server_->Push(r).status(), StatusIs(absl::StatusCode::kUnavailable));
+  // A wrong token in the header is the core's refusal, as for PushGrad.
+  r.set_session_id(session);
+  *r.mutable_header() = cluster_.PushHeader(0, 0, -1, 0, v1::PUSH_KIND_INITIAL_PARAMS, values);
+  r.mutable_header()->set_job_token("not-the-token");
+  EXPECT_THAT(server_->Push(r).status(), StatusIs(absl::StatusCode::kPermissionDenied));
+  // Nothing of the failed pushes was stored: the same push now is new, not a duplicate.
+  auto pushed = Push(session, 0, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, values, handle, allocation);
+  ASSERT_THAT(pushed, IsOk());
+  EXPECT_FALSE(pushed->duplicate());
+}
+
+TEST_F(CudaIpcServerTest, MappingsCloseWhenEvictedReplacedOrTheTrainerIsGone) {
+  const uint64_t first = Attach(0, /*pid=*/4242);
+  const Layout& layout = cluster_.layout();
+  ASSERT_GE(layout.buckets.size(), 3u);
+  std::vector<std::vector<uint8_t>> allocations(3, std::vector<uint8_t>(1 << 20));
+  std::vector<std::string> handles;
+  for (auto& a : allocations) handles.push_back(memory_.Export(&a));
+  // max_mappings = 2: a third allocation closes the least recently used one.
+  for (int i = 0; i < 3; ++i) {
+    const Bucket& bi = layout.buckets[i];
+    ASSERT_THAT(Push(first, i, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, cluster_.GradShard(bi, bi.shards[0], 0), handles[i],
+                     allocations[i]),
+                IsOk());
+  }
+  const Bucket& b = layout.buckets[0];
+  const std::vector<float> values = cluster_.GradShard(b, b.shards[0], 0);
+  EXPECT_EQ(memory_.opens(), 3);
+  EXPECT_EQ(memory_.still_open(), 2);
+  EXPECT_EQ(server_->mappings(), 2);
+  // A new session of the same rank replaces the first, whose mappings close.
+  const uint64_t second = Attach(0, /*pid=*/4343);
+  EXPECT_NE(second, first);
+  EXPECT_EQ(memory_.still_open(), 0);
+  EXPECT_EQ(server_->sessions(), 1);
+  ASSERT_THAT(Push(second, 0, 1, -1, v1::PUSH_KIND_INITIAL_PARAMS, cluster_.GradShard(b, b.shards[1], 0), handles[0],
+                   allocations[0]),
+              IsOk());
+  EXPECT_EQ(memory_.still_open(), 1);
+  // Its process exits without detaching: the next attach (of any trainer) closes its session.
+  {
+    absl::MutexLock lock(&mu_);
+    dead_.insert(4343);
+  }
+  Attach(1, /*pid=*/4444);
+  EXPECT_EQ(memory_.still_open(), 0);
+  EXPECT_EQ(server_->sessions(), 1);
+}
+
+}  // namespace
+}  // namespace mainstay
