@@ -140,13 +140,17 @@ class PyClient {
   // `cuda_stream` / `cuda_event`: None, or a raw CUDA handle as an int (PyTorch:
   // torch.cuda.current_stream().cuda_stream, 0 = the legacy default stream; an event's
   // .cuda_event), as PushOptions::cuda_stream / cuda_event take them.
+  // `array_stream`: the stream a CUDA array's interface named (SpanOf), used when the caller
+  // names neither a stream nor an event.
   PushOptions Options(double loss_scale, double timeout_s, const py::object& cuda_stream = py::none(),
-                      const py::object& cuda_event = py::none()) const {
+                      const py::object& cuda_event = py::none(),
+                      std::optional<void*> array_stream = std::nullopt) const {
     PushOptions o;
     o.loss_scale = loss_scale;
     o.timeout = Millis(timeout_s);
     if (!cuda_stream.is_none()) o.cuda_stream = CudaHandle(cuda_stream, "cuda_stream");
     if (!cuda_event.is_none()) o.cuda_event = CudaHandle(cuda_event, "cuda_event");
+    if (cuda_stream.is_none() && cuda_event.is_none()) o.cuda_stream = array_stream;
     return o;
   }
 
@@ -344,37 +348,42 @@ PYBIND11_MODULE(_mainstay, m) {
         }
         Check(s);
       })
-      .def("push_grad", [](PyClient& c, int32_t bucket, int64_t step, const py::array& grad, bool wait,
+      .def("push_grad", [](PyClient& c, int32_t bucket, int64_t step, const py::object& grad, bool wait,
                            double loss_scale, const std::string& dtype, double timeout_s, const py::object& cuda_stream,
                            const py::object& cuda_event) {
         py::object keep;
-        ElementSpan span = SpanOf(grad, dtype, &keep);
-        return c.Track(c.client().PushGrad(bucket, step, span, c.Options(loss_scale, timeout_s, cuda_stream, cuda_event)),
+        std::optional<void*> stream;
+        ElementSpan span = SpanOf(grad, dtype, &keep, &stream);
+        return c.Track(c.client().PushGrad(bucket, step, span, c.Options(loss_scale, timeout_s, cuda_stream, cuda_event,
+                                                                          stream)),
                        keep, wait, step);
       }, py::arg("bucket"), py::arg("step"), py::arg("grad"), py::arg("wait") = false, py::arg("loss_scale") = 0.0,
          py::arg("dtype") = "", py::arg("timeout_s") = 0.0, py::kw_only(), py::arg("cuda_stream") = py::none(),
          py::arg("cuda_event") = py::none(),
-         "Reduced mode: this rank's shard (shard_numel elements) of the bucket's reduced gradient. "
+         "Reduced mode: this rank's shard (shard_numel elements) of the bucket's reduced gradient: a numpy "
+         "array, or a CUDA array (__cuda_array_interface__) for the nccl and cuda_ipc transports. "
          "cuda_stream / cuda_event (raw handles as ints): the push waits for that CUDA work before it reads the "
-         "buffer (e.g. an asynchronous copy into pinned memory).")
-      .def("push_shard", [](PyClient& c, int32_t bucket, int32_t shard, int64_t step, const py::array& grad,
+         "buffer (e.g. an asynchronous copy into pinned memory); by default, for the stream a CUDA array names.")
+      .def("push_shard", [](PyClient& c, int32_t bucket, int32_t shard, int64_t step, const py::object& grad,
                             int32_t num_contributors, bool wait, double loss_scale, const std::string& dtype,
                             double timeout_s, const py::object& cuda_stream, const py::object& cuda_event) {
         py::object keep;
-        ElementSpan span = SpanOf(grad, dtype, &keep);
+        std::optional<void*> stream;
+        ElementSpan span = SpanOf(grad, dtype, &keep, &stream);
         return c.Track(c.client().PushShard(bucket, shard, step, span, num_contributors,
-                                            c.Options(loss_scale, timeout_s, cuda_stream, cuda_event)),
+                                            c.Options(loss_scale, timeout_s, cuda_stream, cuda_event, stream)),
                        keep, wait, step);
       }, py::arg("bucket"), py::arg("shard"), py::arg("step"), py::arg("grad"), py::arg("num_contributors"),
          py::arg("wait") = false, py::arg("loss_scale") = 0.0, py::arg("dtype") = "", py::arg("timeout_s") = 0.0,
          py::kw_only(), py::arg("cuda_stream") = py::none(), py::arg("cuda_event") = py::none())
-      .def("push_bucket_unreduced", [](PyClient& c, int32_t bucket, int64_t step, const py::array& grad, bool wait,
+      .def("push_bucket_unreduced", [](PyClient& c, int32_t bucket, int64_t step, const py::object& grad, bool wait,
                                        double loss_scale, const std::string& dtype, double timeout_s,
                                        const py::object& cuda_stream, const py::object& cuda_event) {
         py::object keep;
-        ElementSpan span = SpanOf(grad, dtype, &keep);
+        std::optional<void*> stream;
+        ElementSpan span = SpanOf(grad, dtype, &keep, &stream);
         return c.Track(c.client().PushBucketUnreduced(bucket, step, span,
-                                                      c.Options(loss_scale, timeout_s, cuda_stream, cuda_event)),
+                                                      c.Options(loss_scale, timeout_s, cuda_stream, cuda_event, stream)),
                        keep, wait, step);
       }, py::arg("bucket"), py::arg("step"), py::arg("grad"), py::arg("wait") = false, py::arg("loss_scale") = 0.0,
          py::arg("dtype") = "", py::arg("timeout_s") = 0.0, py::kw_only(), py::arg("cuda_stream") = py::none(),

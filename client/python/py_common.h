@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -44,10 +45,16 @@ struct PyLayout {
 void BindLayout(py::module_& m);
 void BindPulled(py::module_& m);
 
-// ElementSpan over a C-contiguous array: float32 -> fp32, uint16/int16 -> bf16 bits (or fp16
-// bits when dtype == "fp16"), float16 -> fp16. `keep` receives the array actually used (a
-// contiguous copy when the input was not).
-ElementSpan SpanOf(const py::array& array, const std::string& dtype, py::object* keep);
+// What a push reads: a numpy array (host memory; made C-contiguous), or an object exposing the
+// CUDA Array Interface (`__cuda_array_interface__`, versions 2 and 3: a CUDA tensor of PyTorch,
+// CuPy, Numba), C-contiguous, whose device pointer the nccl and cuda_ipc transports take.
+// float32 -> fp32, uint16/int16 -> bf16 bits (or fp16 bits when dtype == "fp16"), float16 ->
+// fp16. `keep` receives the object actually used (a contiguous copy of a numpy input that was
+// not). When the interface names a stream and `stream` is given, *stream receives it: the push
+// waits for the work queued on it (1 = the legacy default stream, 2 = the per-thread one).
+// ValueError for anything else.
+ElementSpan SpanOf(const py::object& data, const std::string& dtype, py::object* keep,
+                   std::optional<void*>* stream = nullptr);
 
 py::dict StepStatsDict(const StepStats& s);
 py::dict PushResultDict(const PushResult& r);

@@ -149,9 +149,65 @@ py::dict Unflatten(const PyLayout& self, int32_t bucket, const py::array& flat_i
   throw py::error_already_set();
 }
 
-ElementSpan SpanOf(const py::array& array, const std::string& dtype, py::object* keep) {
-  py::array a = py::array::ensure(array, py::array::c_style);
-  if (!a) throw py::value_error("expected a numpy array");
+namespace {
+
+// SpanOf for an object with __cuda_array_interface__.
+ElementSpan CudaArraySpan(const py::object& data, const std::string& dtype, py::object* keep,
+                          std::optional<void*>* stream) {
+  const py::dict iface = data.attr("__cuda_array_interface__").cast<py::dict>();
+  auto field = [&](const char* key) -> py::object {
+    if (!iface.contains(key)) throw py::value_error(absl::StrCat("__cuda_array_interface__ has no '", key, "'"));
+    return iface[key];
+  };
+  const std::string typestr = py::str(field("typestr")).cast<std::string>();
+  int64_t element_bytes = 0;
+  ElementType type = ElementType::kFloat32;
+  if (typestr == "<f4") {
+    element_bytes = 4;
+  } else if (typestr == "<f2") {
+    element_bytes = 2;
+    type = ElementType::kFloat16;
+  } else if (typestr == "<i2" || typestr == "<u2") {
+    element_bytes = 2;
+    type = dtype == "fp16" ? ElementType::kFloat16 : ElementType::kBFloat16;
+  } else {
+    throw py::value_error(absl::StrCat("a CUDA array of typestr '", typestr,
+                                       "': expected float32 (<f4), float16 (<f2), or int16/uint16 (<i2, <u2) "
+                                       "holding bf16 bits (a bfloat16 tensor: pass t.view(torch.int16))"));
+  }
+  int64_t n = 1;
+  std::vector<int64_t> shape;
+  for (const py::handle d : field("shape").cast<py::tuple>()) shape.push_back(d.cast<int64_t>());
+  for (int64_t d : shape) n *= d;
+  if (iface.contains("strides") && !iface["strides"].is_none()) {
+    int64_t expect = element_bytes;
+    const py::tuple strides = iface["strides"].cast<py::tuple>();
+    for (size_t k = shape.size(); k-- > 0;) {
+      if (shape[k] > 1 && strides[k].cast<int64_t>() != expect) {
+        throw py::value_error("a CUDA array must be C-contiguous (e.g. t.contiguous())");
+      }
+      expect *= shape[k];
+    }
+  }
+  if (iface.contains("mask") && !iface["mask"].is_none()) throw py::value_error("a masked CUDA array");
+  const py::tuple pointer = field("data").cast<py::tuple>();
+  const auto address = pointer[0].cast<uintptr_t>();
+  if (address == 0 && n > 0) throw py::value_error("a CUDA array with a null pointer");
+  if (stream != nullptr && iface.contains("stream") && !iface["stream"].is_none()) {
+    const auto s = iface["stream"].cast<uint64_t>();
+    if (s == 0) throw py::value_error("__cuda_array_interface__: stream 0 is ambiguous (the interface forbids it)");
+    *stream = reinterpret_cast<void*>(static_cast<uintptr_t>(s));
+  }
+  *keep = data;
+  return {reinterpret_cast<const void*>(address), type, n};
+}
+
+}  // namespace
+
+ElementSpan SpanOf(const py::object& data, const std::string& dtype, py::object* keep, std::optional<void*>* stream) {
+  if (py::hasattr(data, "__cuda_array_interface__")) return CudaArraySpan(data, dtype, keep, stream);
+  py::array a = py::array::ensure(data, py::array::c_style);
+  if (!a) throw py::value_error("expected a numpy array or a CUDA array (__cuda_array_interface__)");
   *keep = a;
   const int64_t n = a.size();
   if (a.dtype().is(py::dtype::of<float>())) {

@@ -14,10 +14,12 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -84,13 +86,18 @@ class CudaIpcTransport final : public DataTransport {
   bool HostReadable(const void* data) const override { return !cuda_.DeviceOf(data).has_value(); }
 
   // Opens the session now, retrying while the daemon answers UNAVAILABLE (it may not have
-  // received the job yet).
+  // received the job yet); at the deadline that UNAVAILABLE carries kAttachNotYetPayload, so the
+  // caller re-reads the placement (the job may have gone to another daemon).
   absl::Status Attach(const v1::DaemonEndpoint& daemon, Deadline deadline) override {
     absl::Duration backoff = absl::Milliseconds(50);
     while (true) {
       absl::StatusOr<Session> s = SessionTo(daemon, deadline);
       if (s.ok() || s.status().code() != absl::StatusCode::kUnavailable) return s.status();
-      if (absl::Now() + backoff >= absl::FromChrono(deadline) || shutdown_.load()) return s.status();
+      if (absl::Now() + backoff >= absl::FromChrono(deadline) || shutdown_.load()) {
+        absl::Status not_yet = s.status();
+        not_yet.SetPayload(kAttachNotYetPayload, absl::Cord("1"));
+        return not_yet;
+      }
       absl::SleepFor(backoff);
       backoff = std::min(backoff * 2, absl::Seconds(1));
     }
@@ -110,7 +117,11 @@ class CudaIpcTransport final : public DataTransport {
     request.mutable_memory()->set_allocation_bytes(region->allocation_bytes);
     v1::PushGradResponse response;
     absl::Status status = StatusFromCall(route.stub->CudaIpcPush(context, request, &response), context);
-    if (absl::IsUnavailable(status)) Forget(route.endpoint.daemon_id(), s.id);  // the retry attaches again
+    // The daemon lost the session (it restarted; shard.proto's CudaIpcPush): the retry attaches
+    // again. Other UNAVAILABLE answers (a drain, a step in flight) keep it.
+    if (absl::IsUnavailable(status) && absl::StartsWith(status.message(), "unknown cuda_ipc session")) {
+      Forget(route.endpoint.daemon_id(), s.id);
+    }
     if (!status.ok()) return status;
     return response;
   }
@@ -139,12 +150,15 @@ class CudaIpcTransport final : public DataTransport {
 
   absl::StatusOr<Session> SessionTo(const v1::DaemonEndpoint& daemon, Deadline deadline) {
     if (shutdown_.load()) return absl::CancelledError("the client is shutting down");
-    absl::MutexLock attach_lock(&attach_mu_);  // one attach at a time: no duplicate sessions
-    {
+    auto known = [&]() -> std::optional<Session> {
       absl::MutexLock lock(&mu_);
       auto it = sessions_.find(daemon.daemon_id());
-      if (it != sessions_.end()) return it->second;
-    }
+      if (it == sessions_.end()) return std::nullopt;
+      return it->second;
+    };
+    if (std::optional<Session> s = known(); s.has_value()) return *s;
+    absl::MutexLock attach_lock(&attach_mu_);  // one attach at a time: no duplicate sessions
+    if (std::optional<Session> s = known(); s.has_value()) return *s;
     Session s;
     s.stub = context_.stub_for(daemon.address());
     v1::AttachCudaIpcRequest request;
@@ -161,8 +175,8 @@ class CudaIpcTransport final : public DataTransport {
     absl::Status status = StatusFromCall(s.stub->AttachCudaIpc(&call, request, &response), &call);
     if (status.ok() && response.session_id() == 0) status = absl::InternalError("session id 0");
     if (!status.ok()) {
-      return absl::Status(status.code(), absl::StrCat("attaching cuda_ipc to daemon ", daemon.daemon_id(), " (",
-                                                      daemon.address(), "): ", status.message()));
+      return Annotate(status,
+                      absl::StrCat("attaching cuda_ipc to daemon ", daemon.daemon_id(), " (", daemon.address(), ")"));
     }
     s.id = response.session_id();
     absl::MutexLock lock(&mu_);

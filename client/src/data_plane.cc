@@ -410,10 +410,9 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
 absl::Status Client::Impl::PushStepAgain(int64_t step, const std::vector<client_internal::StepPush>& pushes) {
   for (const client_internal::StepPush& p : pushes) {
     const std::string which = absl::StrCat("bucket ", p.bucket, " shard ", p.shard);
-    if (!p.crc->has_value()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the push of ", which, " cannot be checked (its data is not host-readable) so it is not pushed again here"));
-    }
+    // Device memory (the nccl and cuda_ipc transports) has no CRC here: it is pushed again as
+    // it is, which the contract allows (the buffer stays unchanged until FinishStep returns).
+    if (!p.crc->has_value()) continue;
     if (::mainstay::Crc32c(p.data.data, p.data.bytes()) != **p.crc) {
       return absl::FailedPreconditionError(
           absl::StrCat("the buffer pushed for ", which, " changed after its push (it must stay unchanged until "

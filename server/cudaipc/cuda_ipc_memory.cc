@@ -1,6 +1,7 @@
 // CUDA's IpcMemory (ipc_memory.h): cudaIpcOpenMemHandle on the daemon's device, the allocation's
 // size from the driver (cuMemGetAddressRange, reached through the runtime's entry-point query so
-// that mainstayd does not link libcuda), copies on the calling thread's per-thread stream.
+// that mainstayd does not link libcuda), each copy on a non-blocking stream of its own (it waits
+// for nothing else the daemon runs; the push threads are short-lived, so no stream is kept).
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
@@ -54,8 +55,13 @@ class CudaIpcMemory final : public IpcMemory {
       return absl::InternalError(absl::StrCat("cudaSetDevice(", device_, "): ", CudaError(e)));
     }
     const char* src = static_cast<const char*>(mapping.base) + offset;
-    cudaError_t e = cudaMemcpyAsync(dest, src, bytes, cudaMemcpyDeviceToHost, cudaStreamPerThread);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamPerThread);
+    cudaStream_t stream = nullptr;
+    cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) {
+      e = cudaMemcpyAsync(dest, src, bytes, cudaMemcpyDeviceToHost, stream);
+      if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    }
     if (e != cudaSuccess) {
       cudaGetLastError();
       return absl::InternalError(

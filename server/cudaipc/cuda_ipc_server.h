@@ -1,16 +1,17 @@
 // The daemon's end of the cuda_ipc transport (docs/transports.md, CUDA IPC). A trainer on this
 // daemon's node opens a session (AttachCudaIpc), then pushes device memory by handing over the
 // CUDA IPC handle of its allocation with the payload's offset (CudaIpcPush). The daemon maps the
-// allocation once per session (IpcMemory::Open, cached), copies the payload into the core's
-// PushSession, and stores it as PushGrad would: nothing is stored unless every byte was copied.
-// Pulls and everything else go over gRPC. server/grpc/shard_service.cc adapts it; no gRPC and no
-// CUDA in here (the IpcMemory does the CUDA), so tests run it with a fake.
+// allocation for that push only (IpcMemory::Open, then Close once the bytes are copied: CUDA
+// leaves a mapping of freed memory undefined, and the trainer may free the buffer once the step
+// finished), copies the payload into the core's PushSession, and stores it as PushGrad would:
+// nothing is stored unless every byte was copied. Pulls and everything else go over gRPC.
+// server/grpc/shard_service.cc adapts it; no gRPC and no CUDA in here (the IpcMemory does the
+// CUDA), so tests run it with a fake.
 //
-// Sessions end when the trainer detaches, when a new session of the same (job, rank) replaces
-// them, when the daemon stops, or when the trainer's process is found gone (checked at each
-// attach, for trainers in this daemon's pid namespace): their mappings are closed then, which
-// lets the trainer's driver free the memory. At most Options.max_mappings allocations stay
-// mapped per session; the least recently used one is closed beyond that.
+// A session binds (job, rank) to this node (the trainer's boot id). It ends when the trainer
+// detaches, when a new session of the same (job, rank) replaces it, when the daemon stops, or
+// when the trainer's process is found gone (checked at each attach, for trainers in this
+// daemon's pid namespace).
 //
 // Ownership: the options' daemon, drain and memory are not owned and must outlive the server.
 // Thread safety: every method is thread-safe; pushes of one session may run concurrently.
@@ -30,6 +31,9 @@
 
 namespace mainstay::daemon {
 
+// How CudaIpcPush's UNAVAILABLE for an unknown session begins (the trainer then attaches again).
+inline constexpr char kUnknownCudaIpcSession[] = "unknown cuda_ipc session";
+
 class CudaIpcServer {
  public:
   struct Options {
@@ -41,7 +45,6 @@ class CudaIpcServer {
     std::string boot_id;
     std::string pid_namespace;
     int max_sessions = 1024;  // open sessions at most (RESOURCE_EXHAUSTED beyond)
-    int max_mappings = 64;    // mapped allocations per session at most (the oldest is closed)
     // Whether process `pid` of this pid namespace is alive; null: kill(pid, 0).
     std::function<bool(int64_t pid)> alive;
   };
@@ -57,7 +60,7 @@ class CudaIpcServer {
   // "CUDA IPC on cuda:0 (...)", for the start-up log.
   std::string Describe() const;
   int sessions() const;
-  int mappings() const;  // mapped allocations over every session (closed ones excluded)
+  int mappings() const;  // allocations mapped now (by the pushes in flight)
   // Refuses new calls (UNAVAILABLE), waits for the pushes in flight, closes every session.
   // Idempotent.
   void Shutdown();

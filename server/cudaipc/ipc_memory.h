@@ -37,9 +37,11 @@ class IpcMemory {
   // process, already freed, or of a device this one has no peer access to).
   virtual absl::StatusOr<Mapping> Open(absl::string_view handle) = 0;
   // Copies `bytes` from `offset` of `mapping` into host memory at `dest` and returns when they
-  // are there. The caller checked the range. INTERNAL with CUDA's error on failure.
+  // are there (on a stream of its own, unordered with the daemon's other work). The caller
+  // checked the range. INTERNAL with CUDA's error on failure.
   virtual absl::Status CopyToHost(const Mapping& mapping, uint64_t offset, void* dest, uint64_t bytes) = 0;
-  // Unmaps it (the trainer's allocation is freed once no process maps it).
+  // Unmaps it. Must come before the trainer frees the allocation: CUDA leaves a mapping of freed
+  // memory undefined.
   virtual void Close(const Mapping& mapping) = 0;
 };
 

@@ -257,9 +257,9 @@ absl::StatusOr<std::unique_ptr<PushSession>> ShardDaemon::BeginPush(const v1::Pu
   return job->BeginPush(header);
 }
 
-absl::Status ShardDaemon::CheckJobToken(const std::string& job_id, const std::string& job_token) const {
+absl::Status ShardDaemon::CheckJobToken(const std::string& job_id, const std::string& job_token, bool writer) const {
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, FindJob(job_id));
-  return job->CheckReadToken(job_token);
+  return writer ? job->CheckToken(job_token) : job->CheckReadToken(job_token);
 }
 
 absl::StatusOr<v1::PinVersionResponse> ShardDaemon::PinVersion(const v1::PinVersionRequest& request) {

@@ -90,7 +90,8 @@ class ShardDaemon {
   // has shards here and `job_token` is its job token or its reader token (each request on the
   // connection is checked again: a reader's pushes and FinishSteps are PERMISSION_DENIED);
   // UNAVAILABLE / UNAUTHENTICATED / PERMISSION_DENIED.
-  absl::Status CheckJobToken(const std::string& job_id, const std::string& job_token) const;
+  // `writer`: the job token only (a reader's token is PERMISSION_DENIED).
+  absl::Status CheckJobToken(const std::string& job_id, const std::string& job_token, bool writer = false) const;
   absl::StatusOr<PullResult> PullParams(const v1::PullParamsRequest& request, absl::Time deadline);
   // Job::KeptVersion of the request's job (null when the job is unknown).
   std::shared_ptr<const QuantizedShard> KeptVersion(const v1::PullParamsRequest& request, int64_t version);

@@ -148,7 +148,12 @@ int Run(const std::map<std::string, std::string>& flags) {
         }
         source = d;
       }
-      pushes.push_back(client.PushGrad(b.index, step, {source, mainstay::ElementType::kFloat32, b.shard_numel}));
+      // The copy above may still be in flight when cudaMemcpy returns (pageable memory): the push
+      // waits for the legacy default stream it went on.
+      mainstay::PushOptions push_options;
+      if (source != g.data()) push_options.cuda_stream = nullptr;
+      pushes.push_back(
+          client.PushGrad(b.index, step, {source, mainstay::ElementType::kFloat32, b.shard_numel}, push_options));
     }
     for (mainstay::PushHandle& p : pushes) {
       if (!p.Wait().ok()) return Fail(absl::StrCat("PushGrad step ", step), p.Wait().status());

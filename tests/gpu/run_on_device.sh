@@ -100,6 +100,11 @@ gtest() {
   counts=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ test' "$log" | sed -E 's/^\[  ([A-Z]+) +\] ([0-9]+) tests?.*/\2 \1/' |
     tr '[:upper:]' '[:lower:]' | paste -sd, - | sed 's/,/, /g')
   local detail="${counts:-no googletest summary}, $(( $(date +%s) - t0 ))s"
+  # A filter that matched nothing exits 0 with "0 tests": that is not a pass.
+  if [ "$rc" = 0 ] && ! grep -qE '^\[  (PASSED|SKIPPED) +\] [1-9][0-9]* test' "$log"; then
+    row "$name" "FAIL" "no test ran; $detail"
+    return
+  fi
   case $rc in
     0) row "$name" "pass" "$detail" ;;
     77)

@@ -1,8 +1,9 @@
 // The cuda_ipc transport's daemon end (server/cudaipc/cuda_ipc_server.h) on a real ShardDaemon,
 // with a fake IpcMemory whose "device allocations" are host buffers: sessions, pushes copied out
 // of the trainer's allocation (the steps equal the reference bit for bit), the refusals (another
-// node, wrong token or job, bad handle, a range outside the allocation, a copy that fails: nothing
-// stored), the mapping cache and when mappings are closed.
+// node, wrong or reader token, another job or rank, bad handle, a range outside the allocation, a
+// copy that fails: nothing stored), mappings that live only while their push copies, and when
+// sessions end.
 #include "server/cudaipc/cuda_ipc_server.h"
 
 #include <gmock/gmock.h>
@@ -99,7 +100,6 @@ class CudaIpcServerTest : public ::testing::Test {
     o.device_name = "cuda:0 (fake)";
     o.boot_id = kBoot;
     o.pid_namespace = kNamespace;
-    o.max_mappings = 2;
     o.alive = [this](int64_t pid) {
       absl::MutexLock lock(&mu_);
       return dead_.count(pid) == 0;
@@ -188,9 +188,12 @@ TEST_F(CudaIpcServerTest, PushesCopiedOutOfTheTrainersMemoryTrainLikeTheReferenc
     ref.Step(step, lr);
     ExpectMatchesReference(cluster_, ref, step + 1);
   }
-  // Each allocation was opened once, and stays mapped for the session.
-  EXPECT_EQ(memory_.opens(), 2);
-  EXPECT_EQ(server_->mappings(), 2);
+  // Each push mapped its allocation for its copy only.
+  int pushes = 0;
+  for (const Bucket& b : layout.buckets) pushes += 4 * static_cast<int>(b.shards.size());
+  EXPECT_EQ(memory_.opens(), pushes);
+  EXPECT_EQ(memory_.still_open(), 0);
+  EXPECT_EQ(server_->mappings(), 0);
   // The same push again is a duplicate: nothing is copied.
   const Bucket& b0 = layout.buckets[0];
   const std::vector<float> next = cluster_.GradShard(b0, b0.shards[0], 3);
@@ -200,17 +203,16 @@ TEST_F(CudaIpcServerTest, PushesCopiedOutOfTheTrainersMemoryTrainLikeTheReferenc
   ASSERT_THAT(again, IsOk());
   EXPECT_TRUE(again->duplicate());
   memory_.fail_copies_ = false;
-  // Detaching closes the session's mappings; its id is refused afterwards.
+  // Detaching ends the session; its id is refused afterwards, as a lost session.
   v1::DetachCudaIpcRequest detach;
   detach.set_session_id(sessions[0]);
   detach.set_job_id(kJob);
   detach.set_job_token(kToken);
   ASSERT_THAT(server_->Detach(detach), IsOk());
-  EXPECT_EQ(memory_.still_open(), 1);
+  EXPECT_EQ(server_->sessions(), 1);
   EXPECT_THAT(Push(sessions[0], 0, 0, 3, v1::PUSH_KIND_GRADIENT, next, handles[0], allocations[0]),
-              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("attach again")));
+              StatusIs(absl::StatusCode::kUnavailable, ::testing::StartsWith(daemon::kUnknownCudaIpcSession)));
   server_->Shutdown();
-  EXPECT_EQ(memory_.still_open(), 0);
   EXPECT_EQ(server_->sessions(), 0);
 }
 
@@ -224,6 +226,15 @@ TEST_F(CudaIpcServerTest, AttachRefusesOtherNodesWrongTokensAndUnknownJobs) {
   v1::AttachCudaIpcRequest wrong = AttachRequest(0);
   wrong.set_job_token("not-the-token");
   EXPECT_THAT(server_->Attach(wrong).status(), StatusIs(absl::StatusCode::kPermissionDenied));
+  // A reader's token reads; it does not push, so it gets no session (which would replace the
+  // trainer's).
+  cluster_.AssignAll("reader-token");
+  wrong.set_job_token("reader-token");
+  EXPECT_THAT(server_->Attach(wrong).status(), StatusIs(absl::StatusCode::kPermissionDenied));
+  // Another node is told so without being told this host's boot id.
+  other.set_boot_id("boot-B");
+  EXPECT_THAT(server_->Attach(other).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::Not(HasSubstr(kBoot))));
   v1::AttachCudaIpcRequest unknown = AttachRequest(0);
   unknown.set_job_id("no-such-job");
   EXPECT_THAT(server_->Attach(unknown).status(), StatusIs(absl::StatusCode::kUnavailable));
@@ -255,13 +266,15 @@ TEST_F(CudaIpcServerTest, BadPushesAreRefusedAndStoreNothing) {
   EXPECT_THAT(Push(session, 0, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, values, handle, allocation),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("fake failure")));
   memory_.fail_copies_ = false;
-  // Another job's header on this session; an unknown session.
+  // Another job's or rank's header on this session; an unknown session.
   v1::CudaIpcPushRequest r;
   r.set_session_id(session);
   *r.mutable_header() = cluster_.PushHeader(0, 0, -1, 0, v1::PUSH_KIND_INITIAL_PARAMS, values);
   r.mutable_header()->set_job_id("job-2");
   r.mutable_memory()->set_handle(handle);
   EXPECT_THAT(server_->Push(r).status(), StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("job-1")));
+  *r.mutable_header() = cluster_.PushHeader(0, 1, -1, 1, v1::PUSH_KIND_INITIAL_PARAMS, values);
+  EXPECT_THAT(server_->Push(r).status(), StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("rank 0")));
   r.set_session_id(session + 1);
   EXPECT_THAT(server_->Push(r).status(), StatusIs(absl::StatusCode::kUnavailable));
   // A wrong token in the header is the core's refusal, as for PushGrad.
@@ -269,48 +282,36 @@ TEST_F(CudaIpcServerTest, BadPushesAreRefusedAndStoreNothing) {
   *r.mutable_header() = cluster_.PushHeader(0, 0, -1, 0, v1::PUSH_KIND_INITIAL_PARAMS, values);
   r.mutable_header()->set_job_token("not-the-token");
   EXPECT_THAT(server_->Push(r).status(), StatusIs(absl::StatusCode::kPermissionDenied));
-  // Nothing of the failed pushes was stored: the same push now is new, not a duplicate.
+  // Nothing of the failed pushes was stored: the same push now is new, not a duplicate. No
+  // mapping outlived its push, failed or not.
   auto pushed = Push(session, 0, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, values, handle, allocation);
   ASSERT_THAT(pushed, IsOk());
   EXPECT_FALSE(pushed->duplicate());
+  EXPECT_EQ(memory_.still_open(), 0);
 }
 
-TEST_F(CudaIpcServerTest, MappingsCloseWhenEvictedReplacedOrTheTrainerIsGone) {
+TEST_F(CudaIpcServerTest, SessionsEndWhenReplacedOrWhenTheTrainerIsGone) {
   const uint64_t first = Attach(0, /*pid=*/4242);
-  const Layout& layout = cluster_.layout();
-  ASSERT_GE(layout.buckets.size(), 3u);
-  std::vector<std::vector<uint8_t>> allocations(3, std::vector<uint8_t>(1 << 20));
-  std::vector<std::string> handles;
-  for (auto& a : allocations) handles.push_back(memory_.Export(&a));
-  // max_mappings = 2: a third allocation closes the least recently used one.
-  for (int i = 0; i < 3; ++i) {
-    const Bucket& bi = layout.buckets[i];
-    ASSERT_THAT(Push(first, i, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, cluster_.GradShard(bi, bi.shards[0], 0), handles[i],
-                     allocations[i]),
-                IsOk());
-  }
-  const Bucket& b = layout.buckets[0];
-  const std::vector<float> values = cluster_.GradShard(b, b.shards[0], 0);
-  EXPECT_EQ(memory_.opens(), 3);
-  EXPECT_EQ(memory_.still_open(), 2);
-  EXPECT_EQ(server_->mappings(), 2);
-  // A new session of the same rank replaces the first, whose mappings close.
+  // A new session of the same rank (a restarted trainer) replaces the first.
   const uint64_t second = Attach(0, /*pid=*/4343);
   EXPECT_NE(second, first);
-  EXPECT_EQ(memory_.still_open(), 0);
   EXPECT_EQ(server_->sessions(), 1);
-  ASSERT_THAT(Push(second, 0, 1, -1, v1::PUSH_KIND_INITIAL_PARAMS, cluster_.GradShard(b, b.shards[1], 0), handles[0],
-                   allocations[0]),
-              IsOk());
-  EXPECT_EQ(memory_.still_open(), 1);
-  // Its process exits without detaching: the next attach (of any trainer) closes its session.
+  const Bucket& b = cluster_.layout().buckets[0];
+  const std::vector<float> values = cluster_.GradShard(b, b.shards[0], 0);
+  std::vector<uint8_t> allocation(values.size() * 4);
+  const std::string handle = memory_.Export(&allocation);
+  EXPECT_THAT(Push(first, 0, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, values, handle, allocation),
+              StatusIs(absl::StatusCode::kUnavailable));
+  ASSERT_THAT(Push(second, 0, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, values, handle, allocation), IsOk());
+  // Its process exits without detaching: the next attach (of any trainer) ends its session.
   {
     absl::MutexLock lock(&mu_);
     dead_.insert(4343);
   }
   Attach(1, /*pid=*/4444);
-  EXPECT_EQ(memory_.still_open(), 0);
   EXPECT_EQ(server_->sessions(), 1);
+  EXPECT_THAT(Push(second, 0, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, values, handle, allocation),
+              StatusIs(absl::StatusCode::kUnavailable));
 }
 
 }  // namespace

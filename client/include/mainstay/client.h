@@ -21,8 +21,9 @@
 // Ownership: the Client owns its channels (one per daemon address), its placement cache and two
 // small thread pools (pushes, pulls). Data handed to a gradient push (ElementSpan) is NOT copied:
 // it must stay valid until FinishStep of its step succeeded, the step was pushed again, or the
-// Client is destroyed (FinishStep may push it again: ClientOptions::step_attempts; a buffer
-// changed meanwhile is detected and not pushed again); initial parameters until the push's
+// Client is destroyed (FinishStep may push it again: ClientOptions::step_attempts; a host
+// buffer changed meanwhile is detected by its CRC-32C and not pushed again, a device buffer is
+// pushed again as it is); initial parameters until the push's
 // handle is ready (Wait returned). Destroying the Client cancels
 // the operations still in flight (their handles complete with CANCELLED) and waits for them.
 // Pushed buffers are host memory for the grpc and ucx transports, which read them with the CPU:

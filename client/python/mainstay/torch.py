@@ -161,6 +161,10 @@ class MainstayOptimizer(torch.optim.Optimizer):
                             "\"host:port\", got %s" % type(client).__name__)
         self.client = client
         self.layout = client.layout
+        # Transports that read device memory (nccl, cuda_ipc; docs/transports.md) take CUDA
+        # gradients where they are; the others get a host copy.
+        connections = client.connections()
+        self._device_pushes = bool(connections) and all(c["transport"] in ("nccl", "cuda_ipc") for c in connections)
         self._check_job(named)
         self._build_buffers(named)
         self._next_step = 0
@@ -736,9 +740,13 @@ class MainstayOptimizer(torch.optim.Optimizer):
         return self.client.push_grad(b, step, payload, wait=False)
 
     def _wire(self, t):
-        """A host numpy view of `t` as the client takes it: float32, or bf16 bits as int16."""
+        """`t` as the client takes it (float32, or bf16 bits as int16): a CUDA tensor as it is
+        where the transport reads device memory (by its __cuda_array_interface__, whose stream the
+        push waits for), else a host numpy view."""
         if t.dtype == torch.bfloat16:
             t = t.view(torch.int16)
+        if self._device_pushes and t.device.type == "cuda":
+            return t.contiguous()
         return self._host(t)
 
     def _host(self, t):

@@ -194,11 +194,14 @@ class EndToEndTest(unittest.TestCase):
         # Step 0, reduced: each rank pushes its shard of the reduced gradient, asynchronously.
         grads = [(0.01 * rng.standard_normal(b["numel"])).astype(np.float32) for b in buckets]
 
+        # Rank 1 hands its shards over as CUDA arrays (__cuda_array_interface__, as a CUDA
+        # tensor does); here they wrap host memory, which the client reads as such.
         def step0(r, c):
             handles = []
             for b in buckets:
                 lo, hi = layout.shard_range(b["index"], r)
-                handles.append(c.push_grad(b["index"], 0, grads[b["index"]][lo:hi]))
+                shard = grads[b["index"]][lo:hi]
+                handles.append(c.push_grad(b["index"], 0, CudaArray(shard) if r == 1 else shard))
             stats = c.finish_step(0, lr=0.5, weight_decay=0.0)
             self.assertTrue(all(h.ready() for h in handles))
             return stats
@@ -243,6 +246,31 @@ class EndToEndTest(unittest.TestCase):
                 c0.push_grad(0, 2, grads[0][:buckets[0]["shard_numel"]], wait=True, cuda_stream=0)
             self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
             self.assertIn("libcuda.so.1", str(e.exception))
+
+        # CUDA arrays: C-contiguous, of a type a push takes, with a stream the interface allows;
+        # the stream they name is waited for (which needs the CUDA driver).
+        shard = grads[0][:buckets[0]["shard_numel"]]
+        for bad, says in [(CudaArray(shard.astype(np.float64), typestr="<f8"), "typestr '<f8'"),
+                          (CudaArray(shard, strides=(8,)), "C-contiguous"),
+                          (CudaArray(shard, stream=0), "stream 0")]:
+            with self.assertRaises(ValueError) as e:
+                c0.push_grad(0, 2, bad)
+            self.assertIn(says, str(e.exception))
+        if not _has_cuda_driver():
+            with self.assertRaises(mainstay.Error) as e:
+                c0.push_grad(0, 2, CudaArray(shard, stream=1), wait=True)
+            self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
+            self.assertIn("libcuda.so.1", str(e.exception))
+
+
+class CudaArray:
+    """Exposes a numpy array through the CUDA Array Interface (version 3), as a CUDA tensor
+    does; keeps the array alive."""
+
+    def __init__(self, array, typestr="<f4", strides=None, stream=None):
+        self.array = np.ascontiguousarray(array)
+        self.__cuda_array_interface__ = {"shape": self.array.shape, "typestr": typestr, "strides": strides,
+                                         "data": (self.array.ctypes.data, False), "version": 3, "stream": stream}
 
 
 def _has_cuda_driver():
