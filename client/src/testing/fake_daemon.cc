@@ -41,25 +41,13 @@ class FakeDaemon final : public v1::Shard::Service {
     int64_t shard_numel = 0;
     {
       absl::MutexLock lock(&s_->mu);
-      grpc::Status admitted = s_->Admit(context, index_, h.job_id(), h.job_token(), h.placement_epoch(), h.bucket(),
-                                        h.shard());
+      grpc::Status admitted =
+          s_->Admit(context, index_, h.job_id(), h.job_token(), h.placement_epoch(), h.bucket(), h.shard());
       if (!admitted.ok()) return admitted;
       shard_numel = s_->layout->buckets[h.bucket()].shard_numel;
-      if (h.kind() == v1::PUSH_KIND_GRADIENT && h.step() <= s_->committed_step) {
-        v1::ErrorDetail detail;
-        detail.set_committed_step(s_->committed_step);
-        return WithDetail(context, grpc::StatusCode::FAILED_PRECONDITION, "step already committed", detail);
-      }
     }
-    if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS && (h.step() != -1 || h.dtype() != v1::ELEMENT_TYPE_FP32)) {
-      return Invalid("initial parameters need step -1 and fp32");
-    }
-    if (h.kind() == v1::PUSH_KIND_GRADIENT && h.step() < 0) return Invalid("negative step");
+    if (grpc::Status checked = CheckHeader(context, h, shard_numel); !checked.ok()) return checked;
     const int elem = h.dtype() == v1::ELEMENT_TYPE_FP32 ? 4 : 2;
-    if (h.dtype() != v1::ELEMENT_TYPE_FP32 && h.dtype() != v1::ELEMENT_TYPE_BF16 && h.dtype() != v1::ELEMENT_TYPE_FP16) {
-      return Invalid("bad dtype");
-    }
-    if (h.total_bytes() != shard_numel * elem) return Invalid("wrong total_bytes");
     std::string payload;
     int64_t max_chunk = 0;
     while (reader->Read(&message)) {
@@ -71,12 +59,7 @@ class FakeDaemon final : public v1::Shard::Service {
       payload += c.data();
     }
     if (static_cast<int64_t>(payload.size()) != h.total_bytes()) return Invalid("short payload");
-    {
-      absl::MutexLock lock(&s_->mu);
-      ++s_->stats.push_streams;
-      s_->stats.max_chunk_bytes = std::max(s_->stats.max_chunk_bytes, max_chunk);
-    }
-    return Store(context, h, payload, shard_numel, response);
+    return Store(h, payload, shard_numel, response, max_chunk);
   }
 
   // The cuda_ipc transport's calls. A "handle" here is what the tests' fake CUDA driver exports:
@@ -102,7 +85,7 @@ class FakeDaemon final : public v1::Shard::Service {
       absl::MutexLock lock(&s_->mu);
       if (request->session_id() <= 1000 ||
           request->session_id() > 1000 + static_cast<uint64_t>(s_->stats.cuda_ipc_attaches)) {
-        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake daemon: unknown cuda_ipc session");
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "unknown cuda_ipc session (fake daemon)");
       }
       grpc::Status admitted =
           s_->Admit(context, index_, h.job_id(), h.job_token(), h.placement_epoch(), h.bucket(), h.shard());
@@ -110,78 +93,14 @@ class FakeDaemon final : public v1::Shard::Service {
       shard_numel = s_->layout->buckets[h.bucket()].shard_numel;
       ++s_->stats.cuda_ipc_pushes;
     }
+    if (grpc::Status checked = CheckHeader(context, h, shard_numel); !checked.ok()) return checked;
     const v1::CudaIpcRegion& m = request->memory();
     if (m.handle().size() != 64) return Invalid("a CUDA IPC handle has 64 bytes");
     if (m.offset() + static_cast<uint64_t>(h.total_bytes()) > m.allocation_bytes()) return Invalid("range outside");
     uintptr_t base = 0;
     std::memcpy(&base, m.handle().data(), sizeof(base));
     const std::string payload(reinterpret_cast<const char*>(base) + m.offset(), static_cast<size_t>(h.total_bytes()));
-    return Store(context, h, payload, shard_numel, response);
-  }
-
-  // A whole push's payload (PushGrad's chunks, or a cuda_ipc push's bytes), stored.
-  grpc::Status Store(grpc::ServerContext* context, const v1::PushGradHeader& h, const std::string& payload,
-                     int64_t shard_numel, v1::PushGradResponse* response) {
-    {
-      absl::MutexLock lock(&s_->mu);
-      if (h.kind() == v1::PUSH_KIND_GRADIENT && h.step() <= s_->committed_step) {
-        v1::ErrorDetail detail;
-        detail.set_committed_step(s_->committed_step);
-        return WithDetail(context, grpc::StatusCode::FAILED_PRECONDITION, "step already committed", detail);
-      }
-    }
-    if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS && (h.step() != -1 || h.dtype() != v1::ELEMENT_TYPE_FP32)) {
-      return Invalid("initial parameters need step -1 and fp32");
-    }
-    if (h.kind() == v1::PUSH_KIND_GRADIENT && h.step() < 0) return Invalid("negative step");
-    if (h.dtype() != v1::ELEMENT_TYPE_FP32 && h.dtype() != v1::ELEMENT_TYPE_BF16 &&
-        h.dtype() != v1::ELEMENT_TYPE_FP16) {
-      return Invalid("bad dtype");
-    }
-    const int elem = h.dtype() == v1::ELEMENT_TYPE_FP32 ? 4 : 2;
-    if (h.total_bytes() != shard_numel * elem || static_cast<int64_t>(payload.size()) != h.total_bytes()) {
-      return Invalid("wrong total_bytes");
-    }
-    if (h.crc32c() != 0 && ::mainstay::Crc32c(payload.data(), payload.size()) != h.crc32c()) {
-      absl::MutexLock lock(&s_->mu);
-      ++s_->stats.wrong_crc;
-      return grpc::Status(grpc::StatusCode::DATA_LOSS, "crc32c mismatch");
-    }
-    std::vector<float> values(shard_numel);
-    for (int64_t i = 0; i < shard_numel; ++i) {
-      if (elem == 4) {
-        std::memcpy(&values[i], payload.data() + 4 * i, 4);
-      } else {
-        uint16_t bits;
-        std::memcpy(&bits, payload.data() + 2 * i, 2);
-        values[i] = h.dtype() == v1::ELEMENT_TYPE_BF16 ? kernels::Bf16ToFloat(bits) : kernels::Fp16ToFloat(bits);
-      }
-      if (h.loss_scale() > 0) values[i] = static_cast<float>(values[i] / h.loss_scale());
-    }
-    absl::MutexLock lock(&s_->mu);
-    response->set_received_elements(shard_numel);
-    if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS) {
-      if (s_->version >= 1) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "already trained");
-      std::copy(values.begin(), values.end(), s_->master[h.bucket()].begin() + h.shard() * shard_numel);
-      s_->initial.insert({h.bucket(), h.shard()});
-      const size_t all = s_->layout->buckets.size() * s_->layout->data_parallel_size;
-      if (s_->initial.size() == all && s_->version < 0) s_->version = 0;
-      s_->changed.SignalAll();
-      response->set_contributions(1);
-      return grpc::Status::OK;
-    }
-    const GradKey key{h.step(), h.bucket(), h.shard()};
-    auto& by_rank = s_->grads[key];
-    if (by_rank.count(h.rank())) {
-      ++s_->stats.duplicate_pushes;
-      response->set_duplicate(true);
-    } else {
-      by_rank[h.rank()] = std::move(values);
-      s_->contributors[key] = std::max(1, h.num_contributors());
-    }
-    response->set_contributions(static_cast<int32_t>(by_rank.size()));
-    s_->TryCommit();
-    return grpc::Status::OK;
+    return Store(h, payload, shard_numel, response, /*stream_chunk=*/-1);
   }
 
   grpc::Status PullParams(grpc::ServerContext* context, const v1::PullParamsRequest* request,
@@ -274,6 +193,80 @@ class FakeDaemon final : public v1::Shard::Service {
   }
 
  private:
+  // A push header's own checks, before any payload moves.
+  grpc::Status CheckHeader(grpc::ServerContext* context, const v1::PushGradHeader& h, int64_t shard_numel) {
+    {
+      absl::MutexLock lock(&s_->mu);
+      if (h.kind() == v1::PUSH_KIND_GRADIENT && h.step() <= s_->committed_step) {
+        v1::ErrorDetail detail;
+        detail.set_committed_step(s_->committed_step);
+        return WithDetail(context, grpc::StatusCode::FAILED_PRECONDITION, "step already committed", detail);
+      }
+    }
+    if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS && (h.step() != -1 || h.dtype() != v1::ELEMENT_TYPE_FP32)) {
+      return Invalid("initial parameters need step -1 and fp32");
+    }
+    if (h.kind() == v1::PUSH_KIND_GRADIENT && h.step() < 0) return Invalid("negative step");
+    if (h.dtype() != v1::ELEMENT_TYPE_FP32 && h.dtype() != v1::ELEMENT_TYPE_BF16 &&
+        h.dtype() != v1::ELEMENT_TYPE_FP16) {
+      return Invalid("bad dtype");
+    }
+    const int elem = h.dtype() == v1::ELEMENT_TYPE_FP32 ? 4 : 2;
+    if (h.total_bytes() != shard_numel * elem) return Invalid("wrong total_bytes");
+    return grpc::Status::OK;
+  }
+
+  // Stores a checked push's whole payload. `stream_chunk`: a PushGrad stream's largest chunk (the
+  // stream is counted), -1 for a cuda_ipc push.
+  grpc::Status Store(const v1::PushGradHeader& h, const std::string& payload, int64_t shard_numel,
+                     v1::PushGradResponse* response, int64_t stream_chunk) {
+    const int elem = h.dtype() == v1::ELEMENT_TYPE_FP32 ? 4 : 2;
+    if (h.crc32c() != 0 && ::mainstay::Crc32c(payload.data(), payload.size()) != h.crc32c()) {
+      absl::MutexLock lock(&s_->mu);
+      ++s_->stats.wrong_crc;
+      return grpc::Status(grpc::StatusCode::DATA_LOSS, "crc32c mismatch");
+    }
+    std::vector<float> values(shard_numel);
+    for (int64_t i = 0; i < shard_numel; ++i) {
+      if (elem == 4) {
+        std::memcpy(&values[i], payload.data() + 4 * i, 4);
+      } else {
+        uint16_t bits;
+        std::memcpy(&bits, payload.data() + 2 * i, 2);
+        values[i] = h.dtype() == v1::ELEMENT_TYPE_BF16 ? kernels::Bf16ToFloat(bits) : kernels::Fp16ToFloat(bits);
+      }
+      if (h.loss_scale() > 0) values[i] = static_cast<float>(values[i] / h.loss_scale());
+    }
+    absl::MutexLock lock(&s_->mu);
+    if (stream_chunk >= 0) {
+      ++s_->stats.push_streams;
+      s_->stats.max_chunk_bytes = std::max(s_->stats.max_chunk_bytes, stream_chunk);
+    }
+    response->set_received_elements(shard_numel);
+    if (h.kind() == v1::PUSH_KIND_INITIAL_PARAMS) {
+      if (s_->version >= 1) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "already trained");
+      std::copy(values.begin(), values.end(), s_->master[h.bucket()].begin() + h.shard() * shard_numel);
+      s_->initial.insert({h.bucket(), h.shard()});
+      const size_t all = s_->layout->buckets.size() * s_->layout->data_parallel_size;
+      if (s_->initial.size() == all && s_->version < 0) s_->version = 0;
+      s_->changed.SignalAll();
+      response->set_contributions(1);
+      return grpc::Status::OK;
+    }
+    const GradKey key{h.step(), h.bucket(), h.shard()};
+    auto& by_rank = s_->grads[key];
+    if (by_rank.count(h.rank())) {
+      ++s_->stats.duplicate_pushes;
+      response->set_duplicate(true);
+    } else {
+      by_rank[h.rank()] = std::move(values);
+      s_->contributors[key] = std::max(1, h.num_contributors());
+    }
+    response->set_contributions(static_cast<int32_t>(by_rank.size()));
+    s_->TryCommit();
+    return grpc::Status::OK;
+  }
+
   FakeCluster::State* s_;
   const int index_;
 };
