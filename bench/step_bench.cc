@@ -20,7 +20,11 @@
 //              [--recipe bf16_with_fp8_current_scaling_mixed] [--daemon-threads 1]
 //              [--daemon-device cpu|cuda:N]  (mainstayd --device: the daemons' shard state and step
 //                                             on that GPU; the baselines stay on the CPU)
-//              [--transport auto|grpc|ucx]   (UCX_TLS in the environment reaches the daemons too)
+//              [--transport auto|grpc|ucx|nccl|cuda_ipc]  (UCX_TLS in the environment reaches the daemons too)
+//              [--grads-on cpu|cuda:N]  (where the trainers' gradients are: on a GPU, each trainer's
+//                                        shards are parts of one cudaMalloc block, pushed from there;
+//                                        then also reported: the median push phase against a
+//                                        cudaMemcpy device to device of as many bytes, same run)
 //              [--move-at-step S] [--replication R [--kill-at-step S] [--lease-ttl-ms N]]
 //              [--grad-norm 0.5]   (every step's global gradient norm; the job clips above 1)
 //              [--readers N]       (then --steps more steps with N readers polling for new versions)
@@ -52,6 +56,9 @@
 // STEP_BENCH_PRINT_LOGS=1 prints the daemons' and the coordinator's logs at the end.
 #include <grpcpp/grpcpp.h>
 #include <sys/resource.h>
+#if MAINSTAY_STEP_BENCH_CUDA
+#include <cuda_runtime_api.h>
+#endif
 #include <unistd.h>
 
 #include <algorithm>
@@ -69,6 +76,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -99,6 +107,7 @@ struct Flags {
   int baseline_threads = 1;
   std::string recipe = "bf16_with_fp8_current_scaling_mixed";
   std::string transport = "auto";
+  int grads_device = -1;  // --grads-on cuda:N: N; -1: host memory
   int move_at_step = -1;  // -1: no move
   int replication = 1;    // > 1: the job runs twice, at R = 1 then at R, on the same daemons
   int kill_at_step = -1;  // with replication: SIGKILL rank 0's daemon just before this step
@@ -128,6 +137,14 @@ Flags ParseFlags(int argc, char** argv) {
     else if (name == "--baseline-threads") f.baseline_threads = std::atoi(value.c_str());
     else if (name == "--recipe") f.recipe = value;
     else if (name == "--transport") f.transport = value;
+    else if (name == "--grads-on") {
+      if (value == "cpu") {
+        f.grads_device = -1;
+      } else if (!absl::StartsWith(value, "cuda:") || !absl::SimpleAtoi(value.substr(5), &f.grads_device) ||
+                 f.grads_device < 0) {
+        Die("--grads-on takes cpu or cuda:N, not " + value);
+      }
+    }
     else if (name == "--move-at-step") f.move_at_step = std::atoi(value.c_str());
     else if (name == "--replication") f.replication = std::atoi(value.c_str());
     else if (name == "--kill-at-step") f.kill_at_step = std::atoi(value.c_str());
@@ -174,8 +191,57 @@ struct TrainerTimes {
   StepStats stats;
 };
 
+// Device memory for --grads-on cuda:N: a trainer's shards as parts of one block (as a caching
+// allocator hands them out), filled from `host` once.
+#if MAINSTAY_STEP_BENCH_CUDA
+std::vector<ElementSpan> OnDevice(int device, const std::vector<std::vector<float>>& host) {
+  size_t floats = 0;
+  for (const auto& h : host) floats += h.size() + 64;
+  float* block = nullptr;
+  if (cudaSetDevice(device) != cudaSuccess ||
+      cudaMalloc(reinterpret_cast<void**>(&block), floats * sizeof(float)) != cudaSuccess) {
+    Die(absl::StrCat("cudaMalloc of ", floats * sizeof(float), " bytes on cuda:", device, ": ",
+                     cudaGetErrorString(cudaGetLastError())));
+  }
+  std::vector<ElementSpan> out;
+  size_t offset = 0;
+  for (const auto& h : host) {
+    if (cudaMemcpy(block + offset, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) {
+      Die(absl::StrCat("cudaMemcpy: ", cudaGetErrorString(cudaGetLastError())));
+    }
+    out.push_back(ElementSpan::Fp32(std::span<const float>(block + offset, h.size())));
+    offset += h.size() + 64;
+  }
+  if (cudaDeviceSynchronize() != cudaSuccess) Die(cudaGetErrorString(cudaGetLastError()));
+  return out;  // freed at exit
+}
+// Seconds of a cudaMemcpy device to device of `bytes` (median of 5, after a warm-up).
+double DeviceCopySeconds(int device, int64_t bytes) {
+  void *a = nullptr, *b = nullptr;
+  if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
+    Die(cudaGetErrorString(cudaGetLastError()));
+  }
+  std::vector<double> t;
+  for (int i = 0; i < 6; ++i) {
+    const Clock::time_point t0 = Clock::now();
+    cudaMemcpy(b, a, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice);
+    cudaDeviceSynchronize();
+    if (i > 0) t.push_back(Seconds(t0, Clock::now()));
+  }
+  cudaFree(a);
+  cudaFree(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+#else
+std::vector<ElementSpan> OnDevice(int, const std::vector<std::vector<float>>&) {
+  Die("--grads-on cuda:N: this step_bench was built without CUDA");
+}
+double DeviceCopySeconds(int, int64_t) { return 0; }
+#endif
+
 // One measured step of one trainer: push every bucket's shard, finish, pull every bucket.
-TrainerTimes Step(Client& c, int64_t step, std::vector<std::vector<float>>& grads) {
+TrainerTimes Step(Client& c, int64_t step, const std::vector<ElementSpan>& grads) {
   TrainerTimes t;
   const Layout& layout = c.layout();
   const Clock::time_point t0 = Clock::now();
@@ -184,7 +250,7 @@ TrainerTimes Step(Client& c, int64_t step, std::vector<std::vector<float>>& grad
   for (int attempt = 1;; ++attempt) {
     std::vector<PushHandle> pushes;
     for (const Bucket& b : layout.buckets) {
-      pushes.push_back(c.PushGrad(b.index, step, ElementSpan::Fp32(grads[static_cast<size_t>(b.index)])));
+      pushes.push_back(c.PushGrad(b.index, step, grads[static_cast<size_t>(b.index)]));
     }
     absl::Status pushed;
     for (PushHandle& p : pushes) {
@@ -501,10 +567,17 @@ int Main(int argc, char** argv) {
       }
       for (std::thread& t : threads) t.join();
     }
-    std::vector<std::vector<std::vector<float>>> grads(static_cast<size_t>(f.dp));
-    for (auto& g : grads) {
-      for (const Bucket& b : layout.buckets) g.emplace_back(static_cast<size_t>(b.shard_numel), grad_value);
+    std::vector<std::vector<std::vector<float>>> host_grads(static_cast<size_t>(f.dp));
+    std::vector<std::vector<ElementSpan>> grads(static_cast<size_t>(f.dp));
+    for (size_t r = 0; r < host_grads.size(); ++r) {
+      for (const Bucket& b : layout.buckets) host_grads[r].emplace_back(static_cast<size_t>(b.shard_numel), grad_value);
+      if (f.grads_device >= 0) {
+        grads[r] = OnDevice(f.grads_device, host_grads[r]);
+      } else {
+        for (const auto& h : host_grads[r]) grads[r].push_back(ElementSpan::Fp32(h));
+      }
     }
+    std::vector<double> push_times;  // the slowest trainer's push phase, measured steps
     std::printf("%6s %9s %9s %9s %9s | daemon: %8s %8s %8s %8s %8s %8s %6s %7s | %7s %7s\n", "step", "total_s", "push_s",
                 "finish_s", "pull_s", "wait_ms", "stats_ms", "rstat_ms", "probe_ms", "ramax_ms", "apply_ms", "clip",
                 "fwd_MB", "dflt_k", "tflt_k");
@@ -615,6 +688,7 @@ int Main(int argc, char** argv) {
         read_totals.push_back(slowest.total);
       } else if (step > 0) {
         totals.push_back(slowest.total);
+        push_times.push_back(slowest.push);
       }
       if (step == f.steps) {
         cpu_per_step = (CpuSeconds(pids()) - cpu_start) / f.steps;
@@ -622,6 +696,16 @@ int Main(int argc, char** argv) {
       }
     }
     if (mover.joinable()) mover.join();
+    if (f.grads_device >= 0 && !push_times.empty()) {
+      int64_t pushed = 0;  // one trainer's gradient bytes per step
+      for (const Bucket& b : layout.buckets) pushed += b.shard_numel * 4;
+      std::sort(push_times.begin(), push_times.end());
+      const double push_s = push_times[push_times.size() / 2];
+      const double copy_s = DeviceCopySeconds(f.grads_device, pushed);
+      std::printf("\npushes from cuda:%d over %s: %.3f GB per trainer in %.3f s (median push phase, %d trainers at "
+                  "once); cudaMemcpy device to device of as many bytes in-process: %.4f s; ratio copy/push %.2f\n",
+                  f.grads_device, f.transport.c_str(), pushed / 1e9, push_s, f.dp, copy_s, copy_s / push_s);
+    }
     if (failover_s >= 0) {
       std::printf("failover: step %d committed on every trainer %.2f s after the SIGKILL of rank 0's daemon "
                   "(lease TTL %s; target: TTL + 1 s)\n",

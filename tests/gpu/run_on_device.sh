@@ -187,26 +187,32 @@ else
 fi
 
 # ---- The daemon's step on the GPU against the CPU daemon: step_bench (64M parameters, two
-# daemons and two trainers over gRPC) once with the daemons on --device cuda:0, once on the CPU,
-# in the same run. Its log holds the per-phase table (update, quantize, ...).
+# daemons and two trainers) with the daemons on --device cuda:0 and on the CPU over gRPC, and on
+# cuda:0 with the trainers' gradients on the GPU pushed over cuda_ipc (which also reports the
+# push phase against a cudaMemcpy device to device of as many bytes), in the same run. Each log
+# holds the per-phase table (update, quantize, ...).
 step_rows=()
 if [ "$gpus" -gt 0 ] && [ -x "$bundle/bin/step_bench" ]; then
-  for device in cuda:0 cpu; do
+  for config in "cuda:0|--daemon-device cuda:0 --transport grpc" "cpu|--daemon-device cpu --transport grpc" \
+      "cuda:0-ipc|--daemon-device cuda:0 --transport cuda_ipc --grads-on cuda:0"; do
+    name=${config%%|*}
+    read -r -a flags <<< "${config#*|}"
     left=$(remaining)
-    if [ "$left" -lt 45 ]; then row "step_bench_$device" "FAIL" "not run: the check's ${budget_s}s budget is spent"; continue; fi
+    if [ "$left" -lt 45 ]; then row "step_bench_$name" "FAIL" "not run: the check's ${budget_s}s budget is spent"; continue; fi
     limit=$(( left < 120 ? left : 120 ))
-    log=$logs/step_bench_${device/:/}.log
-    echo "== step_bench --daemon-device $device (limit ${limit}s)"
+    log=$logs/step_bench_${name/:/}.log
+    echo "== step_bench ${flags[*]} (limit ${limit}s)"
     timeout "$limit" "$bundle/bin/step_bench" --coordinator-bin "$bundle/bin/mainstay-coordinator" \
-      --daemon-bin "$bundle/bin/mainstayd" --params 64e6 --steps 3 --transport grpc --daemon-threads 4 \
-      --daemon-device "$device" > "$log" 2>&1
+      --daemon-bin "$bundle/bin/mainstayd" --params 64e6 --steps 3 --daemon-threads 4 "${flags[@]}" > "$log" 2>&1
     rc=$?
     step=$(grep -m1 '^slice step (median' "$log")
     if [ "$rc" -eq 0 ] && [ -n "$step" ]; then
-      row "step_bench_$device" "pass" "see below"
-      step_rows+=("$(printf '%-8s %s' "$device" "$step")")
+      row "step_bench_$name" "pass" "see below"
+      step_rows+=("$(printf '%-10s %s' "$name" "$step")")
+      pushes=$(grep -m1 '^pushes from cuda' "$log")
+      [ -n "$pushes" ] && step_rows+=("$(printf '%-10s %s' "" "$pushes")")
     else
-      row "step_bench_$device" "FAIL" "exit $rc: $(grep -v '^20[0-9][0-9]-' "$log" | tail -1)"
+      row "step_bench_$name" "FAIL" "exit $rc: $(grep -v '^20[0-9][0-9]-' "$log" | tail -1)"
     fi
   done
 else
@@ -224,7 +230,7 @@ if [ ${#bench_rows[@]} -gt 0 ]; then
 fi
 if [ ${#step_rows[@]} -gt 0 ]; then
   echo
-  echo "daemons  step_bench, 64M parameters, 2 daemons x 4 threads, 2 trainers over gRPC (logs: step_bench_*.log)"
+  echo "daemons    step_bench, 64M parameters, 2 daemons x 4 threads, 2 trainers (logs: step_bench_*.log)"
   printf '%s\n' "${step_rows[@]}"
 fi
 printf '%s\n' "${rows[@]}" | grep -q ' FAIL ' && exit 1
