@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 
@@ -39,6 +40,9 @@ struct DriverApi {
   // For the cuda_ipc transport (null where the driver lacks them).
   CUresult (*mem_get_address_range)(CUdeviceptr* base, size_t* size, CUdeviceptr p) = nullptr;
   CUresult (*ipc_get_mem_handle)(void* handle, CUdeviceptr p) = nullptr;
+  CUresult (*device_get)(int* device, int ordinal) = nullptr;
+  CUresult (*primary_ctx_retain)(void** ctx, int device) = nullptr;
+  CUresult (*primary_ctx_release)(int device) = nullptr;
 };
 
 template <typename F>
@@ -60,9 +64,10 @@ const DriverApi& Api() {
                Load(lib, "cuEventSynchronize", a.event_synchronize) &&
                Load(lib, "cuEventDestroy_v2", a.event_destroy) && Load(lib, "cuGetErrorName", a.get_error_name);
     if (!Load(lib, "cuMemGetAddressRange_v2", a.mem_get_address_range) ||
-        !Load(lib, "cuIpcGetMemHandle", a.ipc_get_mem_handle)) {
-      a.mem_get_address_range = nullptr;
-      a.ipc_get_mem_handle = nullptr;
+        !Load(lib, "cuIpcGetMemHandle", a.ipc_get_mem_handle) || !Load(lib, "cuDeviceGet", a.device_get) ||
+        !Load(lib, "cuDevicePrimaryCtxRetain", a.primary_ctx_retain) ||
+        !Load(lib, "cuDevicePrimaryCtxRelease_v2", a.primary_ctx_release)) {
+      a.ipc_get_mem_handle = nullptr;  // CanExportIpc: no
     }
     return a;
   }();
@@ -155,14 +160,25 @@ class SystemDriver final : public CudaDriver {
   absl::StatusOr<IpcRegion> ExportIpc(const void* p) const override {
     MAINSTAY_RETURN_IF_ERROR(CanExportIpc());
     const DriverApi& api = Api();
-    if (!DeviceOf(p).has_value()) return absl::InvalidArgumentError("not device memory: nothing to export");
+    const std::optional<int> ordinal = DeviceOf(p);
+    if (!ordinal.has_value()) return absl::InvalidArgumentError("not device memory: nothing to export");
     const auto ptr = static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(p));
-    // The calls below act in the allocation's context; the push runs on a pool thread.
+    // The calls below act in the allocation's context (the push runs on a pool thread): the one
+    // the pointer names, else (virtual-memory allocations name none) its device's primary context.
     void* context = nullptr;
-    if (CUresult r = api.pointer_get_attribute(&context, kAttributeContext, ptr); r == kCudaSuccess && context) {
-      if (CUresult set = api.ctx_set_current(context); set != kCudaSuccess) {
-        return absl::InternalError(absl::StrCat("cuCtxSetCurrent to the buffer's context: ", ErrorName(set)));
+    int device = -1;  // whose primary context this call retained
+    if (CUresult r = api.pointer_get_attribute(&context, kAttributeContext, ptr); r != kCudaSuccess || !context) {
+      context = nullptr;
+      if (api.device_get(&device, *ordinal) != kCudaSuccess ||
+          api.primary_ctx_retain(&context, device) != kCudaSuccess) {
+        return absl::InternalError(absl::StrCat("no CUDA context for the buffer on device ", *ordinal));
       }
+    }
+    const absl::Cleanup release = [&api, device] {
+      if (device >= 0) api.primary_ctx_release(device);
+    };
+    if (CUresult set = api.ctx_set_current(context); set != kCudaSuccess) {
+      return absl::InternalError(absl::StrCat("cuCtxSetCurrent to the buffer's context: ", ErrorName(set)));
     }
     CUdeviceptr base = 0;
     size_t size = 0;
