@@ -134,6 +134,8 @@ class CudaIpcTransport final : public DataTransport {
   void Shutdown() override {
     shutdown_.store(true);
     grpc_->Shutdown();
+    absl::MutexLock lock(&mu_);
+    if (attaching_ != nullptr) attaching_->TryCancel();  // ends at once, not at its deadline
   }
 
  private:
@@ -172,7 +174,16 @@ class CudaIpcTransport final : public DataTransport {
     v1::AttachCudaIpcResponse response;
     grpc::ClientContext call;
     call.set_deadline(deadline);
+    {
+      absl::MutexLock lock(&mu_);
+      if (shutdown_.load()) return absl::CancelledError("the client is shutting down");
+      attaching_ = &call;
+    }
     absl::Status status = StatusFromCall(s.stub->AttachCudaIpc(&call, request, &response), &call);
+    {
+      absl::MutexLock lock(&mu_);
+      attaching_ = nullptr;
+    }
     if (status.ok() && response.session_id() == 0) status = absl::InternalError("session id 0");
     if (!status.ok()) {
       return Annotate(status,
@@ -194,6 +205,7 @@ class CudaIpcTransport final : public DataTransport {
   absl::Mutex attach_mu_;
   absl::Mutex mu_;
   std::map<std::string, Session> sessions_ ABSL_GUARDED_BY(mu_);  // by daemon id
+  grpc::ClientContext* attaching_ ABSL_GUARDED_BY(mu_) = nullptr;  // the attach in flight (attach_mu_)
 };
 
 }  // namespace
