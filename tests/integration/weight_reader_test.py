@@ -508,7 +508,7 @@ class ReaderCapTest(unittest.TestCase):
 class ReaderCapDeltaTest(unittest.TestCase):
     """A reader's delta pull is charged against the cap for what it sends, not for whole shards."""
 
-    CAP = 20000  # bytes/s per daemon: one 64 KB shard puts the cap 2.2 s into debt
+    CAP = 10000  # bytes/s per daemon: one 64 KB shard puts the cap 5.4 s into debt
 
     def setUp(self):
         self.cluster = process_cluster.Cluster(daemons=2, lease_ms=3000,
@@ -528,8 +528,9 @@ class ReaderCapDeltaTest(unittest.TestCase):
         list(reader.tensors(0, since=0))  # nothing changed: no chunk to send
         delta_s = time.monotonic() - t0
         self.assertEqual(reader.data_bytes_received, 0)
-        # Charged a whole shard again, it would wait out the debt (2.2 s) first.
-        self.assertLess(delta_s, 1.0, "a delta that sends nothing waited for the readers' cap")
+        # Charged a whole shard again, it would wait out the debt (5.4 s) first; the margin leaves
+        # room for a loaded 2-core CI machine.
+        self.assertLess(delta_s, 2.5, "a delta that sends nothing waited for the readers' cap")
 
 
 if __name__ == "__main__":
