@@ -65,9 +65,8 @@ class CudaIpcServer {
   // Idempotent.
   void Shutdown();
 
-  struct State;
-
  private:
+  struct State;
   explicit CudaIpcServer(std::shared_ptr<State> state) : state_(std::move(state)) {}
   std::shared_ptr<State> state_;
 };
