@@ -64,7 +64,7 @@ class CudaIpcTransport final : public DataTransport {
       absl::MutexLock lock(&mu_);
       sessions.swap(sessions_);
     }
-    // The daemons close the mappings now rather than when this process is found gone.
+    // The daemons end the sessions now rather than when this process is found gone.
     std::vector<std::thread> detachers;
     for (auto& [daemon, s] : sessions) {
       detachers.emplace_back([this, s = s] {
@@ -119,7 +119,7 @@ class CudaIpcTransport final : public DataTransport {
     absl::Status status = StatusFromCall(route.stub->CudaIpcPush(context, request, &response), context);
     // The daemon lost the session (it restarted; shard.proto's CudaIpcPush): the retry attaches
     // again. Other UNAVAILABLE answers (a drain, a step in flight) keep it.
-    if (absl::IsUnavailable(status) && absl::StartsWith(status.message(), "unknown cuda_ipc session")) {
+    if (absl::IsUnavailable(status) && absl::StrContains(status.message(), "unknown cuda_ipc session")) {
       Forget(route.endpoint.daemon_id(), s.id);
     }
     if (!status.ok()) return status;
