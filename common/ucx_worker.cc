@@ -1,11 +1,7 @@
 #include "common/ucx_worker.h"
 
 #include <poll.h>
-#include <signal.h>
 #include <unistd.h>
-
-#include <cerrno>
-#include <fstream>
 
 #include <algorithm>
 #include <chrono>
@@ -67,20 +63,6 @@ absl::Status FromUcs(ucs_status_t status, const std::string& what) {
 // ---------------------------------------------------------------------------------------------
 // Endpoint.
 
-const ProcessIdentity& ProcessIdentity::Self() {
-  static const ProcessIdentity* self = [] {
-    auto* id = new ProcessIdentity();
-    std::ifstream boot("/proc/sys/kernel/random/boot_id");
-    std::getline(boot, id->boot_id);
-    char link[256] = {0};
-    const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
-    if (n > 0) id->pid_namespace.assign(link, static_cast<size_t>(n));
-    id->pid = static_cast<int64_t>(getpid());
-    return id;
-  }();
-  return *self;
-}
-
 Endpoint::~Endpoint() { Close(); }
 
 bool Endpoint::failed() const {
@@ -90,7 +72,7 @@ bool Endpoint::failed() const {
   const int64_t now = absl::GetCurrentTimeNanos();
   int64_t last = last_check_ns_.load();
   if (now - last < 50'000'000 || !last_check_ns_.compare_exchange_strong(last, now)) return false;
-  if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) return false;
+  if (!ProcessGone(pid)) return false;
   {
     absl::MutexLock lock(&failure_mu_);
     if (failure_.ok()) failure_ = absl::UnavailableError(absl::StrCat("the peer process (pid ", pid, ") exited"));

@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/process_identity.h"
 
 namespace mainstay::ucx {
 
@@ -80,18 +81,8 @@ absl::Status FromUcs(ucs_status_t status, const std::string& what);
 
 class Worker;
 
-// This process as its peers identify it: (boot id, pid namespace, pid). Two processes whose
-// boot id and pid namespace match can watch each other's pid.
-struct ProcessIdentity {
-  std::string boot_id;
-  std::string pid_namespace;
-  int64_t pid = 0;
-  static const ProcessIdentity& Self();
-  bool SameProcessSpace(const ProcessIdentity& other) const {
-    return !boot_id.empty() && boot_id == other.boot_id && !pid_namespace.empty() &&
-           pid_namespace == other.pid_namespace && other.pid > 0;
-  }
-};
+// This process as its peers identify it (common/process_identity.h).
+using ::mainstay::ProcessIdentity;
 
 // One UCP endpoint to a remote worker. `failed()` turns true (once) when UCX reports the peer
 // gone, or after Close.

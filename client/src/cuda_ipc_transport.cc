@@ -8,10 +8,7 @@
 //
 // The push's CUDA work (PushOptions::cuda_stream / cuda_event) is waited for before Push is
 // called (data_plane.cc), so the daemon reads finished bytes.
-#include <unistd.h>
-
 #include <atomic>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
@@ -26,31 +23,13 @@
 #include "client/src/cuda_driver.h"
 #include "client/src/rpc_errors.h"
 #include "client/src/transport.h"
+#include "common/process_identity.h"
 #include "common/status.h"
 
 namespace mainstay::client_internal {
 namespace {
 
 constexpr absl::Duration kDetachTimeout = absl::Milliseconds(500);
-
-std::string FirstLine(const char* path) {
-  std::string line;
-  std::ifstream in(path);
-  std::getline(in, line);
-  return line;
-}
-
-std::string HostName() {
-  char name[256] = {0};
-  if (gethostname(name, sizeof(name) - 1) != 0) return "unknown";
-  return name;
-}
-
-std::string PidNamespace() {
-  char link[256] = {0};
-  const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
-  return n > 0 ? std::string(link, static_cast<size_t>(n)) : std::string();
-}
 
 class CudaIpcTransport final : public DataTransport {
  public:
@@ -167,9 +146,10 @@ class CudaIpcTransport final : public DataTransport {
     request.set_job_id(context_.job_id);
     request.set_job_token(context_.job_token);
     request.set_rank(context_.rank);
-    request.set_boot_id(boot_id_);
-    request.set_pid_namespace(pid_namespace_);
-    request.set_pid(static_cast<int64_t>(getpid()));
+    const ProcessIdentity& self = ProcessIdentity::Self();
+    request.set_boot_id(self.boot_id);
+    request.set_pid_namespace(self.pid_namespace);
+    request.set_pid(self.pid);
     request.set_node_name(node_);
     v1::AttachCudaIpcResponse response;
     grpc::ClientContext call;
@@ -198,8 +178,6 @@ class CudaIpcTransport final : public DataTransport {
   const TransportContext context_;
   const CudaDriver& cuda_;
   const std::unique_ptr<DataTransport> grpc_;  // host-memory pushes and every pull
-  const std::string boot_id_ = FirstLine("/proc/sys/kernel/random/boot_id");
-  const std::string pid_namespace_ = PidNamespace();
   const std::string node_ = HostName();
   std::atomic<bool> shutdown_{false};
   absl::Mutex attach_mu_;

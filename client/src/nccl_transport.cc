@@ -32,6 +32,7 @@
 #include "client/src/transport.h"
 #include "common/error_detail.h"
 #include "common/nccl_link.h"
+#include "common/process_identity.h"
 #include "common/status.h"
 
 namespace mainstay::client_internal {
@@ -41,12 +42,6 @@ constexpr std::chrono::milliseconds kKvTtl{120000};  // the id is read once, wit
 constexpr absl::Duration kCloseTimeout = absl::Milliseconds(500);
 
 absl::Time ToAbsl(Deadline d) { return absl::FromChrono(d); }
-
-std::string HostName() {
-  char name[256] = {0};
-  if (gethostname(name, sizeof(name) - 1) != 0) return "unknown";
-  return name;
-}
 
 // The daemon's in-band answer, with its ErrorDetail.
 absl::Status StatusOfReply(const v1::NcclReply& reply) {

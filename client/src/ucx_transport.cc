@@ -21,6 +21,7 @@
 #include "client/src/transport.h"
 #include "common/crc32c.h"
 #include "common/error_detail.h"
+#include "common/process_identity.h"
 #include "common/status.h"
 #include "common/ucx_worker.h"
 #include "mainstay/v1/data_plane.pb.h"
@@ -35,12 +36,6 @@ absl::Time ToAbsl(Deadline d) { return absl::FromChrono(d); }
 int64_t RemainingMs(Deadline d) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(d - std::chrono::system_clock::now());
   return std::max<int64_t>(1, left.count());
-}
-
-std::string HostName() {
-  char name[256] = {0};
-  if (gethostname(name, sizeof(name) - 1) != 0) return "unknown";
-  return name;
 }
 
 void SetProcess(v1::UcxProcess* p) {

@@ -1,10 +1,5 @@
 #include "server/cudaipc/cuda_ipc_server.h"
 
-#include <signal.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <fstream>
 #include <map>
 #include <random>
 #include <utility>
@@ -13,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
+#include "common/process_identity.h"
 #include "common/status.h"
 #include "server/metrics/daemon_metrics.h"
 
@@ -21,21 +17,6 @@ namespace {
 
 constexpr char kComponent[] = "cuda-ipc";
 constexpr char kTransport[] = "cuda_ipc";  // the `transport` label of the byte counters
-
-std::string ReadBootId() {
-  std::string id;
-  std::ifstream boot("/proc/sys/kernel/random/boot_id");
-  std::getline(boot, id);
-  return id;
-}
-
-std::string ReadPidNamespace() {
-  char link[256] = {0};
-  const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
-  return n > 0 ? std::string(link, static_cast<size_t>(n)) : std::string();
-}
-
-bool ProcessAlive(int64_t pid) { return kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM; }
 
 }  // namespace
 
@@ -49,9 +30,9 @@ struct CudaIpcServer::State {
   };
 
   explicit State(Options o) : options(std::move(o)), rng(std::random_device{}()) {
-    if (options.boot_id.empty()) options.boot_id = ReadBootId();
-    if (options.pid_namespace.empty()) options.pid_namespace = ReadPidNamespace();
-    if (!options.alive) options.alive = ProcessAlive;
+    if (options.boot_id.empty()) options.boot_id = ProcessIdentity::Self().boot_id;
+    if (options.pid_namespace.empty()) options.pid_namespace = ProcessIdentity::Self().pid_namespace;
+    if (!options.alive) options.alive = [](int64_t pid) { return !ProcessGone(pid); };
     if (metrics::DaemonMetrics* m = options.daemon->metrics(); m != nullptr) pushed_bytes = m->PushedBytes(kTransport);
   }
 
@@ -125,8 +106,8 @@ absl::StatusOr<v1::AttachCudaIpcResponse> CudaIpcServer::Attach(const v1::Attach
         "AttachCudaIpc: the trainer is on another node than this daemon (their boot ids differ): cuda_ipc reaches "
         "trainers on the daemon's own node only; use nccl, ucx or grpc");
   }
-  const bool watch =
-      request.pid() > 0 && !st.options.pid_namespace.empty() && request.pid_namespace() == st.options.pid_namespace;
+  const ProcessIdentity self{st.options.boot_id, st.options.pid_namespace, 0};
+  const bool watch = self.SameProcessSpace({request.boot_id(), request.pid_namespace(), request.pid()});
   auto session = std::make_shared<State::Session>();
   session->job_id = request.job_id();
   session->rank = request.rank();
