@@ -426,6 +426,46 @@ PYBIND11_MODULE(_mainstay, m) {
       .def("pull_shard", [](PyClient& c, int32_t bucket, int32_t shard, int64_t version, bool wait, double timeout_s) {
         return c.Pull(c.client().PullShard(bucket, shard, version, Millis(timeout_s)), wait);
       }, py::arg("bucket"), py::arg("shard"), py::arg("version"), py::arg("wait") = true, py::arg("timeout_s") = 0.0)
+      .def("pull_shard_into", [](PyClient& c, int32_t bucket, int32_t shard, int64_t version, const py::object& out,
+                                 double timeout_s) {
+        const std::span<uint8_t> dest = DestinationOf(out);
+        absl::StatusOr<PulledShard> r;
+        {
+          py::gil_scoped_release release;
+          r = c.client()
+                  .PullShardInto(bucket, shard, version, dest.data(), static_cast<int64_t>(dest.size()),
+                                 Millis(timeout_s))
+                  .Wait();
+        }
+        const PulledShard p = Take(std::move(r));
+        py::dict d;
+        d["shard"] = p.shard;
+        d["version"] = p.version;
+        d["unchanged"] = p.unchanged;
+        d["num_scales"] = p.num_scales;
+        d["scales"] = py::bytes(reinterpret_cast<const char*>(p.scales.data()), p.scales.size());
+        py::list frags;
+        for (const FragmentQuantInfo& f : p.fragments) {
+          py::dict fd;
+          fd["tensor"] = f.tensor;
+          fd["elements"] = py::make_tuple(f.elements.begin, f.elements.end);
+          fd["bucket_offset"] = f.bucket_offset;
+          fd["scale"] = f.scale;
+          fd["scale_inv"] = f.scale_inv;
+          fd["amax"] = f.amax;
+          fd["scale_blocks"] = py::make_tuple(f.scale_blocks.begin, f.scale_blocks.end);
+          fd["scale_offset"] = f.scale_offset;
+          frags.append(fd);
+        }
+        d["fragments"] = frags;
+        return d;
+      }, py::arg("bucket"), py::arg("shard"), py::arg("version"), py::arg("out"), py::arg("timeout_s") = 0.0,
+         "One shard of `version` straight into `out`, blocking: a writable, C-contiguous numpy array or CUDA array "
+         "(__cuda_array_interface__) of exactly the shard's packed bytes (layout.bucket(b)['shard_bytes']). A CUDA "
+         "array needs transport='cuda_ipc': the daemon writes into it by its CUDA IPC handle; finish the GPU work "
+         "that uses `out` first (its stream is not waited for). Returns {shard, version, unchanged (nothing "
+         "written), num_scales, scales (bytes), fragments: [{tensor, elements, bucket_offset, scale, scale_inv, "
+         "amax, scale_blocks, scale_offset}]}.")
       .def("create_checkpoint", [](PyClient& c, bool wait, const py::object& admin_token, double timeout_s) {
         const AdminCallOptions o = AdminOptions(admin_token, timeout_s);
         absl::StatusOr<CheckpointInfo> info;

@@ -12,6 +12,7 @@
 
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -55,6 +56,11 @@ void BindPulled(py::module_& m);
 // ValueError for anything else.
 ElementSpan SpanOf(const py::object& data, const std::string& dtype, py::object* keep,
                    std::optional<void*>* stream = nullptr);
+
+// The bytes a pull may write (Client.pull_shard_into): a writable, C-contiguous numpy array
+// (host memory), or a writable, C-contiguous CUDA array (__cuda_array_interface__; the stream it
+// names is not waited for). ValueError for anything else.
+std::span<uint8_t> DestinationOf(const py::object& out);
 
 py::dict StepStatsDict(const StepStats& s);
 py::dict PushResultDict(const PushResult& r);

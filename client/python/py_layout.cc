@@ -1,8 +1,11 @@
 // mainstay.Error, mainstay.Layout (dict/list views + bucket buffer helpers), compute_layout.
 #include <cstring>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/python/py_common.h"
 
@@ -33,6 +36,7 @@ py::dict BucketDict(const Layout& l, const Bucket& b) {
   d["format"] = std::string(FormatName(b.format));
   d["numel"] = b.numel;
   d["shard_numel"] = b.shard_numel;
+  d["shard_bytes"] = DataBytes(b.format, b.shard_numel);  // packed data of one shard
   d["data_numel"] = b.data_numel;
   d["tensors"] = py::cast(b.tensors);
   py::list shards;
@@ -151,36 +155,35 @@ py::dict Unflatten(const PyLayout& self, int32_t bucket, const py::array& flat_i
 
 namespace {
 
-// SpanOf for an object with __cuda_array_interface__.
-ElementSpan CudaArraySpan(const py::object& data, const std::string& dtype, py::object* keep,
-                          std::optional<void*>* stream) {
+// What an object's __cuda_array_interface__ says, checked: C-contiguous, not masked, a pointer.
+struct CudaArray {
+  std::string typestr;
+  int64_t element_bytes = 0;  // from typestr
+  int64_t elements = 0;
+  uintptr_t address = 0;
+  bool readonly = false;
+  std::optional<void*> stream;  // the stream it names, if any
+};
+
+CudaArray ParseCudaArray(const py::object& data) {
   const py::dict iface = data.attr("__cuda_array_interface__").cast<py::dict>();
   auto field = [&](const char* key) -> py::object {
     if (!iface.contains(key)) throw py::value_error(absl::StrCat("__cuda_array_interface__ has no '", key, "'"));
     return iface[key];
   };
-  const std::string typestr = py::str(field("typestr")).cast<std::string>();
-  int64_t element_bytes = 0;
-  ElementType type = ElementType::kFloat32;
-  if (typestr == "<f4") {
-    element_bytes = 4;
-  } else if (typestr == "<f2") {
-    element_bytes = 2;
-    type = ElementType::kFloat16;
-  } else if (typestr == "<i2" || typestr == "<u2") {
-    element_bytes = 2;
-    type = dtype == "fp16" ? ElementType::kFloat16 : ElementType::kBFloat16;
-  } else {
-    throw py::value_error(absl::StrCat("a CUDA array of typestr '", typestr,
-                                       "': expected float32 (<f4), float16 (<f2), or int16/uint16 (<i2, <u2) "
-                                       "holding bf16 bits (a bfloat16 tensor: pass t.view(torch.int16))"));
+  CudaArray a;
+  a.typestr = py::str(field("typestr")).cast<std::string>();
+  int digits = 0;
+  if (a.typestr.size() < 3 || !absl::SimpleAtoi(a.typestr.substr(2), &digits) || digits < 1) {
+    throw py::value_error(absl::StrCat("__cuda_array_interface__: typestr '", a.typestr, "' names no element size"));
   }
-  int64_t n = 1;
+  a.element_bytes = digits;
+  a.elements = 1;
   std::vector<int64_t> shape;
   for (const py::handle d : field("shape").cast<py::tuple>()) shape.push_back(d.cast<int64_t>());
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) a.elements *= d;
   if (iface.contains("strides") && !iface["strides"].is_none()) {
-    int64_t expect = element_bytes;
+    int64_t expect = a.element_bytes;
     const py::tuple strides = iface["strides"].cast<py::tuple>();
     for (size_t k = shape.size(); k-- > 0;) {
       if (shape[k] > 1 && strides[k].cast<int64_t>() != expect) {
@@ -191,15 +194,35 @@ ElementSpan CudaArraySpan(const py::object& data, const std::string& dtype, py::
   }
   if (iface.contains("mask") && !iface["mask"].is_none()) throw py::value_error("a masked CUDA array");
   const py::tuple pointer = field("data").cast<py::tuple>();
-  const auto address = pointer[0].cast<uintptr_t>();
-  if (address == 0 && n > 0) throw py::value_error("a CUDA array with a null pointer");
-  if (stream != nullptr && iface.contains("stream") && !iface["stream"].is_none()) {
+  a.address = pointer[0].cast<uintptr_t>();
+  a.readonly = pointer.size() > 1 && pointer[1].cast<bool>();
+  if (a.address == 0 && a.elements > 0) throw py::value_error("a CUDA array with a null pointer");
+  if (iface.contains("stream") && !iface["stream"].is_none()) {
     const auto s = iface["stream"].cast<uint64_t>();
     if (s == 0) throw py::value_error("__cuda_array_interface__: stream 0 is ambiguous (the interface forbids it)");
-    *stream = reinterpret_cast<void*>(static_cast<uintptr_t>(s));
+    a.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(s));
   }
+  return a;
+}
+
+// SpanOf for an object with __cuda_array_interface__.
+ElementSpan CudaArraySpan(const py::object& data, const std::string& dtype, py::object* keep,
+                          std::optional<void*>* stream) {
+  const CudaArray a = ParseCudaArray(data);
+  ElementType type = ElementType::kFloat32;
+  if (a.typestr == "<f4") {
+  } else if (a.typestr == "<f2") {
+    type = ElementType::kFloat16;
+  } else if (a.typestr == "<i2" || a.typestr == "<u2") {
+    type = dtype == "fp16" ? ElementType::kFloat16 : ElementType::kBFloat16;
+  } else {
+    throw py::value_error(absl::StrCat("a CUDA array of typestr '", a.typestr,
+                                       "': expected float32 (<f4), float16 (<f2), or int16/uint16 (<i2, <u2) "
+                                       "holding bf16 bits (a bfloat16 tensor: pass t.view(torch.int16))"));
+  }
+  if (stream != nullptr && a.stream.has_value()) *stream = a.stream;
   *keep = data;
-  return {reinterpret_cast<const void*>(address), type, n};
+  return {reinterpret_cast<const void*>(a.address), type, a.elements};
 }
 
 }  // namespace
@@ -218,6 +241,21 @@ ElementSpan SpanOf(const py::object& data, const std::string& dtype, py::object*
     return {a.data(), dtype == "fp16" ? ElementType::kFloat16 : ElementType::kBFloat16, n};
   }
   throw py::value_error("arrays must be float32, float16, or uint16/int16 holding bf16 bits");
+}
+
+std::span<uint8_t> DestinationOf(const py::object& out) {
+  if (py::hasattr(out, "__cuda_array_interface__")) {
+    const CudaArray a = ParseCudaArray(out);
+    if (a.readonly) throw py::value_error("the destination CUDA array is read-only");
+    return {reinterpret_cast<uint8_t*>(a.address), static_cast<size_t>(a.elements * a.element_bytes)};
+  }
+  if (!py::isinstance<py::array>(out)) {
+    throw py::value_error("the destination must be a numpy array or a CUDA array (__cuda_array_interface__)");
+  }
+  py::array a = py::reinterpret_borrow<py::array>(out);
+  if (!(a.flags() & py::array::c_style)) throw py::value_error("the destination array must be C-contiguous");
+  if (!a.writeable()) throw py::value_error("the destination array is read-only");
+  return {static_cast<uint8_t*>(a.mutable_data()), static_cast<size_t>(a.nbytes())};
 }
 
 py::dict StepStatsDict(const StepStats& s) {

@@ -260,10 +260,12 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   };
   // Pulls one shard into `data_out` (its slice of the packed bucket buffer), blocking. With
   // `delta`, a delta pull over the grpc transport: only the chunks of data and block scales that
-  // changed come, as byte patches where the daemon still keeps delta->since_version.
-  absl::StatusOr<PulledShard> PullShardSync(int32_t bucket, int32_t shard, int64_t version,
-                                            std::span<uint8_t> data_out, Deadline deadline,
-                                            const DeltaBase* delta = nullptr);
+  // changed come, as byte patches where the daemon still keeps delta->since_version. With
+  // `on_device`, data_out is device memory (PullShardInto): only the cuda_ipc transport places
+  // it (FAILED_PRECONDITION for a daemon reached otherwise), and nothing here reads it.
+  absl::StatusOr<PulledShard> PullShardSync(int32_t bucket, int32_t shard, int64_t version, std::span<uint8_t> data_out,
+                                            Deadline deadline, const DeltaBase* delta = nullptr,
+                                            bool on_device = false);
   // `since`: a delta pull of the whole bucket, starting from a copy of its data.
   PullHandle SchedulePull(int32_t bucket, int32_t shard_begin, int32_t shard_end, int64_t version,
                           std::chrono::milliseconds timeout, const PulledBucket* since = nullptr);

@@ -1,17 +1,22 @@
 // The cuda_ipc transport (docs/transports.md, CUDA IPC): pushes of device memory to a daemon on
 // this trainer's node. The trainer exports the allocation that holds the pushed buffer
 // (CudaDriver::ExportIpc: its CUDA IPC handle and the buffer's offset in it) and the daemon
-// copies the payload out of it while the CudaIpcPush call runs; nothing moves through this
-// process's host memory, and no NCCL communicator is needed, so a trainer and a daemon may share
-// one GPU. Each daemon gets one session (AttachCudaIpc), opened at Attach and again after a
-// daemon restart. Pushes from host memory and every pull go over gRPC (the grpc transport).
+// copies the payload out of it while the CudaIpcPush call runs; a pull into device memory
+// (Client::PullShardInto) is the other way round (CudaIpcPull: the daemon writes the shard's
+// packed data into the exported destination, the header and block scales come in the answer).
+// Nothing moves through this process's host memory, and no NCCL communicator is needed, so a
+// trainer and a daemon may share one GPU. Each daemon gets one session (AttachCudaIpc), opened
+// at Attach and again after a daemon restart. Pushes from host memory and pulls into host memory
+// go over gRPC (the grpc transport).
 //
 // The push's CUDA work (PushOptions::cuda_stream / cuda_event) is waited for before Push is
 // called (data_plane.cc), so the daemon reads finished bytes.
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -91,23 +96,44 @@ class CudaIpcTransport final : public DataTransport {
     v1::CudaIpcPushRequest request;
     request.set_session_id(s.id);
     *request.mutable_header() = header;
-    request.mutable_memory()->set_handle(region->handle);
-    request.mutable_memory()->set_offset(region->offset);
-    request.mutable_memory()->set_allocation_bytes(region->allocation_bytes);
+    *request.mutable_memory() = ToProto(*region);
     v1::PushGradResponse response;
     absl::Status status = StatusFromCall(route.stub->CudaIpcPush(context, request, &response), context);
-    // The daemon lost the session (it restarted; shard.proto's CudaIpcPush): the retry attaches
-    // again. Other UNAVAILABLE answers (a drain, a step in flight) keep it.
-    if (absl::IsUnavailable(status) && absl::StrContains(status.message(), "unknown cuda_ipc session")) {
-      Forget(route.endpoint.daemon_id(), s.id);
-    }
+    ForgetIfLost(route, s, status);
     if (!status.ok()) return status;
     return response;
   }
 
+  // A pull into device memory (Client::PullShardInto) is written there by the daemon; every other
+  // pull goes over gRPC.
   absl::Status Pull(const Route& route, const v1::PullParamsRequest& request, ShardPullAssembler& assembler,
                     Deadline deadline, grpc::ClientContext* context) override {
-    return grpc_->Pull(route, request, assembler, deadline, context);
+    const std::span<uint8_t> dest = assembler.data_destination();
+    if (dest.empty() || HostReadable(dest.data())) return grpc_->Pull(route, request, assembler, deadline, context);
+    if (request.delta_chunk_bytes() != 0) return absl::InternalError("cuda_ipc: a delta pull into device memory");
+    absl::StatusOr<CudaDriver::IpcRegion> region = cuda_.ExportIpc(dest.data());
+    if (!region.ok()) return Annotate(region.status(), "cuda_ipc: exporting the pull's destination");
+    MAINSTAY_ASSIGN_OR_RETURN(Session s, SessionTo(route.endpoint, deadline));
+    v1::CudaIpcPullRequest call;
+    call.set_session_id(s.id);
+    *call.mutable_request() = request;
+    *call.mutable_memory() = ToProto(*region);
+    call.set_bytes(dest.size());
+    v1::CudaIpcPullResponse response;
+    absl::Status status = StatusFromCall(route.stub->CudaIpcPull(context, call, &response), context);
+    ForgetIfLost(route, s, status);
+    MAINSTAY_RETURN_IF_ERROR(status);
+    v1::PullParamsResponse header;
+    *header.mutable_header() = response.header();
+    MAINSTAY_RETURN_IF_ERROR(assembler.OnMessage(header));
+    if (assembler.unchanged()) return absl::OkStatus();
+    const std::span<uint8_t> scales = assembler.scale_destination();
+    if (response.scales().size() != scales.size()) {
+      return absl::InternalError(absl::StrCat("cuda_ipc: the daemon sent ", response.scales().size(),
+                                              " bytes of block scales; its header announced ", scales.size()));
+    }
+    std::memcpy(scales.data(), response.scales().data(), scales.size());
+    return assembler.Placed();
   }
 
   void Shutdown() override {
@@ -123,10 +149,21 @@ class CudaIpcTransport final : public DataTransport {
     std::shared_ptr<v1::Shard::Stub> stub;
   };
 
-  void Forget(const std::string& daemon_id, uint64_t id) {
+  static v1::CudaIpcRegion ToProto(const CudaDriver::IpcRegion& region) {
+    v1::CudaIpcRegion r;
+    r.set_handle(region.handle);
+    r.set_offset(region.offset);
+    r.set_allocation_bytes(region.allocation_bytes);
+    return r;
+  }
+
+  // The daemon lost the session (it restarted; shard.proto's CudaIpcPush): the retry attaches
+  // again. Other UNAVAILABLE answers (a drain, a step in flight) keep it.
+  void ForgetIfLost(const Route& route, const Session& s, const absl::Status& status) {
+    if (!absl::IsUnavailable(status) || !absl::StrContains(status.message(), "unknown cuda_ipc session")) return;
     absl::MutexLock lock(&mu_);
-    auto it = sessions_.find(daemon_id);
-    if (it != sessions_.end() && it->second.id == id) sessions_.erase(it);
+    auto it = sessions_.find(route.endpoint.daemon_id());
+    if (it != sessions_.end() && it->second.id == s.id) sessions_.erase(it);
   }
 
   absl::StatusOr<Session> SessionTo(const v1::DaemonEndpoint& daemon, Deadline deadline) {
@@ -177,7 +214,7 @@ class CudaIpcTransport final : public DataTransport {
 
   const TransportContext context_;
   const CudaDriver& cuda_;
-  const std::unique_ptr<DataTransport> grpc_;  // host-memory pushes and every pull
+  const std::unique_ptr<DataTransport> grpc_;  // pushes and pulls of host memory
   const std::string node_ = HostName();
   std::atomic<bool> shutdown_{false};
   absl::Mutex attach_mu_;

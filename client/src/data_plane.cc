@@ -508,7 +508,7 @@ PushHandle Client::PushInitialParams(int32_t bucket, std::span<const float> data
 
 absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t shard, int64_t version,
                                                         std::span<uint8_t> data_out, Deadline deadline,
-                                                        const DeltaBase* delta) {
+                                                        const DeltaBase* delta, bool on_device) {
   v1::PullParamsRequest request;
   request.set_job_id(job_id);
   request.set_job_token(job_token);
@@ -536,10 +536,15 @@ absl::StatusOr<PulledShard> Client::Impl::PullShardSync(int32_t bucket, int32_t 
         if (delta == nullptr) {
           MAINSTAY_ASSIGN_OR_RETURN(transport, TransportFor(route.endpoint));
         }
+        if (on_device && transport->kind() != v1::TRANSPORT_CUDA_IPC) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("a pull into device memory needs the cuda_ipc transport; daemon ", route.daemon_id,
+                           " is reached by ", client_internal::TransportName(transport->kind())));
+        }
         request.set_placement_epoch(route.epoch);
         client_internal::ShardPullAssembler assembler(*layout, bucket, shard,
                                                       version == Client::kLatestVersion ? -1 : version, data_out,
-                                                      options.verify_crc32c);
+                                                      options.verify_crc32c && !on_device);
         if (delta != nullptr) {
           assembler.ExpectDelta(delta->chunk_bytes, delta->since_version >= 0,
                                 delta->have_scales.empty() ? std::span<const uint8_t>() : delta->scales);
@@ -624,6 +629,39 @@ PullHandle Client::PullShard(int32_t bucket, int32_t shard, int64_t version, std
   if (s.ok() && version < kLatestVersion) s = InvalidArgumentError("version", "must be >= 0 or kLatestVersion");
   if (!s.ok()) return PullHandle::Ready(s);
   return impl_->SchedulePull(bucket, shard, shard + 1, version, timeout);
+}
+
+ShardPullHandle Client::PullShardInto(int32_t bucket, int32_t shard, int64_t version, void* destination,
+                                      int64_t destination_bytes, std::chrono::milliseconds timeout) {
+  Impl& im = *impl_;
+  absl::Status s = CheckBucketIndex(*im.layout, bucket);
+  if (s.ok() && (shard < 0 || shard >= data_parallel_size())) {
+    s = InvalidArgumentError("shard", "index ", shard, " is not in [0, ", data_parallel_size(), ")");
+  }
+  if (s.ok() && version < kLatestVersion) s = InvalidArgumentError("version", "must be >= 0 or kLatestVersion");
+  if (!s.ok()) return ShardPullHandle::Ready(s);
+  const Bucket& b = im.layout->buckets[bucket];
+  const int64_t bytes = DataBytes(b.format, b.shard_numel);
+  if (destination == nullptr || destination_bytes != bytes) {
+    return ShardPullHandle::Ready(InvalidArgumentError(
+        "destination", "bucket ", bucket, "'s shards hold ", bytes, " bytes of packed ", FormatName(b.format),
+        " data; got ", destination == nullptr ? "a null pointer" : absl::StrCat(destination_bytes, " bytes")));
+  }
+  const std::optional<int> device = im.cuda->DeviceOf(destination);
+  if (device.has_value() && im.transport_request != "cuda_ipc") {
+    return ShardPullHandle::Ready(InvalidArgumentError(
+        "destination", "is in the memory of CUDA device ", *device, ", which only the cuda_ipc transport writes (",
+        "ClientOptions::transport \"cuda_ipc\", a daemon on this node); this client uses \"", im.transport_request,
+        "\": pull into host memory"));
+  }
+  auto promise = std::make_shared<std::promise<absl::StatusOr<PulledShard>>>();
+  ShardPullHandle handle(promise->get_future().share());
+  const Deadline deadline = im.DeadlineAfter(timeout);
+  const std::span<uint8_t> out(static_cast<uint8_t*>(destination), static_cast<size_t>(bytes));
+  im.pull_pool->Schedule([&im, promise, bucket, shard, version, out, deadline, on_device = device.has_value()] {
+    promise->set_value(im.PullShardSync(bucket, shard, version, out, deadline, nullptr, on_device));
+  });
+  return handle;
 }
 
 PullHandle Client::PullBucket(int32_t bucket, int64_t version, std::chrono::milliseconds timeout) {

@@ -65,9 +65,10 @@ class ShardPullAssembler {
   // After the stream ended OK: everything announced arrived.
   absl::StatusOr<PulledShard> Finish();
 
-  // For transports that place the payload themselves (ucx, nccl): after a header that is not
-  // `unchanged`, the data goes to data_destination() (the whole shard) and the scales to
-  // scale_destination(); Placed() then counts both as received, and Finish checks the CRC.
+  // For transports that place the payload themselves (ucx, nccl, cuda_ipc): after a header that
+  // is not `unchanged`, the data goes to data_destination() (the whole shard) and the scales to
+  // scale_destination(); Placed() then counts both as received, and Finish checks the CRC
+  // (unless verify_crc32c is off, as for a destination in device memory).
   // DataLanded(bytes), optional, says the next `bytes` of data_destination() arrived (in order),
   // so the CRC covers them now, while later chunks are still in flight.
   bool unchanged() const { return result_.unchanged; }

@@ -7,7 +7,8 @@
 //   nccl  NCCL send/recv between device buffers (needs CUDA and NCCL at build time); control
 //         messages over the Shard service (OpenNcclChannel, NcclPush, NcclPull)
 //   cuda_ipc  pushes of device memory to a daemon on this node, which copies them out of the
-//         trainer's allocation by its CUDA IPC handle (CudaIpcPush); host pushes and pulls by gRPC
+//         trainer's allocation by its CUDA IPC handle (CudaIpcPush), and pulls into device
+//         memory, which the daemon writes the same way (CudaIpcPull); host memory by gRPC
 //
 // A backend compiled out is built from its *_stub.cc: Make* answers UNIMPLEMENTED.
 //

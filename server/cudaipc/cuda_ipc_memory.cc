@@ -1,7 +1,8 @@
 // CUDA's IpcMemory (ipc_memory.h): cudaIpcOpenMemHandle on the daemon's device, the allocation's
 // size from the driver (cuMemGetAddressRange, reached through the runtime's entry-point query so
 // that mainstayd does not link libcuda), each copy on a non-blocking stream of its own (it waits
-// for nothing else the daemon runs; the push threads are short-lived, so no stream is kept).
+// for nothing else the daemon runs; the push and pull threads are short-lived, so no stream is
+// kept).
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
@@ -50,24 +51,13 @@ class CudaIpcMemory final : public IpcMemory {
   }
 
   absl::Status CopyToHost(const Mapping& mapping, uint64_t offset, void* dest, uint64_t bytes) override {
-    if (bytes == 0) return absl::OkStatus();
-    if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) {
-      return absl::InternalError(absl::StrCat("cudaSetDevice(", device_, "): ", CudaError(e)));
-    }
-    const char* src = static_cast<const char*>(mapping.base) + offset;
-    cudaStream_t stream = nullptr;
-    cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-    if (e == cudaSuccess) {
-      e = cudaMemcpyAsync(dest, src, bytes, cudaMemcpyDeviceToHost, stream);
-      if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-      cudaStreamDestroy(stream);
-    }
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      return absl::InternalError(
-          absl::StrCat("copying ", bytes, " bytes out of a trainer's CUDA IPC memory: ", CudaError(e)));
-    }
-    return absl::OkStatus();
+    return Copy(dest, static_cast<const char*>(mapping.base) + offset, bytes, cudaMemcpyDeviceToHost,
+                "out of a trainer's CUDA IPC memory");
+  }
+
+  absl::Status CopyFromHost(const Mapping& mapping, uint64_t offset, const void* src, uint64_t bytes) override {
+    return Copy(static_cast<char*>(mapping.base) + offset, src, bytes, cudaMemcpyHostToDevice,
+                "into a trainer's CUDA IPC memory");
   }
 
   void Close(const Mapping& mapping) override {
@@ -77,6 +67,26 @@ class CudaIpcMemory final : public IpcMemory {
   }
 
  private:
+  // One copy on a stream of its own, waited for.
+  absl::Status Copy(void* dest, const void* src, uint64_t bytes, cudaMemcpyKind kind, const char* what) {
+    if (bytes == 0) return absl::OkStatus();
+    if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("cudaSetDevice(", device_, "): ", CudaError(e)));
+    }
+    cudaStream_t stream = nullptr;
+    cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) {
+      e = cudaMemcpyAsync(dest, src, bytes, kind, stream);
+      if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    }
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError(absl::StrCat("copying ", bytes, " bytes ", what, ": ", CudaError(e)));
+    }
+    return absl::OkStatus();
+  }
+
   const int device_;
   const GetAddressRange range_;
 };

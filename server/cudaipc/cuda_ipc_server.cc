@@ -1,5 +1,7 @@
 #include "server/cudaipc/cuda_ipc_server.h"
 
+#include <algorithm>
+#include <functional>
 #include <map>
 #include <random>
 #include <utility>
@@ -17,6 +19,14 @@ namespace {
 
 constexpr char kComponent[] = "cuda-ipc";
 constexpr char kTransport[] = "cuda_ipc";  // the `transport` label of the byte counters
+// How long a pull waits for its version between looks at its cancellation and at a stop.
+constexpr absl::Duration kWaitSlice = absl::Milliseconds(500);
+
+absl::Status CheckHandle(const v1::CudaIpcRegion& region, const char* what) {
+  if (region.handle().size() == kCudaIpcHandleBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(what, ": memory.handle has ", region.handle().size(),
+                                                 " bytes; a CUDA IPC memory handle has ", kCudaIpcHandleBytes));
+}
 
 }  // namespace
 
@@ -33,7 +43,55 @@ struct CudaIpcServer::State {
     if (options.boot_id.empty()) options.boot_id = ProcessIdentity::Self().boot_id;
     if (options.pid_namespace.empty()) options.pid_namespace = ProcessIdentity::Self().pid_namespace;
     if (!options.alive) options.alive = [](int64_t pid) { return !ProcessGone(pid); };
-    if (metrics::DaemonMetrics* m = options.daemon->metrics(); m != nullptr) pushed_bytes = m->PushedBytes(kTransport);
+    if (metrics::DaemonMetrics* m = options.daemon->metrics(); m != nullptr) {
+      pushed_bytes = m->PushedBytes(kTransport);
+      pulled_bytes = m->PulledBytes(kTransport);
+    }
+  }
+
+  // The session `id` for a call of (job, rank), counted as running (Leave when done).
+  absl::StatusOr<std::shared_ptr<Session>> Enter(uint64_t id, const std::string& job_id, int32_t rank) {
+    absl::MutexLock lock(&mu);
+    if (stopping) return absl::UnavailableError("the daemon is stopping");
+    auto it = sessions.find(id);
+    if (it == sessions.end()) {
+      return absl::UnavailableError(absl::StrCat(kUnknownCudaIpcSession, " ", absl::Hex(id),
+                                                 " (detached, replaced, or the daemon restarted): attach again"));
+    }
+    const std::shared_ptr<Session>& s = it->second;
+    if (s->job_id != job_id || s->rank != rank) {
+      return absl::PermissionDeniedError(absl::StrCat("cuda_ipc session ", absl::Hex(s->id), " is job ", s->job_id,
+                                                      " rank ", s->rank, "'s, not job ", job_id, " rank ", rank, "'s"));
+    }
+    ++running;
+    return s;
+  }
+  void Leave() {
+    absl::MutexLock lock(&mu);
+    --running;
+  }
+
+  // Maps `region` for one copy of `bytes` bytes at its offset, runs `copy` on it, and unmaps it.
+  // `what` names the call in errors.
+  absl::Status WithMapping(const v1::CudaIpcRegion& region, uint64_t bytes, const char* what,
+                           const std::function<absl::Status(const IpcMemory::Mapping&)>& copy) {
+    absl::StatusOr<IpcMemory::Mapping> mapping = options.memory->Open(region.handle());
+    if (!mapping.ok()) return Annotate(mapping.status(), absl::StrCat(what, ": opening the trainer's memory handle"));
+    {
+      absl::MutexLock lock(&mu);
+      ++open_mappings;
+    }
+    absl::Cleanup close = [this, &mapping] {
+      options.memory->Close(*mapping);
+      absl::MutexLock lock(&mu);
+      --open_mappings;
+    };
+    if (region.offset() > mapping->bytes || bytes > mapping->bytes - region.offset()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": ", bytes, " bytes at offset ", region.offset(),
+                                                     " are outside the exported allocation of ", mapping->bytes,
+                                                     " bytes"));
+    }
+    return copy(*mapping);
   }
 
   // Forgets `s` (by value: it may be the map entry erased here); Closed() finishes outside mu.
@@ -60,10 +118,10 @@ struct CudaIpcServer::State {
   }
 
   Options options;
-  std::shared_ptr<metrics::Counter> pushed_bytes;  // null: no metrics
+  std::shared_ptr<metrics::Counter> pushed_bytes, pulled_bytes;  // null: no metrics
   mutable absl::Mutex mu;
   bool stopping ABSL_GUARDED_BY(mu) = false;
-  int running ABSL_GUARDED_BY(mu) = 0;  // pushes in progress
+  int running ABSL_GUARDED_BY(mu) = 0;  // pushes and pulls in progress
   int open_mappings ABSL_GUARDED_BY(mu) = 0;
   std::mt19937_64 rng ABSL_GUARDED_BY(mu);
   std::map<uint64_t, std::shared_ptr<Session>> sessions ABSL_GUARDED_BY(mu);
@@ -154,32 +212,9 @@ absl::StatusOr<v1::AttachCudaIpcResponse> CudaIpcServer::Attach(const v1::Attach
 absl::StatusOr<v1::PushGradResponse> CudaIpcServer::Push(const v1::CudaIpcPushRequest& request) {
   State& st = *state_;
   const v1::PushGradHeader& h = request.header();
-  const v1::CudaIpcRegion& region = request.memory();
-  std::shared_ptr<State::Session> s;
-  {
-    absl::MutexLock lock(&st.mu);
-    if (st.stopping) return absl::UnavailableError("the daemon is stopping");
-    auto it = st.sessions.find(request.session_id());
-    if (it == st.sessions.end()) {
-      return absl::UnavailableError(absl::StrCat(kUnknownCudaIpcSession, " ", absl::Hex(request.session_id()),
-                                                 " (detached, replaced, or the daemon restarted): attach again"));
-    }
-    s = it->second;
-    if (s->job_id != h.job_id() || s->rank != h.rank()) {
-      return absl::PermissionDeniedError(absl::StrCat("cuda_ipc session ", absl::Hex(s->id), " is job ", s->job_id,
-                                                      " rank ", s->rank, "'s, not job ", h.job_id(), " rank ", h.rank(),
-                                                      "'s"));
-    }
-    ++st.running;
-  }
-  absl::Cleanup done = [&st] {
-    absl::MutexLock lock(&st.mu);
-    --st.running;
-  };
-  if (region.handle().size() != kCudaIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("CudaIpcPush: memory.handle has ", region.handle().size(),
-                                                   " bytes; a CUDA IPC memory handle has ", kCudaIpcHandleBytes));
-  }
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<State::Session> s, st.Enter(request.session_id(), h.job_id(), h.rank()));
+  absl::Cleanup done = [&st] { st.Leave(); };
+  MAINSTAY_RETURN_IF_ERROR(CheckHandle(request.memory(), "CudaIpcPush"));
   absl::StatusOr<std::unique_ptr<PushSession>> session = st.options.daemon->BeginPush(h);
   if (session.ok() && st.options.drain != nullptr) {
     if (absl::Status admitted = st.options.drain->AdmitPush(h.job_id(), h.step()); !admitted.ok()) session = admitted;
@@ -191,31 +226,61 @@ absl::StatusOr<v1::PushGradResponse> CudaIpcServer::Push(const v1::CudaIpcPushRe
     // Mapped for this copy only: CUDA leaves it undefined what happens to a mapping whose
     // allocation its owner frees, and the trainer may free the buffer once the push's step
     // finished (the buffer contract), so no mapping outlives its push.
-    absl::StatusOr<IpcMemory::Mapping> mapping = st.options.memory->Open(region.handle());
-    if (!mapping.ok()) return Annotate(mapping.status(), "CudaIpcPush: opening the trainer's memory handle");
-    {
-      absl::MutexLock lock(&st.mu);
-      ++st.open_mappings;
-    }
-    absl::Cleanup close = [&st, &mapping] {
-      st.options.memory->Close(*mapping);
-      absl::MutexLock lock(&st.mu);
-      --st.open_mappings;
-    };
-    const uint64_t bytes = dest.size();
-    if (region.offset() > mapping->bytes || bytes > mapping->bytes - region.offset()) {
-      return absl::InvalidArgumentError(absl::StrCat("CudaIpcPush: ", bytes, " bytes at offset ", region.offset(),
-                                                     " are outside the exported allocation of ", mapping->bytes,
-                                                     " bytes; nothing was stored"));
-    }
-    MAINSTAY_RETURN_IF_ERROR(st.options.memory->CopyToHost(*mapping, region.offset(), dest.data(), bytes));
-    push.Landed(static_cast<int64_t>(bytes));
+    MAINSTAY_RETURN_IF_ERROR(
+        st.WithMapping(request.memory(), dest.size(), "CudaIpcPush", [&](const IpcMemory::Mapping& m) {
+          return st.options.memory->CopyToHost(m, request.memory().offset(), dest.data(), dest.size());
+        }));
+    push.Landed(static_cast<int64_t>(dest.size()));
   }
   MAINSTAY_ASSIGN_OR_RETURN(v1::PushGradResponse stored, push.Finish());
   const int64_t total = static_cast<int64_t>(dest.size());
   if (st.pushed_bytes != nullptr) st.pushed_bytes->Increment(static_cast<double>(total));
   st.options.daemon->connections()->Record(s->job_id, s->rank, v1::TRANSPORT_CUDA_IPC, s->node, total, 0);
   return stored;
+}
+
+absl::StatusOr<v1::CudaIpcPullResponse> CudaIpcServer::Pull(const v1::CudaIpcPullRequest& request, absl::Time deadline,
+                                                            const std::function<bool()>& cancelled) {
+  State& st = *state_;
+  const v1::PullParamsRequest& r = request.request();
+  MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<State::Session> s, st.Enter(request.session_id(), r.job_id(), r.rank()));
+  absl::Cleanup done = [&st] { st.Leave(); };
+  if (r.delta_chunk_bytes() != 0) {
+    return absl::InvalidArgumentError("CudaIpcPull: delta pulls go over PullParams (delta_chunk_bytes must be 0)");
+  }
+  MAINSTAY_RETURN_IF_ERROR(CheckHandle(request.memory(), "CudaIpcPull"));
+  // The session's own token: a reader's pulls are charged against the reader cap, over gRPC.
+  MAINSTAY_RETURN_IF_ERROR(st.options.daemon->CheckJobToken(r.job_id(), r.job_token(), /*writer=*/true));
+  absl::StatusOr<PullResult> result;
+  while (true) {
+    result = st.options.daemon->PullParams(r, std::min(deadline, absl::Now() + kWaitSlice));
+    if (result.ok() || result.status().code() != absl::StatusCode::kDeadlineExceeded || absl::Now() >= deadline) {
+      break;
+    }
+    if (cancelled && cancelled()) return absl::CancelledError("CudaIpcPull: the trainer went away");
+    absl::MutexLock lock(&st.mu);
+    if (st.stopping) return absl::UnavailableError("the daemon is stopping");
+  }
+  if (!result.ok()) return result.status();
+  v1::CudaIpcPullResponse response;
+  *response.mutable_header() = PullHeaderOf(*result);
+  if (result->unchanged) return response;
+  const QuantizedShard& shard = *result->shard;  // immutable; alive while `result` is
+  if (request.bytes() != shard.data.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("CudaIpcPull: the destination has ", request.bytes(),
+                                                   " bytes; bucket ", r.bucket(), " shard ", r.shard(),
+                                                   "'s packed data has ", shard.data.size()));
+  }
+  // Mapped for this copy only, as for a push.
+  MAINSTAY_RETURN_IF_ERROR(
+      st.WithMapping(request.memory(), shard.data.size(), "CudaIpcPull", [&](const IpcMemory::Mapping& m) {
+        return st.options.memory->CopyFromHost(m, request.memory().offset(), shard.data.data(), shard.data.size());
+      }));
+  response.set_scales(shard.scales.data(), shard.scales.size());
+  const int64_t total = static_cast<int64_t>(shard.data.size() + shard.scales.size());
+  if (st.pulled_bytes != nullptr) st.pulled_bytes->Increment(static_cast<double>(total));
+  st.options.daemon->connections()->Record(s->job_id, s->rank, v1::TRANSPORT_CUDA_IPC, s->node, 0, total);
+  return response;
 }
 
 absl::Status CudaIpcServer::Detach(const v1::DetachCudaIpcRequest& request) {

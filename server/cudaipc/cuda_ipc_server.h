@@ -4,9 +4,11 @@
 // allocation for that push only (IpcMemory::Open, then Close once the bytes are copied: CUDA
 // leaves a mapping of freed memory undefined, and the trainer may free the buffer once the step
 // finished), copies the payload into the core's PushSession, and stores it as PushGrad would:
-// nothing is stored unless every byte was copied. Pulls and everything else go over gRPC.
-// server/grpc/shard_service.cc adapts it; no gRPC and no CUDA in here (the IpcMemory does the
-// CUDA), so tests run it with a fake.
+// nothing is stored unless every byte was copied. A pull (CudaIpcPull) goes the other way: the
+// daemon waits for the version as PullParams does, maps the trainer's destination for that pull
+// only, writes the shard's packed data into it, and answers the header and the block scales.
+// Delta pulls and everything else go over gRPC. server/grpc/shard_service.cc adapts it; no
+// gRPC and no CUDA in here (the IpcMemory does the CUDA), so tests run it with a fake.
 //
 // A session binds (job, rank) to this node (the trainer's boot id). It ends when the trainer
 // detaches, when a new session of the same (job, rank) replaces it, when the daemon stops, or
@@ -14,7 +16,8 @@
 // daemon's pid namespace).
 //
 // Ownership: the options' daemon, drain and memory are not owned and must outlive the server.
-// Thread safety: every method is thread-safe; pushes of one session may run concurrently.
+// Thread safety: every method is thread-safe; pushes and pulls of one session may run
+// concurrently.
 #ifndef MAINSTAY_SERVER_CUDAIPC_CUDA_IPC_SERVER_H_
 #define MAINSTAY_SERVER_CUDAIPC_CUDA_IPC_SERVER_H_
 
@@ -24,6 +27,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "mainstay/v1/shard.pb.h"
 #include "server/cudaipc/ipc_memory.h"
 #include "server/daemon/shard_daemon.h"
@@ -55,13 +59,18 @@ class CudaIpcServer {
   // The calls of shard.proto. Errors as documented there.
   absl::StatusOr<v1::AttachCudaIpcResponse> Attach(const v1::AttachCudaIpcRequest& request);
   absl::StatusOr<v1::PushGradResponse> Push(const v1::CudaIpcPushRequest& request);
+  // Waits for the version until `deadline` (DEADLINE_EXCEEDED after it), in slices that end
+  // early, CANCELLED, once `cancelled` (may be null) answers true.
+  absl::StatusOr<v1::CudaIpcPullResponse> Pull(const v1::CudaIpcPullRequest& request, absl::Time deadline,
+                                               const std::function<bool()>& cancelled);
   absl::Status Detach(const v1::DetachCudaIpcRequest& request);
 
   // "CUDA IPC on cuda:0 (...)", for the start-up log.
   std::string Describe() const;
   int sessions() const;
-  int mappings() const;  // allocations mapped now (by the pushes in flight)
-  // Refuses new calls (UNAVAILABLE), waits for the pushes in flight, closes every session.
+  int mappings() const;  // allocations mapped now (by the pushes and pulls in flight)
+  // Refuses new calls (UNAVAILABLE), waits for the pushes and pulls in flight (a pull waiting for
+  // its version ends within half a second), closes every session.
   // Idempotent.
   void Shutdown();
 

@@ -1,7 +1,7 @@
 // The outside boundary of the cuda_ipc transport's daemon end (docs/transports.md, CUDA IPC):
 // opening the CUDA IPC memory handle of a trainer's allocation in this process, and copying out
-// of it. MakeCudaIpcMemory is CUDA's (cudaIpcOpenMemHandle on the daemon's device); tests use a
-// fake that resolves handles to host buffers.
+// of it (pushes) and into it (pulls). MakeCudaIpcMemory is CUDA's (cudaIpcOpenMemHandle on the
+// daemon's device); tests use a fake that resolves handles to host buffers.
 //
 // Thread safety: every method may be called from any thread, concurrently; a Mapping may be
 // copied from concurrently and must not be used after Close.
@@ -40,6 +40,10 @@ class IpcMemory {
   // are there (on a stream of its own, unordered with the daemon's other work). The caller
   // checked the range. INTERNAL with CUDA's error on failure.
   virtual absl::Status CopyToHost(const Mapping& mapping, uint64_t offset, void* dest, uint64_t bytes) = 0;
+  // Copies `bytes` from host memory at `src` to `offset` of `mapping` and returns when they are
+  // there (as CopyToHost, the other way). The caller checked the range. INTERNAL with CUDA's
+  // error on failure; the destination may then hold part of the bytes.
+  virtual absl::Status CopyFromHost(const Mapping& mapping, uint64_t offset, const void* src, uint64_t bytes) = 0;
   // Unmaps it. Must come before the trainer frees the allocation: CUDA leaves a mapping of freed
   // memory undefined.
   virtual void Close(const Mapping& mapping) = 0;

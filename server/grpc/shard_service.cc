@@ -752,7 +752,7 @@ class ShardService final : public v1::Shard::CallbackService {
   }
 
   // ---- The cuda_ipc transport (server/cudaipc): the push's payload is copied out of the
-  // trainer's device memory while the call runs.
+  // trainer's device memory, and a pull's data into it, while the call runs.
   ::grpc::ServerUnaryReactor* AttachCudaIpc(::grpc::CallbackServerContext* context,
                                             const v1::AttachCudaIpcRequest* request,
                                             v1::AttachCudaIpcResponse* response) override {
@@ -779,6 +779,31 @@ class ShardService final : public v1::Shard::CallbackService {
       absl::StatusOr<v1::PushGradResponse> stored = cuda_ipc_->Push(*request);
       if (stored.ok()) *response = *std::move(stored);
       reactor->Finish(ToGrpcWithDetail(context, stored.status()));
+      calls_->Exit();
+    });
+    if (!spawned) {
+      reactor->Finish(ShuttingDown());
+      calls_->Exit();
+    }
+    return reactor;
+  }
+  ::grpc::ServerUnaryReactor* CudaIpcPull(::grpc::CallbackServerContext* context, const v1::CudaIpcPullRequest* request,
+                                          v1::CudaIpcPullResponse* response) override {
+    ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (cuda_ipc_ == nullptr) {
+      reactor->Finish(NoCudaIpc());
+      return reactor;
+    }
+    if (!calls_->Enter()) {
+      reactor->Finish(ShuttingDown());
+      return reactor;
+    }
+    // It may wait for its version, then copies: off the gRPC threads.
+    const bool spawned = calls_->Spawn([this, context, request, response, reactor] {
+      absl::StatusOr<v1::CudaIpcPullResponse> pulled =
+          cuda_ipc_->Pull(*request, absl::FromChrono(context->deadline()), CancelledFn(context));
+      if (pulled.ok()) *response = *std::move(pulled);
+      reactor->Finish(ToGrpcWithDetail(context, pulled.status()));
       calls_->Exit();
     });
     if (!spawned) {

@@ -767,6 +767,83 @@ TEST_F(ClientGrpcTest, CudaIpcPushesDeviceMemoryByHandleAndTrainsAsOverGrpc) {
   EXPECT_EQ(over_ipc, over_grpc);
 }
 
+// PullShardInto: into device memory the daemon writes the shard by its IPC handle (no
+// PullParams stream), into host memory it comes over gRPC; either way the bytes, block scales
+// and per-tensor values are PullShard's. A device destination is refused where no transport
+// could write it, and a destination of the wrong size everywhere.
+TEST_F(ClientGrpcTest, PullShardIntoDeviceMemoryGetsThePulledShardsBytes) {
+  FakeClusterOptions options;
+  options.offer_cuda_ipc = true;
+  StartCluster(options);
+  std::vector<uint8_t> device(4 << 20, 0xA5);  // stands for one device allocation
+  FakeCudaDriver cuda(device.data(), device.size());
+  client_internal::ScopedCudaDriverForTesting use(&cuda);
+  ClientOptions base;
+  base.transport = "cuda_ipc";
+  ConnectRanks(testing_fakes::AllFormatsSpec(2), 2, base);
+  ASSERT_EQ(clients_.size(), 2u);
+  PushInitial(RandomBuckets(4));
+  Client& c = *clients_[1];
+  const int64_t streams_before = cluster_->stats().pull_streams;
+  int64_t device_pulls = 0;
+  for (const Bucket& b : c.layout().buckets) {
+    for (int32_t shard = 0; shard < 2; ++shard) {
+      const absl::StatusOr<PulledBucket> want = c.PullShard(b.index, shard, 0).Wait();
+      ASSERT_THAT(want, IsOk());
+      const PulledShard& w = want->shards()[0];
+      const int64_t bytes = static_cast<int64_t>(want->data().size());
+      // Into "device memory", at an odd offset inside the allocation.
+      const size_t offset = 4096 + 3;
+      std::fill(device.begin(), device.end(), 0xA5);
+      ShardPullHandle h = c.PullShardInto(b.index, shard, 0, device.data() + offset, bytes);
+      const absl::StatusOr<PulledShard>& got = h.Wait();
+      ASSERT_THAT(got, IsOk());
+      ++device_pulls;
+      EXPECT_TRUE(std::equal(want->data().begin(), want->data().end(), device.begin() + offset))
+          << FormatName(b.format) << " shard " << shard;
+      EXPECT_EQ(device[offset - 1], 0xA5);
+      EXPECT_EQ(device[offset + static_cast<size_t>(bytes)], 0xA5);
+      EXPECT_EQ(got->version, 0);
+      EXPECT_FALSE(got->unchanged);
+      EXPECT_EQ(got->scales, w.scales);
+      ASSERT_EQ(got->fragments.size(), w.fragments.size());
+      for (size_t i = 0; i < w.fragments.size(); ++i) {
+        EXPECT_EQ(got->fragments[i].scale, w.fragments[i].scale);
+        EXPECT_EQ(got->fragments[i].scale_offset, w.fragments[i].scale_offset);
+      }
+      // Into host memory the same client pulls over gRPC.
+      std::vector<uint8_t> host(static_cast<size_t>(bytes));
+      ASSERT_THAT(c.PullShardInto(b.index, shard, 0, host.data(), bytes).Wait(), IsOk());
+      EXPECT_TRUE(std::equal(host.begin(), host.end(), want->data().begin()));
+      // The wrong size, for either.
+      EXPECT_THAT(c.PullShardInto(b.index, shard, 0, device.data(), bytes + 1).Wait(),
+                  StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bytes of packed")));
+    }
+  }
+  EXPECT_EQ(cluster_->stats().cuda_ipc_pulls, device_pulls);
+  EXPECT_EQ(cuda.exports(), device_pulls);
+  // One PullParams stream per PullShard and per host PullShardInto; none for the device pulls.
+  EXPECT_EQ(cluster_->stats().pull_streams - streams_before, 2 * device_pulls);
+  EXPECT_THAT(c.PullShardInto(0, 2, 0, device.data(), 1).Wait(), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(c.PullShardInto(0, 0, 0, nullptr, 0).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("null")));
+  // A client on another transport cannot have device memory written.
+  ClientOptions grpc;
+  grpc.coordinator = cluster_->coordinator_address();
+  grpc.job_id = c.job_id();
+  grpc.job_token = c.job_token();
+  grpc.rank = 0;
+  grpc.transport = "grpc";
+  auto other = Client::Connect(grpc);
+  ASSERT_THAT(other, IsOk());
+  const Bucket& b0 = c.layout().buckets[0];
+  const int64_t bytes0 = DataBytes(b0.format, b0.shard_numel);
+  EXPECT_THAT((*other)->PullShardInto(0, 0, 0, device.data(), bytes0).Wait(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("only the cuda_ipc transport")));
+  other->reset();
+  clients_.clear();  // before the driver they use goes
+}
+
 TEST_F(ClientGrpcTest, CudaIpcNeedsADaemonThatOffersItAndACudaDriver) {
   StartCluster();  // the daemons do not offer cuda_ipc
   std::vector<float> device(1024);

@@ -1,16 +1,18 @@
 // The cuda_ipc transport's daemon end (server/cudaipc/cuda_ipc_server.h) on a real ShardDaemon,
 // with a fake IpcMemory whose "device allocations" are host buffers: sessions, pushes copied out
-// of the trainer's allocation (the steps equal the reference bit for bit), the refusals (another
-// node, wrong or reader token, another job or rank, bad handle, a range outside the allocation, a
-// copy that fails: nothing stored), mappings that live only while their push copies, and when
-// sessions end.
+// of the trainer's allocation (the steps equal the reference bit for bit), pulls written into it
+// (the bytes PullParams serves), the refusals (another node, wrong or reader token, another job
+// or rank, bad handle, a range outside the allocation, a copy that fails: nothing stored),
+// mappings that live only while their copy runs, and when sessions end.
 #include "server/cudaipc/cuda_ipc_server.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -65,6 +67,15 @@ class FakeIpcMemory : public IpcMemory {
       EXPECT_TRUE(open_.count(m.base)) << "a copy from a closed mapping";
     }
     std::memcpy(dest, static_cast<const uint8_t*>(m.base) + offset, bytes);
+    return absl::OkStatus();
+  }
+  absl::Status CopyFromHost(const Mapping& m, uint64_t offset, const void* src, uint64_t bytes) override {
+    if (fail_copies_.load()) return absl::InternalError("copying into a trainer's CUDA IPC memory (fake failure)");
+    {
+      absl::MutexLock lock(&mu_);
+      EXPECT_TRUE(open_.count(m.base)) << "a copy into a closed mapping";
+    }
+    std::memcpy(static_cast<uint8_t*>(m.base) + offset, src, bytes);
     return absl::OkStatus();
   }
   void Close(const Mapping& m) override {
@@ -143,6 +154,31 @@ class CudaIpcServerTest : public ::testing::Test {
     return server_->Push(r);
   }
 
+  // Rank `rank`'s CudaIpcPull of bucket `bucket` shard `shard` at `version` into `allocation` at
+  // `offset` (`bytes`: the destination's size; -1: the shard's packed data bytes).
+  absl::StatusOr<v1::CudaIpcPullResponse> PullInto(uint64_t session, int32_t rank, int32_t bucket, int32_t shard,
+                                                   int64_t version, const std::string& handle,
+                                                   std::vector<uint8_t>& allocation, uint64_t offset = 0,
+                                                   int64_t bytes = -1, absl::Duration wait = absl::Seconds(10),
+                                                   const std::function<bool()>& cancelled = nullptr) {
+    const Bucket& b = cluster_.layout().buckets[bucket];
+    v1::CudaIpcPullRequest r;
+    r.set_session_id(session);
+    v1::PullParamsRequest& p = *r.mutable_request();
+    p.set_job_id(kJob);
+    p.set_job_token(kToken);
+    p.set_placement_epoch(cluster_.epoch());
+    p.set_bucket(bucket);
+    p.set_shard(shard);
+    p.set_version(version);
+    p.set_rank(rank);
+    r.mutable_memory()->set_handle(handle);
+    r.mutable_memory()->set_offset(offset);
+    r.mutable_memory()->set_allocation_bytes(allocation.size());
+    r.set_bytes(bytes >= 0 ? static_cast<uint64_t>(bytes) : static_cast<uint64_t>(DataBytes(b.format, b.shard_numel)));
+    return server_->Pull(r, absl::Now() + wait, cancelled);
+  }
+
   Cluster cluster_;
   FakeIpcMemory memory_;
   std::unique_ptr<CudaIpcServer> server_;
@@ -214,6 +250,93 @@ TEST_F(CudaIpcServerTest, PushesCopiedOutOfTheTrainersMemoryTrainLikeTheReferenc
               StatusIs(absl::StatusCode::kUnavailable, ::testing::StartsWith(daemon::kUnknownCudaIpcSession)));
   server_->Shutdown();
   EXPECT_EQ(server_->sessions(), 0);
+}
+
+TEST_F(CudaIpcServerTest, PullsWriteTheVersionIntoTheTrainersMemory) {
+  Reference ref(cluster_.resolved());
+  const Layout& layout = cluster_.layout();
+  cluster_.PushInitial(ref);
+  cluster_.PushGrads(0);
+  for (const auto& stats : cluster_.Finish(0, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+  const std::vector<uint64_t> sessions = {Attach(0), Attach(1)};
+  // Each rank's destination at an offset inside one allocation, with guard bytes around it.
+  std::vector<uint8_t> allocation(8 << 20, 0xA5);
+  const std::string handle = memory_.Export(&allocation);
+  const uint64_t offset = 4096 + 8;
+  for (const Bucket& b : layout.buckets) {
+    for (const Shard& s : b.shards) {
+      std::fill(allocation.begin(), allocation.end(), 0xA5);
+      auto pulled = PullInto(sessions[s.rank], s.rank, b.index, s.rank, 1, handle, allocation, offset);
+      ASSERT_THAT(pulled, IsOk());
+      absl::StatusOr<daemon::PullResult> served = cluster_.Pull(b.index, s.rank, 1);
+      ASSERT_THAT(served, IsOk());
+      const daemon::QuantizedShard& q = *served->shard;
+      EXPECT_EQ(pulled->header().SerializeAsString(), daemon::PullHeaderOf(*served).SerializeAsString());
+      EXPECT_FALSE(pulled->header().unchanged());
+      EXPECT_EQ(pulled->scales(), std::string(q.scales.begin(), q.scales.end()));
+      ASSERT_TRUE(std::equal(q.data.begin(), q.data.end(), allocation.begin() + offset)) << "bucket " << b.index;
+      EXPECT_EQ(allocation[offset - 1], 0xA5);
+      EXPECT_EQ(allocation[offset + q.data.size()], 0xA5);
+    }
+  }
+  EXPECT_EQ(memory_.still_open(), 0);
+  // A version not decided yet: the pull waits, until its deadline or until its trainer goes away.
+  EXPECT_THAT(PullInto(sessions[0], 0, 0, 0, 2, handle, allocation, 0, -1, absl::Milliseconds(100)).status(),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(
+      PullInto(sessions[0], 0, 0, 0, 2, handle, allocation, 0, -1, absl::Seconds(30), [] { return true; }).status(),
+      StatusIs(absl::StatusCode::kCancelled));
+  EXPECT_EQ(memory_.opens(), static_cast<int>(2 * layout.buckets.size()));
+}
+
+TEST_F(CudaIpcServerTest, BadPullsAreRefusedBeforeAnythingIsWritten) {
+  Reference ref(cluster_.resolved());
+  cluster_.PushInitial(ref);
+  const uint64_t session = Attach(0);
+  const Bucket& b = cluster_.layout().buckets[0];
+  const int64_t bytes = DataBytes(b.format, b.shard_numel);
+  std::vector<uint8_t> allocation(static_cast<size_t>(bytes) + 64, 0xA5);
+  const std::string handle = memory_.Export(&allocation);
+  auto untouched = [&] {
+    return std::all_of(allocation.begin(), allocation.end(), [](uint8_t v) { return v == 0xA5; });
+  };
+  EXPECT_THAT(PullInto(session, 0, 0, 0, 0, handle, allocation, 128).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside the exported allocation")));
+  EXPECT_THAT(PullInto(session, 0, 0, 0, 0, handle, allocation, 0, bytes - 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("packed data has")));
+  EXPECT_THAT(PullInto(session, 0, 0, 0, 0, "short", allocation).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("64")));
+  EXPECT_THAT(PullInto(session, 0, 0, 0, 0, std::string(64, 'x'), allocation).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unknown handle")));
+  // Another rank's pull on this session, an unknown session.
+  EXPECT_THAT(PullInto(session, 1, 0, 1, 0, handle, allocation).status(),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("rank 0")));
+  EXPECT_THAT(PullInto(session + 1, 0, 0, 0, 0, handle, allocation).status(),
+              StatusIs(absl::StatusCode::kUnavailable, ::testing::StartsWith(daemon::kUnknownCudaIpcSession)));
+  EXPECT_TRUE(untouched());
+  // A delta, or a reader's token, goes over PullParams.
+  v1::CudaIpcPullRequest r;
+  r.set_session_id(session);
+  r.mutable_request()->set_job_id(kJob);
+  r.mutable_request()->set_job_token(kToken);
+  r.mutable_request()->set_delta_chunk_bytes(64 << 10);
+  r.mutable_memory()->set_handle(handle);
+  EXPECT_THAT(server_->Pull(r, absl::Now() + absl::Seconds(1), nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("delta")));
+  cluster_.AssignAll("reader-token");
+  r.mutable_request()->set_delta_chunk_bytes(0);
+  r.mutable_request()->set_job_token("reader-token");
+  EXPECT_THAT(server_->Pull(r, absl::Now() + absl::Seconds(1), nullptr).status(),
+              StatusIs(absl::StatusCode::kPermissionDenied));
+  // A copy that fails is reported.
+  memory_.fail_copies_ = true;
+  EXPECT_THAT(PullInto(session, 0, 0, 0, 0, handle, allocation).status(),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("fake failure")));
+  memory_.fail_copies_ = false;
+  EXPECT_THAT(PullInto(session, 0, 0, 0, 0, handle, allocation), IsOk());
+  EXPECT_FALSE(untouched());
+  EXPECT_EQ(memory_.still_open(), 0);
+  EXPECT_EQ(server_->mappings(), 0);
 }
 
 TEST_F(CudaIpcServerTest, AttachRefusesOtherNodesWrongTokensAndUnknownJobs) {

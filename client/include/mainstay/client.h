@@ -7,7 +7,8 @@
 //   - FinishStep(step, lr, weight_decay) waits for the step's pushes, tells every daemon pushed
 //     to that this rank is done, and returns the StepStats once the step is committed or skipped;
 //   - PullShard / PullBucket fetch a version's quantized parameters (PullBucket: every shard of a
-//     bucket in parallel, an all-gather through the daemons) as a PulledBucket (pulled.h).
+//     bucket in parallel, an all-gather through the daemons) as a PulledBucket (pulled.h);
+//     PullShardInto puts one shard's packed data into the caller's host or device memory.
 // docs/client.md shows the step loop of a trainer in both push modes.
 //
 // Deadlines and retries: every operation has a deadline (ClientOptions::timeout, or the call's
@@ -284,6 +285,7 @@ class Handle {
 
 using PushHandle = Handle<PushResult>;
 using PullHandle = Handle<PulledBucket>;
+using ShardPullHandle = Handle<PulledShard>;
 
 class MAINSTAY_CLIENT_EXPORT Client {
  public:
@@ -394,6 +396,23 @@ class MAINSTAY_CLIENT_EXPORT Client {
   // is not a whole, changed pull of this bucket or version is kLatestVersion.
   PullHandle PullBucketSince(int32_t bucket, int64_t version, const PulledBucket& since,
                              std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  // One shard of `version` (as PullShard) straight into the caller's memory: `destination` gets
+  // the shard's packed data, which must be exactly destination_bytes = DataBytes(format,
+  // shard_numel) bytes (ShardByteRange, common/layout.h), else INVALID_ARGUMENT before anything is
+  // sent. The PulledShard returned holds the rest: the version, unchanged (then nothing was
+  // written: keep the weights held), the block scales (in host memory) and the per-tensor values
+  // of each fragment.
+  //   Host memory: over any transport, the data's CRC-32C checked as for PullShard.
+  //   Device memory: only over the cuda_ipc transport (ClientOptions::transport "cuda_ipc"),
+  //     where the daemon writes the bytes into the allocation by its CUDA IPC handle: nothing
+  //     passes through this process's host memory. The bytes are there, for any stream of this
+  //     process, once the handle is ready. Not CRC-checked (the client would have to read them
+  //     back); the daemon's copy is CUDA's. INVALID_ARGUMENT with another transport.
+  // The destination must stay allocated, and must not be read or written, until the handle is
+  // ready; a failed pull may have written part of it.
+  ShardPullHandle PullShardInto(int32_t bucket, int32_t shard, int64_t version, void* destination,
+                                int64_t destination_bytes,
+                                std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
   // Admin RPCs on this client's job, over the coordinator's channel (Admin service). The
   // coordinator checks the admin token when it has one (PERMISSION_DENIED); FAILED_PRECONDITION

@@ -229,6 +229,32 @@ class EndToEndTest(unittest.TestCase):
         self.assertEqual(latest.version, 2)
         self.assertFalse(latest.complete)
 
+        # pull_shard_into: one shard's packed bytes into the caller's array (a numpy array, or a
+        # CUDA array: here one wrapping host memory, so it comes over gRPC as a host pull would).
+        for b in buckets:
+            want = c1.pull_shard(b["index"], 1, 2)
+            for out in (np.zeros(b["shard_bytes"], np.uint8),
+                        CudaArray(np.zeros(b["shard_bytes"] // 2, np.uint16), typestr="<u2")):
+                got = c1.pull_shard_into(b["index"], 1, 2, out)
+                data = out if isinstance(out, np.ndarray) else out.array.view(np.uint8)
+                np.testing.assert_array_equal(data, want.data)
+                self.assertEqual(got["version"], 2)
+                self.assertFalse(got["unchanged"])
+                self.assertEqual(len(got["scales"]), want.scale_bytes)
+                self.assertEqual([f["tensor"] for f in got["fragments"]],
+                                 [f["tensor"] for f in b["shards"][1]["fragments"]])
+        with self.assertRaises(mainstay.Error) as e:
+            c1.pull_shard_into(0, 1, 2, np.zeros(buckets[0]["shard_bytes"] + 1, np.uint8))
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("bytes of packed", str(e.exception))
+        frozen = np.zeros(buckets[0]["shard_bytes"], np.uint8)
+        frozen.flags.writeable = False
+        for bad, says in [(frozen, "read-only"), (np.zeros(2 * buckets[0]["shard_bytes"], np.uint8)[::2], "C-contiguous"),
+                          (bytearray(buckets[0]["shard_bytes"]), "numpy array or a CUDA array")]:
+            with self.assertRaises(ValueError) as e:
+                c1.pull_shard_into(0, 1, 2, bad)
+            self.assertIn(says, str(e.exception))
+
         with self.assertRaises(mainstay.Error) as e:
             c0.push_grad(99, 2, np.zeros(4, np.float32), wait=True)
         self.assertEqual(e.exception.code, "INVALID_ARGUMENT")

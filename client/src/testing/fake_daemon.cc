@@ -1,11 +1,12 @@
 // The fake shard daemon of fake_services.h: PushGrad, PullParams, FinishStep, GetStepStats.
 #include <cstring>
+#include <functional>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/crc32c.h"
 #include "client/src/testing/fake_state.h"
+#include "common/crc32c.h"
 #include "common/layout_proto.h"
 #include "kernels/casts.h"
 #include "mainstay/v1/shard.grpc.pb.h"
@@ -105,49 +106,46 @@ class FakeDaemon final : public v1::Shard::Service {
 
   grpc::Status PullParams(grpc::ServerContext* context, const v1::PullParamsRequest* request,
                           grpc::ServerWriter<v1::PullParamsResponse>* writer) override {
-    std::shared_ptr<const Layout> layout;
-    std::vector<float> master;
-    int64_t version = 0;
-    bool unchanged = false;
     {
       absl::MutexLock lock(&s_->mu);
-      grpc::Status admitted = s_->Admit(context, index_, request->job_id(), request->job_token(),
-                                        request->placement_epoch(), request->bucket(), request->shard());
-      if (!admitted.ok()) return admitted;
       ++s_->stats.pull_streams;
-      const int64_t want = request->latest() ? 0 : request->version();
-      auto decided = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu) {
-        return s_->version >= want || (want >= 1 && s_->results.count(want - 1) > 0);
-      };
-      if (!decided() && request->no_wait()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "version not decided");
-      if (!WaitFor(s_, context, decided)) {
-        return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "version not decided before the deadline");
+    }
+    return Pull(context, *request, [writer](const v1::PullParamsResponse& m) { return writer->Write(m); });
+  }
+
+  // A pull whose data the fake writes at the destination's address (the handle's first 8 bytes,
+  // plus the offset), as the real daemon writes into the trainer's device memory.
+  grpc::Status CudaIpcPull(grpc::ServerContext* context, const v1::CudaIpcPullRequest* request,
+                           v1::CudaIpcPullResponse* response) override {
+    {
+      absl::MutexLock lock(&s_->mu);
+      if (request->session_id() <= 1000 ||
+          request->session_id() > 1000 + static_cast<uint64_t>(s_->stats.cuda_ipc_attaches)) {
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "unknown cuda_ipc session (fake daemon)");
       }
-      if (!request->latest() && s_->version > want) {
-        v1::ErrorDetail detail;
-        detail.set_version(s_->version);
-        return WithDetail(context, grpc::StatusCode::FAILED_PRECONDITION, "version no longer kept", detail);
+      ++s_->stats.cuda_ipc_pulls;
+    }
+    const v1::CudaIpcRegion& m = request->memory();
+    if (m.handle().size() != 64) return Invalid("a CUDA IPC handle has 64 bytes");
+    if (m.offset() + request->bytes() > m.allocation_bytes()) return Invalid("range outside");
+    uintptr_t base = 0;
+    std::memcpy(&base, m.handle().data(), sizeof(base));
+    char* dest = reinterpret_cast<char*>(base) + m.offset();
+    Format format = Format::kBF16;
+    return Pull(context, request->request(), [&](const v1::PullParamsResponse& r) {
+      if (r.has_header()) {
+        *response->mutable_header() = r.header();
+        if (absl::StatusOr<Format> f = FormatFromProto(r.header().format()); f.ok()) format = *f;
+        return static_cast<uint64_t>(r.header().total_data_bytes()) == request->bytes() || r.header().unchanged();
       }
-      version = request->latest() ? s_->version : want;
-      unchanged = !request->latest() && s_->version < want;  // step want-1 was skipped
-      if (unchanged) version = s_->version;
-      layout = s_->layout;
-      master = s_->master[request->bucket()];
-    }
-    if (unchanged) {
-      v1::PullParamsResponse m;
-      m.mutable_header()->set_version(version);
-      m.mutable_header()->set_unchanged(true);
-      writer->Write(m);
-      return grpc::Status::OK;
-    }
-    absl::StatusOr<std::vector<v1::PullParamsResponse>> stream = MakePullStream(
-        *layout, request->bucket(), request->shard(), version, master, request->max_chunk_bytes());
-    if (!stream.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, std::string(stream.status().message()));
-    for (const v1::PullParamsResponse& m : *stream) {
-      if (!writer->Write(m)) break;
-    }
-    return grpc::Status::OK;
+      if (r.has_data()) {
+        std::memcpy(dest + DataBytes(format, r.data().element_offset()), r.data().data().data(),
+                    r.data().data().size());
+      } else {
+        response->mutable_scales()->append(r.scales().data());
+      }
+      return true;
+    });
   }
 
   grpc::Status FinishStep(grpc::ServerContext* context, const v1::FinishStepRequest* request,
@@ -193,6 +191,53 @@ class FakeDaemon final : public v1::Shard::Service {
   }
 
  private:
+  // PullParams's answer, message by message, to `write` (false: stop).
+  grpc::Status Pull(grpc::ServerContext* context, const v1::PullParamsRequest& request,
+                    const std::function<bool(const v1::PullParamsResponse&)>& write) {
+    std::shared_ptr<const Layout> layout;
+    std::vector<float> master;
+    int64_t version = 0;
+    bool unchanged = false;
+    {
+      absl::MutexLock lock(&s_->mu);
+      grpc::Status admitted = s_->Admit(context, index_, request.job_id(), request.job_token(),
+                                        request.placement_epoch(), request.bucket(), request.shard());
+      if (!admitted.ok()) return admitted;
+      const int64_t want = request.latest() ? 0 : request.version();
+      auto decided = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s_->mu) {
+        return s_->version >= want || (want >= 1 && s_->results.count(want - 1) > 0);
+      };
+      if (!decided() && request.no_wait()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "version not decided");
+      if (!WaitFor(s_, context, decided)) {
+        return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "version not decided before the deadline");
+      }
+      if (!request.latest() && s_->version > want) {
+        v1::ErrorDetail detail;
+        detail.set_version(s_->version);
+        return WithDetail(context, grpc::StatusCode::FAILED_PRECONDITION, "version no longer kept", detail);
+      }
+      version = request.latest() ? s_->version : want;
+      unchanged = !request.latest() && s_->version < want;  // step want-1 was skipped
+      if (unchanged) version = s_->version;
+      layout = s_->layout;
+      master = s_->master[request.bucket()];
+    }
+    if (unchanged) {
+      v1::PullParamsResponse m;
+      m.mutable_header()->set_version(version);
+      m.mutable_header()->set_unchanged(true);
+      write(m);
+      return grpc::Status::OK;
+    }
+    absl::StatusOr<std::vector<v1::PullParamsResponse>> stream =
+        MakePullStream(*layout, request.bucket(), request.shard(), version, master, request.max_chunk_bytes());
+    if (!stream.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, std::string(stream.status().message()));
+    for (const v1::PullParamsResponse& m : *stream) {
+      if (!write(m)) return Invalid("the destination is not the shard's packed data");
+    }
+    return grpc::Status::OK;
+  }
+
   // A push header's own checks, before any payload moves.
   grpc::Status CheckHeader(grpc::ServerContext* context, const v1::PushGradHeader& h, int64_t shard_numel) {
     {

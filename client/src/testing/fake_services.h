@@ -55,6 +55,7 @@ struct FakeStats {
   int64_t wrong_crc = 0;           // pushes whose crc32c did not match (rejected)
   int64_t cuda_ipc_attaches = 0;   // AttachCudaIpc calls answered OK
   int64_t cuda_ipc_pushes = 0;     // CudaIpcPush calls admitted
+  int64_t cuda_ipc_pulls = 0;      // CudaIpcPull calls of a known session
 };
 
 class FakeCluster {
