@@ -427,15 +427,18 @@ PYBIND11_MODULE(_mainstay, m) {
         return c.Pull(c.client().PullShard(bucket, shard, version, Millis(timeout_s)), wait);
       }, py::arg("bucket"), py::arg("shard"), py::arg("version"), py::arg("wait") = true, py::arg("timeout_s") = 0.0)
       .def("pull_shard_into", [](PyClient& c, int32_t bucket, int32_t shard, int64_t version, const py::object& out,
-                                 double timeout_s) {
-        const std::span<uint8_t> dest = DestinationOf(out);
+                                 double timeout_s, const py::object& cuda_stream, const py::object& cuda_event) {
+        std::optional<void*> array_stream;
+        const std::span<uint8_t> dest = DestinationOf(out, &array_stream);
+        const PushOptions po = c.Options(0.0, timeout_s, cuda_stream, cuda_event, array_stream);
+        PullIntoOptions o;
+        o.timeout = po.timeout;
+        o.cuda_stream = po.cuda_stream;
+        o.cuda_event = po.cuda_event;
         absl::StatusOr<PulledShard> r;
         {
           py::gil_scoped_release release;
-          r = c.client()
-                  .PullShardInto(bucket, shard, version, dest.data(), static_cast<int64_t>(dest.size()),
-                                 Millis(timeout_s))
-                  .Wait();
+          r = c.client().PullShardInto(bucket, shard, version, dest.data(), static_cast<int64_t>(dest.size()), o).Wait();
         }
         const PulledShard p = Take(std::move(r));
         py::dict d;
@@ -460,12 +463,13 @@ PYBIND11_MODULE(_mainstay, m) {
         d["fragments"] = frags;
         return d;
       }, py::arg("bucket"), py::arg("shard"), py::arg("version"), py::arg("out"), py::arg("timeout_s") = 0.0,
+         py::kw_only(), py::arg("cuda_stream") = py::none(), py::arg("cuda_event") = py::none(),
          "One shard of `version` straight into `out`, blocking: a writable, C-contiguous numpy array or CUDA array "
-         "(__cuda_array_interface__) of exactly the shard's packed bytes (layout.bucket(b)['shard_bytes']). A CUDA "
-         "array needs transport='cuda_ipc': the daemon writes into it by its CUDA IPC handle; finish the GPU work "
-         "that uses `out` first (its stream is not waited for). Returns {shard, version, unchanged (nothing "
-         "written), num_scales, scales (bytes), fragments: [{tensor, elements, bucket_offset, scale, scale_inv, "
-         "amax, scale_blocks, scale_offset}]}.")
+         "(__cuda_array_interface__) of exactly the shard's packed bytes (layout.buckets[b]['shard_bytes']). A CUDA "
+         "array needs transport='cuda_ipc': the daemon writes into it by its CUDA IPC handle, after the CUDA work "
+         "that uses it (cuda_stream / cuda_event as for push_grad; by default the stream the array names). Returns "
+         "{shard, version, unchanged (nothing written), num_scales, scales (bytes), fragments: [{tensor, elements, "
+         "bucket_offset, scale, scale_inv, amax, scale_blocks, scale_offset}]}.")
       .def("create_checkpoint", [](PyClient& c, bool wait, const py::object& admin_token, double timeout_s) {
         const AdminCallOptions o = AdminOptions(admin_token, timeout_s);
         absl::StatusOr<CheckpointInfo> info;

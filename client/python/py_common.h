@@ -58,9 +58,9 @@ ElementSpan SpanOf(const py::object& data, const std::string& dtype, py::object*
                    std::optional<void*>* stream = nullptr);
 
 // The bytes a pull may write (Client.pull_shard_into): a writable, C-contiguous numpy array
-// (host memory), or a writable, C-contiguous CUDA array (__cuda_array_interface__; the stream it
-// names is not waited for). ValueError for anything else.
-std::span<uint8_t> DestinationOf(const py::object& out);
+// (host memory), or a writable, C-contiguous CUDA array (__cuda_array_interface__), whose
+// stream, if it names one, goes to *stream. ValueError for anything else.
+std::span<uint8_t> DestinationOf(const py::object& out, std::optional<void*>* stream);
 
 py::dict StepStatsDict(const StepStats& s);
 py::dict PushResultDict(const PushResult& r);

@@ -243,10 +243,11 @@ ElementSpan SpanOf(const py::object& data, const std::string& dtype, py::object*
   throw py::value_error("arrays must be float32, float16, or uint16/int16 holding bf16 bits");
 }
 
-std::span<uint8_t> DestinationOf(const py::object& out) {
+std::span<uint8_t> DestinationOf(const py::object& out, std::optional<void*>* stream) {
   if (py::hasattr(out, "__cuda_array_interface__")) {
     const CudaArray a = ParseCudaArray(out);
     if (a.readonly) throw py::value_error("the destination CUDA array is read-only");
+    *stream = a.stream;
     return {reinterpret_cast<uint8_t*>(a.address), static_cast<size_t>(a.elements * a.element_bytes)};
   }
   if (!py::isinstance<py::array>(out)) {

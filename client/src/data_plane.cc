@@ -632,7 +632,7 @@ PullHandle Client::PullShard(int32_t bucket, int32_t shard, int64_t version, std
 }
 
 ShardPullHandle Client::PullShardInto(int32_t bucket, int32_t shard, int64_t version, void* destination,
-                                      int64_t destination_bytes, std::chrono::milliseconds timeout) {
+                                      int64_t destination_bytes, const PullIntoOptions& options) {
   Impl& im = *impl_;
   absl::Status s = CheckBucketIndex(*im.layout, bucket);
   if (s.ok() && (shard < 0 || shard >= data_parallel_size())) {
@@ -654,13 +654,21 @@ ShardPullHandle Client::PullShardInto(int32_t bucket, int32_t shard, int64_t ver
         "ClientOptions::transport \"cuda_ipc\", a daemon on this node); this client uses \"", im.transport_request,
         "\": pull into host memory"));
   }
+  absl::StatusOr<client_internal::PendingCudaWork> work = im.cuda->Capture(options.cuda_stream, options.cuda_event);
+  if (!work.ok()) return ShardPullHandle::Ready(work.status());
+  auto cuda_ready = std::make_shared<CudaReady>(*im.cuda, *std::move(work));
   auto promise = std::make_shared<std::promise<absl::StatusOr<PulledShard>>>();
   ShardPullHandle handle(promise->get_future().share());
-  const Deadline deadline = im.DeadlineAfter(timeout);
+  const Deadline deadline = im.DeadlineAfter(options.timeout);
   const std::span<uint8_t> out(static_cast<uint8_t*>(destination), static_cast<size_t>(bytes));
-  im.pull_pool->Schedule([&im, promise, bucket, shard, version, out, deadline, on_device = device.has_value()] {
-    promise->set_value(im.PullShardSync(bucket, shard, version, out, deadline, nullptr, on_device));
-  });
+  im.pull_pool->Schedule(
+      [&im, promise, cuda_ready, bucket, shard, version, out, deadline, on_device = device.has_value()] {
+        if (absl::Status ready = cuda_ready->Await(); !ready.ok()) {
+          promise->set_value(ready);
+          return;
+        }
+        promise->set_value(im.PullShardSync(bucket, shard, version, out, deadline, nullptr, on_device));
+      });
   return handle;
 }
 

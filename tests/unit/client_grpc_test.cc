@@ -768,9 +768,10 @@ TEST_F(ClientGrpcTest, CudaIpcPushesDeviceMemoryByHandleAndTrainsAsOverGrpc) {
 }
 
 // PullShardInto: into device memory the daemon writes the shard by its IPC handle (no
-// PullParams stream), into host memory it comes over gRPC; either way the bytes, block scales
-// and per-tensor values are PullShard's. A device destination is refused where no transport
-// could write it, and a destination of the wrong size everywhere.
+// PullParams stream), after the CUDA work the options name; into host memory it comes over
+// gRPC; either way the bytes, block scales and per-tensor values are PullShard's. A device
+// destination is refused where no transport could write it, and a destination of the wrong
+// size everywhere.
 TEST_F(ClientGrpcTest, PullShardIntoDeviceMemoryGetsThePulledShardsBytes) {
   FakeClusterOptions options;
   options.offer_cuda_ipc = true;
@@ -784,8 +785,21 @@ TEST_F(ClientGrpcTest, PullShardIntoDeviceMemoryGetsThePulledShardsBytes) {
   ASSERT_EQ(clients_.size(), 2u);
   PushInitial(RandomBuckets(4));
   Client& c = *clients_[1];
+  // The CUDA work still using the destination (named as a stream) ends before the daemon writes.
+  {
+    const Bucket& b = c.layout().buckets[0];
+    PullIntoOptions wait_for;
+    wait_for.cuda_stream = nullptr;
+    ShardPullHandle h = c.PullShardInto(0, 0, 0, device.data(), DataBytes(b.format, b.shard_numel), wait_for);
+    EXPECT_FALSE(h.WaitFor(std::chrono::milliseconds(200)));
+    EXPECT_EQ(cluster_->stats().cuda_ipc_pulls, 0);
+    cuda.Finish(/*fail=*/false);
+    EXPECT_THAT(h.Wait(), IsOk());
+    EXPECT_EQ(cluster_->stats().cuda_ipc_pulls, 1);
+    EXPECT_EQ(cuda.waits(), 1);
+  }
   const int64_t streams_before = cluster_->stats().pull_streams;
-  int64_t device_pulls = 0;
+  int64_t device_pulls = 1;
   for (const Bucket& b : c.layout().buckets) {
     for (int32_t shard = 0; shard < 2; ++shard) {
       const absl::StatusOr<PulledBucket> want = c.PullShard(b.index, shard, 0).Wait();
@@ -823,7 +837,7 @@ TEST_F(ClientGrpcTest, PullShardIntoDeviceMemoryGetsThePulledShardsBytes) {
   EXPECT_EQ(cluster_->stats().cuda_ipc_pulls, device_pulls);
   EXPECT_EQ(cuda.exports(), device_pulls);
   // One PullParams stream per PullShard and per host PullShardInto; none for the device pulls.
-  EXPECT_EQ(cluster_->stats().pull_streams - streams_before, 2 * device_pulls);
+  EXPECT_EQ(cluster_->stats().pull_streams - streams_before, 2 * (device_pulls - 1));
   EXPECT_THAT(c.PullShardInto(0, 2, 0, device.data(), 1).Wait(), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(c.PullShardInto(0, 0, 0, nullptr, 0).Wait(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("null")));

@@ -209,6 +209,16 @@ struct PushOptions {
   std::optional<void*> cuda_stream;
 };
 
+// Options of Client::PullShardInto.
+struct PullIntoOptions {
+  std::chrono::milliseconds timeout{0};  // 0 = ClientOptions::timeout
+  // The CUDA work that still uses the destination (the forward that reads the weights being
+  // replaced): the pull waits for it, on the client's own thread, before the daemon writes, as
+  // PushOptions's pushes wait for their producing work (the same handles and errors).
+  void* cuda_event = nullptr;
+  std::optional<void*> cuda_stream;
+};
+
 // Machine-readable detail a daemon or the coordinator attached to an error (ErrorDetail).
 struct ErrorInfo {
   int64_t placement_epoch = 0;  // current placement epoch
@@ -409,10 +419,10 @@ class MAINSTAY_CLIENT_EXPORT Client {
   //     process, once the handle is ready. Not CRC-checked (the client would have to read them
   //     back); the daemon's copy is CUDA's. INVALID_ARGUMENT with another transport.
   // The destination must stay allocated, and must not be read or written, until the handle is
-  // ready; a failed pull may have written part of it.
+  // ready (CUDA work queued before the call that uses it: name it in options.cuda_stream or
+  // cuda_event); a failed pull may have written part of it.
   ShardPullHandle PullShardInto(int32_t bucket, int32_t shard, int64_t version, void* destination,
-                                int64_t destination_bytes,
-                                std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+                                int64_t destination_bytes, const PullIntoOptions& options = {});
 
   // Admin RPCs on this client's job, over the coordinator's channel (Admin service). The
   // coordinator checks the admin token when it has one (PERMISSION_DENIED); FAILED_PRECONDITION

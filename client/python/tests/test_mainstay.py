@@ -254,6 +254,11 @@ class EndToEndTest(unittest.TestCase):
             with self.assertRaises(ValueError) as e:
                 c1.pull_shard_into(0, 1, 2, bad)
             self.assertIn(says, str(e.exception))
+        # Waiting for the CUDA work that uses the destination needs the CUDA driver.
+        if not _has_cuda_driver():
+            with self.assertRaises(mainstay.Error) as e:
+                c1.pull_shard_into(0, 1, 2, np.zeros(buckets[0]["shard_bytes"], np.uint8), cuda_stream=0)
+            self.assertEqual(e.exception.code, "FAILED_PRECONDITION")
 
         with self.assertRaises(mainstay.Error) as e:
             c0.push_grad(99, 2, np.zeros(4, np.float32), wait=True)
