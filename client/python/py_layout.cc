@@ -256,6 +256,9 @@ std::span<uint8_t> DestinationOf(const py::object& out, std::optional<void*>* st
   py::array a = py::reinterpret_borrow<py::array>(out);
   if (!(a.flags() & py::array::c_style)) throw py::value_error("the destination array must be C-contiguous");
   if (!a.writeable()) throw py::value_error("the destination array is read-only");
+  if (a.dtype().has_fields() || a.dtype().kind() == 'O') {
+    throw py::value_error("the destination array must hold plain numbers (e.g. np.uint8), not objects or records");
+  }
   return {static_cast<uint8_t*>(a.mutable_data()), static_cast<size_t>(a.nbytes())};
 }
 

@@ -35,6 +35,8 @@ namespace mainstay::client_internal {
 namespace {
 
 constexpr absl::Duration kDetachTimeout = absl::Milliseconds(500);
+// How long a pull that ended without the daemon's answer waits for its write to end (Detach).
+constexpr absl::Duration kFenceTimeout = absl::Seconds(10);
 
 class CudaIpcTransport final : public DataTransport {
  public:
@@ -51,16 +53,7 @@ class CudaIpcTransport final : public DataTransport {
     // The daemons end the sessions now rather than when this process is found gone.
     std::vector<std::thread> detachers;
     for (auto& [daemon, s] : sessions) {
-      detachers.emplace_back([this, s = s] {
-        v1::DetachCudaIpcRequest request;
-        request.set_session_id(s.id);
-        request.set_job_id(context_.job_id);
-        request.set_job_token(context_.job_token);
-        v1::DetachCudaIpcResponse response;
-        grpc::ClientContext call;
-        call.set_deadline(absl::ToChronoTime(absl::Now() + kDetachTimeout));
-        s.stub->DetachCudaIpc(&call, request, &response).ok();  // best effort
-      });
+      detachers.emplace_back([this, s = s] { Detach(s, kDetachTimeout).IgnoreError(); });  // best effort
     }
     for (std::thread& t : detachers) t.join();
   }
@@ -122,6 +115,15 @@ class CudaIpcTransport final : public DataTransport {
     v1::CudaIpcPullResponse response;
     absl::Status status = StatusFromCall(route.stub->CudaIpcPull(context, call, &response), context);
     ForgetIfLost(route, s, status);
+    if (absl::IsDeadlineExceeded(status) || absl::IsCancelled(status)) {
+      // The daemon may still be writing into the destination, which the caller may reuse once the
+      // handle is ready: detaching waits for the session's writes (the next call attaches again).
+      if (absl::Status fenced = Detach(s, kFenceTimeout); !fenced.ok()) {
+        status = Annotate(status, absl::StrCat("the destination may still be written by daemon ", route.daemon_id,
+                                               " (detaching to wait for its write failed: ", fenced.ToString(), ")"));
+      }
+      Forget(route.endpoint.daemon_id(), s.id);
+    }
     MAINSTAY_RETURN_IF_ERROR(status);
     v1::PullParamsResponse header;
     *header.mutable_header() = response.header();
@@ -161,9 +163,24 @@ class CudaIpcTransport final : public DataTransport {
   // again. Other UNAVAILABLE answers (a drain, a step in flight) keep it.
   void ForgetIfLost(const Route& route, const Session& s, const absl::Status& status) {
     if (!absl::IsUnavailable(status) || !absl::StrContains(status.message(), "unknown cuda_ipc session")) return;
+    Forget(route.endpoint.daemon_id(), s.id);
+  }
+  void Forget(const std::string& daemon_id, uint64_t id) {
     absl::MutexLock lock(&mu_);
-    auto it = sessions_.find(route.endpoint.daemon_id());
-    if (it != sessions_.end() && it->second.id == s.id) sessions_.erase(it);
+    auto it = sessions_.find(daemon_id);
+    if (it != sessions_.end() && it->second.id == id) sessions_.erase(it);
+  }
+
+  // DetachCudaIpc: the daemon ends the session once none of its pulls writes any more.
+  absl::Status Detach(const Session& s, absl::Duration timeout) {
+    v1::DetachCudaIpcRequest request;
+    request.set_session_id(s.id);
+    request.set_job_id(context_.job_id);
+    request.set_job_token(context_.job_token);
+    v1::DetachCudaIpcResponse response;
+    grpc::ClientContext call;
+    call.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    return StatusFromCall(s.stub->DetachCudaIpc(&call, request, &response), &call);
   }
 
   absl::StatusOr<Session> SessionTo(const v1::DaemonEndpoint& daemon, Deadline deadline) {

@@ -122,6 +122,9 @@ struct CudaIpcServer::State {
   mutable absl::Mutex mu;
   bool stopping ABSL_GUARDED_BY(mu) = false;
   int running ABSL_GUARDED_BY(mu) = 0;  // pushes and pulls in progress
+  // Pulls writing into trainers' memory now, by session id (ended sessions included): Detach
+  // waits for a session's to end.
+  std::map<uint64_t, int> writing ABSL_GUARDED_BY(mu);
   int open_mappings ABSL_GUARDED_BY(mu) = 0;
   std::mt19937_64 rng ABSL_GUARDED_BY(mu);
   std::map<uint64_t, std::shared_ptr<Session>> sessions ABSL_GUARDED_BY(mu);
@@ -271,6 +274,19 @@ absl::StatusOr<v1::CudaIpcPullResponse> CudaIpcServer::Pull(const v1::CudaIpcPul
                                                    " bytes; bucket ", r.bucket(), " shard ", r.shard(),
                                                    "'s packed data has ", shard.data.size()));
   }
+  // The trainer may reuse its buffer once its call ended: nothing is written after that as far as
+  // this end can tell (a trainer whose call ended while the copy ran detaches, which waits for
+  // the copy: Detach).
+  if (cancelled && cancelled()) return absl::CancelledError("CudaIpcPull: the trainer went away");
+  if (absl::Now() >= deadline) return absl::DeadlineExceededError("CudaIpcPull: the call's deadline passed");
+  {
+    absl::MutexLock lock(&st.mu);
+    ++st.writing[s->id];
+  }
+  absl::Cleanup written = [&st, id = s->id] {
+    absl::MutexLock lock(&st.mu);
+    if (--st.writing[id] == 0) st.writing.erase(id);
+  };
   // Mapped for this copy only, as for a push.
   MAINSTAY_RETURN_IF_ERROR(
       st.WithMapping(request.memory(), shard.data.size(), "CudaIpcPull", [&](const IpcMemory::Mapping& m) {
@@ -289,7 +305,14 @@ absl::Status CudaIpcServer::Detach(const v1::DetachCudaIpcRequest& request) {
   {
     absl::MutexLock lock(&st.mu);
     auto it = st.sessions.find(request.session_id());
-    if (it == st.sessions.end()) return absl::OkStatus();
+    if (it == st.sessions.end()) {
+      // Ended already (replaced, or the daemon is stopping); its pulls may still be writing.
+      auto idle = [&st, id = request.session_id()]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
+        return st.writing.count(id) == 0;
+      };
+      st.mu.Await(absl::Condition(&idle));
+      return absl::OkStatus();
+    }
     s = it->second;
   }
   if (s->job_id != request.job_id()) {
@@ -305,6 +328,9 @@ absl::Status CudaIpcServer::Detach(const v1::DetachCudaIpcRequest& request) {
   {
     absl::MutexLock lock(&st.mu);
     st.DropLocked(s, "detached by the trainer");
+    // The trainer may free its buffers once this answers: no pull of the session writes after.
+    auto idle = [&st, id = s->id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) { return st.writing.count(id) == 0; };
+    st.mu.Await(absl::Condition(&idle));
   }
   st.Closed();
   return absl::OkStatus();

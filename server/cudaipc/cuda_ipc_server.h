@@ -60,7 +60,9 @@ class CudaIpcServer {
   absl::StatusOr<v1::AttachCudaIpcResponse> Attach(const v1::AttachCudaIpcRequest& request);
   absl::StatusOr<v1::PushGradResponse> Push(const v1::CudaIpcPushRequest& request);
   // Waits for the version until `deadline` (DEADLINE_EXCEEDED after it), in slices that end
-  // early, CANCELLED, once `cancelled` (may be null) answers true.
+  // early, CANCELLED, once `cancelled` (may be null) answers true; neither, checked once more,
+  // may hold when the write starts. A write that started runs to its end, past both.
+  // Detach(session) returns only once the session's writes ended.
   absl::StatusOr<v1::CudaIpcPullResponse> Pull(const v1::CudaIpcPullRequest& request, absl::Time deadline,
                                                const std::function<bool()>& cancelled);
   absl::Status Detach(const v1::DetachCudaIpcRequest& request);

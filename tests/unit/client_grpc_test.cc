@@ -798,8 +798,22 @@ TEST_F(ClientGrpcTest, PullShardIntoDeviceMemoryGetsThePulledShardsBytes) {
     EXPECT_EQ(cluster_->stats().cuda_ipc_pulls, 1);
     EXPECT_EQ(cuda.waits(), 1);
   }
+  // A device pull whose call ends without the daemon's answer (here its deadline, waiting for a
+  // version to come) detaches, which waits for any write of the daemon's still running; the
+  // next call attaches again.
+  {
+    const Bucket& b = c.layout().buckets[0];
+    PullIntoOptions soon;
+    soon.timeout = std::chrono::milliseconds(300);
+    const int64_t attaches = cluster_->stats().cuda_ipc_attaches;
+    EXPECT_THAT(c.PullShardInto(0, 0, 5, device.data(), DataBytes(b.format, b.shard_numel), soon).Wait(),
+                StatusIs(absl::StatusCode::kDeadlineExceeded));
+    EXPECT_EQ(cluster_->stats().cuda_ipc_detaches, 1);
+    EXPECT_THAT(c.PullShardInto(0, 0, 0, device.data(), DataBytes(b.format, b.shard_numel)).Wait(), IsOk());
+    EXPECT_EQ(cluster_->stats().cuda_ipc_attaches, attaches + 1);
+  }
   const int64_t streams_before = cluster_->stats().pull_streams;
-  int64_t device_pulls = 1;
+  int64_t device_pulls = 3;
   for (const Bucket& b : c.layout().buckets) {
     for (int32_t shard = 0; shard < 2; ++shard) {
       const absl::StatusOr<PulledBucket> want = c.PullShard(b.index, shard, 0).Wait();
@@ -837,7 +851,7 @@ TEST_F(ClientGrpcTest, PullShardIntoDeviceMemoryGetsThePulledShardsBytes) {
   EXPECT_EQ(cluster_->stats().cuda_ipc_pulls, device_pulls);
   EXPECT_EQ(cuda.exports(), device_pulls);
   // One PullParams stream per PullShard and per host PullShardInto; none for the device pulls.
-  EXPECT_EQ(cluster_->stats().pull_streams - streams_before, 2 * (device_pulls - 1));
+  EXPECT_EQ(cluster_->stats().pull_streams - streams_before, 2 * (device_pulls - 3));
   EXPECT_THAT(c.PullShardInto(0, 2, 0, device.data(), 1).Wait(), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(c.PullShardInto(0, 0, 0, nullptr, 0).Wait(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("null")));

@@ -17,9 +17,11 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "tests/testing/daemon_cluster.h"
 
 namespace mainstay {
@@ -71,6 +73,10 @@ class FakeIpcMemory : public IpcMemory {
   }
   absl::Status CopyFromHost(const Mapping& m, uint64_t offset, const void* src, uint64_t bytes) override {
     if (fail_copies_.load()) return absl::InternalError("copying into a trainer's CUDA IPC memory (fake failure)");
+    if (write_started_ != nullptr) {  // a slow copy: it ends when the test says
+      write_started_->Notify();
+      write_may_end_->WaitForNotification();
+    }
     {
       absl::MutexLock lock(&mu_);
       EXPECT_TRUE(open_.count(m.base)) << "a copy into a closed mapping";
@@ -92,6 +98,8 @@ class FakeIpcMemory : public IpcMemory {
     return static_cast<int>(open_.size());
   }
   std::atomic<bool> fail_copies_{false};
+  absl::Notification* write_started_ = nullptr;  // set before the copies start
+  absl::Notification* write_may_end_ = nullptr;
 
  private:
   mutable absl::Mutex mu_;
@@ -287,6 +295,48 @@ TEST_F(CudaIpcServerTest, PullsWriteTheVersionIntoTheTrainersMemory) {
       PullInto(sessions[0], 0, 0, 0, 2, handle, allocation, 0, -1, absl::Seconds(30), [] { return true; }).status(),
       StatusIs(absl::StatusCode::kCancelled));
   EXPECT_EQ(memory_.opens(), static_cast<int>(2 * layout.buckets.size()));
+}
+
+// The trainer may reuse its destination once its call ended: a pull whose trainer went away
+// writes nothing, and a write already running ends before the session's Detach answers.
+TEST_F(CudaIpcServerTest, NoPullWritesAfterItsTrainerWentAwayOrDetached) {
+  Reference ref(cluster_.resolved());
+  cluster_.PushInitial(ref);
+  const uint64_t session = Attach(0);
+  const Bucket& b = cluster_.layout().buckets[0];
+  std::vector<uint8_t> allocation(static_cast<size_t>(DataBytes(b.format, b.shard_numel)), 0xA5);
+  const std::string handle = memory_.Export(&allocation);
+  EXPECT_THAT(PullInto(session, 0, 0, 0, 0, handle, allocation, 0, -1, absl::Seconds(10), [] { return true; }).status(),
+              StatusIs(absl::StatusCode::kCancelled));
+  EXPECT_EQ(memory_.opens(), 0);
+  EXPECT_TRUE(std::all_of(allocation.begin(), allocation.end(), [](uint8_t v) { return v == 0xA5; }));
+
+  absl::Notification started, may_end, detached;
+  memory_.write_started_ = &started;
+  memory_.write_may_end_ = &may_end;
+  absl::StatusOr<v1::CudaIpcPullResponse> pulled;
+  std::thread puller([&] { pulled = PullInto(session, 0, 0, 0, 0, handle, allocation); });
+  started.WaitForNotification();
+  std::thread detacher([&] {
+    v1::DetachCudaIpcRequest detach;
+    detach.set_session_id(session);
+    detach.set_job_id(kJob);
+    detach.set_job_token(kToken);
+    EXPECT_THAT(server_->Detach(detach), IsOk());
+    detached.Notify();
+  });
+  EXPECT_FALSE(detached.WaitForNotificationWithTimeout(absl::Milliseconds(200)));
+  may_end.Notify();
+  detached.WaitForNotification();
+  puller.join();
+  detacher.join();
+  EXPECT_THAT(pulled, IsOk());
+  EXPECT_EQ(server_->sessions(), 0);
+  // A session that ended already: its Detach answers at once.
+  v1::DetachCudaIpcRequest again;
+  again.set_session_id(session);
+  again.set_job_id(kJob);
+  EXPECT_THAT(server_->Detach(again), IsOk());
 }
 
 TEST_F(CudaIpcServerTest, BadPullsAreRefusedBeforeAnythingIsWritten) {

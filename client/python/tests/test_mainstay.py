@@ -250,7 +250,8 @@ class EndToEndTest(unittest.TestCase):
         frozen = np.zeros(buckets[0]["shard_bytes"], np.uint8)
         frozen.flags.writeable = False
         for bad, says in [(frozen, "read-only"), (np.zeros(2 * buckets[0]["shard_bytes"], np.uint8)[::2], "C-contiguous"),
-                          (bytearray(buckets[0]["shard_bytes"]), "numpy array or a CUDA array")]:
+                          (bytearray(buckets[0]["shard_bytes"]), "numpy array or a CUDA array"),
+                          (np.empty(buckets[0]["shard_bytes"] // 8, object), "plain numbers")]:
             with self.assertRaises(ValueError) as e:
                 c1.pull_shard_into(0, 1, 2, bad)
             self.assertIn(says, str(e.exception))

@@ -104,6 +104,13 @@ class FakeDaemon final : public v1::Shard::Service {
     return Store(h, payload, shard_numel, response, /*stream_chunk=*/-1);
   }
 
+  grpc::Status DetachCudaIpc(grpc::ServerContext* context, const v1::DetachCudaIpcRequest* request,
+                             v1::DetachCudaIpcResponse* response) override {
+    absl::MutexLock lock(&s_->mu);
+    ++s_->stats.cuda_ipc_detaches;
+    return grpc::Status::OK;
+  }
+
   grpc::Status PullParams(grpc::ServerContext* context, const v1::PullParamsRequest* request,
                           grpc::ServerWriter<v1::PullParamsResponse>* writer) override {
     {

@@ -56,6 +56,7 @@ struct FakeStats {
   int64_t cuda_ipc_attaches = 0;   // AttachCudaIpc calls answered OK
   int64_t cuda_ipc_pushes = 0;     // CudaIpcPush calls admitted
   int64_t cuda_ipc_pulls = 0;      // CudaIpcPull calls of a known session
+  int64_t cuda_ipc_detaches = 0;   // DetachCudaIpc calls
 };
 
 class FakeCluster {
