@@ -24,7 +24,10 @@
 //              [--grads-on cpu|cuda:N]  (where the trainers' gradients are: on a GPU, each trainer's
 //                                        shards are parts of one cudaMalloc block, pushed from there;
 //                                        then also reported: the median push phase against a
-//                                        cudaMemcpy device to device of as many bytes, same run)
+//                                        cudaMemcpy device to device of as many bytes, same run;
+//                                        with --transport cuda_ipc also each trainer's pull of its
+//                                        shards into device memory, PullShardInto, against a
+//                                        cudaMemcpy from pageable host memory)
 //              [--move-at-step S] [--replication R [--kill-at-step S] [--lease-ttl-ms N]]
 //              [--grad-norm 0.5]   (every step's global gradient norm; the job clips above 1)
 //              [--readers N]       (then --steps more steps with N readers polling for new versions)
@@ -233,11 +236,37 @@ double DeviceCopySeconds(int device, int64_t bytes) {
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
+// `bytes` of device memory on `device` (freed at exit).
+uint8_t* DeviceBytes(int device, int64_t bytes) {
+  void* p = nullptr;
+  if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&p, static_cast<size_t>(bytes)) != cudaSuccess) {
+    Die(absl::StrCat("cudaMalloc of ", bytes, " bytes on cuda:", device, ": ", cudaGetErrorString(cudaGetLastError())));
+  }
+  return static_cast<uint8_t*>(p);
+}
+// Seconds of a cudaMemcpy of `bytes` from pageable host memory to the device (median of 5, after
+// a warm-up): what a daemon whose versions are in host memory does for a pull into device memory.
+double HostToDeviceSeconds(int device, int64_t bytes) {
+  std::vector<uint8_t> host(static_cast<size_t>(bytes), 1);
+  uint8_t* d = DeviceBytes(device, bytes);
+  std::vector<double> t;
+  for (int i = 0; i < 6; ++i) {
+    const Clock::time_point t0 = Clock::now();
+    cudaMemcpy(d, host.data(), host.size(), cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize();
+    if (i > 0) t.push_back(Seconds(t0, Clock::now()));
+  }
+  cudaFree(d);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
 #else
 std::vector<ElementSpan> OnDevice(int, const std::vector<std::vector<float>>&) {
   Die("--grads-on cuda:N: this step_bench was built without CUDA");
 }
 double DeviceCopySeconds(int, int64_t) { return 0; }
+uint8_t* DeviceBytes(int, int64_t) { Die("--grads-on cuda:N: this step_bench was built without CUDA"); }
+double HostToDeviceSeconds(int, int64_t) { return 0; }
 #endif
 
 // One measured step of one trainer: push every bucket's shard, finish, pull every bucket.
@@ -705,6 +734,43 @@ int Main(int argc, char** argv) {
       std::printf("\npushes from cuda:%d over %s: %.3f GB per trainer in %.3f s (median push phase, %d trainers at "
                   "once); cudaMemcpy device to device of as many bytes in-process: %.4f s; ratio copy/push %.2f\n",
                   f.grads_device, f.transport.c_str(), pushed / 1e9, push_s, f.dp, copy_s, copy_s / push_s);
+    }
+    if (f.grads_device >= 0 && f.transport == "cuda_ipc" && !push_times.empty()) {
+      // Pulls into device memory (Client::PullShardInto): each trainer its own shard of every
+      // bucket of the last version, all trainers at once; the first of four rounds warms up.
+      int64_t pulled = 0;  // one trainer's packed bytes
+      for (const Bucket& b : layout.buckets) pulled += DataBytes(b.format, b.shard_numel);
+      std::vector<uint8_t*> dest;
+      for (int r = 0; r < f.dp; ++r) dest.push_back(DeviceBytes(f.grads_device, pulled));
+      std::vector<double> rounds;
+      for (int round = 0; round < 4; ++round) {
+        const Clock::time_point t0 = Clock::now();
+        std::vector<std::thread> pullers;
+        for (int r = 0; r < f.dp; ++r) {
+          pullers.emplace_back([&, r] {
+            std::vector<ShardPullHandle> handles;
+            int64_t offset = 0;
+            for (const Bucket& b : layout.buckets) {
+              const int64_t bytes = DataBytes(b.format, b.shard_numel);
+              handles.push_back(clients[static_cast<size_t>(r)]->PullShardInto(
+                  b.index, r, last_step + 1, dest[static_cast<size_t>(r)] + offset, bytes));
+              offset += bytes;
+            }
+            for (ShardPullHandle& h : handles) {
+              if (!h.Wait().ok()) Die("PullShardInto: " + h.Wait().status().ToString());
+            }
+          });
+        }
+        for (std::thread& t : pullers) t.join();
+        if (round > 0) rounds.push_back(Seconds(t0, Clock::now()));
+      }
+      std::sort(rounds.begin(), rounds.end());
+      const double pull_s = rounds[rounds.size() / 2];
+      const double copy_s = HostToDeviceSeconds(f.grads_device, pulled);
+      std::printf("pulls into cuda:%d over cuda_ipc: %.3f GB per trainer (its shard of every bucket) in %.3f s "
+                  "(median of 3, %d trainers at once); cudaMemcpy pageable host to device of as many bytes "
+                  "in-process: %.4f s; ratio copy/pull %.2f\n",
+                  f.grads_device, pulled / 1e9, pull_s, f.dp, copy_s, copy_s / pull_s);
     }
     if (failover_s >= 0) {
       std::printf("failover: step %d committed on every trainer %.2f s after the SIGKILL of rank 0's daemon "

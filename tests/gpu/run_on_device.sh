@@ -189,7 +189,8 @@ fi
 # ---- The daemon's step on the GPU against the CPU daemon: step_bench (64M parameters, two
 # daemons and two trainers) with the daemons on --device cuda:0 and on the CPU over gRPC, and on
 # cuda:0 with the trainers' gradients on the GPU pushed over cuda_ipc (which also reports the
-# push phase against a cudaMemcpy device to device of as many bytes), in the same run. Each log
+# push phase against a cudaMemcpy device to device of as many bytes, and the trainers' pulls into
+# device memory against a cudaMemcpy from pageable host memory), in the same run. Each log
 # holds the per-phase table (update, quantize, ...).
 step_rows=()
 if [ "$gpus" -gt 0 ] && [ -x "$bundle/bin/step_bench" ]; then
@@ -211,6 +212,8 @@ if [ "$gpus" -gt 0 ] && [ -x "$bundle/bin/step_bench" ]; then
       step_rows+=("$(printf '%-10s %s' "$name" "$step")")
       pushes=$(grep -m1 '^pushes from cuda' "$log")
       [ -n "$pushes" ] && step_rows+=("$(printf '%-10s %s' "" "$pushes")")
+      pulls=$(grep -m1 '^pulls into cuda' "$log")
+      [ -n "$pulls" ] && step_rows+=("$(printf '%-10s %s' "" "$pulls")")
     else
       row "step_bench_$name" "FAIL" "exit $rc: $(grep -v '^20[0-9][0-9]-' "$log" | tail -1)"
     fi
