@@ -187,6 +187,13 @@ TEST_F(DaemonLifecycleTest, SigtermLetsTheStepInFlightCommitThenDeregistersAndEx
     v1::AttachCudaIpcResponse response;
     EXPECT_THAT(FromGrpcStatus(shard->AttachCudaIpc(&context, request, &response)),
                 StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("--device cuda:N")));
+    ::grpc::ClientContext pull_context;
+    pull_context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+    v1::CudaIpcPullRequest pull;
+    pull.mutable_request()->set_job_id("any");
+    v1::CudaIpcPullResponse pulled;
+    EXPECT_THAT(FromGrpcStatus(shard->CudaIpcPull(&pull_context, pull, &pulled)),
+                StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("--device cuda:N")));
   }
 
   // Two ranks on the one daemon: a step is in flight while only rank 0 has pushed it.
