@@ -765,52 +765,15 @@ class ShardService final : public v1::Shard::CallbackService {
   }
   ::grpc::ServerUnaryReactor* CudaIpcPush(::grpc::CallbackServerContext* context, const v1::CudaIpcPushRequest* request,
                                           v1::PushGradResponse* response) override {
-    ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    if (cuda_ipc_ == nullptr) {
-      reactor->Finish(NoCudaIpc());
-      return reactor;
-    }
-    if (!calls_->Enter()) {
-      reactor->Finish(ShuttingDown());
-      return reactor;
-    }
-    // The copy and the store take milliseconds: off the gRPC threads.
-    const bool spawned = calls_->Spawn([this, context, request, response, reactor] {
-      absl::StatusOr<v1::PushGradResponse> stored = cuda_ipc_->Push(*request);
-      if (stored.ok()) *response = *std::move(stored);
-      reactor->Finish(ToGrpcWithDetail(context, stored.status()));
-      calls_->Exit();
-    });
-    if (!spawned) {
-      reactor->Finish(ShuttingDown());
-      calls_->Exit();
-    }
-    return reactor;
+    // The copy and the store take milliseconds.
+    return CudaIpcOffThread(context, response, [this, request] { return cuda_ipc_->Push(*request); });
   }
   ::grpc::ServerUnaryReactor* CudaIpcPull(::grpc::CallbackServerContext* context, const v1::CudaIpcPullRequest* request,
                                           v1::CudaIpcPullResponse* response) override {
-    ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    if (cuda_ipc_ == nullptr) {
-      reactor->Finish(NoCudaIpc());
-      return reactor;
-    }
-    if (!calls_->Enter()) {
-      reactor->Finish(ShuttingDown());
-      return reactor;
-    }
-    // It may wait for its version, then copies: off the gRPC threads.
-    const bool spawned = calls_->Spawn([this, context, request, response, reactor] {
-      absl::StatusOr<v1::CudaIpcPullResponse> pulled =
-          cuda_ipc_->Pull(*request, absl::FromChrono(context->deadline()), CancelledFn(context));
-      if (pulled.ok()) *response = *std::move(pulled);
-      reactor->Finish(ToGrpcWithDetail(context, pulled.status()));
-      calls_->Exit();
+    // It may wait for its version, then copies.
+    return CudaIpcOffThread(context, response, [this, context, request] {
+      return cuda_ipc_->Pull(*request, absl::FromChrono(context->deadline()), CancelledFn(context));
     });
-    if (!spawned) {
-      reactor->Finish(ShuttingDown());
-      calls_->Exit();
-    }
-    return reactor;
   }
   ::grpc::ServerUnaryReactor* DetachCudaIpc(::grpc::CallbackServerContext* context,
                                             const v1::DetachCudaIpcRequest* request,
@@ -825,6 +788,32 @@ class ShardService final : public v1::Shard::CallbackService {
   }
 
  private:
+  // A cuda_ipc call whose `work` (returning absl::StatusOr<Response>) copies, and may wait, off
+  // the gRPC threads.
+  template <typename Response, typename Work>
+  ::grpc::ServerUnaryReactor* CudaIpcOffThread(::grpc::CallbackServerContext* context, Response* response, Work work) {
+    ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (cuda_ipc_ == nullptr) {
+      reactor->Finish(NoCudaIpc());
+      return reactor;
+    }
+    if (!calls_->Enter()) {
+      reactor->Finish(ShuttingDown());
+      return reactor;
+    }
+    const bool spawned = calls_->Spawn([this, context, response, reactor, work] {
+      absl::StatusOr<Response> result = work();
+      if (result.ok()) *response = *std::move(result);
+      reactor->Finish(ToGrpcWithDetail(context, result.status()));
+      calls_->Exit();
+    });
+    if (!spawned) {
+      reactor->Finish(ShuttingDown());
+      calls_->Exit();
+    }
+    return reactor;
+  }
+
   // The nccl calls' view of a call that is over: cancelled by the trainer, or the server drains.
   NcclChannelServer::Cancelled CancelledFn(::grpc::CallbackServerContext* context) const {
     return [context, calls = calls_] { return context->IsCancelled() || calls->draining(); };
