@@ -55,8 +55,10 @@ class CudaIpcMemory final : public IpcMemory {
                 "out of a trainer's CUDA IPC memory");
   }
 
-  absl::Status CopyFromHost(const Mapping& mapping, uint64_t offset, const void* src, uint64_t bytes) override {
-    return Copy(static_cast<char*>(mapping.base) + offset, src, bytes, cudaMemcpyHostToDevice,
+  // cudaMemcpyDefault: the source is host memory (a version's host copy) or the daemon's managed
+  // state memory (the cast output), which unified addressing tells apart.
+  absl::Status CopyIn(const Mapping& mapping, uint64_t offset, const void* src, uint64_t bytes) override {
+    return Copy(static_cast<char*>(mapping.base) + offset, src, bytes, cudaMemcpyDefault,
                 "into a trainer's CUDA IPC memory");
   }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <optional>
 #include <random>
 #include <utility>
 
@@ -287,11 +288,23 @@ absl::StatusOr<v1::CudaIpcPullResponse> CudaIpcServer::Pull(const v1::CudaIpcPul
     absl::MutexLock lock(&st.mu);
     if (--st.writing[id] == 0) st.writing.erase(id);
   };
-  // Mapped for this copy only, as for a push.
+  // Mapped for this copy only, as for a push. From where the GPU cast the version when that is
+  // still there (device to device), else from the host copy.
+  bool from_device = false;
   MAINSTAY_RETURN_IF_ERROR(
       st.WithMapping(request.memory(), shard.data.size(), "CudaIpcPull", [&](const IpcMemory::Mapping& m) {
-        return st.options.memory->CopyFromHost(m, request.memory().offset(), shard.data.data(), shard.data.size());
+        auto copy = [&](const void* src) {
+          return st.options.memory->CopyIn(m, request.memory().offset(), src, shard.data.size());
+        };
+        if (shard.device != nullptr) {
+          if (std::optional<absl::Status> copied = shard.device->Read(shard.device_cast, copy); copied.has_value()) {
+            from_device = true;
+            return *copied;
+          }
+        }
+        return copy(shard.data.data());
       }));
+  response.set_from_device_memory(from_device);
   response.set_scales(shard.scales.data(), shard.scales.size());
   const int64_t total = static_cast<int64_t>(shard.data.size() + shard.scales.size());
   if (st.pulled_bytes != nullptr) st.pulled_bytes->Increment(static_cast<double>(total));

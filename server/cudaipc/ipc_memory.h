@@ -40,10 +40,11 @@ class IpcMemory {
   // are there (on a stream of its own, unordered with the daemon's other work). The caller
   // checked the range. INTERNAL with CUDA's error on failure.
   virtual absl::Status CopyToHost(const Mapping& mapping, uint64_t offset, void* dest, uint64_t bytes) = 0;
-  // Copies `bytes` from host memory at `src` to `offset` of `mapping` and returns when they are
-  // there (as CopyToHost, the other way). The caller checked the range. INTERNAL with CUDA's
-  // error on failure; the destination may then hold part of the bytes.
-  virtual absl::Status CopyFromHost(const Mapping& mapping, uint64_t offset, const void* src, uint64_t bytes) = 0;
+  // Copies `bytes` from `src` (host memory, or this process's device or managed memory) to
+  // `offset` of `mapping` and returns when they are there (as CopyToHost, the other way). The
+  // caller checked the range. INTERNAL with CUDA's error on failure; the destination may then
+  // hold part of the bytes.
+  virtual absl::Status CopyIn(const Mapping& mapping, uint64_t offset, const void* src, uint64_t bytes) = 0;
   // Unmaps it. Must come before the trainer frees the allocation: CUDA leaves a mapping of freed
   // memory undefined.
   virtual void Close(const Mapping& mapping) = 0;

@@ -276,6 +276,13 @@ class Job : public std::enable_shared_from_this<Job> {
     // scales before they go to the host (StateMemory::staged). Allocated when the shard is
     // touched (TouchNewShards), else by its first step.
     StateBuffer<uint8_t> grad_stage, cast_stage;
+    // cast_stage as cuda_ipc pulls read it (the newest cast's data): invalidated before the step
+    // casts into cast_stage again or frees it (here too, before the buffers go).
+    std::shared_ptr<CastOutput> cast_output = std::make_shared<CastOutput>();
+    ShardState() = default;
+    ShardState(const ShardState&) = delete;
+    ShardState& operator=(const ShardState&) = delete;
+    ~ShardState() { cast_output->Invalidate(); }
     std::map<int64_t, std::shared_ptr<const QuantizedShard>> versions;
     // The data buffer of the last version evicted while nobody else held it: the next version
     // is cast into it (no allocation and no page faults in the step). Step thread and commit.

@@ -589,6 +589,7 @@ absl::Status Job::EnsureStepBuffers(ShardState& s, const std::vector<FragmentCas
   const int64_t cast_bytes =
       DataBytes(bucket.format, s.numel) + (d.has_block_scales() ? num_scales * (BitsOf(d.block_scale) / 8) : 0);
   if (s.cast_stage.size() != static_cast<size_t>(cast_bytes)) {
+    s.cast_output->Invalidate();
     MAINSTAY_RETURN_IF_ERROR(s.cast_stage.Reset(memory, cast_bytes));
   }
   return absl::OkStatus();
@@ -653,6 +654,8 @@ absl::Status Job::CastShard(ShardState& s, const std::vector<FragmentCast>& cast
   kernels::StateMemory& memory = *options_.memory;
   uint8_t* data_out = memory.staged() ? s.cast_stage.data() : snapshot.data.data();
   uint8_t* scales_out = memory.staged() ? s.cast_stage.data() + snapshot.data.size() : snapshot.scales.data();
+  // No cuda_ipc pull reads the cast output while it is written.
+  if (memory.staged()) s.cast_output->Invalidate();
   const bool pow2_scales = kernels::ScaleInputs{}.pow2_scales;  // the recipes' (fp8 current: no)
   int64_t scale_offset = 0;
   for (const FragmentCast& c : casts) {
@@ -700,6 +703,12 @@ absl::Status Job::CastShard(ShardState& s, const std::vector<FragmentCast>& cast
         memory.Copy(snapshot.scales.data(), scales_out, static_cast<int64_t>(snapshot.scales.size())));
   }
   MAINSTAY_RETURN_IF_ERROR(memory.Synchronize());
+  if (memory.staged()) {
+    // The version's data stays in cast_stage until the next cast: cuda_ipc pulls copy it from there.
+    snapshot.device_cast = CastOutput::NextCast();
+    s.cast_output->Publish(snapshot.device_cast, s.cast_stage.data());
+    snapshot.device = s.cast_output;
+  }
   for (const FragmentCast& c : casts) {
     FragmentMeta meta;
     meta.tensor = c.f->tensor;

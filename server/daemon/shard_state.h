@@ -4,11 +4,16 @@
 #ifndef MAINSTAY_SERVER_DAEMON_SHARD_STATE_H_
 #define MAINSTAY_SERVER_DAEMON_SHARD_STATE_H_
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "common/format.h"
 #include "mainstay/v1/checkpoint.pb.h"
 #include "mainstay/v1/shard.pb.h"
@@ -25,6 +30,44 @@ struct FragmentMeta {
   float amax = 0.0f;       // whole-tensor amax (reduced); 0 for formats without one
 };
 
+// A shard's cast output in state memory on a staged (GPU) daemon, readable while the cast that
+// wrote it is the last one: a cuda_ipc pull of that version copies its data from there, device to
+// device, instead of from the host copy. The step invalidates it before it casts into the buffer
+// again or frees it, which waits for the reads in progress.
+// Thread safety: every method is thread-safe.
+class CastOutput {
+ public:
+  // Runs `read(data)` on the device bytes written by cast `cast` and returns its status, with no
+  // cast or free of the buffer meanwhile; nullopt (nothing run) when they were overwritten or freed.
+  std::optional<absl::Status> Read(uint64_t cast, const std::function<absl::Status(const void* data)>& read) const {
+    absl::ReaderMutexLock lock(&mu_);
+    if (cast_ == 0 || cast_ != cast) return std::nullopt;
+    return read(data_);
+  }
+  // Before the buffer is written or freed: waits for the reads in progress; none start after.
+  void Invalidate() {
+    absl::MutexLock lock(&mu_);
+    cast_ = 0;
+    data_ = nullptr;
+  }
+  // After cast `cast` (> 0, unique: NextCast) wrote `data` and was synchronized.
+  void Publish(uint64_t cast, const void* data) {
+    absl::MutexLock lock(&mu_);
+    cast_ = cast;
+    data_ = data;
+  }
+  // A new cast id, never 0, unique in this process.
+  static uint64_t NextCast() {
+    static std::atomic<uint64_t> next{0};
+    return ++next;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  uint64_t cast_ ABSL_GUARDED_BY(mu_) = 0;
+  const void* data_ ABSL_GUARDED_BY(mu_) = nullptr;
+};
+
 // One published version of one (bucket, shard). Immutable once published.
 struct QuantizedShard {
   int64_t version = 0;
@@ -38,6 +81,10 @@ struct QuantizedShard {
   int64_t num_scales = 0;           // entries: the fragments' block ranges, concatenated
   std::vector<uint8_t> scales;
   std::vector<FragmentMeta> fragments;
+  // Staged (GPU) daemons: the cast output this version's data came from, and the cast's id
+  // there (CastOutput::Read); null on a CPU daemon, and for versions not cast here (moved in).
+  std::shared_ptr<const CastOutput> device;
+  uint64_t device_cast = 0;
 };
 
 struct PullResult {

@@ -22,6 +22,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "kernels/memory.h"
 #include "tests/testing/daemon_cluster.h"
 
 namespace mainstay {
@@ -71,7 +72,7 @@ class FakeIpcMemory : public IpcMemory {
     std::memcpy(dest, static_cast<const uint8_t*>(m.base) + offset, bytes);
     return absl::OkStatus();
   }
-  absl::Status CopyFromHost(const Mapping& m, uint64_t offset, const void* src, uint64_t bytes) override {
+  absl::Status CopyIn(const Mapping& m, uint64_t offset, const void* src, uint64_t bytes) override {
     if (fail_copies_.load()) return absl::InternalError("copying into a trainer's CUDA IPC memory (fake failure)");
     if (write_started_ != nullptr) {  // a slow copy: it ends when the test says
       write_started_->Notify();
@@ -111,7 +112,10 @@ class FakeIpcMemory : public IpcMemory {
 
 class CudaIpcServerTest : public ::testing::Test {
  protected:
-  CudaIpcServerTest() : cluster_(MakeSpec("bf16_with_fp8_mixed", LayoutPolicy::kFlat, 2), 1) {}
+  CudaIpcServerTest() : CudaIpcServerTest(nullptr) {}
+  // `memory`: the daemon's state memory (null: host memory).
+  explicit CudaIpcServerTest(kernels::StateMemory* memory)
+      : cluster_(MakeSpec("bf16_with_fp8_mixed", LayoutPolicy::kFlat, 2), 1, nullptr, {}, true, memory) {}
   void SetUp() override {
     CudaIpcServer::Options o;
     o.daemon = &cluster_.daemon(0);
@@ -281,6 +285,7 @@ TEST_F(CudaIpcServerTest, PullsWriteTheVersionIntoTheTrainersMemory) {
       const daemon::QuantizedShard& q = *served->shard;
       EXPECT_EQ(pulled->header().SerializeAsString(), daemon::PullHeaderOf(*served).SerializeAsString());
       EXPECT_FALSE(pulled->header().unchanged());
+      EXPECT_FALSE(pulled->from_device_memory());  // a CPU daemon's versions are in host memory
       EXPECT_EQ(pulled->scales(), std::string(q.scales.begin(), q.scales.end()));
       ASSERT_TRUE(std::equal(q.data.begin(), q.data.end(), allocation.begin() + offset)) << "bucket " << b.index;
       EXPECT_EQ(allocation[offset - 1], 0xA5);
@@ -387,6 +392,66 @@ TEST_F(CudaIpcServerTest, BadPullsAreRefusedBeforeAnythingIsWritten) {
   EXPECT_FALSE(untouched());
   EXPECT_EQ(memory_.still_open(), 0);
   EXPECT_EQ(server_->mappings(), 0);
+}
+
+// A daemon whose state memory is staged (a GPU's, here its stand-in on the CPU).
+class CudaIpcServerStagedTest : public CudaIpcServerTest {
+ protected:
+  CudaIpcServerStagedTest() : CudaIpcServerTest(Staged()) {}
+  static kernels::StateMemory* Staged() {
+    static kernels::StateMemory* const memory = kernels::HostStateMemory(nullptr, /*staged=*/true).release();
+    return memory;
+  }
+};
+
+// On a staged (GPU) daemon a pull of the newest version copies from where the step cast it
+// (device to device on a GPU); an older version, or the newest once the next cast began, comes
+// from the host copy; and the next cast waits for a copy in progress before it overwrites.
+TEST_F(CudaIpcServerStagedTest, PullsOfTheNewestVersionCopyFromTheCastOutput) {
+  Reference ref(cluster_.resolved());
+  cluster_.PushInitial(ref);
+  cluster_.PushGrads(0);
+  for (const auto& stats : cluster_.Finish(0, 1e-3)) ASSERT_THAT(stats.status(), IsOk());
+  const uint64_t session = Attach(0);
+  const Bucket& b = cluster_.layout().buckets[0];
+  std::vector<uint8_t> allocation(static_cast<size_t>(DataBytes(b.format, b.shard_numel)));
+  const std::string handle = memory_.Export(&allocation);
+  auto expect_pulled = [&](int64_t version, bool from_device) {
+    auto pulled = PullInto(session, 0, 0, 0, version, handle, allocation);
+    ASSERT_THAT(pulled, IsOk());
+    EXPECT_EQ(pulled->from_device_memory(), from_device) << "version " << version;
+    absl::StatusOr<daemon::PullResult> served = cluster_.Pull(0, 0, version);
+    ASSERT_THAT(served, IsOk());
+    EXPECT_TRUE(std::equal(allocation.begin(), allocation.end(), served->shard->data.begin())) << "version " << version;
+  };
+  expect_pulled(1, true);
+  expect_pulled(0, false);
+
+  // Step 1's cast waits while a pull copies version 1 out of the cast output.
+  absl::Notification started, may_end, finished;
+  memory_.write_started_ = &started;
+  memory_.write_may_end_ = &may_end;
+  absl::StatusOr<v1::CudaIpcPullResponse> slow;
+  std::thread puller([&] { slow = PullInto(session, 0, 0, 0, 1, handle, allocation); });
+  started.WaitForNotification();
+  std::thread stepper([&] {
+    cluster_.PushGrads(1);
+    for (const auto& stats : cluster_.Finish(1, 1e-3)) EXPECT_THAT(stats.status(), IsOk());
+    finished.Notify();
+  });
+  EXPECT_FALSE(finished.WaitForNotificationWithTimeout(absl::Milliseconds(300)));
+  may_end.Notify();
+  puller.join();
+  stepper.join();
+  ASSERT_THAT(slow, IsOk());
+  EXPECT_TRUE(slow->from_device_memory());
+  absl::StatusOr<daemon::PullResult> version1 = cluster_.Pull(0, 0, 1);
+  ASSERT_THAT(version1, IsOk());
+  EXPECT_TRUE(std::equal(allocation.begin(), allocation.end(), version1->shard->data.begin()))
+      << "the slow pull's bytes are not version 1's: the next cast overwrote them while they were copied";
+  memory_.write_started_ = nullptr;
+  expect_pulled(2, true);
+  expect_pulled(1, false);
 }
 
 TEST_F(CudaIpcServerTest, AttachRefusesOtherNodesWrongTokensAndUnknownJobs) {
