@@ -115,9 +115,14 @@ class CudaIpcTransport final : public DataTransport {
     v1::CudaIpcPullResponse response;
     absl::Status status = StatusFromCall(route.stub->CudaIpcPull(context, call, &response), context);
     ForgetIfLost(route, s, status);
-    if (absl::IsDeadlineExceeded(status) || absl::IsCancelled(status)) {
-      // The daemon may still be writing into the destination, which the caller may reuse once the
-      // handle is ready: detaching waits for the session's writes (the next call attaches again).
+    const bool session_lost =
+        absl::IsUnavailable(status) && absl::StrContains(status.message(), "unknown cuda_ipc session");
+    if (absl::IsDeadlineExceeded(status) || absl::IsCancelled(status) ||
+        (absl::IsUnavailable(status) && !session_lost)) {
+      // The call may have ended without the daemon's answer (its deadline, a cancel, a broken
+      // connection) while the daemon still writes into the destination, which the caller may
+      // reuse once the handle is ready: detaching waits for the session's writes (the next call
+      // attaches again).
       if (absl::Status fenced = Detach(s, kFenceTimeout); !fenced.ok()) {
         status = Annotate(status, absl::StrCat("the destination may still be written by daemon ", route.daemon_id,
                                                " (detaching to wait for its write failed: ", fenced.ToString(), ")"));

@@ -278,10 +278,16 @@ absl::StatusOr<v1::CudaIpcPullResponse> CudaIpcServer::Pull(const v1::CudaIpcPul
   // The trainer may reuse its buffer once its call ended: nothing is written after that as far as
   // this end can tell (a trainer whose call ended while the copy ran detaches, which waits for
   // the copy: Detach).
-  if (cancelled && cancelled()) return absl::CancelledError("CudaIpcPull: the trainer went away");
-  if (absl::Now() >= deadline) return absl::DeadlineExceededError("CudaIpcPull: the call's deadline passed");
   {
+    // Checked and counted in one step: a Detach of the session either ended it first (the write
+    // is refused) or waits for this write.
     absl::MutexLock lock(&st.mu);
+    if (st.sessions.count(s->id) == 0) {
+      return absl::UnavailableError(absl::StrCat(kUnknownCudaIpcSession, " ", absl::Hex(s->id),
+                                                 " (detached or replaced during the pull): attach again"));
+    }
+    if (cancelled && cancelled()) return absl::CancelledError("CudaIpcPull: the trainer went away");
+    if (absl::Now() >= deadline) return absl::DeadlineExceededError("CudaIpcPull: the call's deadline passed");
     ++st.writing[s->id];
   }
   absl::Cleanup written = [&st, id = s->id] {
@@ -312,18 +318,21 @@ absl::StatusOr<v1::CudaIpcPullResponse> CudaIpcServer::Pull(const v1::CudaIpcPul
   return response;
 }
 
-absl::Status CudaIpcServer::Detach(const v1::DetachCudaIpcRequest& request) {
+absl::Status CudaIpcServer::Detach(const v1::DetachCudaIpcRequest& request, absl::Time deadline) {
   State& st = *state_;
+  const uint64_t id = request.session_id();
+  auto idle = [&st, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) { return st.writing.count(id) == 0; };
+  const auto still_writing = [id] {
+    return absl::DeadlineExceededError(absl::StrCat("DetachCudaIpc: a pull of session ", absl::Hex(id),
+                                                    " is still writing into the trainer's memory"));
+  };
   std::shared_ptr<State::Session> s;
   {
     absl::MutexLock lock(&st.mu);
-    auto it = st.sessions.find(request.session_id());
+    auto it = st.sessions.find(id);
     if (it == st.sessions.end()) {
       // Ended already (replaced, or the daemon is stopping); its pulls may still be writing.
-      auto idle = [&st, id = request.session_id()]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
-        return st.writing.count(id) == 0;
-      };
-      st.mu.Await(absl::Condition(&idle));
+      if (!st.mu.AwaitWithDeadline(absl::Condition(&idle), deadline)) return still_writing();
       return absl::OkStatus();
     }
     s = it->second;
@@ -338,14 +347,16 @@ absl::Status CudaIpcServer::Detach(const v1::DetachCudaIpcRequest& request) {
       !t.ok() && t.code() != absl::StatusCode::kUnavailable) {
     return t;
   }
+  bool idle_in_time = true;
   {
     absl::MutexLock lock(&st.mu);
     st.DropLocked(s, "detached by the trainer");
-    // The trainer may free its buffers once this answers: no pull of the session writes after.
-    auto idle = [&st, id = s->id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) { return st.writing.count(id) == 0; };
-    st.mu.Await(absl::Condition(&idle));
+    // The trainer may free its buffers once this answers: no pull of the session writes after
+    // (a pull that has not started writing is refused now: Pull).
+    idle_in_time = st.mu.AwaitWithDeadline(absl::Condition(&idle), deadline);
   }
   st.Closed();
+  if (!idle_in_time) return still_writing();
   return absl::OkStatus();
 }
 

@@ -65,7 +65,9 @@ class CudaIpcServer {
   // Detach(session) returns only once the session's writes ended.
   absl::StatusOr<v1::CudaIpcPullResponse> Pull(const v1::CudaIpcPullRequest& request, absl::Time deadline,
                                                const std::function<bool()>& cancelled);
-  absl::Status Detach(const v1::DetachCudaIpcRequest& request);
+  // Ends the session, then waits until none of its pulls writes any more (also for a session
+  // that ended already): DEADLINE_EXCEEDED when one still writes at `deadline`.
+  absl::Status Detach(const v1::DetachCudaIpcRequest& request, absl::Time deadline = absl::InfiniteFuture());
 
   // "CUDA IPC on cuda:0 (...)", for the start-up log.
   std::string Describe() const;

@@ -778,13 +778,11 @@ class ShardService final : public v1::Shard::CallbackService {
   ::grpc::ServerUnaryReactor* DetachCudaIpc(::grpc::CallbackServerContext* context,
                                             const v1::DetachCudaIpcRequest* request,
                                             v1::DetachCudaIpcResponse* response) override {
-    if (cuda_ipc_ == nullptr) {
-      ::grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-      reactor->Finish(NoCudaIpc());
-      return reactor;
-    }
-    return grpc_server::Serve(calls_, context, response, ShuttingDown(),
-                              [&]() -> absl::Status { return cuda_ipc_->Detach(*request); });
+    // It waits for the session's pulls that are still writing.
+    return CudaIpcOffThread(context, response, [this, context, request]() -> absl::StatusOr<v1::DetachCudaIpcResponse> {
+      MAINSTAY_RETURN_IF_ERROR(cuda_ipc_->Detach(*request, absl::FromChrono(context->deadline())));
+      return v1::DetachCudaIpcResponse();
+    });
   }
 
  private:

@@ -322,11 +322,14 @@ TEST_F(CudaIpcServerTest, NoPullWritesAfterItsTrainerWentAwayOrDetached) {
   absl::StatusOr<v1::CudaIpcPullResponse> pulled;
   std::thread puller([&] { pulled = PullInto(session, 0, 0, 0, 0, handle, allocation); });
   started.WaitForNotification();
+  v1::DetachCudaIpcRequest detach;
+  detach.set_session_id(session);
+  detach.set_job_id(kJob);
+  detach.set_job_token(kToken);
   std::thread detacher([&] {
-    v1::DetachCudaIpcRequest detach;
-    detach.set_session_id(session);
-    detach.set_job_id(kJob);
-    detach.set_job_token(kToken);
+    // Bounded by its deadline, it says a write still runs; without one it waits.
+    EXPECT_THAT(server_->Detach(detach, absl::Now() + absl::Milliseconds(50)),
+                StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("still writing")));
     EXPECT_THAT(server_->Detach(detach), IsOk());
     detached.Notify();
   });
@@ -342,6 +345,22 @@ TEST_F(CudaIpcServerTest, NoPullWritesAfterItsTrainerWentAwayOrDetached) {
   again.set_session_id(session);
   again.set_job_id(kJob);
   EXPECT_THAT(server_->Detach(again), IsOk());
+
+  // A pull waiting for its version when its session is detached writes nothing once the version
+  // comes.
+  memory_.write_started_ = nullptr;
+  std::fill(allocation.begin(), allocation.end(), 0xA5);
+  const uint64_t waiting = Attach(0);
+  absl::StatusOr<v1::CudaIpcPullResponse> late;
+  std::thread waiter([&] { late = PullInto(waiting, 0, 0, 0, 1, handle, allocation); });
+  absl::SleepFor(absl::Milliseconds(100));
+  detach.set_session_id(waiting);
+  EXPECT_THAT(server_->Detach(detach), IsOk());
+  cluster_.PushGrads(0);
+  for (const auto& stats : cluster_.Finish(0, 1e-3)) EXPECT_THAT(stats.status(), IsOk());
+  waiter.join();
+  EXPECT_THAT(late, StatusIs(absl::StatusCode::kUnavailable, ::testing::StartsWith(daemon::kUnknownCudaIpcSession)));
+  EXPECT_TRUE(std::all_of(allocation.begin(), allocation.end(), [](uint8_t v) { return v == 0xA5; }));
 }
 
 TEST_F(CudaIpcServerTest, BadPullsAreRefusedBeforeAnythingIsWritten) {
