@@ -154,6 +154,17 @@ class PyClient {
     return o;
   }
 
+  // PullIntoOptions from the same arguments as Options.
+  PullIntoOptions IntoOptions(double timeout_s, const py::object& cuda_stream, const py::object& cuda_event,
+                              std::optional<void*> array_stream) const {
+    const PushOptions po = Options(0.0, timeout_s, cuda_stream, cuda_event, array_stream);
+    PullIntoOptions o;
+    o.timeout = po.timeout;
+    o.cuda_stream = po.cuda_stream;
+    o.cuda_event = po.cuda_event;
+    return o;
+  }
+
   static void* CudaHandle(const py::object& handle, const char* name) {
     if (!py::isinstance<py::int_>(handle) || handle.cast<py::int_>() < py::int_(0)) {
       throw py::type_error(absl::StrCat(name, " must be None or a CUDA handle as a non-negative int, got ",
@@ -430,38 +441,13 @@ PYBIND11_MODULE(_mainstay, m) {
                                  double timeout_s, const py::object& cuda_stream, const py::object& cuda_event) {
         std::optional<void*> array_stream;
         const std::span<uint8_t> dest = DestinationOf(out, &array_stream);
-        const PushOptions po = c.Options(0.0, timeout_s, cuda_stream, cuda_event, array_stream);
-        PullIntoOptions o;
-        o.timeout = po.timeout;
-        o.cuda_stream = po.cuda_stream;
-        o.cuda_event = po.cuda_event;
+        const PullIntoOptions o = c.IntoOptions(timeout_s, cuda_stream, cuda_event, array_stream);
         absl::StatusOr<PulledShard> r;
         {
           py::gil_scoped_release release;
           r = c.client().PullShardInto(bucket, shard, version, dest.data(), static_cast<int64_t>(dest.size()), o).Wait();
         }
-        const PulledShard p = Take(std::move(r));
-        py::dict d;
-        d["shard"] = p.shard;
-        d["version"] = p.version;
-        d["unchanged"] = p.unchanged;
-        d["num_scales"] = p.num_scales;
-        d["scales"] = py::bytes(reinterpret_cast<const char*>(p.scales.data()), p.scales.size());
-        py::list frags;
-        for (const FragmentQuantInfo& f : p.fragments) {
-          py::dict fd;
-          fd["tensor"] = f.tensor;
-          fd["elements"] = py::make_tuple(f.elements.begin, f.elements.end);
-          fd["bucket_offset"] = f.bucket_offset;
-          fd["scale"] = f.scale;
-          fd["scale_inv"] = f.scale_inv;
-          fd["amax"] = f.amax;
-          fd["scale_blocks"] = py::make_tuple(f.scale_blocks.begin, f.scale_blocks.end);
-          fd["scale_offset"] = f.scale_offset;
-          frags.append(fd);
-        }
-        d["fragments"] = frags;
-        return d;
+        return PulledShardDict(Take(std::move(r)));
       }, py::arg("bucket"), py::arg("shard"), py::arg("version"), py::arg("out"), py::arg("timeout_s") = 0.0,
          py::kw_only(), py::arg("cuda_stream") = py::none(), py::arg("cuda_event") = py::none(),
          "One shard of `version` straight into `out`, blocking: a writable, C-contiguous numpy array or CUDA array "
@@ -470,6 +456,24 @@ PYBIND11_MODULE(_mainstay, m) {
          "that uses it (cuda_stream / cuda_event as for push_grad; by default the stream the array names). Returns "
          "{shard, version, unchanged (nothing written), num_scales, scales (bytes), fragments: [{tensor, elements, "
          "bucket_offset, scale, scale_inv, amax, scale_blocks, scale_offset}]}.")
+      .def("pull_bucket_into", [](PyClient& c, int32_t bucket, int64_t version, const py::object& out,
+                                  double timeout_s, const py::object& cuda_stream, const py::object& cuda_event) {
+        std::optional<void*> array_stream;
+        const std::span<uint8_t> dest = DestinationOf(out, &array_stream);
+        const PullIntoOptions o = c.IntoOptions(timeout_s, cuda_stream, cuda_event, array_stream);
+        absl::StatusOr<std::vector<PulledShard>> r;
+        {
+          py::gil_scoped_release release;
+          r = c.client().PullBucketInto(bucket, version, dest.data(), static_cast<int64_t>(dest.size()), o).Wait();
+        }
+        py::list shards;
+        for (const PulledShard& p : Take(std::move(r))) shards.append(PulledShardDict(p));
+        return shards;
+      }, py::arg("bucket"), py::arg("version"), py::arg("out"), py::arg("timeout_s") = 0.0, py::kw_only(),
+         py::arg("cuda_stream") = py::none(), py::arg("cuda_event") = py::none(),
+         "Every shard of the bucket into its slice of `out` (the bucket's packed bytes in bucket order, "
+         "layout.buckets[b]['bucket_bytes']; for a bf16 bucket, its bf16 values), in parallel, as pull_shard_into. "
+         "Returns one dict per shard, in order.")
       .def("create_checkpoint", [](PyClient& c, bool wait, const py::object& admin_token, double timeout_s) {
         const AdminCallOptions o = AdminOptions(admin_token, timeout_s);
         absl::StatusOr<CheckpointInfo> info;

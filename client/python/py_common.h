@@ -62,6 +62,9 @@ ElementSpan SpanOf(const py::object& data, const std::string& dtype, py::object*
 // stream, if it names one, goes to *stream. ValueError for anything else.
 std::span<uint8_t> DestinationOf(const py::object& out, std::optional<void*>* stream);
 
+// What Client.pull_shard_into returns: {shard, version, unchanged, num_scales, scales (bytes),
+// fragments: [{tensor, elements, bucket_offset, scale, scale_inv, amax, scale_blocks, scale_offset}]}.
+py::dict PulledShardDict(const PulledShard& p);
 py::dict StepStatsDict(const StepStats& s);
 py::dict PushResultDict(const PushResult& r);
 

@@ -37,6 +37,7 @@ py::dict BucketDict(const Layout& l, const Bucket& b) {
   d["numel"] = b.numel;
   d["shard_numel"] = b.shard_numel;
   d["shard_bytes"] = DataBytes(b.format, b.shard_numel);  // packed data of one shard
+  d["bucket_bytes"] = DataBytes(b.format, b.numel);       // of every shard
   d["data_numel"] = b.data_numel;
   d["tensors"] = py::cast(b.tensors);
   py::list shards;
@@ -260,6 +261,30 @@ std::span<uint8_t> DestinationOf(const py::object& out, std::optional<void*>* st
     throw py::value_error("the destination array must hold plain numbers (e.g. np.uint8), not objects or records");
   }
   return {static_cast<uint8_t*>(a.mutable_data()), static_cast<size_t>(a.nbytes())};
+}
+
+py::dict PulledShardDict(const PulledShard& p) {
+  py::dict d;
+  d["shard"] = p.shard;
+  d["version"] = p.version;
+  d["unchanged"] = p.unchanged;
+  d["num_scales"] = p.num_scales;
+  d["scales"] = py::bytes(reinterpret_cast<const char*>(p.scales.data()), p.scales.size());
+  py::list frags;
+  for (const FragmentQuantInfo& f : p.fragments) {
+    py::dict fd;
+    fd["tensor"] = f.tensor;
+    fd["elements"] = py::make_tuple(f.elements.begin, f.elements.end);
+    fd["bucket_offset"] = f.bucket_offset;
+    fd["scale"] = f.scale;
+    fd["scale_inv"] = f.scale_inv;
+    fd["amax"] = f.amax;
+    fd["scale_blocks"] = py::make_tuple(f.scale_blocks.begin, f.scale_blocks.end);
+    fd["scale_offset"] = f.scale_offset;
+    frags.append(fd);
+  }
+  d["fragments"] = frags;
+  return d;
 }
 
 py::dict StepStatsDict(const StepStats& s) {

@@ -266,6 +266,15 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   absl::StatusOr<PulledShard> PullShardSync(int32_t bucket, int32_t shard, int64_t version, std::span<uint8_t> data_out,
                                             Deadline deadline, const DeltaBase* delta = nullptr,
                                             bool on_device = false);
+  // PullShardInto / PullBucketInto: checks the destination (its size for shards [shard_begin,
+  // shard_end), host or device memory for the transport) and the CUDA work to wait for, then
+  // pulls each shard into its slice in parallel; `done` gets the shards in order (ABORTED when
+  // they came at different versions), or the first error. Errors before anything is scheduled
+  // are returned (done is not called).
+  using PullsIntoDone = std::function<void(absl::StatusOr<std::vector<PulledShard>>)>;
+  absl::Status SchedulePullsInto(int32_t bucket, int32_t shard_begin, int32_t shard_end, int64_t version,
+                                 void* destination, int64_t destination_bytes, const PullIntoOptions& options,
+                                 PullsIntoDone done);
   // `since`: a delta pull of the whole bucket, starting from a copy of its data.
   PullHandle SchedulePull(int32_t bucket, int32_t shard_begin, int32_t shard_end, int64_t version,
                           std::chrono::milliseconds timeout, const PulledBucket* since = nullptr);

@@ -631,44 +631,109 @@ PullHandle Client::PullShard(int32_t bucket, int32_t shard, int64_t version, std
   return impl_->SchedulePull(bucket, shard, shard + 1, version, timeout);
 }
 
+absl::Status Client::Impl::SchedulePullsInto(int32_t bucket, int32_t shard_begin, int32_t shard_end, int64_t version,
+                                             void* destination, int64_t destination_bytes,
+                                             const PullIntoOptions& options, PullsIntoDone done) {
+  const Bucket& b = layout->buckets[bucket];
+  const int64_t base = DataBytes(b.format, shard_begin * b.shard_numel);
+  const int64_t bytes = DataBytes(b.format, shard_end * b.shard_numel) - base;
+  if (destination == nullptr || destination_bytes != bytes) {
+    return InvalidArgumentError("destination", "bucket ", bucket, "'s shards [", shard_begin, ", ", shard_end,
+                                ") hold ", bytes, " bytes of packed ", FormatName(b.format), " data; got ",
+                                destination == nullptr ? "a null pointer" : absl::StrCat(destination_bytes, " bytes"));
+  }
+  const std::optional<int> device = cuda->DeviceOf(destination);
+  if (device.has_value() && transport_request != "cuda_ipc") {
+    return InvalidArgumentError("destination", "is in the memory of CUDA device ", *device,
+                                ", which only the cuda_ipc transport writes (ClientOptions::transport \"cuda_ipc\", a "
+                                "daemon on this node); this client uses \"",
+                                transport_request, "\": pull into host memory");
+  }
+  MAINSTAY_ASSIGN_OR_RETURN(client_internal::PendingCudaWork work,
+                            cuda->Capture(options.cuda_stream, options.cuda_event));
+  struct State {
+    absl::Mutex mu;
+    int remaining ABSL_GUARDED_BY(mu) = 0;
+    std::vector<absl::StatusOr<PulledShard>> shards;
+    PullsIntoDone done;
+  };
+  auto state = std::make_shared<State>();
+  state->shards.resize(static_cast<size_t>(shard_end - shard_begin));
+  state->remaining = shard_end - shard_begin;
+  state->done = std::move(done);
+  auto cuda_ready = std::make_shared<CudaReady>(*cuda, std::move(work));
+  const Deadline deadline = DeadlineAfter(options.timeout);
+  for (int32_t shard = shard_begin; shard < shard_end; ++shard) {
+    const IndexRange range = ShardByteRange(b, shard);
+    const std::span<uint8_t> out(static_cast<uint8_t*>(destination) + (range.begin - base),
+                                 static_cast<size_t>(range.size()));
+    pull_pool->Schedule(
+        [this, state, cuda_ready, bucket, shard, shard_begin, version, out, deadline, on_device = device.has_value()] {
+          const absl::Status ready = cuda_ready->Await();
+          absl::StatusOr<PulledShard> r = ready.ok()
+                                              ? PullShardSync(bucket, shard, version, out, deadline, nullptr, on_device)
+                                              : absl::StatusOr<PulledShard>(ready);
+          {
+            absl::MutexLock lock(&state->mu);
+            state->shards[static_cast<size_t>(shard - shard_begin)] = std::move(r);
+            if (--state->remaining > 0) return;
+          }
+          // The last shard to finish answers (no task waits for another).
+          std::vector<PulledShard> shards;
+          for (absl::StatusOr<PulledShard>& s : state->shards) {
+            if (!s.ok()) {
+              state->done(s.status());
+              return;
+            }
+            shards.push_back(*std::move(s));
+          }
+          for (const PulledShard& s : shards) {
+            if (s.version != shards[0].version || s.unchanged != shards[0].unchanged) {
+              state->done(absl::AbortedError(absl::StrCat(
+                  "bucket ", bucket, ": shard ", shards[0].shard, " answered version ", shards[0].version,
+                  " but shard ", s.shard, " version ", s.version, " (a step committed during the pull): pull again")));
+              return;
+            }
+          }
+          state->done(std::move(shards));
+        });
+  }
+  return absl::OkStatus();
+}
+
 ShardPullHandle Client::PullShardInto(int32_t bucket, int32_t shard, int64_t version, void* destination,
                                       int64_t destination_bytes, const PullIntoOptions& options) {
-  Impl& im = *impl_;
-  absl::Status s = CheckBucketIndex(*im.layout, bucket);
+  absl::Status s = CheckBucketIndex(*impl_->layout, bucket);
   if (s.ok() && (shard < 0 || shard >= data_parallel_size())) {
     s = InvalidArgumentError("shard", "index ", shard, " is not in [0, ", data_parallel_size(), ")");
   }
   if (s.ok() && version < kLatestVersion) s = InvalidArgumentError("version", "must be >= 0 or kLatestVersion");
   if (!s.ok()) return ShardPullHandle::Ready(s);
-  const Bucket& b = im.layout->buckets[bucket];
-  const int64_t bytes = DataBytes(b.format, b.shard_numel);
-  if (destination == nullptr || destination_bytes != bytes) {
-    return ShardPullHandle::Ready(InvalidArgumentError(
-        "destination", "bucket ", bucket, "'s shards hold ", bytes, " bytes of packed ", FormatName(b.format),
-        " data; got ", destination == nullptr ? "a null pointer" : absl::StrCat(destination_bytes, " bytes")));
-  }
-  const std::optional<int> device = im.cuda->DeviceOf(destination);
-  if (device.has_value() && im.transport_request != "cuda_ipc") {
-    return ShardPullHandle::Ready(InvalidArgumentError(
-        "destination", "is in the memory of CUDA device ", *device, ", which only the cuda_ipc transport writes (",
-        "ClientOptions::transport \"cuda_ipc\", a daemon on this node); this client uses \"", im.transport_request,
-        "\": pull into host memory"));
-  }
-  absl::StatusOr<client_internal::PendingCudaWork> work = im.cuda->Capture(options.cuda_stream, options.cuda_event);
-  if (!work.ok()) return ShardPullHandle::Ready(work.status());
-  auto cuda_ready = std::make_shared<CudaReady>(*im.cuda, *std::move(work));
   auto promise = std::make_shared<std::promise<absl::StatusOr<PulledShard>>>();
   ShardPullHandle handle(promise->get_future().share());
-  const Deadline deadline = im.DeadlineAfter(options.timeout);
-  const std::span<uint8_t> out(static_cast<uint8_t*>(destination), static_cast<size_t>(bytes));
-  im.pull_pool->Schedule(
-      [&im, promise, cuda_ready, bucket, shard, version, out, deadline, on_device = device.has_value()] {
-        if (absl::Status ready = cuda_ready->Await(); !ready.ok()) {
-          promise->set_value(ready);
-          return;
-        }
-        promise->set_value(im.PullShardSync(bucket, shard, version, out, deadline, nullptr, on_device));
-      });
+  s = impl_->SchedulePullsInto(bucket, shard, shard + 1, version, destination, destination_bytes, options,
+                               [promise](absl::StatusOr<std::vector<PulledShard>> r) {
+                                 if (r.ok()) {
+                                   promise->set_value(std::move(r->front()));
+                                 } else {
+                                   promise->set_value(r.status());
+                                 }
+                               });
+  if (!s.ok()) return ShardPullHandle::Ready(s);
+  return handle;
+}
+
+BucketPullHandle Client::PullBucketInto(int32_t bucket, int64_t version, void* destination, int64_t destination_bytes,
+                                        const PullIntoOptions& options) {
+  absl::Status s = CheckBucketIndex(*impl_->layout, bucket);
+  if (s.ok() && version < kLatestVersion) s = InvalidArgumentError("version", "must be >= 0 or kLatestVersion");
+  if (!s.ok()) return BucketPullHandle::Ready(s);
+  auto promise = std::make_shared<std::promise<absl::StatusOr<std::vector<PulledShard>>>>();
+  BucketPullHandle handle(promise->get_future().share());
+  s = impl_->SchedulePullsInto(
+      bucket, 0, static_cast<int32_t>(data_parallel_size()), version, destination, destination_bytes, options,
+      [promise](absl::StatusOr<std::vector<PulledShard>> r) { promise->set_value(std::move(r)); });
+  if (!s.ok()) return BucketPullHandle::Ready(s);
   return handle;
 }
 

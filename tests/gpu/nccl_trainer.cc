@@ -3,7 +3,7 @@
 // (libmainstay_client.so) over one transport, pulls every bucket of the last version and writes
 // what it pulled (versions, packed data, block scales, per-tensor scales) to --out, so that two
 // runs over different transports can be compared byte for byte. Over cuda_ipc it also pulls
-// every shard into device memory (Client::PullShardInto) and checks it against those bytes.
+// every bucket into device memory (Client::PullBucketInto) and checks it against those bytes.
 //
 //   nccl_trainer --coordinator HOST:PORT --transport nccl|cuda_ipc|grpc --out FILE [--chunk-bytes N]
 //
@@ -76,36 +76,34 @@ void PutBytes(std::string& out, std::span<const uint8_t> bytes) {
   out.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
 }
 
-// Each shard of `pulled` pulled again with PullShardInto into device memory, copied back and
-// compared with what PullBucket got: data, version and block scales.
+// `pulled`, pulled again with PullBucketInto (every shard with PullShardInto) into device memory
+// at an offset inside one allocation, copied back and compared with what PullBucket got: data,
+// versions and block scales.
 absl::Status CheckDevicePulls(mainstay::Client& client, const mainstay::PulledBucket& pulled) {
   const mainstay::Bucket& b = pulled.bucket_info();
-  const int64_t bytes = mainstay::DataBytes(b.format, b.shard_numel);
+  const std::span<const uint8_t> expected = pulled.data();
   uint8_t* block = nullptr;
-  constexpr int64_t kOffset = 4096 + 16;
-  if (cudaMalloc(reinterpret_cast<void**>(&block), static_cast<size_t>(bytes + kOffset)) != cudaSuccess) {
+  constexpr size_t kOffset = 4096 + 16;
+  if (cudaMalloc(reinterpret_cast<void**>(&block), expected.size() + kOffset) != cudaSuccess) {
     return absl::ResourceExhaustedError(cudaGetErrorString(cudaGetLastError()));
   }
   absl::Status result;
-  std::vector<uint8_t> back(static_cast<size_t>(bytes));
-  for (const mainstay::PulledShard& want : pulled.shards()) {
-    absl::StatusOr<mainstay::PulledShard> got =
-        client.PullShardInto(b.index, want.shard, pulled.version(), block + kOffset, bytes).Wait();
-    if (!got.ok()) {
-      result = got.status();
-      break;
-    }
-    if (cudaMemcpy(back.data(), block + kOffset, back.size(), cudaMemcpyDeviceToHost) != cudaSuccess) {
-      result = absl::InternalError(cudaGetErrorString(cudaGetLastError()));
-      break;
-    }
-    const std::span<const uint8_t> expected = pulled.data().subspan(
-        static_cast<size_t>(bytes) * static_cast<size_t>(want.shard - pulled.shard_begin()), back.size());
-    if (!std::equal(back.begin(), back.end(), expected.begin()) || got->scales != want.scales ||
-        got->version != want.version) {
-      result = absl::DataLossError(
-          absl::StrCat("shard ", want.shard, " pulled into device memory differs from PullBucket's"));
-      break;
+  absl::StatusOr<std::vector<mainstay::PulledShard>> got =
+      client.PullBucketInto(b.index, pulled.version(), block + kOffset, static_cast<int64_t>(expected.size())).Wait();
+  std::vector<uint8_t> back(expected.size());
+  if (!got.ok()) {
+    result = got.status();
+  } else if (cudaMemcpy(back.data(), block + kOffset, back.size(), cudaMemcpyDeviceToHost) != cudaSuccess) {
+    result = absl::InternalError(cudaGetErrorString(cudaGetLastError()));
+  } else if (!std::equal(back.begin(), back.end(), expected.begin())) {
+    result = absl::DataLossError("the bucket pulled into device memory differs from PullBucket's");
+  } else {
+    for (size_t k = 0; k < got->size() && result.ok(); ++k) {
+      const mainstay::PulledShard& want = pulled.shards()[k];
+      if ((*got)[k].scales != want.scales || (*got)[k].version != want.version) {
+        result =
+            absl::DataLossError(absl::StrCat("shard ", want.shard, "'s scales or version differ from PullBucket's"));
+      }
     }
   }
   cudaFree(block);
@@ -215,11 +213,11 @@ int Run(const std::map<std::string, std::string>& flags) {
     Put(out, pulled->version());
     Put(out, pulled->unchanged());
     PutBytes(out, pulled->data());
-    // cuda_ipc: every shard again, written by the daemon straight into device memory (at an
+    // cuda_ipc: the bucket again, written by the daemon straight into device memory (at an
     // offset inside one allocation), must be the bytes PullBucket got over gRPC.
     if (transport == "cuda_ipc" && !pulled->unchanged()) {
       if (absl::Status same = CheckDevicePulls(client, *pulled); !same.ok()) {
-        return Fail(absl::StrCat("PullShardInto bucket ", b.index), same);
+        return Fail(absl::StrCat("PullBucketInto bucket ", b.index), same);
       }
     }
     for (const mainstay::PulledShard& s : pulled->shards()) {

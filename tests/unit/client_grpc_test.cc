@@ -848,10 +848,32 @@ TEST_F(ClientGrpcTest, PullShardIntoDeviceMemoryGetsThePulledShardsBytes) {
                   StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bytes of packed")));
     }
   }
+  // A whole bucket into one device buffer: every shard into its slice, PullBucket's bytes.
+  for (const Bucket& b : c.layout().buckets) {
+    const absl::StatusOr<PulledBucket> want = c.PullBucket(b.index, 0).Wait();
+    ASSERT_THAT(want, IsOk());
+    const int64_t bytes = static_cast<int64_t>(want->data().size());
+    std::fill(device.begin(), device.end(), 0xA5);
+    const absl::StatusOr<std::vector<PulledShard>> got = c.PullBucketInto(b.index, 0, device.data() + 64, bytes).Wait();
+    ASSERT_THAT(got, IsOk());
+    device_pulls += 2;
+    EXPECT_TRUE(std::equal(want->data().begin(), want->data().end(), device.begin() + 64)) << FormatName(b.format);
+    EXPECT_EQ(device[64 + static_cast<size_t>(bytes)], 0xA5);
+    ASSERT_EQ(got->size(), 2u);
+    for (size_t k = 0; k < got->size(); ++k) {
+      EXPECT_EQ((*got)[k].shard, static_cast<int32_t>(k));
+      EXPECT_EQ((*got)[k].scales, want->shards()[k].scales);
+    }
+    EXPECT_THAT(c.PullBucketInto(b.index, 0, device.data(), bytes - 1).Wait(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shards [0, 2)")));
+  }
   EXPECT_EQ(cluster_->stats().cuda_ipc_pulls, device_pulls);
   EXPECT_EQ(cuda.exports(), device_pulls);
-  // One PullParams stream per PullShard and per host PullShardInto; none for the device pulls.
-  EXPECT_EQ(cluster_->stats().pull_streams - streams_before, 2 * (device_pulls - 3));
+  // One PullParams stream per PullShard, per host PullShardInto and per shard of a PullBucket;
+  // none for the device pulls.
+  EXPECT_EQ(cluster_->stats().pull_streams - streams_before,
+            2 * (device_pulls - 3 - 2 * static_cast<int64_t>(c.layout().buckets.size())) +
+                2 * static_cast<int64_t>(c.layout().buckets.size()));
   EXPECT_THAT(c.PullShardInto(0, 2, 0, device.data(), 1).Wait(), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(c.PullShardInto(0, 0, 0, nullptr, 0).Wait(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("null")));

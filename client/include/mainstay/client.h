@@ -296,6 +296,7 @@ class Handle {
 using PushHandle = Handle<PushResult>;
 using PullHandle = Handle<PulledBucket>;
 using ShardPullHandle = Handle<PulledShard>;
+using BucketPullHandle = Handle<std::vector<PulledShard>>;
 
 class MAINSTAY_CLIENT_EXPORT Client {
  public:
@@ -423,6 +424,14 @@ class MAINSTAY_CLIENT_EXPORT Client {
   // cuda_event); a failed pull may have written part of it.
   ShardPullHandle PullShardInto(int32_t bucket, int32_t shard, int64_t version, void* destination,
                                 int64_t destination_bytes, const PullIntoOptions& options = {});
+  // Every shard of the bucket, as PullShardInto, in parallel, each into its slice of
+  // `destination`: the whole bucket's packed data (DataBytes(format, numel) bytes), in bucket
+  // order, exactly as a trainer's flat parameter buffer of the bucket holds it (for a bf16 bucket
+  // the bf16 values themselves, padding 0): the all-gather of a version through the daemons,
+  // straight into that buffer. The result: every shard's PulledShard, in order. ABORTED when the
+  // shards came at different versions (kLatestVersion while a step committed): pull again.
+  BucketPullHandle PullBucketInto(int32_t bucket, int64_t version, void* destination, int64_t destination_bytes,
+                                  const PullIntoOptions& options = {});
 
   // Admin RPCs on this client's job, over the coordinator's channel (Admin service). The
   // coordinator checks the admin token when it has one (PERMISSION_DENIED); FAILED_PRECONDITION

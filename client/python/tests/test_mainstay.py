@@ -243,6 +243,17 @@ class EndToEndTest(unittest.TestCase):
                 self.assertEqual(len(got["scales"]), want.scale_bytes)
                 self.assertEqual([f["tensor"] for f in got["fragments"]],
                                  [f["tensor"] for f in b["shards"][1]["fragments"]])
+        # pull_bucket_into: every shard into its slice of one array, the bucket's packed bytes.
+        for b in buckets:
+            want = c1.pull_bucket(b["index"], 2)
+            out = np.zeros(b["bucket_bytes"], np.uint8)
+            got = c1.pull_bucket_into(b["index"], 2, out)
+            np.testing.assert_array_equal(out, want.data)
+            self.assertEqual([s["shard"] for s in got], [0, 1])
+            self.assertEqual(sum(len(s["scales"]) for s in got), want.scale_bytes)
+        with self.assertRaises(mainstay.Error) as e:
+            c1.pull_bucket_into(0, 2, np.zeros(buckets[0]["shard_bytes"], np.uint8))
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
         with self.assertRaises(mainstay.Error) as e:
             c1.pull_shard_into(0, 1, 2, np.zeros(buckets[0]["shard_bytes"] + 1, np.uint8))
         self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
