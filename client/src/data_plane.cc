@@ -659,8 +659,11 @@ absl::Status Client::Impl::SchedulePullsInto(int32_t bucket, int32_t shard_begin
   };
   auto state = std::make_shared<State>();
   state->shards.resize(static_cast<size_t>(shard_end - shard_begin));
-  state->remaining = shard_end - shard_begin;
   state->done = std::move(done);
+  {
+    absl::MutexLock lock(&state->mu);
+    state->remaining = shard_end - shard_begin;
+  }
   auto cuda_ready = std::make_shared<CudaReady>(*cuda, std::move(work));
   const Deadline deadline = DeadlineAfter(options.timeout);
   for (int32_t shard = shard_begin; shard < shard_end; ++shard) {

@@ -8,7 +8,8 @@
 //     to that this rank is done, and returns the StepStats once the step is committed or skipped;
 //   - PullShard / PullBucket fetch a version's quantized parameters (PullBucket: every shard of a
 //     bucket in parallel, an all-gather through the daemons) as a PulledBucket (pulled.h);
-//     PullShardInto puts one shard's packed data into the caller's host or device memory.
+//     PullShardInto / PullBucketInto put one shard's (every shard's) packed data into the
+//     caller's host or device memory.
 // docs/client.md shows the step loop of a trainer in both push modes.
 //
 // Deadlines and retries: every operation has a deadline (ClientOptions::timeout, or the call's
@@ -209,7 +210,7 @@ struct PushOptions {
   std::optional<void*> cuda_stream;
 };
 
-// Options of Client::PullShardInto.
+// Options of Client::PullShardInto and PullBucketInto.
 struct PullIntoOptions {
   std::chrono::milliseconds timeout{0};  // 0 = ClientOptions::timeout
   // The CUDA work that still uses the destination (the forward that reads the weights being
