@@ -114,9 +114,7 @@ class CudaIpcTransport final : public DataTransport {
     call.set_bytes(dest.size());
     v1::CudaIpcPullResponse response;
     absl::Status status = StatusFromCall(route.stub->CudaIpcPull(context, call, &response), context);
-    ForgetIfLost(route, s, status);
-    const bool session_lost =
-        absl::IsUnavailable(status) && absl::StrContains(status.message(), "unknown cuda_ipc session");
+    const bool session_lost = ForgetIfLost(route, s, status);
     if (absl::IsDeadlineExceeded(status) || absl::IsCancelled(status) ||
         (absl::IsUnavailable(status) && !session_lost)) {
       // The call may have ended without the daemon's answer (its deadline, a cancel, a broken
@@ -165,10 +163,11 @@ class CudaIpcTransport final : public DataTransport {
   }
 
   // The daemon lost the session (it restarted; shard.proto's CudaIpcPush): the retry attaches
-  // again. Other UNAVAILABLE answers (a drain, a step in flight) keep it.
-  void ForgetIfLost(const Route& route, const Session& s, const absl::Status& status) {
-    if (!absl::IsUnavailable(status) || !absl::StrContains(status.message(), "unknown cuda_ipc session")) return;
+  // again. Other UNAVAILABLE answers (a drain, a step in flight) keep it. True when it was lost.
+  bool ForgetIfLost(const Route& route, const Session& s, const absl::Status& status) {
+    if (!absl::IsUnavailable(status) || !absl::StrContains(status.message(), "unknown cuda_ipc session")) return false;
     Forget(route.endpoint.daemon_id(), s.id);
+    return true;
   }
   void Forget(const std::string& daemon_id, uint64_t id) {
     absl::MutexLock lock(&mu_);
