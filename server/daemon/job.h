@@ -49,6 +49,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
@@ -119,7 +120,9 @@ class PushSession {
   // Chunks come in order without gaps: `element_offset` must equal the elements received so
   // far and `data` hold whole elements, at most 4 MiB. INVALID_ARGUMENT otherwise (the stream
   // is then dead).
-  absl::Status AddChunk(int64_t element_offset, const std::string& data);
+  // The chunk may come in pieces (as gRPC received it), read in order.
+  absl::Status AddChunk(int64_t element_offset, std::span<const std::span<const uint8_t>> pieces);
+  absl::Status AddChunk(int64_t element_offset, absl::string_view data);
   // Stores the shard's push (or acknowledges a duplicate). INVALID_ARGUMENT when the stream
   // ended short; FAILED_PRECONDITION when the step was committed meanwhile.
   absl::StatusOr<v1::PushGradResponse> Finish();

@@ -170,22 +170,29 @@ std::span<uint8_t> PushSession::destination() {
   return std::span<uint8_t>(buffer_);
 }
 
-absl::Status PushSession::AddChunk(int64_t element_offset, const std::string& data) {
+absl::Status PushSession::AddChunk(int64_t element_offset, absl::string_view data) {
+  const std::span<const uint8_t> piece(reinterpret_cast<const uint8_t*>(data.data()), data.size());
+  return AddChunk(element_offset, std::span<const std::span<const uint8_t>>(&piece, 1));
+}
+
+absl::Status PushSession::AddChunk(int64_t element_offset, std::span<const std::span<const uint8_t>> pieces) {
+  size_t size = 0;
+  for (const std::span<const uint8_t> piece : pieces) size += piece.size();
   if (failed_) return absl::InvalidArgumentError("PushGrad: the stream already failed");
   failed_ = true;
   if (element_offset != received_) {
     return absl::InvalidArgumentError(absl::StrCat("PushGrad: chunk at element ", element_offset, ", expected ",
                                                    received_, " (chunks must be in order without gaps)"));
   }
-  if (data.size() > kMaxChunkBytes) {
+  if (size > kMaxChunkBytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat("PushGrad: chunk of ", data.size(), " bytes is over the protocol's ", kMaxChunkBytes, " bytes"));
+        absl::StrCat("PushGrad: chunk of ", size, " bytes is over the protocol's ", kMaxChunkBytes, " bytes"));
   }
-  if (data.size() % static_cast<size_t>(elem_bytes_) != 0) {
+  if (size % static_cast<size_t>(elem_bytes_) != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("PushGrad: chunk of ", data.size(), " bytes is not whole ", elem_bytes_, "-byte elements"));
+        absl::StrCat("PushGrad: chunk of ", size, " bytes is not whole ", elem_bytes_, "-byte elements"));
   }
-  const int64_t n = static_cast<int64_t>(data.size()) / elem_bytes_;
+  const int64_t n = static_cast<int64_t>(size) / elem_bytes_;
   if (n == 0 || received_ + n > numel_) {
     return absl::InvalidArgumentError(absl::StrCat("PushGrad: chunk of ", n, " elements at ", element_offset,
                                                    " overruns the shard of ", numel_, " elements"));
@@ -193,8 +200,11 @@ absl::Status PushSession::AddChunk(int64_t element_offset, const std::string& da
   if (!duplicate_) {
     Reserve((received_ + n) * elem_bytes_);
     uint8_t* at = buffer_.data() + received_ * elem_bytes_;
-    std::memcpy(at, data.data(), data.size());
-    if (track_crc_) crc_ = ::mainstay::Crc32cExtend(crc_, at, data.size());
+    for (const std::span<const uint8_t> piece : pieces) {
+      std::memcpy(at, piece.data(), piece.size());
+      at += piece.size();
+    }
+    if (track_crc_) crc_ = ::mainstay::Crc32cExtend(crc_, at - size, size);
   }
   received_ += n;
   failed_ = false;

@@ -17,6 +17,7 @@
 #include "common/byte_patch.h"
 #include "common/chunk_hash.h"
 #include "common/crc32c.h"
+#include "common/grpc_chunk.h"
 #include "common/grpc_tls.h"
 #include "common/layout_proto.h"
 #include "common/logging.h"
@@ -42,6 +43,22 @@ constexpr absl::Duration kShutdownGrace = absl::Seconds(5);
 constexpr absl::Duration kCloseGrace = absl::Milliseconds(500);
 constexpr int64_t kDefaultChunkBytes = 1 << 20;
 constexpr int64_t kMaxChunkBytes = 4 << 20;
+
+// The chunk messages that PushGrad and PullParams read and write without protobuf's payload
+// copies (common/grpc_chunk.h), as shard.proto numbers them.
+constexpr int kGradChunkField = v1::PushGradRequest::kChunkFieldNumber;
+constexpr int kParamChunkField = v1::PullParamsResponse::kDataFieldNumber;
+constexpr int kScaleChunkField = v1::PullParamsResponse::kScalesFieldNumber;
+static_assert(v1::GradChunk::kElementOffsetFieldNumber == 1 && v1::GradChunk::kDataFieldNumber == 2);
+static_assert(v1::ParamChunk::kElementOffsetFieldNumber == 1 && v1::ParamChunk::kDataFieldNumber == 2);
+static_assert(v1::ScaleChunk::kScaleOffsetFieldNumber == 1 && v1::ScaleChunk::kDataFieldNumber == 2);
+
+// `buffer` parsed as a `Message`; the buffer is left as it is.
+template <typename Message>
+bool ParseMessage(const ::grpc::ByteBuffer& buffer, Message* out) {
+  ::grpc::ByteBuffer copy(buffer);  // references to the same slices
+  return ::grpc::SerializationTraits<Message>::Deserialize(&copy, out).ok();
+}
 constexpr char kTransport[] = "grpc";
 constexpr char kShardService[] = "mainstay.v1.Shard";  // its health status is the readiness  // the `transport` label of the byte counters
 
@@ -149,10 +166,12 @@ class ForwardInputReactor final : public ::grpc::ServerReadReactor<v1::ForwardSt
 };
 
 // PushGrad: header first (validated before any data), then chunks into the session.
-class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradRequest> {
+// A chunk's payload lands straight from gRPC's slices (common/grpc_chunk.h), not through a
+// protobuf string; a chunk some other way encoded is parsed with protobuf.
+class PushGradReactor final : public ::grpc::ServerReadReactor<::grpc::ByteBuffer> {
  public:
   PushGradReactor(ShardDaemon* core, Calls* calls, metrics::Counter* pushed_bytes, StepDrain* drain,
-                  PushStreams* streams, ::grpc::CallbackServerContext* context, v1::PushGradResponse* response)
+                  PushStreams* streams, ::grpc::CallbackServerContext* context, ::grpc::ByteBuffer* response)
       : core_(core), calls_(calls), pushed_bytes_(pushed_bytes), drain_(drain), streams_(streams), context_(context),
         response_(response) {
     if (!calls_->Enter()) {
@@ -178,30 +197,43 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
       if (result.ok()) {
         core_->connections()->Record(header_.job_id(), header_.rank(), v1::TRANSPORT_GRPC, context_->peer(),
                                      bytes_, 0);
-        *response_ = *std::move(result);
+        bool own = false;
+        if (!::grpc::SerializationTraits<v1::PushGradResponse>::Serialize(*result, response_, &own).ok()) {
+          return End(absl::InternalError("PushGrad: the response could not be serialized"));
+        }
       }
       return End(result.status());
     }
+    if (session_ != nullptr && DecodeChunk(request_, kGradChunkField, &chunk_)) {
+      if (absl::Status s = session_->AddChunk(chunk_.offset, chunk_.pieces); !s.ok()) return End(s);
+      Count(chunk_.bytes);
+      chunk_.slices.clear();  // the buffer's memory goes back to gRPC now, not at the next chunk
+      StartRead(&request_);
+      return;
+    }
+    v1::PushGradRequest request;
+    if (!ParseMessage(request_, &request)) {
+      return End(absl::InvalidArgumentError("PushGrad: a message that is not a PushGradRequest"));
+    }
     if (session_ == nullptr) {
-      if (!request_.has_header()) return End(absl::InvalidArgumentError("PushGrad: the first message must be the header"));
-      absl::StatusOr<std::unique_ptr<PushSession>> session = core_->BeginPush(request_.header());
+      if (!request.has_header()) return End(absl::InvalidArgumentError("PushGrad: the first message must be the header"));
+      absl::StatusOr<std::unique_ptr<PushSession>> session = core_->BeginPush(request.header());
       if (!session.ok()) return End(session.status());
       if (drain_ != nullptr) {
-        if (absl::Status s = drain_->AdmitPush(request_.header().job_id(), request_.header().step()); !s.ok()) {
+        if (absl::Status s = drain_->AdmitPush(request.header().job_id(), request.header().step()); !s.ok()) {
           return End(s);  // the session is dropped: nothing of this push is stored
         }
       }
       session_ = *std::move(session);
-      header_ = request_.header();
+      header_ = request.header();
       streams_->Keyed(context_, absl::StrCat(header_.job_id(), "/", header_.bucket(), "/", header_.shard(), "/",
                                              header_.step(), "/", header_.rank(), "/", header_.kind()));
     } else {
-      if (!request_.has_chunk()) return End(absl::InvalidArgumentError("PushGrad: a second header in one stream"));
-      if (absl::Status s = session_->AddChunk(request_.chunk().element_offset(), request_.chunk().data()); !s.ok()) {
+      if (!request.has_chunk()) return End(absl::InvalidArgumentError("PushGrad: a second header in one stream"));
+      if (absl::Status s = session_->AddChunk(request.chunk().element_offset(), request.chunk().data()); !s.ok()) {
         return End(s);
       }
-      if (pushed_bytes_ != nullptr) pushed_bytes_->Increment(static_cast<double>(request_.chunk().data().size()));
-      bytes_ += static_cast<int64_t>(request_.chunk().data().size());
+      Count(static_cast<int64_t>(request.chunk().data().size()));
     }
     StartRead(&request_);
   }
@@ -217,6 +249,10 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
     if (entered_) calls_->Exit();
     entered_ = false;
   }
+  void Count(int64_t payload) {
+    if (pushed_bytes_ != nullptr) pushed_bytes_->Increment(static_cast<double>(payload));
+    bytes_ += payload;
+  }
 
   ShardDaemon* const core_;
   Calls* const calls_;
@@ -224,8 +260,9 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<v1::PushGradReque
   StepDrain* const drain_;                // null: no graceful drain
   PushStreams* const streams_;            // not owned
   ::grpc::CallbackServerContext* const context_;
-  v1::PushGradResponse* const response_;
-  v1::PushGradRequest request_;
+  ::grpc::ByteBuffer* const response_;
+  ::grpc::ByteBuffer request_;
+  ChunkView chunk_;  // the last chunk read (kept to reuse its vectors)
   std::unique_ptr<PushSession> session_;
   v1::PushGradHeader header_;  // of session_
   int64_t bytes_ = 0;          // payload received
@@ -318,13 +355,20 @@ int64_t ChunkBytes(int64_t requested) {
 // waits), then the header, data chunks and scale chunks, each written when the previous one is
 // done (no thread while it streams either). The payload bytes written go to `pulled_bytes`
 // (null: no metrics).
-class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsResponse> {
+class PullWriter final : public ::grpc::ServerWriteReactor<::grpc::ByteBuffer> {
  public:
+  // `request` is the call's message, parsed here (INVALID_ARGUMENT when it is not a request).
   PullWriter(ShardDaemon* core, Calls* calls, grpc_server::Waiters* waiters, metrics::Counter* pulled_bytes,
-             ::grpc::CallbackServerContext* context, const v1::PullParamsRequest& request)
-      : core_(core), calls_(calls), pulled_bytes_(pulled_bytes), context_(context), request_(request) {
+             ::grpc::CallbackServerContext* context, const ::grpc::ByteBuffer& request)
+      : core_(core), calls_(calls), pulled_bytes_(pulled_bytes), context_(context) {
     if (!calls_->Enter()) {
       Finish(ShuttingDown());
+      return;
+    }
+    if (!ParseMessage(request, &request_)) {
+      Calls* calls = calls_;
+      Finish(::grpc::Status(::grpc::StatusCode::INVALID_ARGUMENT, "PullParams: not a PullParamsRequest"));
+      calls->Exit();
       return;
     }
     entered_ = true;
@@ -358,11 +402,12 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
     chunk_ = ChunkBytes(request_.max_chunk_bytes());
     bits_ = Describe(s.format).bits_per_element;
     scale_entry_ = s.num_scales > 0 ? static_cast<int64_t>(s.scales.size()) / s.num_scales : 1;
-    *message_.mutable_header() = PullHeaderOf(result_);
+    v1::PullParamsResponse first;
+    *first.mutable_header() = PullHeaderOf(result_);
     if (result_.unchanged) {
       data_off_ = scale_off_ = INT64_MAX;  // the header says it all
     } else if (request_.delta_chunk_bytes() != 0) {
-      absl::Status planned = PlanDelta(message_.mutable_header());
+      absl::Status planned = PlanDelta(first.mutable_header());
       if (planned.ok() && result_.reader) {
         // A reader's delta is charged against the reader cap for its changed chunks whole (an
         // upper bound of what their patches send) and the scales it sends.
@@ -375,6 +420,17 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
         return;
       }
       data_off_ = static_cast<int64_t>(result_.shard->data.size());  // only the delta's chunks
+    }
+    Write(first);
+  }
+
+  void Write(const v1::PullParamsResponse& message) {
+    bool own = false;
+    message_.Clear();  // gRPC serializes only into an empty buffer
+    const ::grpc::Status s = ::grpc::SerializationTraits<v1::PullParamsResponse>::Serialize(message, &message_, &own);
+    if (!s.ok()) {
+      Finish(s);
+      return;
     }
     StartWrite(&message_);
   }
@@ -486,25 +542,34 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
     const QuantizedShard& s = *result_.shard;
     const auto data_size = static_cast<int64_t>(s.data.size());
     const auto scales_size = static_cast<int64_t>(s.scales.size());
-    message_.Clear();
     if (!data_delta_.done()) {
-      v1::ParamChunk* out = message_.mutable_data();
+      v1::PullParamsResponse message;
+      v1::ParamChunk* out = message.mutable_data();
       out->set_element_offset(data_delta_.Next(delta_chunk_, out->mutable_data(), out->mutable_patch()) * 8 / bits_);
       payload_ = static_cast<int64_t>(out->data().size() + out->patch().size());
-    } else if (!scale_delta_.done()) {
-      v1::ScaleChunk* out = message_.mutable_scales();
+      Write(message);
+      return;
+    }
+    if (!scale_delta_.done()) {
+      v1::PullParamsResponse message;
+      v1::ScaleChunk* out = message.mutable_scales();
       out->set_scale_offset(scale_delta_.Next(delta_chunk_, out->mutable_data(), out->mutable_patch()) / scale_entry_);
       payload_ = static_cast<int64_t>(out->data().size() + out->patch().size());
-    } else if (data_off_ < data_size) {
+      Write(message);
+      return;
+    }
+    // Whole chunks go out of the version's own bytes (common/grpc_chunk.h): the message holds the
+    // version alive, and a version is reused only when nothing holds it (Job::NewSnapshot).
+    if (data_off_ < data_size) {
       const int64_t n = std::min(chunk_, data_size - data_off_);
-      message_.mutable_data()->set_element_offset(data_off_ * 8 / bits_);
-      message_.mutable_data()->set_data(s.data.data() + data_off_, static_cast<size_t>(n));
+      message_ = EncodeChunkShared(kParamChunkField, data_off_ * 8 / bits_,
+                                   {s.data.data() + data_off_, static_cast<size_t>(n)}, result_.shard);
       data_off_ += n;
       payload_ = n;
     } else if (scale_off_ < scales_size) {
       const int64_t n = std::min(chunk_, scales_size - scale_off_);
-      message_.mutable_scales()->set_scale_offset(scale_off_ / scale_entry_);
-      message_.mutable_scales()->set_data(s.scales.data() + scale_off_, static_cast<size_t>(n));
+      message_ = EncodeChunkShared(kScaleChunkField, scale_off_ / scale_entry_,
+                                   {s.scales.data() + scale_off_, static_cast<size_t>(n)}, result_.shard);
       scale_off_ += n;
       payload_ = n;
     } else {
@@ -524,11 +589,11 @@ class PullWriter final : public ::grpc::ServerWriteReactor<v1::PullParamsRespons
   Calls* const calls_;
   metrics::Counter* const pulled_bytes_;
   ::grpc::CallbackServerContext* const context_;
-  const v1::PullParamsRequest request_;
+  v1::PullParamsRequest request_;  // set once, in the constructor
   bool entered_ = false;
   // Touched by one thread at a time: the first answer, then each OnWriteDone in turn.
   PullResult result_;
-  v1::PullParamsResponse message_;  // the write in flight
+  ::grpc::ByteBuffer message_;  // the write in flight
   int64_t chunk_ = 0;
   int bits_ = 8;
   int64_t scale_entry_ = 1;
@@ -562,7 +627,11 @@ absl::Status StreamState(ShardDaemon* core, const v1::FetchShardStateRequest& re
                         "and --transports auto or cuda_ipc)");
 }
 
-class ShardService final : public v1::Shard::CallbackService {
+// PushGrad and PullParams are raw (ByteBuffer) methods: their bulk chunks bypass protobuf.
+using ShardServiceBase =
+    v1::Shard::WithRawCallbackMethod_PushGrad<v1::Shard::WithRawCallbackMethod_PullParams<v1::Shard::CallbackService>>;
+
+class ShardService final : public ShardServiceBase {
  public:
   ShardService(ShardDaemon* core, Calls* calls, grpc_server::Waiters* waiters, StepDrain* drain,
                grpc_server::InternalPeers internal, NcclChannelServer* nccl, CudaIpcServer* cuda_ipc,
@@ -596,16 +665,16 @@ class ShardService final : public v1::Shard::CallbackService {
       return core_->DropShard(*request);
     });
   }
-  ::grpc::ServerReadReactor<v1::PushGradRequest>* PushGrad(::grpc::CallbackServerContext* context,
-                                                           v1::PushGradResponse* response) override {
+  ::grpc::ServerReadReactor<::grpc::ByteBuffer>* PushGrad(::grpc::CallbackServerContext* context,
+                                                          ::grpc::ByteBuffer* response) override {
     return new PushGradReactor(core_, calls_, pushed_bytes_.get(), drain_, streams_, context, response);
   }
   ::grpc::ServerReadReactor<v1::ForwardStepInputRequest>* ForwardStepInput(
       ::grpc::CallbackServerContext* context, v1::ForwardStepInputResponse* response) override {
     return new ForwardInputReactor(core_, calls_, internal_, context, response);
   }
-  ::grpc::ServerWriteReactor<v1::PullParamsResponse>* PullParams(::grpc::CallbackServerContext* context,
-                                                                 const v1::PullParamsRequest* request) override {
+  ::grpc::ServerWriteReactor<::grpc::ByteBuffer>* PullParams(::grpc::CallbackServerContext* context,
+                                                             const ::grpc::ByteBuffer* request) override {
     return new PullWriter(core_, calls_, waiters_, pulled_bytes_.get(), context, *request);
   }
   ::grpc::ServerUnaryReactor* FinishStep(::grpc::CallbackServerContext* context, const v1::FinishStepRequest* request,
