@@ -181,10 +181,21 @@ absl::Status Client::Impl::RefreshPlacement(Deadline deadline, int64_t min_epoch
 }
 
 std::shared_ptr<v1::Shard::Stub> Client::Impl::StubFor(const std::string& address) {
+  Route route;
+  route.address = address;
+  ConnectRoute(&route);
+  return route.stub;
+}
+
+void Client::Impl::ConnectRoute(Route* route) {
   absl::MutexLock lock(&mu);
-  std::shared_ptr<v1::Shard::Stub>& stub = stubs[address];
-  if (stub == nullptr) stub = v1::Shard::NewStub(client_internal::MakeChannel(address, security));
-  return stub;
+  auto& [channel, stub] = stubs[route->address];
+  if (stub == nullptr) {
+    channel = client_internal::MakeChannel(route->address, security);
+    stub = v1::Shard::NewStub(channel);
+  }
+  route->channel = channel;
+  route->stub = stub;
 }
 
 absl::StatusOr<Route> Client::Impl::RouteForShard(int32_t bucket, int32_t shard) {
@@ -201,7 +212,7 @@ absl::StatusOr<Route> Client::Impl::RouteForShard(int32_t bucket, int32_t shard)
     route.address = placement.daemons(owner).address();
     route.endpoint = placement.daemons(owner);
   }
-  route.stub = StubFor(route.address);
+  ConnectRoute(&route);
   return route;
 }
 
@@ -223,7 +234,7 @@ absl::StatusOr<Route> Client::Impl::RouteForAddress(const std::string& address, 
   route.epoch = placement_epoch();
   route.daemon_id = daemon_id;
   route.address = address;
-  route.stub = StubFor(address);
+  ConnectRoute(&route);
   return route;
 }
 

@@ -159,7 +159,9 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   v1::Placement placement ABSL_GUARDED_BY(mu);
   // Owner of (bucket, shard) at index bucket * D + shard: index into placement.daemons, or -1.
   std::vector<int> owners ABSL_GUARDED_BY(mu);
-  absl::flat_hash_map<std::string, std::shared_ptr<v1::Shard::Stub>> stubs ABSL_GUARDED_BY(mu);
+  // Per daemon address: its channel and Shard stub, shared by every call to it.
+  absl::flat_hash_map<std::string, std::pair<std::shared_ptr<grpc::Channel>, std::shared_ptr<v1::Shard::Stub>>> stubs
+      ABSL_GUARDED_BY(mu);
   std::map<int64_t, client_internal::StepRecord> steps ABSL_GUARDED_BY(mu);
   std::chrono::steady_clock::time_point last_refresh ABSL_GUARDED_BY(mu);
 
@@ -203,6 +205,8 @@ struct __attribute__((visibility("hidden"))) Client::Impl {
   absl::StatusOr<client_internal::Route> RouteForShard(int32_t bucket, int32_t shard);
   absl::StatusOr<client_internal::Route> RouteForAddress(const std::string& address, const std::string& daemon_id);
   std::shared_ptr<v1::Shard::Stub> StubFor(const std::string& address);
+  // route->stub and route->channel for route->address.
+  void ConnectRoute(client_internal::Route* route);
 
   // FAILED_PRECONDITION for what a reader client (ClientOptions::reader_token) may not do.
   absl::Status ReaderRefusal() const;

@@ -316,7 +316,7 @@ client_internal::ReplicaCopies Client::Impl::StartReplicaCopies(int32_t bucket, 
       route.daemon_id = endpoint.daemon_id();
       route.address = endpoint.address();
       route.endpoint = endpoint;
-      route.stub = StubFor(route.address);
+      ConnectRoute(&route);
       absl::Cleanup done = [call] { call->done.Notify(); };
       absl::StatusOr<client_internal::DataTransport*> transport = TransportFor(endpoint);
       if (!transport.ok()) return;

@@ -1,12 +1,92 @@
 // The grpc transport: PushGrad and PullParams streams of the Shard service.
+//
+// Both run as raw (ByteBuffer) calls on a completion queue of their own, which is what gRPC's
+// synchronous API does inside, so that the chunks skip protobuf (common/grpc_chunk.h): a pushed
+// chunk is copied once, from the caller's memory into its message, instead of into a protobuf
+// string, a second string and then the message; a pulled chunk is copied once, from gRPC's
+// slices into the caller's buffer. The header, the answer and anything a daemon encodes
+// differently go through protobuf as before.
+#include <grpcpp/generic/generic_stub.h>
+
 #include <algorithm>
 #include <memory>
+#include <string>
 
+#include "absl/strings/str_cat.h"
 #include "client/src/rpc_errors.h"
 #include "client/src/transport.h"
+#include "common/grpc_chunk.h"
 
 namespace mainstay::client_internal {
 namespace {
+
+static_assert(v1::GradChunk::kElementOffsetFieldNumber == 1 && v1::GradChunk::kDataFieldNumber == 2);
+static_assert(v1::ParamChunk::kElementOffsetFieldNumber == 1 && v1::ParamChunk::kDataFieldNumber == 2);
+
+std::string MethodName(const char* method) { return absl::StrCat("/", v1::Shard::service_full_name(), "/", method); }
+
+template <typename Message>
+bool Serialize(const Message& message, grpc::ByteBuffer* out) {
+  bool own = false;
+  out->Clear();
+  return grpc::SerializationTraits<Message>::Serialize(message, out, &own).ok();
+}
+
+template <typename Message>
+bool Parse(grpc::ByteBuffer* in, Message* out) {
+  return grpc::SerializationTraits<Message>::Deserialize(in, out).ok();
+}
+
+// One streaming call with raw messages, each operation waited for in turn on the call's own
+// completion queue. Not thread-safe (one caller). The call belongs to `context`.
+class RawStream {
+ public:
+  RawStream(const std::shared_ptr<grpc::Channel>& channel, const char* method, grpc::ClientContext* context)
+      : stub_(channel) {
+    call_ = stub_.PrepareCall(context, MethodName(method), &cq_);
+    ok_ = call_ != nullptr && Wait([&](void* tag) { call_->StartCall(tag); });
+  }
+  ~RawStream() {
+    cq_.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_.Next(&tag, &ok)) {
+    }
+  }
+
+  // False once the stream broke (then only Finish remains).
+  bool ok() const { return ok_; }
+  bool Write(const grpc::ByteBuffer& message) {
+    return ok_ = ok_ && Wait([&](void* tag) { call_->Write(message, tag); });
+  }
+  bool WritesDone() {
+    return ok_ = ok_ && Wait([&](void* tag) { call_->WritesDone(tag); });
+  }
+  bool Read(grpc::ByteBuffer* message) {
+    return ok_ = ok_ && Wait([&](void* tag) { call_->Read(message, tag); });
+  }
+  grpc::Status Finish() {
+    grpc::Status status;
+    if (call_ == nullptr) return grpc::Status(grpc::StatusCode::INTERNAL, "the gRPC call could not be made");
+    Wait([&](void* tag) { call_->Finish(&status, tag); });
+    return status;
+  }
+
+ private:
+  template <typename Start>
+  bool Wait(const Start& start) {
+    start(this);
+    void* tag = nullptr;
+    bool ok = false;
+    if (!cq_.Next(&tag, &ok)) return false;  // not before Shutdown
+    return ok;
+  }
+
+  grpc::GenericStub stub_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
+  bool ok_ = false;
+};
 
 class GrpcTransport final : public DataTransport {
  public:
@@ -18,37 +98,49 @@ class GrpcTransport final : public DataTransport {
   absl::StatusOr<v1::PushGradResponse> Push(const Route& route, const v1::PushGradHeader& header, ElementSpan data,
                                             Deadline, grpc::ClientContext* context) override {
     const int64_t chunk_elements = std::max<int64_t>(1, context_.chunk_bytes / data.element_bytes());
-    v1::PushGradResponse response;
-    std::unique_ptr<grpc::ClientWriter<v1::PushGradRequest>> writer = route.stub->PushGrad(context, &response);
-    v1::PushGradRequest message;
-    *message.mutable_header() = header;
-    bool ok = writer->Write(message);
-    v1::GradChunk* chunk = message.mutable_chunk();
-    for (int64_t offset = 0; ok && offset < data.numel; offset += chunk_elements) {
+    RawStream stream(route.channel, "PushGrad", context);
+    v1::PushGradRequest first;
+    *first.mutable_header() = header;
+    grpc::ByteBuffer message;
+    if (!Serialize(first, &message)) return absl::InternalError("PushGrad: the header could not be serialized");
+    stream.Write(message);
+    for (int64_t offset = 0; stream.ok() && offset < data.numel; offset += chunk_elements) {
       const ElementSpan part = data.Sub(offset, std::min(chunk_elements, data.numel - offset));
-      chunk->set_element_offset(offset);
-      chunk->set_data(part.data, part.bytes());
-      ok = writer->Write(message);
+      stream.Write(EncodeChunkCopy(v1::PushGradRequest::kChunkFieldNumber, offset,
+                                   {static_cast<const uint8_t*>(part.data), static_cast<size_t>(part.bytes())}));
     }
-    if (ok) writer->WritesDone();
-    absl::Status s = StatusFromCall(writer->Finish(), context);
+    stream.WritesDone();
+    grpc::ByteBuffer answer;
+    stream.Read(&answer);  // the one response, unless the daemon refused the push
+    absl::Status s = StatusFromCall(stream.Finish(), context);
     if (!s.ok()) return s;
+    v1::PushGradResponse response;
+    if (!Parse(&answer, &response)) return absl::InternalError("PushGrad: the daemon's answer is not a response");
     return response;
   }
 
   absl::Status Pull(const Route& route, const v1::PullParamsRequest& request, ShardPullAssembler& assembler, Deadline,
                     grpc::ClientContext* context) override {
-    std::unique_ptr<grpc::ClientReader<v1::PullParamsResponse>> reader = route.stub->PullParams(context, request);
-    v1::PullParamsResponse message;
+    RawStream stream(route.channel, "PullParams", context);
+    grpc::ByteBuffer message;
+    if (!Serialize(request, &message)) return absl::InternalError("PullParams: the request could not be serialized");
+    stream.Write(message);
+    stream.WritesDone();
     absl::Status local;
-    while (reader->Read(&message)) {
-      local = assembler.OnMessage(message);
-      if (!local.ok()) {
-        context->TryCancel();
-        break;
+    ChunkView chunk;
+    v1::PullParamsResponse parsed;
+    while (local.ok() && stream.Read(&message)) {
+      if (DecodeChunk(message, v1::PullParamsResponse::kDataFieldNumber, &chunk)) {
+        local = assembler.OnDataChunk(chunk.offset, chunk.pieces);
+      } else if (Parse(&message, &parsed)) {
+        local = assembler.OnMessage(parsed);
+      } else {
+        local = absl::InternalError("PullParams: the daemon sent a message that is not a PullParamsResponse");
       }
+      chunk.slices.clear();  // gRPC's memory goes back now, not at the next message
     }
-    absl::Status s = StatusFromCall(reader->Finish(), context);
+    if (!local.ok()) context->TryCancel();
+    absl::Status s = StatusFromCall(stream.Finish(), context);
     if (!local.ok()) return local;  // a protocol violation outranks the CANCELLED it caused
     return s;
   }

@@ -147,23 +147,51 @@ absl::Status ShardPullAssembler::OnHeader(const v1::PullParamsHeader& h) {
   return absl::OkStatus();
 }
 
-absl::Status ShardPullAssembler::OnData(const v1::ParamChunk& chunk) {
+absl::Status ShardPullAssembler::DataAllowed() const {
   if (!have_header_) return Violation("data before the header");
   if (result_.unchanged) return Violation("data after an unchanged header");
   if (next_scale_ > 0) return Violation("data after scales");
+  return absl::OkStatus();
+}
+
+absl::Status ShardPullAssembler::OnData(const v1::ParamChunk& chunk) {
+  MAINSTAY_RETURN_IF_ERROR(DataAllowed());
   if (delta_) return OnDeltaData(chunk);
   if (!chunk.patch().empty()) return Violation("a byte patch outside a delta");
-  if (chunk.element_offset() != next_element_) {
-    return Violation("data chunk at element ", chunk.element_offset(), ", expected ", next_element_);
+  const std::span<const uint8_t> piece(reinterpret_cast<const uint8_t*>(chunk.data().data()), chunk.data().size());
+  return LandData(chunk.element_offset(), std::span<const std::span<const uint8_t>>(&piece, 1));
+}
+
+absl::Status ShardPullAssembler::OnDataChunk(int64_t element_offset, std::span<const std::span<const uint8_t>> pieces) {
+  MAINSTAY_RETURN_IF_ERROR(DataAllowed());
+  if (delta_) {  // a delta's whole chunk (readers only): the protobuf path's checks
+    v1::ParamChunk chunk;
+    chunk.set_element_offset(element_offset);
+    for (const std::span<const uint8_t> piece : pieces) {
+      chunk.mutable_data()->append(reinterpret_cast<const char*>(piece.data()), piece.size());
+    }
+    return OnDeltaData(chunk);
   }
+  return LandData(element_offset, pieces);
+}
+
+absl::Status ShardPullAssembler::LandData(int64_t element_offset, std::span<const std::span<const uint8_t>> pieces) {
+  if (element_offset != next_element_) {
+    return Violation("data chunk at element ", element_offset, ", expected ", next_element_);
+  }
+  int64_t bytes = 0;
+  for (const std::span<const uint8_t> piece : pieces) bytes += static_cast<int64_t>(piece.size());
   const int bits = Describe(bucket_.format).bits_per_element;
-  const int64_t bytes = static_cast<int64_t>(chunk.data().size());
   const int64_t elements = bytes * 8 / bits;
   if (bytes == 0 || elements * bits != bytes * 8) return Violation("data chunk of ", bytes, " bytes");
   if (next_element_ + elements > bucket_.shard_numel) {
     return Violation("data past the shard's ", bucket_.shard_numel, " elements");
   }
-  std::memcpy(data_out_.data() + DataBytes(bucket_.format, next_element_), chunk.data().data(), bytes);
+  uint8_t* at = data_out_.data() + DataBytes(bucket_.format, next_element_);
+  for (const std::span<const uint8_t> piece : pieces) {
+    std::memcpy(at, piece.data(), piece.size());
+    at += piece.size();
+  }
   next_element_ += elements;
   result_.data_bytes_received += bytes;
   DataLanded(bytes);  // while the chunk is in cache

@@ -62,6 +62,9 @@ class ShardPullAssembler {
     since_scales_ = scales;
   }
   absl::Status OnMessage(const v1::PullParamsResponse& message);
+  // A data chunk (ParamChunk with element_offset and data) that the transport decoded itself,
+  // in pieces (common/grpc_chunk.h): the same checks and result as OnMessage.
+  absl::Status OnDataChunk(int64_t element_offset, std::span<const std::span<const uint8_t>> pieces);
   // After the stream ended OK: everything announced arrived.
   absl::StatusOr<PulledShard> Finish();
 
@@ -80,6 +83,10 @@ class ShardPullAssembler {
  private:
   absl::Status OnHeader(const v1::PullParamsHeader& header);
   absl::Status OnData(const v1::ParamChunk& chunk);
+  // Why a data chunk cannot come now (OkStatus when it can).
+  absl::Status DataAllowed() const;
+  // Lands a whole data chunk of a pull that is not a delta.
+  absl::Status LandData(int64_t element_offset, std::span<const std::span<const uint8_t>> pieces);
   absl::Status OnScales(const v1::ScaleChunk& chunk);
   absl::Status OnDeltaData(const v1::ParamChunk& chunk);
   absl::Status OnDeltaScales(const v1::ScaleChunk& chunk);

@@ -49,7 +49,8 @@ struct Route {
   std::string daemon_id;
   std::string address;
   v1::DaemonEndpoint endpoint;            // as the placement lists it
-  std::shared_ptr<v1::Shard::Stub> stub;  // gRPC (the control calls, and the grpc transport)
+  std::shared_ptr<v1::Shard::Stub> stub;  // gRPC (the control calls)
+  std::shared_ptr<grpc::Channel> channel;  // the stub's (the grpc transport's raw streams)
 };
 
 // What a transport needs of its client.

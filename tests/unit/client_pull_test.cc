@@ -53,8 +53,10 @@ std::vector<float> BucketMaster(const Layout& layout, int32_t bucket) {
 }
 
 // Pulls shards [begin, end) of a bucket through the assembler, as the client does.
+// With `pieces`, each data chunk goes in as the grpc transport decodes it (OnDataChunk), cut
+// into up to three pieces at places that vary from chunk to chunk.
 absl::StatusOr<PulledBucket> Pull(std::shared_ptr<const Layout> layout, int32_t bucket, int32_t begin, int32_t end,
-                                  const std::vector<float>& master, int64_t chunk_bytes = 1000) {
+                                  const std::vector<float>& master, int64_t chunk_bytes = 1000, bool pieces = false) {
   const Bucket& b = layout->buckets[bucket];
   const int64_t base = DataBytes(b.format, begin * b.shard_numel);
   // A reused buffer holds the previous pull's bytes: start from garbage, every byte must be written.
@@ -68,7 +70,16 @@ absl::StatusOr<PulledBucket> Pull(std::shared_ptr<const Layout> layout, int32_t 
     ShardPullAssembler assembler(*layout, bucket, s, 7, data.span().subspan(bytes.begin - base, bytes.size()),
                                  /*verify_crc32c=*/true);
     for (const v1::PullParamsResponse& m : stream) {
-      MAINSTAY_RETURN_IF_ERROR(assembler.OnMessage(m));
+      if (!pieces || !m.has_data()) {
+        MAINSTAY_RETURN_IF_ERROR(assembler.OnMessage(m));
+        continue;
+      }
+      const auto* bytes = reinterpret_cast<const uint8_t*>(m.data().data().data());
+      const size_t size = m.data().data().size();
+      const size_t cut1 = std::min(size, size_t{7} * s), cut2 = std::min(size, cut1 + size / 3);
+      const std::vector<std::span<const uint8_t>> parts = {
+          {bytes, cut1}, {bytes + cut1, cut2 - cut1}, {bytes + cut2, size - cut2}};
+      MAINSTAY_RETURN_IF_ERROR(assembler.OnDataChunk(m.data().element_offset(), parts));
     }
     MAINSTAY_ASSIGN_OR_RETURN(PulledShard shard, assembler.Finish());
     shards.push_back(std::move(shard));
@@ -173,6 +184,37 @@ TEST(ClientPullTest, WholeBucketDequantizeIsTheSameForEveryDAndEveryFormat) {
       }
     }
   }
+}
+
+// The grpc transport's data chunks, decoded in pieces from gRPC's slices, land the same bytes,
+// and the same violations are refused.
+TEST(ClientPullTest, DataChunksInPiecesLandAsTheirMessagesDo) {
+  absl::StatusOr<Layout> l = ComputeJobLayout(testing_fakes::AllFormatsSpec(3));
+  ASSERT_THAT(l, IsOk());
+  auto layout = std::make_shared<const Layout>(*l);
+  for (int32_t b = 0; b < static_cast<int32_t>(layout->buckets.size()); ++b) {
+    const std::vector<float> master = BucketMaster(*layout, b);
+    absl::StatusOr<PulledBucket> whole = Pull(layout, b, 0, 3, master);
+    absl::StatusOr<PulledBucket> pieces = Pull(layout, b, 0, 3, master, 1000, /*pieces=*/true);
+    ASSERT_THAT(whole, IsOk());
+    ASSERT_THAT(pieces, IsOk());
+    ASSERT_EQ(pieces->data().size(), whole->data().size());
+    EXPECT_EQ(std::memcmp(pieces->data().data(), whole->data().data(), whole->data().size()), 0) << "bucket " << b;
+  }
+  absl::StatusOr<std::vector<v1::PullParamsResponse>> stream =
+      MakePullStream(*layout, 0, 1, 7, BucketMaster(*layout, 0), 1000);
+  ASSERT_THAT(stream, IsOk());
+  ASSERT_GT(stream->size(), 3u);
+  const Bucket& b = layout->buckets[0];
+  std::vector<uint8_t> out(ShardByteRange(b, 1).size());
+  ShardPullAssembler assembler(*layout, 0, 1, 7, out, /*verify_crc32c=*/true);
+  const std::string& data = (*stream)[1].data().data();
+  const std::span<const uint8_t> piece(reinterpret_cast<const uint8_t*>(data.data()), data.size());
+  EXPECT_THAT(assembler.OnDataChunk(0, std::span<const std::span<const uint8_t>>(&piece, 1)),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("before the header")));
+  ASSERT_THAT(assembler.OnMessage((*stream)[0]), IsOk());
+  EXPECT_THAT(assembler.OnDataChunk(1, std::span<const std::span<const uint8_t>>(&piece, 1)),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("expected 0")));
 }
 
 TEST(ClientPullTest, DequantizedValuesEqualWholeTensorDequantization) {
