@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 
 seconds=${1:-30}
 build_dir=${MAINSTAY_FUZZ_BUILD_DIR:-build-fuzz}
-targets=${MAINSTAY_FUZZ_TARGETS:-"push_stream_fuzzer job_spec_fuzzer state_store_fuzzer assign_shard_fuzzer pull_stream_fuzzer"}
+targets=${MAINSTAY_FUZZ_TARGETS:-"push_stream_fuzzer job_spec_fuzzer state_store_fuzzer assign_shard_fuzzer pull_stream_fuzzer grpc_chunk_fuzzer"}
 jobs=${MAINSTAY_FUZZ_JOBS:-1}
 sanitizers="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 

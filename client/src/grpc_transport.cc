@@ -43,6 +43,7 @@ class RawStream {
  public:
   RawStream(const std::shared_ptr<grpc::Channel>& channel, const char* method, grpc::ClientContext* context)
       : stub_(channel) {
+    if (channel == nullptr) return;  // Finish says INTERNAL
     call_ = stub_.PrepareCall(context, MethodName(method), &cq_);
     ok_ = call_ != nullptr && Wait([&](void* tag) { call_->StartCall(tag); });
   }
