@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -12,6 +13,8 @@ namespace {
 
 constexpr int kMaxVarint = 10;
 constexpr int kMaxFraming = 3 * (1 + kMaxVarint);  // outer tag + length, offset tag + value, data tag + length
+// A tag or a length as protobuf reads it: a 32-bit varint, at most 5 bytes.
+constexpr int kMaxVarint32 = 5;
 
 int PutVarint(uint64_t v, uint8_t* out) {
   int n = 0;
@@ -35,6 +38,8 @@ int VarintSize(uint64_t v) {
 // The bytes before the data: what protobuf writes for Outer{field: Chunk{offset, data}}, whose
 // proto3 fields are left out when they hold their default (0, empty).
 int Framing(int field, int64_t offset, size_t data_bytes, uint8_t* out) {
+  // kMaxFraming counts one byte for the outer tag.
+  if (field < 1 || field > 15) std::abort();
   const auto offset_bits = static_cast<uint64_t>(offset);
   uint64_t inner = 0;
   if (offset_bits != 0) inner += 1 + VarintSize(offset_bits);
@@ -69,13 +74,15 @@ class SliceReader {
     Advance(1);
     return true;
   }
-  bool Varint(uint64_t* v) {
+  // A varint of at most `max_bytes` bytes in its shortest form, as protobuf writes it: padded
+  // forms (a last byte of 0) and bits past 64 are refused, whatever protobuf would make of them.
+  bool Varint(uint64_t* v, int max_bytes = kMaxVarint) {
     *v = 0;
-    for (int i = 0; i < kMaxVarint; ++i) {
+    for (int i = 0; i < max_bytes; ++i) {
       uint8_t b = 0;
       if (!Byte(&b)) return false;
       *v |= static_cast<uint64_t>(b & 0x7f) << (7 * i);
-      if ((b & 0x80) == 0) return true;
+      if ((b & 0x80) == 0) return (i == 0 || b != 0) && (i < kMaxVarint - 1 || b <= 1);
     }
     return false;
   }
@@ -149,8 +156,8 @@ bool DecodeChunk(const grpc::ByteBuffer& buffer, int field, ChunkView* out) {
   SliceReader in(out->slices);
   uint64_t tag = 0;
   uint64_t length = 0;
-  if (!in.Varint(&tag) || tag != ((static_cast<uint64_t>(field) << 3) | 2)) return false;
-  if (!in.Varint(&length) || length != in.remaining()) return false;  // nothing after the chunk
+  if (!in.Varint(&tag, kMaxVarint32) || tag != ((static_cast<uint64_t>(field) << 3) | 2)) return false;
+  if (!in.Varint(&length, kMaxVarint32) || length != in.remaining()) return false;  // nothing after the chunk
   if (in.done()) return true;                                           // an empty chunk
   uint8_t next = 0;
   if (!in.Byte(&next)) return false;
@@ -162,7 +169,7 @@ bool DecodeChunk(const grpc::ByteBuffer& buffer, int field, ChunkView* out) {
     if (!in.Byte(&next)) return false;
   }
   uint64_t bytes = 0;
-  if (next != ((2 << 3) | 2) || !in.Varint(&bytes) || bytes != in.remaining()) return false;
+  if (next != ((2 << 3) | 2) || !in.Varint(&bytes, kMaxVarint32) || bytes != in.remaining()) return false;
   if (!in.Take(bytes, &out->pieces)) return false;
   out->bytes = static_cast<int64_t>(bytes);
   return in.done();

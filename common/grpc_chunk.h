@@ -6,9 +6,10 @@
 // which is GradChunk in PushGradRequest (field 2), ParamChunk in PullParamsResponse (field 2) and
 // ScaleChunk in PullParamsResponse (field 3) (shard.proto). The encoders write exactly the bytes
 // protobuf's serializer writes for such a message; the decoder reads only that canonical form and
-// says "not mine" for anything else (other fields, repeated or reordered fields, trailing bytes),
-// which the caller then parses with protobuf as before. So either side may be a plain protobuf
-// peer (another language's client, the tests' fake daemon).
+// says "not mine" for anything else (other fields, repeated or reordered fields, trailing bytes,
+// varints longer than their shortest form), which the caller then parses with protobuf as
+// before. So either side may be a plain protobuf peer (another language's client, the tests'
+// fake daemon).
 //
 // Why: protobuf copies a `bytes` field into a std::string when it sets or parses one, and gRPC
 // copies the serialized message once more. For 1 MiB gradient and parameter chunks those copies
@@ -29,6 +30,8 @@
 
 namespace mainstay {
 
+// `field` is 1..15 (the framing's tag is one byte); another aborts.
+
 // The message with `data` copied once, into one gRPC slice with the framing.
 grpc::ByteBuffer EncodeChunkCopy(int field, int64_t offset, std::span<const uint8_t> data);
 // The message with `data` referenced in place, not copied: `owner` (which must keep `data`
@@ -37,7 +40,15 @@ grpc::ByteBuffer EncodeChunkCopy(int field, int64_t offset, std::span<const uint
 grpc::ByteBuffer EncodeChunkShared(int field, int64_t offset, std::span<const uint8_t> data,
                                    std::shared_ptr<const void> owner);
 
+// Move-only: a piece may point into a Slice of `slices` itself (gRPC keeps slices of up to 23
+// bytes inline), which a move keeps in place and a copy would not.
 struct ChunkView {
+  ChunkView() = default;
+  ChunkView(ChunkView&&) = default;
+  ChunkView& operator=(ChunkView&&) = default;
+  ChunkView(const ChunkView&) = delete;
+  ChunkView& operator=(const ChunkView&) = delete;
+
   int64_t offset = 0;
   int64_t bytes = 0;                                  // the sum of the pieces' sizes
   std::vector<std::span<const uint8_t>> pieces;       // the data, in order, inside `slices`

@@ -316,7 +316,8 @@ class Job : public std::enable_shared_from_this<Job> {
         }
         std::shared_ptr<const QuantizedShard>& oldest = it->second;
         if (oldest.use_count() == 1) {
-          // Ours alone (a pull still sending it holds another reference), and made mutable by
+          // Ours alone (a pull still sending it holds another reference, and so does gRPC's
+          // message until the socket took its bytes: common/grpc_chunk.h), and made mutable by
           // NewSnapshot (std::make_shared<QuantizedShard>): its buffer is reused. use_count() is
           // a relaxed load: the fence orders the last reader's accesses before our writes.
           std::atomic_thread_fence(std::memory_order_acquire);

@@ -44,6 +44,9 @@ constexpr absl::Duration kCloseGrace = absl::Milliseconds(500);
 constexpr int64_t kDefaultChunkBytes = 1 << 20;
 constexpr int64_t kMaxChunkBytes = 4 << 20;
 
+constexpr char kTransport[] = "grpc";                  // the `transport` label of the byte counters
+constexpr char kShardService[] = "mainstay.v1.Shard";  // its health status is the readiness
+
 // The chunk messages that PushGrad and PullParams read and write without protobuf's payload
 // copies (common/grpc_chunk.h), as shard.proto numbers them.
 constexpr int kGradChunkField = v1::PushGradRequest::kChunkFieldNumber;
@@ -59,8 +62,6 @@ bool ParseMessage(const ::grpc::ByteBuffer& buffer, Message* out) {
   ::grpc::ByteBuffer copy(buffer);  // references to the same slices
   return ::grpc::SerializationTraits<Message>::Deserialize(&copy, out).ok();
 }
-constexpr char kTransport[] = "grpc";
-constexpr char kShardService[] = "mainstay.v1.Shard";  // its health status is the readiness  // the `transport` label of the byte counters
 
 ::grpc::Status ShuttingDown() { return ::grpc::Status(::grpc::StatusCode::UNAVAILABLE, "daemon is shutting down"); }
 
@@ -207,7 +208,8 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<::grpc::ByteBuffe
     if (session_ != nullptr && DecodeChunk(request_, kGradChunkField, &chunk_)) {
       if (absl::Status s = session_->AddChunk(chunk_.offset, chunk_.pieces); !s.ok()) return End(s);
       Count(chunk_.bytes);
-      chunk_.slices.clear();  // the buffer's memory goes back to gRPC now, not at the next chunk
+      chunk_.slices.clear();  // the chunk's memory goes back to gRPC now, not at the next read
+      request_.Clear();
       StartRead(&request_);
       return;
     }

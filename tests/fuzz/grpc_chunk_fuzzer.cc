@@ -7,8 +7,9 @@
 //  - no crash, leak or UB (built with -fsanitize=fuzzer,address,undefined by scripts/fuzz.sh);
 //  - sound: a message DecodeChunk accepts, protobuf parses, with that chunk set, to the same
 //    offset and data, and the encoders write protobuf's bytes for that chunk;
-//  - complete: whenever protobuf parses the message to that chunk alone, the bytes protobuf
-//    writes for it are accepted (so a plain protobuf peer always takes the fast path).
+//  - complete: whenever protobuf parses the message with that chunk set, the bytes protobuf
+//    writes for the chunk alone are accepted (so a plain protobuf peer always takes the fast
+//    path).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -50,8 +51,8 @@ std::string Flatten(const grpc::ByteBuffer& buffer) {
   return out;
 }
 
-// The message as protobuf reads it: (parsed, offset, data, serialized) of the chunk in `field`,
-// where `parsed` is false unless the message parses and holds that chunk and nothing unknown.
+// The message as protobuf reads it: whether it parses with the chunk in `field` set, the
+// chunk's offset and data, and the bytes protobuf writes for a message of that chunk alone.
 struct ProtoView {
   bool parsed = false;
   int64_t offset = 0;
@@ -63,18 +64,18 @@ ProtoView ParseWithProtobuf(const std::string& bytes, int field) {
   ProtoView out;
   if (field == v1::PushGradRequest::kChunkFieldNumber) {
     v1::PushGradRequest m;
-    if (!m.ParseFromString(bytes) || !m.has_chunk() || !m.unknown_fields().empty() ||
-        !m.chunk().unknown_fields().empty()) {
-      return out;
-    }
-    out = {true, m.chunk().element_offset(), m.chunk().data(), m.SerializeAsString()};
+    if (!m.ParseFromString(bytes) || !m.has_chunk()) return out;
+    v1::PushGradRequest alone;
+    alone.mutable_chunk()->set_element_offset(m.chunk().element_offset());
+    alone.mutable_chunk()->set_data(m.chunk().data());
+    out = {true, m.chunk().element_offset(), m.chunk().data(), alone.SerializeAsString()};
   } else {
     v1::PullParamsResponse m;
-    if (!m.ParseFromString(bytes) || !m.has_scales() || !m.unknown_fields().empty() ||
-        !m.scales().unknown_fields().empty() || !m.scales().patch().empty()) {
-      return out;
-    }
-    out = {true, m.scales().scale_offset(), m.scales().data(), m.SerializeAsString()};
+    if (!m.ParseFromString(bytes) || !m.has_scales() || !m.scales().patch().empty()) return out;
+    v1::PullParamsResponse alone;
+    alone.mutable_scales()->set_scale_offset(m.scales().scale_offset());
+    alone.mutable_scales()->set_data(m.scales().data());
+    out = {true, m.scales().scale_offset(), m.scales().data(), alone.SerializeAsString()};
   }
   return out;
 }
@@ -85,14 +86,14 @@ ProtoView ParseWithProtobuf(const std::string& bytes, int field) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace mainstay;
   if (size == 0) return 0;
-  const int field = (data[0] & 1) != 0 ? v1::PullParamsResponse::kScalesFieldNumber
-                                       : v1::PushGradRequest::kChunkFieldNumber;
+  const int field = (data[0] & 1) != 0 ? static_cast<int>(v1::PullParamsResponse::kScalesFieldNumber)
+                                       : static_cast<int>(v1::PushGradRequest::kChunkFieldNumber);
   const std::string message(reinterpret_cast<const char*>(data + 1), size - 1);
   ChunkView view;
   const bool decoded = DecodeChunk(Sliced(message, data[0]), field, &view);
   const ProtoView proto = ParseWithProtobuf(message, field);
   if (decoded) {
-    Check(proto.parsed, "DecodeChunk accepted a message protobuf does not read as that chunk alone");
+    Check(proto.parsed, "DecodeChunk accepted a message protobuf does not read as that chunk");
     Check(view.offset == proto.offset, "DecodeChunk's offset is not protobuf's");
     const std::string joined = Joined(view);
     Check(joined == proto.data, "DecodeChunk's data is not protobuf's");

@@ -137,6 +137,18 @@ TEST(GrpcChunkTest, LeavesTheOtherMessagesToProtobuf) {
   slice = grpc::Slice(bytes.data(), bytes.size());
   EXPECT_FALSE(DecodeChunk(grpc::ByteBuffer(&slice, 1), 2, &view));
 
+  // Varints longer than their shortest form (a padded tag, outer length, offset or data length).
+  for (const std::string& padded :
+       {std::string("\x92\x80\x80\x80\x80\x00\x05\x08\x04\x12\x01\x61", 12),
+        std::string("\x12\x85\x00\x08\x04\x12\x01\x61", 8), std::string("\x12\x06\x08\x84\x00\x12\x01\x61", 8),
+        std::string("\x12\x06\x08\x04\x12\x81\x00\x61", 8)}) {
+    slice = grpc::Slice(padded.data(), padded.size());
+    EXPECT_FALSE(DecodeChunk(grpc::ByteBuffer(&slice, 1), 2, &view)) << "padded";
+  }
+  bytes = std::string("\x12\x05\x08\x04\x12\x01\x61", 7);  // the same chunk, shortest form
+  slice = grpc::Slice(bytes.data(), bytes.size());
+  EXPECT_TRUE(DecodeChunk(grpc::ByteBuffer(&slice, 1), 2, &view));
+
   // The data before the offset: valid protobuf, not the canonical form.
   bytes = std::string("\x12\x08\x12\x04", 4) + "abcd" + std::string("\x08\x04", 2);
   slice = grpc::Slice(bytes.data(), bytes.size());
