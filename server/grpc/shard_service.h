@@ -13,7 +13,8 @@
 // PullParams and FinishStep wait for a step without holding a thread: they are parked
 // (server/grpc/waiters.h) and re-tried when the job changes, within the limits of options.waits;
 // PullParams then streams the immutable snapshot in chunks of at most max_chunk_bytes (default
-// 1 MiB, capped at 4 MiB), each written when the previous one is done.
+// 1 MiB, capped at 4 MiB), each written when the previous one is done. PushGrad and PullParams
+// are raw methods whose chunks bypass protobuf (server/grpc/data_streams.h).
 // OpenNcclChannel, NcclPush, NcclPull and CloseNcclChannel go to options.nccl (the daemon's end
 // of the nccl transport) on helper threads; UNIMPLEMENTED without one.
 // FetchShardState streams a consistent copy of a shard's committed state (master, moments);

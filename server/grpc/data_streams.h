@@ -1,0 +1,54 @@
+// The Shard service's data-plane streams (docs/transports.md, "Chunks and pipelining"), served
+// by ShardService (shard_service.cc) as raw (ByteBuffer) callback methods, so that their chunks
+// bypass protobuf (common/grpc_chunk.h):
+//
+//   PushGrad    the header is validated before any data; each chunk lands from gRPC's receive
+//               slices into the core's PushSession; nothing is stored until the stream ends well.
+//               The stream is registered with `streams` (idle and replaced streams are cancelled).
+//   PullParams  parked until the version is decided (server/grpc/waiters.h: no thread while it
+//               waits), then the header, data chunks and scale chunks, each written when the
+//               previous one is done; whole chunks reference the published version's bytes.
+//
+// Ownership: the reactors delete themselves (OnDone); every pointer passed in must outlive the
+// call (the server's members); the metric counters may be null.
+#ifndef MAINSTAY_SERVER_GRPC_DATA_STREAMS_H_
+#define MAINSTAY_SERVER_GRPC_DATA_STREAMS_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+
+#include "server/daemon/shard_daemon.h"
+#include "server/daemon/step_drain.h"
+#include "server/grpc/calls.h"
+#include "server/grpc/push_streams.h"
+#include "server/grpc/waiters.h"
+#include "server/metrics/daemon_metrics.h"
+
+namespace mainstay::daemon {
+
+inline constexpr int64_t kDefaultChunkBytes = 1 << 20;
+inline constexpr int64_t kMaxChunkBytes = 4 << 20;  // the protocol's limit on one chunk's payload
+
+// The chunk size of a stream whose request asked for `requested` bytes (0: the default),
+// capped at kMaxChunkBytes and rounded down to whole elements of every type.
+int64_t ChunkBytes(int64_t requested);
+
+// UNAVAILABLE "daemon is shutting down": every Shard call's answer once the daemon stops.
+::grpc::Status ShuttingDown();
+
+::grpc::ServerReadReactor<::grpc::ByteBuffer>* NewPushGradReactor(ShardDaemon* core, grpc_server::Calls* calls,
+                                                                  metrics::Counter* pushed_bytes, StepDrain* drain,
+                                                                  PushStreams* streams,
+                                                                  ::grpc::CallbackServerContext* context,
+                                                                  ::grpc::ByteBuffer* response);
+// `request` is the call's message, parsed here (INVALID_ARGUMENT when it is not a request).
+::grpc::ServerWriteReactor<::grpc::ByteBuffer>* NewPullWriter(ShardDaemon* core, grpc_server::Calls* calls,
+                                                              grpc_server::Waiters* waiters,
+                                                              metrics::Counter* pulled_bytes,
+                                                              ::grpc::CallbackServerContext* context,
+                                                              const ::grpc::ByteBuffer& request);
+
+}  // namespace mainstay::daemon
+
+#endif  // MAINSTAY_SERVER_GRPC_DATA_STREAMS_H_
