@@ -147,11 +147,9 @@ grpc::ByteBuffer EncodeChunkShared(int field, int64_t offset, std::span<const ui
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
-bool DecodeChunk(const grpc::ByteBuffer& buffer, int field, ChunkView* out) {
-  out->pieces.clear();
-  out->slices.clear();
-  out->offset = 0;
-  out->bytes = 0;
+namespace {
+
+bool DecodeInto(const grpc::ByteBuffer& buffer, int field, ChunkView* out) {
   if (!buffer.Dump(&out->slices).ok()) return false;
   SliceReader in(out->slices);
   uint64_t tag = 0;
@@ -173,6 +171,15 @@ bool DecodeChunk(const grpc::ByteBuffer& buffer, int field, ChunkView* out) {
   if (!in.Take(bytes, &out->pieces)) return false;
   out->bytes = static_cast<int64_t>(bytes);
   return in.done();
+}
+
+}  // namespace
+
+bool DecodeChunk(const grpc::ByteBuffer& buffer, int field, ChunkView* out) {
+  out->Release();
+  if (DecodeInto(buffer, field, out)) return true;
+  out->Release();
+  return false;
 }
 
 }  // namespace mainstay

@@ -36,7 +36,8 @@ namespace mainstay {
 grpc::ByteBuffer EncodeChunkCopy(int field, int64_t offset, std::span<const uint8_t> data);
 // The message with `data` referenced in place, not copied: `owner` (which must keep `data`
 // alive and unchanged) is released when gRPC drops its last reference to the bytes, which may be
-// after the write that sent them completed.
+// after the write that sent them completed. A null owner is for data that outlives every copy
+// of the message (tests).
 grpc::ByteBuffer EncodeChunkShared(int field, int64_t offset, std::span<const uint8_t> data,
                                    std::shared_ptr<const void> owner);
 
@@ -49,15 +50,22 @@ struct ChunkView {
   ChunkView(const ChunkView&) = delete;
   ChunkView& operator=(const ChunkView&) = delete;
 
+  // Drops the references to the buffer's memory (and the pieces pointing into it) now.
+  void Release() {
+    pieces.clear();
+    slices.clear();
+    offset = bytes = 0;
+  }
+
   int64_t offset = 0;
-  int64_t bytes = 0;                                  // the sum of the pieces' sizes
-  std::vector<std::span<const uint8_t>> pieces;       // the data, in order, inside `slices`
-  std::vector<grpc::Slice> slices;                    // the buffer's slices (references, not copies)
+  int64_t bytes = 0;                             // the sum of the pieces' sizes
+  std::vector<std::span<const uint8_t>> pieces;  // the data, in order, inside `slices`
+  std::vector<grpc::Slice> slices;               // the buffer's slices (references, not copies)
 };
 
-// True and *out filled when `buffer` is the canonical encoding of a chunk in `field`; false
-// when it is anything else (then parse it with protobuf: it may be another message of the
-// stream, or a chunk a protobuf peer encoded differently, or garbage).
+// True and *out filled when `buffer` is the canonical encoding of a chunk in `field`; false,
+// with *out released, when it is anything else (then parse it with protobuf: it may be another
+// message of the stream, or a chunk a protobuf peer encoded differently, or garbage).
 bool DecodeChunk(const grpc::ByteBuffer& buffer, int field, ChunkView* out);
 
 }  // namespace mainstay

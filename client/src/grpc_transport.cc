@@ -138,7 +138,7 @@ class GrpcTransport final : public DataTransport {
       } else {
         local = absl::InternalError("PullParams: the daemon sent a message that is not a PullParamsResponse");
       }
-      chunk.slices.clear();  // the message's memory goes back to gRPC now, not at the next read
+      chunk.Release();  // the message's memory goes back to gRPC now, not at the next read
       message.Clear();
     }
     if (!local.ok()) context->TryCancel();

@@ -87,7 +87,7 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<::grpc::ByteBuffe
     if (session_ != nullptr && DecodeChunk(request_, kGradChunkField, &chunk_)) {
       if (absl::Status s = session_->AddChunk(chunk_.offset, chunk_.pieces); !s.ok()) return End(s);
       Count(chunk_.bytes);
-      chunk_.slices.clear();  // the chunk's memory goes back to gRPC now, not at the next read
+      chunk_.Release();  // the chunk's memory goes back to gRPC now, not at the next read
       request_.Clear();
       StartRead(&request_);
       return;

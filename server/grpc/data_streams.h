@@ -9,8 +9,17 @@
 //               waits), then the header, data chunks and scale chunks, each written when the
 //               previous one is done; whole chunks reference the published version's bytes.
 //
+// Errors (as gRPC statuses with the daemon's ErrorDetail): PushGrad INVALID_ARGUMENT for a
+// malformed stream (no header first, a second header, a message that is no PushGradRequest, a
+// chunk out of order or over 4 MiB) and the core's codes for the push itself; CANCELLED when the
+// trainer, the idle timeout or a newer stream of the same push ended it (nothing stored);
+// UNAVAILABLE while the daemon stops or drains. PullParams INVALID_ARGUMENT for a request that
+// does not parse or a bad delta request, the core's codes for the version, CANCELLED when the
+// trainer went away mid-stream.
+//
 // Ownership: the reactors delete themselves (OnDone); every pointer passed in must outlive the
-// call (the server's members); the metric counters may be null.
+// call (the server's members); the metric counters and `drain` may be null. Thread safety: gRPC
+// runs one callback of a reactor at a time; the core is thread-safe.
 #ifndef MAINSTAY_SERVER_GRPC_DATA_STREAMS_H_
 #define MAINSTAY_SERVER_GRPC_DATA_STREAMS_H_
 
@@ -27,7 +36,7 @@
 
 namespace mainstay::daemon {
 
-inline constexpr int64_t kDefaultChunkBytes = 1 << 20;
+inline constexpr int64_t kDefaultChunkBytes = 1 << 20;  // a pull's chunks when the request names none
 inline constexpr int64_t kMaxChunkBytes = 4 << 20;  // the protocol's limit on one chunk's payload
 
 // The chunk size of a stream whose request asked for `requested` bytes (0: the default),

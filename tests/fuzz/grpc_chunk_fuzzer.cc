@@ -1,7 +1,9 @@
 // libFuzzer target: common/grpc_chunk's DecodeChunk on any message a peer could send, which the
 // daemon runs on every PushGrad message and the client on every PullParams message
-// (docs/transports.md, "Chunks and pipelining"). The first input byte picks the chunk field
-// (2 or 3) and where the message is cut into gRPC slices; the rest is the message.
+// (docs/transports.md, "Chunks and pipelining"). The first input byte picks the message
+// (its value mod 3: PushGradRequest.chunk, PullParamsResponse.data, PullParamsResponse.scales)
+// and where the message is cut into gRPC slices (the rest of its bits); the rest of the input is
+// the message.
 //
 // Invariants (a violation aborts, so libFuzzer reports it with the input):
 //  - no crash, leak or UB (built with -fsanitize=fuzzer,address,undefined by scripts/fuzz.sh);
@@ -10,11 +12,14 @@
 //  - complete: whenever protobuf parses the message with that chunk set, the bytes protobuf
 //    writes for the chunk alone are accepted (so a plain protobuf peer always takes the fast
 //    path).
+#include <google/protobuf/stubs/logging.h>
+#include <grpcpp/support/byte_buffer.h>
+
+#include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
-
-#include <grpcpp/support/byte_buffer.h>
 
 #include "common/grpc_chunk.h"
 #include "mainstay/v1/shard.pb.h"
@@ -60,38 +65,63 @@ struct ProtoView {
   std::string canonical;
 };
 
-ProtoView ParseWithProtobuf(const std::string& bytes, int field) {
+enum class Kind { kGradChunk, kParamChunk, kScaleChunk };
+
+int FieldOf(Kind kind) {
+  switch (kind) {
+    case Kind::kGradChunk:
+      return v1::PushGradRequest::kChunkFieldNumber;
+    case Kind::kParamChunk:
+      return v1::PullParamsResponse::kDataFieldNumber;
+    default:
+      return v1::PullParamsResponse::kScalesFieldNumber;
+  }
+}
+
+ProtoView ParseWithProtobuf(const std::string& bytes, Kind kind) {
   ProtoView out;
-  if (field == v1::PushGradRequest::kChunkFieldNumber) {
+  if (kind == Kind::kGradChunk) {
     v1::PushGradRequest m;
     if (!m.ParseFromString(bytes) || !m.has_chunk()) return out;
     v1::PushGradRequest alone;
     alone.mutable_chunk()->set_element_offset(m.chunk().element_offset());
     alone.mutable_chunk()->set_data(m.chunk().data());
-    out = {true, m.chunk().element_offset(), m.chunk().data(), alone.SerializeAsString()};
-  } else {
-    v1::PullParamsResponse m;
-    if (!m.ParseFromString(bytes) || !m.has_scales() || !m.scales().patch().empty()) return out;
-    v1::PullParamsResponse alone;
-    alone.mutable_scales()->set_scale_offset(m.scales().scale_offset());
-    alone.mutable_scales()->set_data(m.scales().data());
-    out = {true, m.scales().scale_offset(), m.scales().data(), alone.SerializeAsString()};
+    return {true, m.chunk().element_offset(), m.chunk().data(), alone.SerializeAsString()};
   }
-  return out;
+  v1::PullParamsResponse m;
+  if (!m.ParseFromString(bytes)) return out;
+  v1::PullParamsResponse alone;
+  if (kind == Kind::kParamChunk) {
+    if (!m.has_data() || !m.data().patch().empty()) return out;
+    alone.mutable_data()->set_element_offset(m.data().element_offset());
+    alone.mutable_data()->set_data(m.data().data());
+    return {true, m.data().element_offset(), m.data().data(), alone.SerializeAsString()};
+  }
+  if (!m.has_scales() || !m.scales().patch().empty()) return out;
+  alone.mutable_scales()->set_scale_offset(m.scales().scale_offset());
+  alone.mutable_scales()->set_data(m.scales().data());
+  return {true, m.scales().scale_offset(), m.scales().data(), alone.SerializeAsString()};
 }
 
 }  // namespace
 }  // namespace mainstay
 
+// protobuf logs every string field that is not UTF-8; the fuzzer feeds it plenty.
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  google::protobuf::SetLogHandler([](google::protobuf::LogLevel, const char*, int, const std::string&) {});
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace mainstay;
   if (size == 0) return 0;
-  const int field = (data[0] & 1) != 0 ? static_cast<int>(v1::PullParamsResponse::kScalesFieldNumber)
-                                       : static_cast<int>(v1::PushGradRequest::kChunkFieldNumber);
+  const auto kind = static_cast<Kind>(data[0] % 3);
+  const int field = FieldOf(kind);
+  const auto pattern = static_cast<uint8_t>(data[0] / 3);
   const std::string message(reinterpret_cast<const char*>(data + 1), size - 1);
   ChunkView view;
-  const bool decoded = DecodeChunk(Sliced(message, data[0]), field, &view);
-  const ProtoView proto = ParseWithProtobuf(message, field);
+  const bool decoded = DecodeChunk(Sliced(message, pattern), field, &view);
+  const ProtoView proto = ParseWithProtobuf(message, kind);
   if (decoded) {
     Check(proto.parsed, "DecodeChunk accepted a message protobuf does not read as that chunk");
     Check(view.offset == proto.offset, "DecodeChunk's offset is not protobuf's");
@@ -106,7 +136,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   if (proto.parsed) {
     ChunkView again;
-    Check(DecodeChunk(Sliced(proto.canonical, data[0]), field, &again), "protobuf's own encoding was refused");
+    Check(DecodeChunk(Sliced(proto.canonical, pattern), field, &again), "protobuf's own encoding was refused");
     Check(again.offset == proto.offset && Joined(again) == proto.data, "protobuf's own encoding decoded wrongly");
   }
   return 0;

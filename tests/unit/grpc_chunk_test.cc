@@ -140,6 +140,7 @@ TEST(GrpcChunkTest, LeavesTheOtherMessagesToProtobuf) {
   // Varints longer than their shortest form (a padded tag, outer length, offset or data length).
   for (const std::string& padded :
        {std::string("\x92\x80\x80\x80\x80\x00\x05\x08\x04\x12\x01\x61", 12),
+        std::string("\x92\x00\x05\x08\x04\x12\x01\x61", 8),  // 2 bytes: within 5, but padded
         std::string("\x12\x85\x00\x08\x04\x12\x01\x61", 8), std::string("\x12\x06\x08\x84\x00\x12\x01\x61", 8),
         std::string("\x12\x06\x08\x04\x12\x81\x00\x61", 8)}) {
     slice = grpc::Slice(padded.data(), padded.size());
