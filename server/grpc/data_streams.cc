@@ -254,26 +254,27 @@ class PullWriter final : public ::grpc::ServerWriteReactor<::grpc::ByteBuffer> {
         total += std::min(chunk_bytes, static_cast<int64_t>(now->size()) - c * chunk_bytes);
       return total;
     }
-    // The next chunk into a message: its bytes into `data` or its byte patch into `patch` (the
-    // other left empty). Returns the chunk's first byte; adds what it sends to `sent`.
-    int64_t Next(int64_t chunk_bytes, std::string* data, std::string* patch) {
+    // The next chunk: its first byte, and its bytes in `now` or its byte patch against `base`.
+    // Adds what it sends to `sent`.
+    struct Chunk {
+      int64_t begin = 0;
+      std::span<const uint8_t> bytes;    // whole: inside `now`
+      std::optional<std::string> patch;  // or this patch
+    };
+    Chunk Next(int64_t chunk_bytes) {
       const int64_t index = chunks[next++];
-      const int64_t begin = index * chunk_bytes;
-      const auto n = static_cast<size_t>(std::min(chunk_bytes, static_cast<int64_t>(now->size()) - begin));
-      const std::span<const uint8_t> chunk(now->data() + begin, n);
+      Chunk c;
+      c.begin = index * chunk_bytes;
+      const auto n = static_cast<size_t>(std::min(chunk_bytes, static_cast<int64_t>(now->size()) - c.begin));
+      c.bytes = std::span<const uint8_t>(now->data() + c.begin, n);
       if (base != nullptr) {
-        const std::span<const uint8_t> was(base->data() + begin, n);
+        const std::span<const uint8_t> was(base->data() + c.begin, n);
         if (ChunkHash64(was.data(), was.size()) == (*have)[static_cast<int>(index)]) {
-          if (std::optional<std::string> p = EncodeBytePatch(was, chunk, n)) {
-            *patch = *std::move(p);
-            sent += static_cast<int64_t>(patch->size());
-            return begin;
-          }
+          c.patch = EncodeBytePatch(was, c.bytes, n);
         }
       }
-      data->assign(reinterpret_cast<const char*>(chunk.data()), chunk.size());
-      sent += static_cast<int64_t>(n);
-      return begin;
+      sent += static_cast<int64_t>(c.patch.has_value() ? c.patch->size() : n);
+      return c;
     }
   };
 
@@ -342,24 +343,30 @@ class PullWriter final : public ::grpc::ServerWriteReactor<::grpc::ByteBuffer> {
     const QuantizedShard& s = *result_.shard;
     const auto data_size = static_cast<int64_t>(s.data.size());
     const auto scales_size = static_cast<int64_t>(s.scales.size());
-    if (!data_delta_.done()) {
-      v1::PullParamsResponse message;
-      v1::ParamChunk* out = message.mutable_data();
-      out->set_element_offset(data_delta_.Next(delta_chunk_, out->mutable_data(), out->mutable_patch()) * 8 / bits_);
-      payload_ = static_cast<int64_t>(out->data().size() + out->patch().size());
-      Write(message);
-      return;
-    }
-    if (!scale_delta_.done()) {
-      v1::PullParamsResponse message;
-      v1::ScaleChunk* out = message.mutable_scales();
-      out->set_scale_offset(scale_delta_.Next(delta_chunk_, out->mutable_data(), out->mutable_patch()) / scale_entry_);
-      payload_ = static_cast<int64_t>(out->data().size() + out->patch().size());
-      Write(message);
-      return;
-    }
     // Whole chunks go out of the version's own bytes (common/grpc_chunk.h): the message holds the
     // version alive, and a version is reused only when nothing holds it (Job::NewSnapshot).
+    if (!data_delta_.done() || !scale_delta_.done()) {
+      const bool data = !data_delta_.done();
+      DeltaPart::Chunk c = (data ? data_delta_ : scale_delta_).Next(delta_chunk_);
+      const int64_t offset = data ? c.begin * 8 / bits_ : c.begin / scale_entry_;
+      if (!c.patch.has_value()) {
+        message_ = EncodeChunkShared(data ? kParamChunkField : kScaleChunkField, offset, c.bytes, result_.shard);
+        payload_ = static_cast<int64_t>(c.bytes.size());
+        StartWrite(&message_);
+        return;
+      }
+      payload_ = static_cast<int64_t>(c.patch->size());
+      v1::PullParamsResponse message;
+      if (data) {
+        message.mutable_data()->set_element_offset(offset);
+        *message.mutable_data()->mutable_patch() = *std::move(c.patch);
+      } else {
+        message.mutable_scales()->set_scale_offset(offset);
+        *message.mutable_scales()->mutable_patch() = *std::move(c.patch);
+      }
+      Write(message);
+      return;
+    }
     if (data_off_ < data_size) {
       const int64_t n = std::min(chunk_, data_size - data_off_);
       message_ = EncodeChunkShared(kParamChunkField, data_off_ * 8 / bits_,
