@@ -63,16 +63,25 @@ ShiftTable MakeShiftTable(size_t length) {
   return table;
 }
 
-__attribute__((target("sse4.2"))) uint64_t Chain(uint64_t s, const uint8_t* p, size_t n) {
+// One chain over `n` bytes (a multiple of 8 is consumed; the caller finishes the rest). With
+// kCopy, every word read is also stored to `dst`, so a copy and its CRC take one pass.
+template <bool kCopy>
+__attribute__((target("sse4.2"))) uint64_t Chain(uint64_t s, uint8_t* dst, const uint8_t* p, size_t n) {
   for (; n >= 8; n -= 8, p += 8) {
     uint64_t word;
     std::memcpy(&word, p, 8);
+    if constexpr (kCopy) {
+      std::memcpy(dst, &word, 8);
+      dst += 8;
+    }
     s = __builtin_ia32_crc32di(s, word);
   }
   return s;
 }
 
-__attribute__((target("sse4.2"))) uint32_t ExtendSse42(uint32_t state, const uint8_t* p, size_t n) {
+// The register after `n` more bytes at `p` (also copied to `dst` with kCopy).
+template <bool kCopy>
+__attribute__((target("sse4.2"))) uint32_t ExtendSse42(uint32_t state, uint8_t* dst, const uint8_t* p, size_t n) {
   uint64_t s = state;
   if (n >= 3 * kBlock) {
     static const ShiftTable shift1 = MakeShiftTable(kBlock);
@@ -87,18 +96,29 @@ __attribute__((target("sse4.2"))) uint32_t ExtendSse42(uint32_t state, const uin
         std::memcpy(&wa, pa + i, 8);
         std::memcpy(&wb, pb + i, 8);
         std::memcpy(&wc, pc + i, 8);
+        if constexpr (kCopy) {
+          std::memcpy(dst + i, &wa, 8);
+          std::memcpy(dst + kBlock + i, &wb, 8);
+          std::memcpy(dst + 2 * kBlock + i, &wc, 8);
+        }
         a = __builtin_ia32_crc32di(a, wa);
         b = __builtin_ia32_crc32di(b, wb);
         c = __builtin_ia32_crc32di(c, wc);
       }
+      if constexpr (kCopy) dst += 3 * kBlock;
       s = shift2.Apply(static_cast<uint32_t>(a)) ^ shift1.Apply(static_cast<uint32_t>(b)) ^ static_cast<uint32_t>(c);
     }
   }
-  s = Chain(s, p, n);
-  p += n & ~size_t{7};
+  s = Chain<kCopy>(s, dst, p, n);
+  const size_t words = n & ~size_t{7};
+  p += words;
+  if constexpr (kCopy) dst += words;
   n &= 7;
   uint32_t s32 = static_cast<uint32_t>(s);
-  for (; n > 0; --n, ++p) s32 = __builtin_ia32_crc32qi(s32, *p);
+  for (; n > 0; --n, ++p) {
+    if constexpr (kCopy) *dst++ = *p;
+    s32 = __builtin_ia32_crc32qi(s32, *p);
+  }
   return s32;
 }
 
@@ -114,9 +134,19 @@ uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t size) {
   const uint8_t* p = static_cast<const uint8_t*>(data);
   uint32_t state = ~crc;
 #if defined(__x86_64__)
-  if (HaveSse42()) return ~ExtendSse42(state, p, size);
+  if (HaveSse42()) return ~ExtendSse42<false>(state, nullptr, p, size);
 #endif
   return ~ExtendPortable(state, p, size);
+}
+
+uint32_t Crc32cCopyExtend(uint32_t crc, void* dst, const void* src, size_t size) {
+  const uint8_t* p = static_cast<const uint8_t*>(src);
+  uint8_t* d = static_cast<uint8_t*>(dst);
+#if defined(__x86_64__)
+  if (HaveSse42()) return ~ExtendSse42<true>(~crc, d, p, size);
+#endif
+  if (size > 0) std::memcpy(d, p, size);
+  return ~ExtendPortable(~crc, d, size);
 }
 
 uint32_t Crc32cExtendPortable(uint32_t crc, const void* data, size_t size) {

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <utility>
 
+#include "common/crc32c.h"
+
 namespace mainstay {
 namespace {
 
@@ -120,13 +122,17 @@ void ReleaseOwner(void* owner) { delete static_cast<std::shared_ptr<const void>*
 
 }  // namespace
 
-grpc::ByteBuffer EncodeChunkCopy(int field, int64_t offset, std::span<const uint8_t> data) {
+grpc::ByteBuffer EncodeChunkCopy(int field, int64_t offset, std::span<const uint8_t> data, uint32_t* crc32c) {
   std::array<uint8_t, kMaxFraming> framing;
   const int n = Framing(field, offset, data.size(), framing.data());
   grpc_slice slice = grpc_slice_malloc(static_cast<size_t>(n) + data.size());
   uint8_t* out = GRPC_SLICE_START_PTR(slice);
   std::memcpy(out, framing.data(), static_cast<size_t>(n));
-  if (!data.empty()) std::memcpy(out + n, data.data(), data.size());
+  if (crc32c != nullptr) {
+    *crc32c = Crc32cCopyExtend(*crc32c, out + n, data.data(), data.size());
+  } else if (!data.empty()) {
+    std::memcpy(out + n, data.data(), data.size());
+  }
   grpc::Slice owned(slice, grpc::Slice::STEAL_REF);
   return grpc::ByteBuffer(&owned, 1);
 }

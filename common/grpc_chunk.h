@@ -32,8 +32,9 @@ namespace mainstay {
 
 // `field` is 1..15 (the framing's tag is one byte); another aborts.
 
-// The message with `data` copied once, into one gRPC slice with the framing.
-grpc::ByteBuffer EncodeChunkCopy(int field, int64_t offset, std::span<const uint8_t> data);
+// The message with `data` copied once, into one gRPC slice with the framing. With `crc32c` not
+// null, the CRC-32C there is extended over `data` in the same pass (Crc32cCopyExtend).
+grpc::ByteBuffer EncodeChunkCopy(int field, int64_t offset, std::span<const uint8_t> data, uint32_t* crc32c = nullptr);
 // The message with `data` referenced in place, not copied: `owner` (which must keep `data`
 // alive and unchanged) is released when gRPC drops its last reference to the bytes, which may be
 // after the write that sent them completed. A null owner is for data that outlives every copy

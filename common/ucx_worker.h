@@ -40,15 +40,15 @@
 namespace mainstay::ucx {
 
 enum class Kind : uint8_t {
-  kHello = 1,       // trainer -> daemon: UcxHello
-  kHelloReply = 2,  // daemon -> trainer: UcxHelloReply
-  kRequest = 3,     // trainer -> daemon: UcxRequest
-  kAccept = 4,      // daemon -> trainer: UcxReply accepting (or refusing) a push
-  kReply = 5,       // daemon -> trainer: UcxReply with a push's outcome or a pull's header
-  kPushData = 6,    // trainer -> daemon: gradient payload chunks
-  kPullData = 7,    // daemon -> trainer: parameter data chunks
-  kPullScales = 8,  // daemon -> trainer: block scales, one message
-  kPushTrailer = 9, // trainer -> daemon: UcxPushTrailer after a push's payload
+  kHello = 1,        // trainer -> daemon: UcxHello
+  kHelloReply = 2,   // daemon -> trainer: UcxHelloReply
+  kRequest = 3,      // trainer -> daemon: UcxRequest
+  kAccept = 4,       // daemon -> trainer: UcxReply accepting (or refusing) a push
+  kReply = 5,        // daemon -> trainer: UcxReply with a push's outcome or a pull's header
+  kPushData = 6,     // trainer -> daemon: gradient payload chunks
+  kPullData = 7,     // daemon -> trainer: parameter data chunks
+  kPullScales = 8,   // daemon -> trainer: block scales, one message
+  kPushTrailer = 9,  // trainer -> daemon: PushGradTrailer after a push's payload
 };
 
 inline constexpr uint64_t kKindMask = uint64_t{0xff} << 56;

@@ -80,9 +80,16 @@ class CudaIpcTransport final : public DataTransport {
     }
   }
 
+  // Host memory goes by gRPC, which computes the CRC-32C as it copies (the client asks only for
+  // a host-readable payload).
+  bool ComputesPushCrc32c() const override { return grpc_->ComputesPushCrc32c(); }
+
   absl::StatusOr<v1::PushGradResponse> Push(const Route& route, const v1::PushGradHeader& header, ElementSpan data,
-                                            Deadline deadline, grpc::ClientContext* context) override {
-    if (data.bytes() == 0 || HostReadable(data.data)) return grpc_->Push(route, header, data, deadline, context);
+                                            Deadline deadline, grpc::ClientContext* context,
+                                            std::optional<uint32_t>* payload_crc32c) override {
+    if (data.bytes() == 0 || HostReadable(data.data)) {
+      return grpc_->Push(route, header, data, deadline, context, payload_crc32c);
+    }
     absl::StatusOr<CudaDriver::IpcRegion> region = cuda_.ExportIpc(data.data);
     if (!region.ok()) return Annotate(region.status(), "cuda_ipc: exporting the pushed buffer");
     MAINSTAY_ASSIGN_OR_RETURN(Session s, SessionTo(route.endpoint, deadline));

@@ -107,7 +107,6 @@ absl::Status Client::Impl::StartTransports(Deadline deadline) {
   context.job_token = job_token;
   context.rank = options.rank;
   context.chunk_bytes = options.chunk_bytes;
-  context.push_crc32c = options.push_crc32c;
   context.kv_put = [this](const std::string& key, const std::string& value, std::chrono::milliseconds ttl,
                           Deadline kv_deadline) {
     v1::KvPutRequest request;
@@ -242,7 +241,7 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
   v1::PushGradHeader header = PushHeader(bucket, shard, step, kind, data, num_contributors, push_options);
   v1::PushGradHeader* h = &header;  // sent as is by every transport
   h->set_copies_sent(copies_sent);
-  // Computed once, by the first attempt that puts it in the header (or given: replica copies).
+  // The payload's CRC-32C once an attempt computed it (or given: the replicas' copies).
   std::optional<uint32_t> crc = crc_out != nullptr ? *crc_out : std::nullopt;
 
   PushResult result;
@@ -253,19 +252,32 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
       [&](const Route& route, grpc::ClientContext* context) -> absl::Status {
         MAINSTAY_ASSIGN_OR_RETURN(client_internal::DataTransport * transport, TransportFor(route.endpoint));
         h->set_placement_epoch(route.epoch);
-        // In the header for transports that send it first (device memory: 0, "not sent"); the
-        // others compute it as the chunks go.
+        // The payload's CRC-32C goes to the daemon (ClientOptions::push_crc32c), and a
+        // gradient's is also kept for FinishStep's check before it pushes the step again
+        // (step_attempts). Device memory has none (crc32c 0, "not sent"). Where it is known
+        // (an earlier attempt, or the replicas' copies) the header carries it; a transport that
+        // computes it as it copies or sends the payload sends it after the payload; else it is
+        // computed here, first.
         h->clear_crc32c();
-        // A gradient's CRC is also what FinishStep checks before it pushes the step again
-        // (step_attempts): then it is computed here for every transport, and sent in the header.
+        h->set_crc32c_follows(false);
         const bool kept = kind == v1::PUSH_KIND_GRADIENT && options.step_attempts > 1 && crc_out != nullptr;
-        if (transport->HostReadable(data.data) &&
-            ((options.push_crc32c && !transport->ComputesPushCrc32c()) || kept)) {
-          if (!crc) crc = ::mainstay::Crc32c(data.data, data.bytes());
-          if (options.push_crc32c) h->set_crc32c(*crc);
+        const bool host = transport->HostReadable(data.data);
+        std::optional<uint32_t> sent_crc;
+        std::optional<uint32_t>* sent_crc_out = nullptr;
+        if (host && (options.push_crc32c || kept)) {
+          if (!crc && transport->ComputesPushCrc32c()) {
+            h->set_crc32c_follows(options.push_crc32c);
+            sent_crc_out = kept ? &sent_crc : nullptr;
+          } else {
+            if (!crc) crc = ::mainstay::Crc32c(data.data, data.bytes());
+            if (options.push_crc32c) h->set_crc32c(*crc);
+          }
         }
-        absl::StatusOr<v1::PushGradResponse> response = transport->Push(route, *h, data, deadline, context);
+        absl::StatusOr<v1::PushGradResponse> response =
+            transport->Push(route, *h, data, deadline, context, sent_crc_out);
         if (!response.ok()) return response.status();
+        // A duplicate over ucx sends no payload, so nothing computed its CRC: done here.
+        if (sent_crc_out != nullptr) crc = sent_crc ? *sent_crc : ::mainstay::Crc32c(data.data, data.bytes());
         result = PushResult{response->duplicate(), response->received_elements(), response->contributions()};
         *landed = route;
         return absl::OkStatus();
@@ -327,7 +339,7 @@ client_internal::ReplicaCopies Client::Impl::StartReplicaCopies(int32_t bucket, 
         if (shutting_down) return;
         active_calls.insert(&context);
       }
-      (*transport)->Push(route, h, data, deadline, &context).IgnoreError();
+      (*transport)->Push(route, h, data, deadline, &context, /*payload_crc32c=*/nullptr).IgnoreError();
       absl::MutexLock lock(&mu);
       active_calls.erase(&context);
     });

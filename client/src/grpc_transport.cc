@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -96,8 +97,13 @@ class GrpcTransport final : public DataTransport {
   v1::Transport kind() const override { return v1::TRANSPORT_GRPC; }
   absl::Status Attach(const v1::DaemonEndpoint&, Deadline) override { return absl::OkStatus(); }
 
+  // The payload's CRC-32C is computed as each chunk is copied into its message (one pass for
+  // both), and sent after the last chunk when the header asks for it.
+  bool ComputesPushCrc32c() const override { return true; }
+
   absl::StatusOr<v1::PushGradResponse> Push(const Route& route, const v1::PushGradHeader& header, ElementSpan data,
-                                            Deadline, grpc::ClientContext* context) override {
+                                            Deadline, grpc::ClientContext* context,
+                                            std::optional<uint32_t>* payload_crc32c) override {
     const int64_t chunk_elements = std::max<int64_t>(1, context_.chunk_bytes / data.element_bytes());
     RawStream stream(route.channel, "PushGrad", context);
     v1::PushGradRequest first;
@@ -105,10 +111,21 @@ class GrpcTransport final : public DataTransport {
     grpc::ByteBuffer message;
     if (!Serialize(first, &message)) return absl::InternalError("PushGrad: the header could not be serialized");
     stream.Write(message);
-    for (int64_t offset = 0; stream.ok() && offset < data.numel; offset += chunk_elements) {
+    const bool crc_wanted = header.crc32c() == 0 && (header.crc32c_follows() || payload_crc32c != nullptr);
+    uint32_t crc = 0;
+    int64_t offset = 0;
+    for (; stream.ok() && offset < data.numel; offset += chunk_elements) {
       const ElementSpan part = data.Sub(offset, std::min(chunk_elements, data.numel - offset));
       stream.Write(EncodeChunkCopy(v1::PushGradRequest::kChunkFieldNumber, offset,
-                                   {static_cast<const uint8_t*>(part.data), static_cast<size_t>(part.bytes())}));
+                                   {static_cast<const uint8_t*>(part.data), static_cast<size_t>(part.bytes())},
+                                   crc_wanted ? &crc : nullptr));
+    }
+    if (header.crc32c_follows() && stream.ok()) {
+      v1::PushGradRequest last;
+      last.mutable_trailer()->set_crc32c(crc);
+      grpc::ByteBuffer trailer;
+      if (!Serialize(last, &trailer)) return absl::InternalError("PushGrad: the trailer could not be serialized");
+      stream.Write(trailer);
     }
     stream.WritesDone();
     grpc::ByteBuffer answer;
@@ -117,6 +134,7 @@ class GrpcTransport final : public DataTransport {
     if (!s.ok()) return s;
     v1::PushGradResponse response;
     if (!Parse(&answer, &response)) return absl::InternalError("PushGrad: the daemon's answer is not a response");
+    if (crc_wanted && payload_crc32c != nullptr && offset >= data.numel) *payload_crc32c = crc;  // all of it
     return response;
   }
 

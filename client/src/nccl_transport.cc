@@ -146,7 +146,8 @@ class NcclTransport final : public DataTransport {
   }
 
   absl::StatusOr<v1::PushGradResponse> Push(const Route& route, const v1::PushGradHeader& header, ElementSpan data,
-                                            Deadline deadline, grpc::ClientContext* context) override {
+                                            Deadline deadline, grpc::ClientContext* context,
+                                            std::optional<uint32_t>*) override {
     if (data.bytes() > 0) {  // checked before the daemon accepts: nothing to undo
       absl::StatusOr<int> where = nccl::DeviceOf(data.data);
       if (!where.ok()) return where.status();

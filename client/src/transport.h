@@ -23,6 +23,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -59,7 +60,6 @@ struct TransportContext {
   std::string job_token;
   int32_t rank = 0;
   int64_t chunk_bytes = 1 << 20;
-  bool push_crc32c = true;  // ClientOptions.push_crc32c, for transports that compute it themselves
   // Puts `value` under `key` in the coordinator's KV with a time to live (the nccl transport's
   // rendezvous). Unset for transports that do not need it.
   std::function<absl::Status(const std::string& key, const std::string& value, std::chrono::milliseconds ttl,
@@ -76,8 +76,8 @@ class DataTransport {
   // Whether the client may read a push's payload at `data` on the CPU (its CRC-32C): false for
   // device memory, which only the nccl and cuda_ipc transports take.
   virtual bool HostReadable(const void* data) const { return true; }
-  // Whether the transport computes a push's CRC-32C itself, chunk by chunk while earlier chunks
-  // are in flight, and sends it after the payload (TransportContext.push_crc32c). Otherwise the
+  // Whether the transport computes the CRC-32C of a host-readable push payload itself, as it
+  // copies or sends it (Push's `payload_crc32c`; the header's crc32c_follows). Otherwise the
   // client computes it before the push and the header carries it.
   virtual bool ComputesPushCrc32c() const { return false; }
   // Pays this daemon's connection costs now (Client::Connect calls it for every daemon of the
@@ -86,10 +86,15 @@ class DataTransport {
   // carries the payload kAttachNotYetPayload (the caller may re-read the placement: the job may
   // have gone elsewhere).
   virtual absl::Status Attach(const v1::DaemonEndpoint& daemon, Deadline deadline) = 0;
-  // One push attempt: `header` (placement epoch set), then `data` in chunks.
+  // One push attempt: `header` (placement epoch set), then `data` in chunks, then, when
+  // header.crc32c_follows(), the payload's CRC-32C in a PushGradTrailer (transports that
+  // ComputesPushCrc32c only; the header's crc32c is then 0). With `payload_crc32c` not null, a
+  // transport that ComputesPushCrc32c computes the CRC-32C of the payload as it goes even when
+  // the header does not ask for a trailer, and sets it there on success, unless the daemon took
+  // the push as a duplicate without its payload (then it is left as it was). Others ignore it.
   virtual absl::StatusOr<v1::PushGradResponse> Push(const Route& route, const v1::PushGradHeader& header,
-                                                    ElementSpan data, Deadline deadline,
-                                                    grpc::ClientContext* context) = 0;
+                                                    ElementSpan data, Deadline deadline, grpc::ClientContext* context,
+                                                    std::optional<uint32_t>* payload_crc32c) = 0;
   // One pull attempt: the daemon's answer fed to `assembler` (a fresh one per attempt).
   virtual absl::Status Pull(const Route& route, const v1::PullParamsRequest& request, ShardPullAssembler& assembler,
                             Deadline deadline, grpc::ClientContext* context) = 0;

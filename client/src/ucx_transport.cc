@@ -111,17 +111,18 @@ class UcxTransport final : public DataTransport {
   }
 
   absl::StatusOr<v1::PushGradResponse> Push(const Route& route, const v1::PushGradHeader& header, ElementSpan data,
-                                            Deadline deadline, grpc::ClientContext*) override {
+                                            Deadline deadline, grpc::ClientContext*,
+                                            std::optional<uint32_t>* payload_crc32c) override {
     absl::StatusOr<std::shared_ptr<Connection>> connected = ConnectionTo(route.endpoint, deadline);
     if (!connected.ok()) return connected.status();
     const std::shared_ptr<Connection> c = *std::move(connected);
     const uint64_t seq = next_seq_.fetch_add(1);
     v1::UcxRequest request;
     *request.mutable_push() = header;
-    request.set_crc32c_follows(context_.push_crc32c);
     const std::string request_bytes = Serialize(request, seq, deadline);
     std::string reply_bytes(ucx::kMaxControlBytes, '\0');
     std::string trailer_bytes;  // declared before `outcome`, whose send reads it until the group goes
+    std::optional<uint32_t> crc;  // computed while the payload is in flight
     Watch abort(this, route, *c);
 
     // The outcome's receive is posted first, so it is never an unexpected message.
@@ -138,11 +139,13 @@ class UcxTransport final : public DataTransport {
         outcome.Send(*c->ep, ucx::DaemonTag(Kind::kPushData, c->id, static_cast<uint32_t>(seq)), bytes + off,
                      static_cast<size_t>(std::min(chunk, total - off)));
       }
-      if (context_.push_crc32c) {
-        // While the chunks are in flight (both only read the caller's buffer), unless the
-        // client computed it already (it keeps gradients' CRCs: ClientOptions::step_attempts).
-        v1::UcxPushTrailer trailer;
-        trailer.set_crc32c(header.crc32c() != 0 ? header.crc32c() : Crc32c(bytes, static_cast<size_t>(total)));
+      // While the chunks are in flight (both only read the caller's buffer).
+      if (header.crc32c() == 0 && (header.crc32c_follows() || payload_crc32c != nullptr)) {
+        crc = Crc32c(bytes, static_cast<size_t>(total));
+      }
+      if (header.crc32c_follows()) {
+        v1::PushGradTrailer trailer;
+        trailer.set_crc32c(crc.value_or(0));
         trailer_bytes = trailer.SerializeAsString();
         outcome.Send(*c->ep, ucx::DaemonTag(Kind::kPushTrailer, c->id, static_cast<uint32_t>(seq)),
                      trailer_bytes.data(), trailer_bytes.size());
@@ -156,6 +159,7 @@ class UcxTransport final : public DataTransport {
       return Fail(c, absl::InternalError("unparseable push outcome"), "push payload");
     }
     if (absl::Status s = StatusOfReply(reply); !s.ok()) return s;
+    if (crc.has_value() && payload_crc32c != nullptr) *payload_crc32c = crc;
     return reply.push();
   }
 

@@ -136,11 +136,14 @@ class PushSession {
   int element_bytes() const { return elem_bytes_; }
   std::span<uint8_t> destination();
   void Landed(int64_t bytes);
-  // A transport whose trainer sends the CRC-32C after the payload (the header's is then 0):
-  // ExpectTrailingCrc32c before the payload lands, SetTrailingCrc32c once the trailer came
-  // (0: the trainer sent none, nothing is checked).
-  void ExpectTrailingCrc32c() { track_crc_ = !duplicate_; }
-  void SetTrailingCrc32c(uint32_t crc) { expected_crc_ = crc; }
+  // A push whose header set crc32c_follows: the transport passes the PushGradTrailer's CRC-32C
+  // here once it came, before Finish (0: the trainer computed none, nothing is checked). Finish
+  // is INVALID_ARGUMENT for such a push, unless a duplicate, without it. Called twice: the
+  // second value counts (the transports refuse a second trailer themselves).
+  void SetTrailingCrc32c(uint32_t crc) {
+    expected_crc_ = crc;
+    trailer_received_ = true;
+  }
 
  private:
   friend class Job;
@@ -159,6 +162,7 @@ class PushSession {
   // The payload's CRC-32C, computed as it arrives (a chunk is still in cache): tracked when the
   // header carries one, or a trailer will.
   bool track_crc_ = false;
+  bool trailer_received_ = false;
   uint32_t crc_ = 0;
   uint32_t expected_crc_ = 0;
 };

@@ -27,6 +27,12 @@ absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHe
   session->job_ = shared_from_this();
   session->header_ = h;
   if (h.num_contributors() == 0) session->header_.set_num_contributors(1);
+  if (h.crc32c_follows() && (h.crc32c() != 0 || h.replica_copy())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PushGrad: crc32c_follows announces the payload's CRC-32C after the payload, and the header ",
+                     h.replica_copy() ? "is a replica_copy (which carries crc32c in the header)"
+                                      : "carries one already (crc32c): set one or the other"));
+  }
   absl::MutexLock lock(&mu_);
   if (h.replica_copy()) {
     MAINSTAY_RETURN_IF_ERROR(BeginTrainerCopyLocked(session->header_, *session));
@@ -132,7 +138,7 @@ absl::StatusOr<std::unique_ptr<PushSession>> Job::BeginPush(const v1::PushGradHe
   session->numel_ = numel;
   session->elem_bytes_ = ElementBytes(dtype);
   session->duplicate_ = duplicate;
-  session->track_crc_ = !duplicate && h.crc32c() != 0;
+  session->track_crc_ = !duplicate && (h.crc32c() != 0 || h.crc32c_follows());
   session->expected_crc_ = h.crc32c();
   // No buffer yet: a stream that sends only its header holds no memory (PushSession::Reserve).
   return session;
@@ -201,10 +207,13 @@ absl::Status PushSession::AddChunk(int64_t element_offset, std::span<const std::
     Reserve((received_ + n) * elem_bytes_);
     uint8_t* at = buffer_.data() + received_ * elem_bytes_;
     for (const std::span<const uint8_t> piece : pieces) {
-      std::memcpy(at, piece.data(), piece.size());
+      if (track_crc_) {
+        crc_ = ::mainstay::Crc32cCopyExtend(crc_, at, piece.data(), piece.size());  // one pass for both
+      } else if (!piece.empty()) {
+        std::memcpy(at, piece.data(), piece.size());
+      }
       at += piece.size();
     }
-    if (track_crc_) crc_ = ::mainstay::Crc32cExtend(crc_, at - size, size);
   }
   received_ += n;
   failed_ = false;
@@ -226,6 +235,11 @@ absl::StatusOr<v1::PushGradResponse> PushSession::Finish() {
   if (received_ != numel_) {
     return absl::InvalidArgumentError(absl::StrCat("PushGrad: the stream ended after ", received_, " of ", numel_,
                                                    " elements; nothing was stored"));
+  }
+  if (header_.crc32c_follows() && !duplicate_ && !trailer_received_) {
+    return absl::InvalidArgumentError(
+        "PushGrad: the header announced a CRC-32C trailer (crc32c_follows) and the stream ended without one; "
+        "nothing was stored");
   }
   if (track_crc_ && expected_crc_ != 0 && crc_ != expected_crc_) {  // never tracked for a duplicate
     return absl::DataLossError(absl::StrCat("PushGrad: CRC-32C of the payload is ", crc_, ", the trainer sent ",

@@ -40,7 +40,8 @@ bool ParseMessage(const ::grpc::ByteBuffer& buffer, Message* out) {
   return ::grpc::SerializationTraits<Message>::Deserialize(&copy, out).ok();
 }
 
-// PushGrad: header first (validated before any data), then chunks into the session.
+// PushGrad: header first (validated before any data), then chunks into the session, then the
+// CRC-32C trailer when the header announced one (crc32c_follows).
 // A chunk's payload lands straight from gRPC's slices (common/grpc_chunk.h), not through a
 // protobuf string; a chunk some other way encoded is parsed with protobuf.
 class PushGradReactor final : public ::grpc::ServerReadReactor<::grpc::ByteBuffer> {
@@ -84,7 +85,7 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<::grpc::ByteBuffe
       }
       return End(result.status());
     }
-    if (session_ != nullptr && DecodeChunk(request_, kGradChunkField, &chunk_)) {
+    if (session_ != nullptr && !trailer_seen_ && DecodeChunk(request_, kGradChunkField, &chunk_)) {
       if (absl::Status s = session_->AddChunk(chunk_.offset, chunk_.pieces); !s.ok()) return End(s);
       Count(chunk_.bytes);
       chunk_.Release();  // the chunk's memory goes back to gRPC now, not at the next read
@@ -110,6 +111,15 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<::grpc::ByteBuffe
       header_ = request.header();
       streams_->Keyed(context_, absl::StrCat(header_.job_id(), "/", header_.bucket(), "/", header_.shard(), "/",
                                              header_.step(), "/", header_.rank(), "/", header_.kind()));
+    } else if (trailer_seen_) {
+      return End(absl::InvalidArgumentError("PushGrad: a message after the CRC-32C trailer, which must be the last"));
+    } else if (request.has_trailer()) {
+      if (!header_.crc32c_follows()) {
+        return End(absl::InvalidArgumentError(
+            "PushGrad: a CRC-32C trailer that the header did not announce (crc32c_follows); nothing was stored"));
+      }
+      trailer_seen_ = true;
+      session_->SetTrailingCrc32c(request.trailer().crc32c());
     } else {
       if (!request.has_chunk()) return End(absl::InvalidArgumentError("PushGrad: a second header in one stream"));
       if (absl::Status s = session_->AddChunk(request.chunk().element_offset(), request.chunk().data()); !s.ok()) {
@@ -148,6 +158,7 @@ class PushGradReactor final : public ::grpc::ServerReadReactor<::grpc::ByteBuffe
   std::unique_ptr<PushSession> session_;
   v1::PushGradHeader header_;  // of session_
   int64_t bytes_ = 0;          // payload received
+  bool trailer_seen_ = false;  // the PushGradTrailer came: nothing may follow it
   bool entered_ = false;
 };
 

@@ -23,7 +23,7 @@ constexpr int64_t kDefaultTimeoutMs = 60000;
 constexpr int64_t kMaxTimeoutMs = 3600 * 1000;
 constexpr absl::Duration kControlTimeout = absl::Seconds(30);
 constexpr absl::Duration kWaitSlice = absl::Milliseconds(500);
-constexpr size_t kTrailerBytes = 32;  // a UcxPushTrailer is at most 6 bytes
+constexpr size_t kTrailerBytes = 32;  // a PushGradTrailer is at most 5 bytes
 constexpr int kMaxRefusals = 2;  // threads answering hellos for jobs not (yet) here, at a time
 
 // A standing receive of one kind of incoming control message, driven by the progress thread.
@@ -557,8 +557,7 @@ class Server final : public UcxDataServer {
     const std::string accept_bytes = accept.SerializeAsString();
     std::vector<size_t> expected;
     int64_t total = 0;
-    const bool trailer = request.crc32c_follows() && !push.duplicate();
-    if (trailer) push.ExpectTrailingCrc32c();
+    const bool trailer = h.crc32c_follows() && !push.duplicate();  // a duplicate gets no payload, no trailer
     {
       // Declared before the group: its receive may still be posted until the group goes.
       std::string trailer_bytes(trailer ? kTrailerBytes : 0, '\0');
@@ -604,7 +603,7 @@ class Server final : public UcxDataServer {
       }
       if (!bad_chunk.ok()) return Answer(c, Kind::kReply, seq, ErrorReply(bad_chunk));
       if (trailer) {
-        v1::UcxPushTrailer t;
+        v1::PushGradTrailer t;
         if (!t.ParseFromArray(trailer_bytes.data(), static_cast<int>(group.received_bytes(expected.size())))) {
           return Answer(c, Kind::kReply, seq,
                         ErrorReply(absl::InvalidArgumentError("PushGrad: an unparseable CRC trailer; nothing was stored")));

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -39,6 +40,7 @@ using ::mainstay::testing::ReferenceModel;
 using ::mainstay::testing::StatusIs;
 using ::mainstay::testing::Subprocess;
 using ::mainstay::testing::TempDir;
+using ::testing::HasSubstr;
 
 constexpr absl::Duration kStartTimeout = absl::Seconds(60);
 constexpr int64_t kMaxChunkBytes = 4 << 20;  // docs/protocol.md
@@ -75,14 +77,18 @@ std::string Bytes(std::span<const float> values) {
 struct Chunk {
   int64_t element_offset = 0;
   std::string data;
+  std::optional<uint32_t> trailer;  // set: a PushGradTrailer with this CRC-32C instead of a chunk
 };
+
+Chunk Trailer(uint32_t crc) { return Chunk{0, "", crc}; }
 
 // `values` as 1 MiB chunks, the first at element `offset`.
 std::vector<Chunk> InChunks(std::span<const float> values, int64_t offset = 0) {
   constexpr size_t kElements = 1 << 18;
   std::vector<Chunk> chunks;
   for (size_t i = 0; i < values.size(); i += kElements) {
-    chunks.push_back({offset + static_cast<int64_t>(i), Bytes(values.subspan(i, std::min(kElements, values.size() - i)))});
+    chunks.push_back(
+        {offset + static_cast<int64_t>(i), Bytes(values.subspan(i, std::min(kElements, values.size() - i))), {}});
   }
   return chunks;
 }
@@ -92,8 +98,8 @@ std::vector<Chunk> Concat(std::vector<Chunk> a, const std::vector<Chunk>& b) {
   return a;
 }
 
-// One PushGrad stream through a raw stub: the header, then `chunks` (until the daemon ends the
-// stream), then the end of the stream, or a cancelled call when `cancel_before_end`.
+// One PushGrad stream through a raw stub: the header, then `chunks` and trailers in their order
+// (until the daemon ends the stream), then the end of the stream, or a cancelled call when `cancel_before_end`.
 absl::Status RawPush(const std::string& address, const v1::PushGradHeader& header, const std::vector<Chunk>& chunks,
                      bool cancel_before_end = false) {
   auto stub = v1::Shard::NewStub(::grpc::CreateChannel(address, ::grpc::InsecureChannelCredentials()));
@@ -107,8 +113,12 @@ absl::Status RawPush(const std::string& address, const v1::PushGradHeader& heade
   for (const Chunk& c : chunks) {
     if (!open) break;
     request.Clear();
-    request.mutable_chunk()->set_element_offset(c.element_offset);
-    request.mutable_chunk()->set_data(c.data);
+    if (c.trailer.has_value()) {
+      request.mutable_trailer()->set_crc32c(*c.trailer);
+    } else {
+      request.mutable_chunk()->set_element_offset(c.element_offset);
+      request.mutable_chunk()->set_data(c.data);
+    }
     open = writer->Write(request);
   }
   if (cancel_before_end) context.TryCancel();
@@ -272,7 +282,8 @@ TEST_F(BadInputTest, ChunkOverFourMebibytesIsInvalidArgumentAndStoresNothing) {
   const size_t big = static_cast<size_t>(kMaxChunkBytes) / 4 + 1;  // one element over the limit
   ASSERT_LT(big, g.size()) << "the shard must hold more than a maximal chunk";
   EXPECT_THAT(RawPush(address_, Header(1),
-                      {{0, Bytes(std::span(g).first(big))}, {static_cast<int64_t>(big), Bytes(std::span(g).subspan(big))}}),
+                      {{0, Bytes(std::span(g).first(big)), {}},
+                       {static_cast<int64_t>(big), Bytes(std::span(g).subspan(big)), {}}}),
               StatusIs(absl::StatusCode::kInvalidArgument));
   ExpectStepOneCommitsAsIfNothingHappened();
 }
@@ -285,6 +296,41 @@ TEST_F(BadInputTest, PayloadCorruptedInTransitIsDataLossAndStoresNothing) {
   // Garbage: the header's CRC-32C matches nothing.
   const std::vector<float> garbage(g.size(), -1.5e30f);
   EXPECT_THAT(RawPush(address_, Header(1), InChunks(garbage)), StatusIs(absl::StatusCode::kDataLoss));
+  ExpectStepOneCommitsAsIfNothingHappened();
+}
+
+// The CRC-32C after the payload (crc32c_follows, how the client library's grpc transport sends
+// it): a wrong one is DATA_LOSS; a missing, unannounced, misplaced or second trailer, or one
+// announced next to the header's own CRC, is INVALID_ARGUMENT. The correct form is what
+// PushStep sends.
+TEST_F(BadInputTest, CrcTrailerWrongMissingOrOutOfPlaceIsRefusedAndStoresNothing) {
+  const std::vector<float> g = Grad(1);
+  const uint32_t crc = Crc32c(g.data(), g.size() * 4);
+  const std::vector<Chunk> chunks = InChunks(g);
+  ASSERT_GE(chunks.size(), 2u);
+  v1::PushGradHeader follows = Header(1);
+  follows.clear_crc32c();
+  follows.set_crc32c_follows(true);
+  EXPECT_THAT(RawPush(address_, follows, Concat(chunks, {Trailer(crc ^ 0x100)})),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("CRC-32C of the payload")));
+  std::vector<Chunk> corrupt = chunks;
+  corrupt[1].data[777] ^= 0x01;
+  EXPECT_THAT(RawPush(address_, follows, Concat(corrupt, {Trailer(crc)})), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(RawPush(address_, follows, chunks),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ended without one")));
+  EXPECT_THAT(RawPush(address_, Header(1), Concat(chunks, {Trailer(crc)})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("did not announce")));
+  std::vector<Chunk> misplaced(chunks.begin(), chunks.end() - 1);
+  misplaced.push_back(Trailer(crc));
+  misplaced.push_back(chunks.back());
+  EXPECT_THAT(RawPush(address_, follows, misplaced),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("after the CRC-32C trailer")));
+  EXPECT_THAT(RawPush(address_, follows, Concat(chunks, {Trailer(crc), Trailer(crc)})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("after the CRC-32C trailer")));
+  v1::PushGradHeader both = Header(1);
+  both.set_crc32c_follows(true);
+  EXPECT_THAT(RawPush(address_, both, Concat(chunks, {Trailer(crc)})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("set one or the other")));
   ExpectStepOneCommitsAsIfNothingHappened();
 }
 

@@ -235,6 +235,35 @@ TEST_F(ClientGrpcTest, CreateAttachPushPullReducedModeStep) {
     ASSERT_THAT(pulled, IsOk());
     EXPECT_EQ(pulled->version(), 1);
   }
+  // Every push's CRC-32C was checked, and came after its payload (computed as the chunks were
+  // copied, not in a pass of its own).
+  const auto pushes = cluster_->stats();
+  EXPECT_EQ(pushes.wrong_crc, 0);
+  EXPECT_EQ(pushes.crc_checked, pushes.push_streams);
+  EXPECT_EQ(pushes.crc_trailers, pushes.push_streams);
+}
+
+// With push_crc32c off nothing is sent (no trailer, no header CRC), and FinishStep still keeps
+// each gradient's CRC-32C (computed as the push's chunks were copied) for its check before it
+// pushes a step again: a buffer changed after its push is caught.
+TEST_F(ClientGrpcTest, WithoutPushCrcTheKeptCrcStillCatchesAChangedBuffer) {
+  StartCluster();
+  ClientOptions options;
+  options.push_crc32c = false;
+  ConnectRanks(testing_fakes::SmallSpec(2), 2, options);
+  ASSERT_EQ(clients_.size(), 2u);
+  PushInitial(RandomBuckets(1));
+  cluster_->GiveUpStep(0);
+  auto grad = RandomBuckets(200);
+  for (PushHandle& h : PushReduced(0, grad)) ASSERT_THAT(h.Wait(), IsOk());
+  EXPECT_EQ(cluster_->stats().crc_checked, 0);
+  for (auto& bucket : grad) bucket[0] += 1.0f;  // rank 0's shard of every bucket
+  absl::StatusOr<StepStats> rank0 = absl::UnknownError("not run");
+  std::thread t([&] { rank0 = clients_[0]->FinishStep(0, 0.5, 0.0, std::chrono::milliseconds(1500)); });
+  const absl::StatusOr<StepStats> rank1 = clients_[1]->FinishStep(0, 0.5, 0.0, std::chrono::milliseconds(1500));
+  t.join();
+  EXPECT_THAT(rank0, StatusIs(absl::StatusCode::kAborted, HasSubstr("changed after its push")));
+  EXPECT_FALSE(rank1.ok());
 }
 
 // A step the daemons gave up having changed nothing (a peer daemon died mid-step, the placement

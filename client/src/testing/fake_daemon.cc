@@ -1,6 +1,7 @@
 // The fake shard daemon of fake_services.h: PushGrad, PullParams, FinishStep, GetStepStats.
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -51,7 +52,14 @@ class FakeDaemon final : public v1::Shard::Service {
     const int elem = h.dtype() == v1::ELEMENT_TYPE_FP32 ? 4 : 2;
     std::string payload;
     int64_t max_chunk = 0;
+    std::optional<uint32_t> trailer;
     while (reader->Read(&message)) {
+      if (trailer.has_value()) return Invalid("a message after the trailer");
+      if (message.has_trailer()) {
+        if (!h.crc32c_follows()) return Invalid("a trailer the header did not announce");
+        trailer = message.trailer().crc32c();
+        continue;
+      }
       if (!message.has_chunk()) return Invalid("a second header");
       const v1::GradChunk& c = message.chunk();
       if (c.element_offset() * elem != static_cast<int64_t>(payload.size())) return Invalid("chunk out of order");
@@ -60,7 +68,16 @@ class FakeDaemon final : public v1::Shard::Service {
       payload += c.data();
     }
     if (static_cast<int64_t>(payload.size()) != h.total_bytes()) return Invalid("short payload");
-    return Store(h, payload, shard_numel, response, max_chunk);
+    if (h.crc32c_follows() && !trailer.has_value()) return Invalid("no trailer");
+    v1::PushGradHeader checked = h;  // the trailer's CRC-32C is checked as the header's would be
+    if (trailer.has_value()) checked.set_crc32c(*trailer);
+    grpc::Status stored = Store(checked, payload, shard_numel, response, max_chunk);
+    if (stored.ok() && checked.crc32c() != 0) {
+      absl::MutexLock lock(&s_->mu);
+      ++s_->stats.crc_checked;
+      if (trailer.has_value()) ++s_->stats.crc_trailers;
+    }
+    return stored;
   }
 
   // The cuda_ipc transport's calls. A "handle" here is what the tests' fake CUDA driver exports:

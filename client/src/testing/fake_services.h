@@ -53,6 +53,8 @@ struct FakeStats {
   int64_t finish_calls = 0;
   int64_t pull_streams = 0;
   int64_t wrong_crc = 0;           // pushes whose crc32c did not match (rejected)
+  int64_t crc_checked = 0;         // PushGrad streams whose CRC-32C (header or trailer) matched
+  int64_t crc_trailers = 0;        // of those, the ones whose CRC-32C came in a PushGradTrailer
   int64_t cuda_ipc_attaches = 0;   // AttachCudaIpc calls answered OK
   int64_t cuda_ipc_pushes = 0;     // CudaIpcPush calls admitted
   int64_t cuda_ipc_pulls = 0;      // CudaIpcPull calls of a known session
