@@ -1,7 +1,8 @@
 // libFuzzer target: the fuzz input is a sequence of PushGrad streams against a real in-process
 // ShardDaemon holding one small job (2 ranks, both shards of every bucket on this daemon, a job
 // token). Each stream is a header whose fields come from the input (job, token, epoch, bucket,
-// shard, step, rank, kind, dtype, total_bytes, num_contributors, crc32c, loss_scale), then
+// shard, step, rank, kind, dtype, total_bytes, num_contributors, crc32c or crc32c_follows with a
+// trailer, loss_scale), then
 // chunks with offsets and sizes from the input (in order or not, overlapping, short, over the
 // end, not whole elements, garbage bytes), then Finish or an abandoned stream. Stream i starts
 // from the i-th push of a correct trainer (initial parameters, then the gradients of steps 0, 1,
@@ -17,7 +18,9 @@
 //    elements in order within the shard and at most 4 MiB, INVALID_ARGUMENT otherwise, and a
 //    failed stream stays failed;
 //  - Finish of a stream whose chunks were all accepted and cover the shard is OK unless the
-//    CRC-32C is wrong (DATA_LOSS); a short stream is INVALID_ARGUMENT;
+//    CRC-32C (the header's, or the trailer's) is wrong (DATA_LOSS) or an announced trailer is
+//    missing (INVALID_ARGUMENT, unless a duplicate); a short stream is INVALID_ARGUMENT;
+//  - crc32c_follows next to a header crc32c is refused at BeginPush;
 //  - a successful Finish is a duplicate exactly when the same (kind, bucket, shard, step, rank)
 //    was stored before in this run (initial parameters: per (bucket, shard));
 //  - a failed or abandoned stream stores nothing: the same header pushed again with correct data
@@ -144,6 +147,7 @@ struct Stream {
     std::string data;
   };
   std::vector<Chunk> chunks;
+  std::optional<uint32_t> trailer;  // a PushGradTrailer's CRC-32C, passed before Finish
   bool finish = true;
 };
 
@@ -249,10 +253,25 @@ Stream DrawStream(FuzzedDataProvider& in, int i) {
   }
   uint32_t crc = 0;
   for (const Stream::Chunk& c : s.chunks) crc = Crc32cExtend(crc, c.data.data(), c.data.size());
-  switch (in.ConsumeIntegralInRange(0, 3)) {
+  switch (in.ConsumeIntegralInRange(0, 7)) {
     case 0: h.set_crc32c(crc); break;
     case 1: h.set_crc32c(0); break;
-    default: h.set_crc32c(in.ConsumeIntegral<uint32_t>());
+    case 2:
+    case 3: h.set_crc32c(in.ConsumeIntegral<uint32_t>()); break;
+    // After the payload (crc32c_follows): right, wrong, missing, or announced next to a header CRC.
+    case 4:
+      h.set_crc32c_follows(true);
+      s.trailer = crc;
+      break;
+    case 5:
+      h.set_crc32c_follows(true);
+      s.trailer = in.ConsumeIntegral<uint32_t>();
+      break;
+    case 6: h.set_crc32c_follows(true); break;
+    default:
+      h.set_crc32c_follows(true);
+      h.set_crc32c(crc | 1);
+      s.trailer = crc;
   }
   s.finish = Right(in, 7, 8);
   return s;
@@ -340,6 +359,7 @@ void RunStream(daemon::ShardDaemon& d, const Stream& s, Model& model) {
   const int64_t numel = layout.buckets[static_cast<size_t>(h.bucket())].shard_numel;
   Check(h.total_bytes() == numel * elem, "BeginPush accepted a wrong total_bytes");
   Check(h.placement_epoch() <= kEpoch, "BeginPush accepted a future epoch");
+  Check(!h.crc32c_follows() || h.crc32c() == 0, "BeginPush accepted crc32c_follows next to a header crc32c");
   ++outcomes.sessions;
 
   int64_t received = 0;
@@ -367,13 +387,19 @@ void RunStream(daemon::ShardDaemon& d, const Stream& s, Model& model) {
   const bool was_stored = model.stored.count(KeyOf(h)) > 0;
   bool stored_now = false;
   if (s.finish) {
+    if (s.trailer.has_value()) (*session)->SetTrailingCrc32c(*s.trailer);
     absl::StatusOr<v1::PushGradResponse> r = (*session)->Finish();
+    // The CRC-32C the push is checked against: the header's, or the trailer's (0: none).
+    const uint32_t expected = h.crc32c_follows() ? s.trailer.value_or(0) : h.crc32c();
     if (failed || received != numel) {
       Check(r.status().code() == absl::StatusCode::kInvalidArgument,
             "Finish of a failed or short stream answered " + r.status().ToString());
+    } else if (h.crc32c_follows() && !s.trailer.has_value() && !was_stored) {
+      Check(r.status().code() == absl::StatusCode::kInvalidArgument,
+            "Finish without the announced CRC-32C trailer answered " + r.status().ToString());
     } else {
       const uint32_t crc = Crc32c(payload.data(), payload.size());
-      if (h.crc32c() != 0 && h.crc32c() != crc && !was_stored) {
+      if (expected != 0 && expected != crc && !was_stored) {
         Check(r.status().code() == absl::StatusCode::kDataLoss, "a wrong CRC-32C answered " + r.status().ToString());
         ++outcomes.data_loss;
       } else {
@@ -401,6 +427,7 @@ void RunStream(daemon::ShardDaemon& d, const Stream& s, Model& model) {
   std::string data(static_cast<size_t>(numel * elem), '\0');
   for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7 + 1);
   good.header.set_crc32c(Crc32c(data.data(), data.size()));
+  good.header.set_crc32c_follows(false);
   absl::StatusOr<std::unique_ptr<daemon::PushSession>> again = d.BeginPush(good.header);
   Check(again.ok(), "after a failed stream the same header is refused: " + again.status().ToString());
   Check((*again)->AddChunk(0, data).ok(), "after a failed stream a whole-shard chunk is refused");
