@@ -1,6 +1,7 @@
 #include "common/crc32c.h"
 
 #include <array>
+#include <cassert>
 #include <cstring>
 
 namespace mainstay {
@@ -142,6 +143,8 @@ uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t size) {
 uint32_t Crc32cCopyExtend(uint32_t crc, void* dst, const void* src, size_t size) {
   const uint8_t* p = static_cast<const uint8_t*>(src);
   uint8_t* d = static_cast<uint8_t*>(dst);
+  assert(size == 0 || reinterpret_cast<uintptr_t>(d) + size <= reinterpret_cast<uintptr_t>(p) ||
+         reinterpret_cast<uintptr_t>(p) + size <= reinterpret_cast<uintptr_t>(d));  // no overlap
 #if defined(__x86_64__)
   if (HaveSse42()) return ~ExtendSse42<true>(~crc, d, p, size);
 #endif

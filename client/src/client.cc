@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "client/src/client_impl.h"
 #include "client/src/rpc_errors.h"
+#include "common/chunk_limits.h"
 #include "common/job_spec.h"
 #include "common/job_spec_proto.h"
 #include "common/layout_proto.h"
@@ -100,7 +101,7 @@ absl::Status CheckOptions(const ClientOptions& o) {
   if (o.initial_backoff.count() <= 0 || o.max_backoff < o.initial_backoff) {
     return InvalidArgumentError("initial_backoff", "must be > 0 and <= max_backoff");
   }
-  if (o.chunk_bytes < 1024 || o.chunk_bytes > (4 << 20)) {
+  if (o.chunk_bytes < kMinChunkBytes || o.chunk_bytes > kMaxChunkBytes) {
     return InvalidArgumentError("chunk_bytes", "must be in [1 KiB, 4 MiB], got ", o.chunk_bytes);
   }
   if (o.push_threads < 0 || o.pull_threads < 0) return InvalidArgumentError("push_threads", "must be >= 0");

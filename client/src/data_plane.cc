@@ -255,9 +255,9 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
         // The payload's CRC-32C goes to the daemon (ClientOptions::push_crc32c), and a
         // gradient's is also kept for FinishStep's check before it pushes the step again
         // (step_attempts). Device memory has none (crc32c 0, "not sent"). Where it is known
-        // (an earlier attempt, or the replicas' copies) the header carries it; a transport that
-        // computes it as it copies or sends the payload sends it after the payload; else it is
-        // computed here, first.
+        // (the replicas' copies needed it up front) the header carries it; a transport that
+        // computes it as it copies or sends the payload sends it after the payload, to a daemon
+        // that takes trailers; else it is computed here, first.
         h->clear_crc32c();
         h->set_crc32c_follows(false);
         const bool kept = kind == v1::PUSH_KIND_GRADIENT && options.step_attempts > 1 && crc_out != nullptr;
@@ -265,7 +265,7 @@ absl::StatusOr<PushResult> Client::Impl::PushShardSync(int32_t bucket, int32_t s
         std::optional<uint32_t> sent_crc;
         std::optional<uint32_t>* sent_crc_out = nullptr;
         if (host && (options.push_crc32c || kept)) {
-          if (!crc && transport->ComputesPushCrc32c()) {
+          if (!crc && transport->ComputesPushCrc32c() && route.endpoint.takes_crc32c_trailer()) {
             h->set_crc32c_follows(options.push_crc32c);
             sent_crc_out = kept ? &sent_crc : nullptr;
           } else {

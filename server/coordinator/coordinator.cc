@@ -147,6 +147,7 @@ absl::StatusOr<v1::RegisterDaemonResponse> Coordinator::RegisterDaemon(const v1:
   }
   if (!has_grpc) e->add_transports(v1::TRANSPORT_GRPC);
   e->set_ucx_worker_address(request.ucx_worker_address());
+  e->set_takes_crc32c_trailer(request.takes_crc32c_trailer());
   *info.mutable_resources() = request.resources();
   info.set_version(request.version());
   *info.mutable_labels() = request.labels();

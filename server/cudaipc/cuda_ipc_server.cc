@@ -219,6 +219,11 @@ absl::StatusOr<v1::PushGradResponse> CudaIpcServer::Push(const v1::CudaIpcPushRe
   MAINSTAY_ASSIGN_OR_RETURN(std::shared_ptr<State::Session> s, st.Enter(request.session_id(), h.job_id(), h.rank()));
   absl::Cleanup done = [&st] { st.Leave(); };
   MAINSTAY_RETURN_IF_ERROR(CheckHandle(request.memory(), "CudaIpcPush"));
+  if (h.crc32c_follows()) {  // refused before anything moves, not after the copy
+    return absl::InvalidArgumentError(
+        "CudaIpcPush: crc32c_follows, but a cuda_ipc push has no trailer to carry a CRC-32C (device memory: "
+        "crc32c 0, or the CRC in the header)");
+  }
   absl::StatusOr<std::unique_ptr<PushSession>> session = st.options.daemon->BeginPush(h);
   if (session.ok() && st.options.drain != nullptr) {
     if (absl::Status admitted = st.options.drain->AdmitPush(h.job_id(), h.step()); !admitted.ok()) session = admitted;

@@ -124,7 +124,9 @@ class PushSession {
   absl::Status AddChunk(int64_t element_offset, std::span<const std::span<const uint8_t>> pieces);
   absl::Status AddChunk(int64_t element_offset, absl::string_view data);
   // Stores the shard's push (or acknowledges a duplicate). INVALID_ARGUMENT when the stream
-  // ended short; FAILED_PRECONDITION when the step was committed meanwhile.
+  // ended short or without the CRC-32C trailer its header announced (a duplicate needs none);
+  // DATA_LOSS when the payload's CRC-32C (the header's or the trailer's) does not match;
+  // FAILED_PRECONDITION when the step was committed meanwhile.
   absl::StatusOr<v1::PushGradResponse> Finish();
 
   // For transports that place the payload themselves (ucx, nccl) instead of AddChunk calls: a

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/chunk_limits.h"
 #include "common/crc32c.h"
 #include "common/error_detail.h"
 #include "common/status.h"
@@ -14,10 +15,6 @@ namespace mainstay::daemon {
 namespace {
 
 int ElementBytes(ElementType type) { return BitsOf(type) / 8; }
-
-// shard.proto: a chunk holds at most 4 MiB (a large bucket is never one giant message).
-constexpr size_t kMaxChunkBytes = 4 << 20;
-
 
 }  // namespace
 
@@ -190,7 +187,7 @@ absl::Status PushSession::AddChunk(int64_t element_offset, std::span<const std::
     return absl::InvalidArgumentError(absl::StrCat("PushGrad: chunk at element ", element_offset, ", expected ",
                                                    received_, " (chunks must be in order without gaps)"));
   }
-  if (size > kMaxChunkBytes) {
+  if (size > static_cast<size_t>(kMaxChunkBytes)) {
     return absl::InvalidArgumentError(
         absl::StrCat("PushGrad: chunk of ", size, " bytes is over the protocol's ", kMaxChunkBytes, " bytes"));
   }

@@ -202,7 +202,7 @@ absl::StatusOr<v1::PushGradResponse> Job::StoreTrainerCopyLocked(PushSession& se
     return response;
   }
   // Kept under the CRC computed here as it landed, which must be the header's: a copy is only
-  // ever matched by it (a trailer that said otherwise, or none, was checked against itself).
+  // ever matched by it (a copy cannot announce a trailer: BeginPush refuses crc32c_follows).
   if (!session.track_crc_ || session.crc_ != h.crc32c()) {
     return absl::DataLossError(absl::StrCat("PushGrad (replica copy): CRC-32C of the payload is ", session.crc_,
                                             ", the header says ", h.crc32c(), "; nothing was stored"));

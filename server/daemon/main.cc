@@ -606,6 +606,7 @@ int Main(int argc, char** argv) {
   reg.set_address(address);
   reg.set_node_name(flags->Get("--node-name", HostName()));
   reg.add_transports(v1::TRANSPORT_GRPC);
+  reg.set_takes_crc32c_trailer(true);
   if (ucx_server != nullptr) {
     reg.add_transports(v1::TRANSPORT_UCX);
     reg.set_ucx_worker_address(ucx_server->worker_address());

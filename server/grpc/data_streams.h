@@ -11,7 +11,9 @@
 //
 // Errors (as gRPC statuses with the daemon's ErrorDetail): PushGrad INVALID_ARGUMENT for a
 // malformed stream (no header first, a second header, a message that is no PushGradRequest, a
-// chunk out of order or over 4 MiB) and the core's codes for the push itself; CANCELLED when the
+// chunk out of order or over 4 MiB, a CRC-32C trailer not announced by the header, a second one
+// or anything after it, an announced one missing) and the core's codes for the push itself
+// (DATA_LOSS for a CRC-32C that does not match); CANCELLED when the
 // trainer, the idle timeout or a newer stream of the same push ended it (nothing stored);
 // UNAVAILABLE while the daemon stops or drains. PullParams INVALID_ARGUMENT for a request that
 // does not parse or a bad delta request, the core's codes for the version, CANCELLED when the
@@ -27,6 +29,7 @@
 
 #include <cstdint>
 
+#include "common/chunk_limits.h"
 #include "server/daemon/shard_daemon.h"
 #include "server/daemon/step_drain.h"
 #include "server/grpc/calls.h"
@@ -37,7 +40,6 @@
 namespace mainstay::daemon {
 
 inline constexpr int64_t kDefaultChunkBytes = 1 << 20;  // a pull's chunks when the request names none
-inline constexpr int64_t kMaxChunkBytes = 4 << 20;  // the protocol's limit on one chunk's payload
 
 // The chunk size of a stream whose request asked for `requested` bytes (0: the default),
 // capped at kMaxChunkBytes and rounded down to whole elements of every type.

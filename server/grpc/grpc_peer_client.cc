@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/chunk_limits.h"
 #include "common/grpc_status.h"
 #include "common/status.h"
 #include "server/daemon/shard_transfer.h"
@@ -66,7 +67,7 @@ absl::StatusOr<ShardStateCopy> GrpcPeerClient::FetchShardState(const v1::DaemonE
 absl::Status GrpcPeerClient::ForwardStepInput(const v1::DaemonEndpoint& peer, const v1::ReplicaInputHeader& header,
                                               std::span<const uint8_t> payload, absl::Time deadline) {
   MAINSTAY_ASSIGN_OR_RETURN(v1::Shard::Stub * stub, StubFor(peer));
-  constexpr size_t kChunkBytes = 4 << 20;  // the protocol's largest chunk
+  constexpr size_t kChunkBytes = kMaxChunkBytes;
   ::grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline));
   v1::ForwardStepInputResponse response;

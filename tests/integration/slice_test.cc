@@ -365,6 +365,23 @@ class SliceProtocolTest : public ::testing::Test {
   std::vector<std::unique_ptr<Client>> clients_;
 };
 
+// mainstayd registers that it takes a push's CRC-32C in a trailer, and the coordinator passes
+// that on in the placement: the trainers in these tests send trailers to it (docs/transports.md).
+TEST_F(SliceProtocolTest, ThePlacementSaysRealDaemonsTakeCrcTrailers) {
+  auto coordinator =
+      v1::Coordinator::NewStub(::grpc::CreateChannel(cluster_->address(), ::grpc::InsecureChannelCredentials()));
+  v1::GetPlacementRequest get;
+  get.set_job_id(clients_[0]->job_id());
+  get.set_job_token(clients_[0]->job_token());
+  v1::GetPlacementResponse placement;
+  ::grpc::ClientContext context;
+  ASSERT_THAT(FromGrpcStatus(coordinator->GetPlacement(&context, get, &placement)), IsOk());
+  ASSERT_GT(placement.placement().daemons_size(), 0);
+  for (const v1::DaemonEndpoint& d : placement.placement().daemons()) {
+    EXPECT_TRUE(d.takes_crc32c_trailer()) << d.daemon_id();
+  }
+}
+
 TEST_F(SliceProtocolTest, AUcxHelloWithoutTheJobsTokenGetsNoConnectionAndNoAnswer) {
   // Issue 18, item 5: the daemon checks the hello's job token on its progress thread, before
   // any thread, worker or endpoint is spent on it; only a trainer of a job it holds is answered.

@@ -243,6 +243,24 @@ TEST_F(ClientGrpcTest, CreateAttachPushPullReducedModeStep) {
   EXPECT_EQ(pushes.crc_trailers, pushes.push_streams);
 }
 
+// A daemon that does not list takes_crc32c_trailer (one built before December 2026) is sent the
+// CRC in the header, which it checks: a new trainer works with an old daemon.
+TEST_F(ClientGrpcTest, DaemonsWithoutTrailersGetTheCrcInTheHeader) {
+  FakeClusterOptions options;
+  options.take_crc32c_trailers = false;
+  StartCluster(options);
+  ConnectRanks(testing_fakes::SmallSpec(2), 2);
+  ASSERT_EQ(clients_.size(), 2u);
+  PushInitial(RandomBuckets(1));
+  const auto grad = RandomBuckets(100);  // pushed from: it outlives the pushes
+  for (PushHandle& h : PushReduced(0, grad)) ASSERT_THAT(h.Wait(), IsOk());
+  for (const auto& s : FinishAll(0, 0.5, 0.0)) ASSERT_THAT(s, IsOk());
+  const auto pushes = cluster_->stats();
+  EXPECT_GT(pushes.push_streams, 0);
+  EXPECT_EQ(pushes.crc_checked, pushes.push_streams);
+  EXPECT_EQ(pushes.crc_trailers, 0);
+}
+
 // With push_crc32c off nothing is sent (no trailer, no header CRC), and FinishStep still keeps
 // each gradient's CRC-32C (computed as the push's chunks were copied) for its check before it
 // pushes a step again: a buffer changed after its push is caught.

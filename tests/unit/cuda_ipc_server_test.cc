@@ -539,6 +539,12 @@ TEST_F(CudaIpcServerTest, BadPushesAreRefusedAndStoreNothing) {
   *r.mutable_header() = cluster_.PushHeader(0, 0, -1, 0, v1::PUSH_KIND_INITIAL_PARAMS, values);
   r.mutable_header()->set_job_token("not-the-token");
   EXPECT_THAT(server_->Push(r).status(), StatusIs(absl::StatusCode::kPermissionDenied));
+  // A CRC-32C trailer announced: a cuda_ipc push has none, so it is refused before the copy.
+  const int opens_before = memory_.opens();
+  *r.mutable_header() = cluster_.PushHeader(0, 0, -1, 0, v1::PUSH_KIND_INITIAL_PARAMS, values);
+  r.mutable_header()->set_crc32c_follows(true);
+  EXPECT_THAT(server_->Push(r).status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("crc32c_follows")));
+  EXPECT_EQ(memory_.opens(), opens_before);
   // Nothing of the failed pushes was stored: the same push now is new, not a duplicate. No
   // mapping outlived its push, failed or not.
   auto pushed = Push(session, 0, 0, -1, v1::PUSH_KIND_INITIAL_PARAMS, values, handle, allocation);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/crc32c.h"
 #include "gtest/gtest.h"
 #include "mainstay/v1/shard.pb.h"
 
@@ -71,6 +72,24 @@ TEST(GrpcChunkTest, EncodersWriteProtobufsBytes) {
       EXPECT_EQ(Flatten(EncodeChunkShared(3, offset, Bytes(data), nullptr)), scales.SerializeAsString())
           << "offset " << offset << " size " << size;
     }
+  }
+}
+
+// With a CRC to extend, the copy writes the same bytes and the CRC covers exactly the data,
+// chained across chunks as the grpc transport chains a push's.
+TEST(GrpcChunkTest, CopyingEncoderExtendsTheCrcOverTheData) {
+  uint32_t crc = 0;
+  std::string all;
+  for (const size_t size : kSizes) {
+    const std::string data = Payload(size, static_cast<uint8_t>(size + 1));
+    v1::PushGradRequest push;
+    push.mutable_chunk()->set_element_offset(static_cast<int64_t>(all.size()));
+    push.mutable_chunk()->set_data(data);
+    EXPECT_EQ(Flatten(EncodeChunkCopy(2, static_cast<int64_t>(all.size()), Bytes(data), &crc)),
+              push.SerializeAsString())
+        << "size " << size;
+    all += data;
+    EXPECT_EQ(crc, Crc32c(all.data(), all.size())) << "after a chunk of " << size << " bytes";
   }
 }
 

@@ -56,6 +56,8 @@ class FakeDaemon final : public v1::Shard::Service {
     while (reader->Read(&message)) {
       if (trailer.has_value()) return Invalid("a message after the trailer");
       if (message.has_trailer()) {
+        // A daemon from before trailers knows no such message: to it, it is no chunk.
+        if (!s_->options.take_crc32c_trailers) return Invalid("a second header (an old daemon)");
         if (!h.crc32c_follows()) return Invalid("a trailer the header did not announce");
         trailer = message.trailer().crc32c();
         continue;

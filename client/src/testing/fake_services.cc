@@ -205,6 +205,7 @@ class FakeCoordinator final : public v1::Coordinator::Service {
       e->set_node_name("localhost");
       e->add_transports(v1::TRANSPORT_GRPC);
       if (s_->options.offer_cuda_ipc) e->add_transports(v1::TRANSPORT_CUDA_IPC);
+      e->set_takes_crc32c_trailer(s_->options.take_crc32c_trailers);
     }
     return grpc::Status::OK;
   }

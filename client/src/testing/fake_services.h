@@ -42,6 +42,9 @@ struct FakeClusterOptions {
   std::string admin_token;
   bool serve_admin = true;
   bool offer_cuda_ipc = false;  // the placement lists TRANSPORT_CUDA_IPC for every daemon
+  // The placement says the daemons take a push's CRC-32C in a trailer (false: a daemon from
+  // before December 2026, which is sent the CRC in the header).
+  bool take_crc32c_trailers = true;
 };
 
 struct FakeStats {
