@@ -1,6 +1,9 @@
-// The data plane's chunk sizes, as shard.proto states them: every payload (a push's gradient, a
-// pull's data and scales, a forwarded step input, a shard's state in a move) travels in chunks
-// of at most kMaxChunkBytes bytes. One definition for the client, the daemon and the tests.
+// Chunk sizes, as shard.proto states them. A gRPC data-plane message (a push's gradient chunk, a
+// pull's data and scale chunks, a forwarded step input, a shard's state in a move) holds at most
+// kMaxChunkBytes of payload, and ClientOptions::chunk_bytes (every transport) is in
+// [kMinChunkBytes, kMaxChunkBytes]; the ucx and nccl daemons accept chunks up to their own larger
+// limits (ucx_worker.h, nccl_link.h). One definition for the client and the daemon; the tests
+// keep their own copy of the protocol's number, as an independent oracle.
 #ifndef MAINSTAY_COMMON_CHUNK_LIMITS_H_
 #define MAINSTAY_COMMON_CHUNK_LIMITS_H_
 

@@ -144,6 +144,12 @@ absl::StatusOr<ContextPtr> NewContext(const std::string& name) {
   // A peer cut off without a reset (a partition) must fail its transfers in seconds, as gRPC's
   // 5 s keepalive pings do, not after UCX's default interval; UCX_KEEPALIVE_INTERVAL overrides.
   if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "2s");
+  // Every worker is shared by its progress thread and the threads that post transfers
+  // (UCS_THREAD_MODE_MULTI). UCX's default lock is a spin lock, and the progress thread holds it
+  // through a rendezvous chunk's copy (hundreds of microseconds): the posting threads spun for
+  // it, 25 % of both cores in a 256M step on 2 vCPUs. A mutex sleeps instead (benchmarks.md,
+  // "UCX's worker lock"); UCX_USE_MT_MUTEX overrides.
+  if (std::getenv("UCX_USE_MT_MUTEX") == nullptr) ucp_config_modify(config, "USE_MT_MUTEX", "y");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;

@@ -266,12 +266,14 @@ class Server final : public NcclChannelServer {
 
   absl::Status PushOn(Channel& c, const v1::PushGradHeader& h, absl::Time deadline, const Write& write,
                       const Cancelled& cancelled) {
-    if (h.crc32c_follows()) {  // refused before anything moves, not after the transfer
-      return absl::InvalidArgumentError(
+    absl::StatusOr<std::unique_ptr<PushSession>> session;
+    if (h.crc32c_follows()) {  // refused like any bad header: before anything moves
+      session = absl::InvalidArgumentError(
           "NcclPush: crc32c_follows, but an nccl push has no trailer to carry a CRC-32C (device memory: crc32c 0, "
           "or the CRC in the header)");
+    } else {
+      session = options_.daemon->BeginPush(h);
     }
-    absl::StatusOr<std::unique_ptr<PushSession>> session = options_.daemon->BeginPush(h);
     if (session.ok() && options_.drain != nullptr) {
       if (absl::Status s = options_.drain->AdmitPush(h.job_id(), h.step()); !s.ok()) session = s;
     }
