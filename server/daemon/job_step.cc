@@ -627,9 +627,14 @@ std::shared_ptr<QuantizedShard> Job::NewSnapshot(ShardState& s, const std::vecto
   snap->shard = s.shard;
   snap->format = bucket.format;
   snap->elements = bucket.shards[static_cast<size_t>(s.shard)].elements;
-  snap->data = std::move(s.spare_data);  // reused when the size fits (assign keeps the memory)
+  const size_t data_bytes = static_cast<size_t>(DataBytes(bucket.format, s.numel));
+  snap->data = std::move(s.spare_data);  // an evicted version's buffer, or empty
   s.spare_data.clear();
-  snap->data.assign(static_cast<size_t>(DataBytes(bucket.format, s.numel)), 0);
+  // A buffer of this shard's size is an evicted version of this shard: the cast writes every
+  // fragment's bytes again, and the padding between and after them is still the zeros it was
+  // allocated with (nothing writes there), so it is not zeroed again (a pass over the whole
+  // shard every step). Any other buffer starts as zeros.
+  if (snap->data.size() != data_bytes) snap->data.assign(data_bytes, 0);
   snap->has_scales = d.has_block_scales();
   snap->scale_type = d.block_scale;
   const int scale_bytes = d.has_block_scales() ? BitsOf(d.block_scale) / 8 : 0;
