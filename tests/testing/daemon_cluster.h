@@ -617,9 +617,11 @@ inline void ExpectMatchesReference(Cluster& c, Reference& ref, int64_t version) 
       absl::StatusOr<ShardStateCopy> state = c.daemon_of(s.rank).ReadShardState(kJob, b.index, s.rank);
       ASSERT_THAT(state.status(), IsOk());
       int64_t scale_offset = 0;
+      std::vector<bool> covered(q.data.size(), false);
       for (const TensorFragment& f : s.fragments) {
         const size_t t = static_cast<size_t>(f.tensor);
         const IndexRange bytes = FragmentShardByteRange(b, s, f);
+        for (int64_t i = bytes.begin; i < bytes.end && i < static_cast<int64_t>(covered.size()); ++i) covered[i] = true;
         const int64_t begin = DataBytes(b.format, f.elements.begin);
         ASSERT_EQ(0, std::memcmp(q.data.data() + bytes.begin, data[t].data() + begin, static_cast<size_t>(bytes.size())))
             << "data of " << c.layout().tensors[t].name << " " << f.elements.begin << ".." << f.elements.end;
@@ -634,6 +636,13 @@ inline void ExpectMatchesReference(Cluster& c, Reference& ref, int64_t version) 
         ASSERT_EQ(0, std::memcmp(state->master.data() + off, ref.master(t).data() + f.elements.begin,
                                  static_cast<size_t>(f.elements.size()) * 4))
             << "master of " << c.layout().tensors[t].name;
+      }
+      // The bytes no fragment covers (padding) are zeros in every version: a version cast into
+      // an evicted version's buffer is not zeroed first, as nothing writes there.
+      for (size_t i = 0; i < covered.size(); ++i) {
+        if (!covered[i]) {
+          ASSERT_EQ(q.data[i], 0) << "padding byte " << i << " of bucket " << b.index << " shard " << s.rank;
+        }
       }
     }
   }
