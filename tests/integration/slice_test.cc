@@ -361,6 +361,18 @@ class SliceProtocolTest : public ::testing::Test {
     ASSERT_EQ(clients_.size(), 2u);
     for (const auto& r : TrainAll(clients_, 1, false)) ASSERT_THAT(r.status(), IsOk()) << cluster_->Logs();
   }
+  // The job's placement as the coordinator serves it.
+  absl::StatusOr<v1::Placement> Placement() {
+    auto coordinator =
+        v1::Coordinator::NewStub(::grpc::CreateChannel(cluster_->address(), ::grpc::InsecureChannelCredentials()));
+    v1::GetPlacementRequest get;
+    get.set_job_id(clients_[0]->job_id());
+    get.set_job_token(clients_[0]->job_token());
+    v1::GetPlacementResponse placement;
+    ::grpc::ClientContext context;
+    MAINSTAY_RETURN_IF_ERROR(FromGrpcStatus(coordinator->GetPlacement(&context, get, &placement)));
+    return placement.placement();
+  }
   std::unique_ptr<LocalCluster> cluster_;
   std::vector<std::unique_ptr<Client>> clients_;
 };
@@ -368,16 +380,10 @@ class SliceProtocolTest : public ::testing::Test {
 // mainstayd registers that it takes a push's CRC-32C in a trailer, and the coordinator passes
 // that on in the placement: the trainers in these tests send trailers to it (docs/transports.md).
 TEST_F(SliceProtocolTest, ThePlacementSaysRealDaemonsTakeCrcTrailers) {
-  auto coordinator =
-      v1::Coordinator::NewStub(::grpc::CreateChannel(cluster_->address(), ::grpc::InsecureChannelCredentials()));
-  v1::GetPlacementRequest get;
-  get.set_job_id(clients_[0]->job_id());
-  get.set_job_token(clients_[0]->job_token());
-  v1::GetPlacementResponse placement;
-  ::grpc::ClientContext context;
-  ASSERT_THAT(FromGrpcStatus(coordinator->GetPlacement(&context, get, &placement)), IsOk());
-  ASSERT_GT(placement.placement().daemons_size(), 0);
-  for (const v1::DaemonEndpoint& d : placement.placement().daemons()) {
+  absl::StatusOr<v1::Placement> placement = Placement();
+  ASSERT_THAT(placement.status(), IsOk());
+  ASSERT_GT(placement->daemons_size(), 0);
+  for (const v1::DaemonEndpoint& d : placement->daemons()) {
     EXPECT_TRUE(d.takes_crc32c_trailer()) << d.daemon_id();
   }
 }
@@ -387,14 +393,9 @@ TEST_F(SliceProtocolTest, AUcxHelloWithoutTheJobsTokenGetsNoConnectionAndNoAnswe
   // any thread, worker or endpoint is spent on it; only a trainer of a job it holds is answered.
   const char* transport = std::getenv("MAINSTAY_TRANSPORT");
   if (transport == nullptr || std::string(transport) != "ucx") GTEST_SKIP() << "a UCX test (slice_test_ucx_*)";
-  auto coordinator = v1::Coordinator::NewStub(::grpc::CreateChannel(cluster_->address(), ::grpc::InsecureChannelCredentials()));
-  v1::GetPlacementRequest get;
-  get.set_job_id(clients_[0]->job_id());
-  get.set_job_token(clients_[0]->job_token());
-  v1::GetPlacementResponse placement;
-  ::grpc::ClientContext context;
-  ASSERT_THAT(FromGrpcStatus(coordinator->GetPlacement(&context, get, &placement)), IsOk());
-  const v1::DaemonEndpoint& daemon = placement.placement().daemons(0);
+  absl::StatusOr<v1::Placement> placement = Placement();
+  ASSERT_THAT(placement.status(), IsOk());
+  const v1::DaemonEndpoint& daemon = placement->daemons(0);
   ASSERT_FALSE(daemon.ucx_worker_address().empty());
   auto attach = [&](const std::string& job_id, const std::string& token, absl::Duration within) {
     client_internal::TransportContext c;
