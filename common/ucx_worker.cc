@@ -148,7 +148,9 @@ absl::StatusOr<ContextPtr> NewContext(const std::string& name) {
   // (UCS_THREAD_MODE_MULTI). UCX's default lock is a spin lock, and the progress thread holds it
   // through a rendezvous chunk's copy (hundreds of microseconds): the posting threads spun for
   // it, 25 % of both cores in a 256M step on 2 vCPUs. A mutex sleeps instead (benchmarks.md,
-  // "UCX's worker lock"); UCX_USE_MT_MUTEX overrides.
+  // "UCX's worker lock"): the worker's lock becomes a recursive pthread mutex, and the context's
+  // (shared by its workers, mt_workers_shared) a plain one. UCX_USE_MT_MUTEX in the environment
+  // overrides (a ucx.conf setting does not).
   if (std::getenv("UCX_USE_MT_MUTEX") == nullptr) ucp_config_modify(config, "USE_MT_MUTEX", "y");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;

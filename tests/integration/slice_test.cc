@@ -395,6 +395,7 @@ TEST_F(SliceProtocolTest, AUcxHelloWithoutTheJobsTokenGetsNoConnectionAndNoAnswe
   if (transport == nullptr || std::string(transport) != "ucx") GTEST_SKIP() << "a UCX test (slice_test_ucx_*)";
   absl::StatusOr<v1::Placement> placement = Placement();
   ASSERT_THAT(placement.status(), IsOk());
+  ASSERT_GT(placement->daemons_size(), 0);
   const v1::DaemonEndpoint& daemon = placement->daemons(0);
   ASSERT_FALSE(daemon.ucx_worker_address().empty());
   auto attach = [&](const std::string& job_id, const std::string& token, absl::Duration within) {
