@@ -162,12 +162,13 @@ class ClientGrpcTest : public ::testing::Test {
     PushInitial(RandomBuckets(4));
     return ::testing::Test::HasFailure() ? nullptr : clients_[0].get();
   }
-  // FinishStep on every rank at once.
-  std::vector<absl::StatusOr<StepStats>> FinishAll(int64_t step, double lr, double wd) {
+  // FinishStep on every rank at once (`timeout` 0: the client's).
+  std::vector<absl::StatusOr<StepStats>> FinishAll(int64_t step, double lr, double wd,
+                                                   std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) {
     std::vector<absl::StatusOr<StepStats>> out(clients_.size(), absl::UnknownError("not run"));
     std::vector<std::thread> threads;
     for (size_t r = 0; r < clients_.size(); ++r) {
-      threads.emplace_back([&, r] { out[r] = clients_[r]->FinishStep(step, lr, wd); });
+      threads.emplace_back([&, r] { out[r] = clients_[r]->FinishStep(step, lr, wd, timeout); });
     }
     for (auto& t : threads) t.join();
     return out;
@@ -276,12 +277,9 @@ TEST_F(ClientGrpcTest, WithoutPushCrcTheKeptCrcStillCatchesAChangedBuffer) {
   for (PushHandle& h : PushReduced(0, grad)) ASSERT_THAT(h.Wait(), IsOk());
   EXPECT_EQ(cluster_->stats().crc_checked, 0);
   for (auto& bucket : grad) bucket[0] += 1.0f;  // rank 0's shard of every bucket
-  absl::StatusOr<StepStats> rank0 = absl::UnknownError("not run");
-  std::thread t([&] { rank0 = clients_[0]->FinishStep(0, 0.5, 0.0, std::chrono::milliseconds(1500)); });
-  const absl::StatusOr<StepStats> rank1 = clients_[1]->FinishStep(0, 0.5, 0.0, std::chrono::milliseconds(1500));
-  t.join();
-  EXPECT_THAT(rank0, StatusIs(absl::StatusCode::kAborted, HasSubstr("changed after its push")));
-  EXPECT_FALSE(rank1.ok());
+  const auto finished = FinishAll(0, 0.5, 0.0, std::chrono::milliseconds(1500));
+  EXPECT_THAT(finished[0], StatusIs(absl::StatusCode::kAborted, HasSubstr("changed after its push")));
+  EXPECT_FALSE(finished[1].ok());
 }
 
 // A step the daemons gave up having changed nothing (a peer daemon died mid-step, the placement
@@ -316,13 +314,10 @@ TEST_F(ClientGrpcTest, FinishStepPushesAStepTheDaemonsGaveUpAgainItself) {
   std::vector<PushHandle> handles = PushReduced(1, grad1);
   for (PushHandle& h : handles) ASSERT_THAT(h.Wait(), IsOk());
   for (auto& bucket : grad1) bucket[0] += 1.0f;  // shard 0 of every bucket: rank 0's data
-  absl::StatusOr<StepStats> rank0 = absl::UnknownError("not run");
-  std::thread t([&] { rank0 = clients_[0]->FinishStep(1, 0.5, 0.0, std::chrono::milliseconds(1500)); });
   // Rank 1's data is intact: it pushes again, then waits for rank 0, which did not.
-  const absl::StatusOr<StepStats> rank1 = clients_[1]->FinishStep(1, 0.5, 0.0, std::chrono::milliseconds(1500));
-  t.join();
-  EXPECT_THAT(rank0, StatusIs(absl::StatusCode::kAborted, HasSubstr("changed after its push")));
-  EXPECT_FALSE(rank1.ok());
+  const auto finished = FinishAll(1, 0.5, 0.0, std::chrono::milliseconds(1500));
+  EXPECT_THAT(finished[0], StatusIs(absl::StatusCode::kAborted, HasSubstr("changed after its push")));
+  EXPECT_FALSE(finished[1].ok());
   grad1 = kept;
   PushReduced(1, grad1);
   for (const auto& s : FinishAll(1, 0.5, 0.0)) {
