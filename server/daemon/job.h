@@ -565,22 +565,30 @@ class Job : public std::enable_shared_from_this<Job> {
   // step's outcome and fills the decision, which is recorded before anyone can ask.
   absl::Status RunReduction(int64_t step, int index, const std::function<absl::Status()>& reduce,
                             const std::function<bool(v1::StepDecision*)>& decided);
-  // A reduction of `step` failed here with `cause`: leaves the group, then asks the peers until
-  // one holds the step's decision (returned; this daemon finishes the step with it) or every
-  // peer answers UNDECIDED (returns `cause`: every daemon gives the step up). Waits while a peer
-  // is unreachable or still reducing; UNAVAILABLE when the job stops meanwhile.
-  absl::StatusOr<v1::StepDecision> LearnDecision(int64_t step, const absl::Status& cause);
+  // A reduction of `step` failed here with `cause`: leaves the group, then asks the step's other
+  // `members` (those of the placement it runs at, not a newer one's) until one holds the step's
+  // decision (returned; this daemon finishes the step with it) or every one answers UNDECIDED
+  // (returns `cause`: every daemon gives the step up). Waits while a member still in the
+  // placement is unreachable or still reducing; one that has left it (dead, or moved away) and
+  // cannot be reached counts as UNDECIDED. UNAVAILABLE when the job stops meanwhile.
+  absl::StatusOr<v1::StepDecision> LearnDecision(int64_t step, const std::vector<std::string>& members,
+                                                 const absl::Status& cause);
   // With replicas, before a decided step is committed and acknowledged: makes sure every member
   // holds its decision, so that no replica can give up a step a trainer was told is committed
   // (docs/architecture.md, "Replicas"). A one-value barrier on the group, which each member
   // enters only once it holds the decision; if it fails (or the group is already broken), asks
-  // the members (GetStepOutcome) until each one still in the placement answers DECIDED.
-  // UNAVAILABLE when the job stops meanwhile.
-  absl::Status ConfirmDecisionHeld(int64_t step);
+  // the step's other `members` (GetStepOutcome) until each one still in the placement answers
+  // DECIDED. A daemon that joined the placement since (a new replica, a move's target) took no
+  // part in the step and is not asked. UNAVAILABLE when the job stops meanwhile.
+  absl::Status ConfirmDecisionHeld(int64_t step, const std::vector<std::string>& members);
   // A FinishStep's hyperparameters, one entry per param group, checked (INVALID_ARGUMENT).
   absl::StatusOr<StepHyper> RequestHyper(const v1::FinishStepRequest& request) const;
-  // The placement's other members, with their endpoints (just the id where none is known).
-  std::vector<v1::DaemonEndpoint> PeersLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The other daemons of `members`, with their endpoints (just the id where none is known).
+  std::vector<v1::DaemonEndpoint> PeersLocked(const std::vector<std::string>& members) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool IsMemberLocked(const std::string& daemon_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return std::find(members_.begin(), members_.end(), daemon_id) != members_.end();
+  }
 
   const std::string job_id_;
   const ResolvedJob job_;
@@ -627,6 +635,7 @@ class Job : public std::enable_shared_from_this<Job> {
   int64_t fence_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t next_step_ ABSL_GUARDED_BY(mu_) = -1;       // the step the engine waits for
   int64_t executing_step_ ABSL_GUARDED_BY(mu_) = -2;  // the step running unlocked, or -2
+  int64_t executing_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // the placement epoch it runs at
   std::set<std::tuple<int32_t, int32_t, int32_t>> executing_keys_ ABSL_GUARDED_BY(mu_);
   // Its hyperparameters, when a trainer's FinishStep gave them (a replica-only attempt has them
   // from its primaries, mid-step).

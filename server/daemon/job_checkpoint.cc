@@ -219,6 +219,7 @@ void Job::RunRestore() {
   const std::vector<std::string> members = members_;
   const int64_t epoch = epoch_;
   executing_step_ = -1;  // the republication's reductions answer RUNNING to peers in doubt
+  executing_epoch_ = epoch;
   mu_.Unlock();
 
   const absl::Time start = absl::Now();

@@ -7,6 +7,7 @@
 // FinishStep to the new owner: the step goes on). The source keeps its copy until the
 // coordinator drops it, once the target reports the job loaded.
 #include <algorithm>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/error_detail.h"
@@ -56,6 +57,18 @@ absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest
       return absl::DeadlineExceededError(absl::StrCat("FetchShardState: job ", job_id_,
                                                       ": the step in flight was not decided before the deadline"));
     }
+  }
+  // A copy that keeps its source (re-replication: the source is in the new placement, so no
+  // fence) must not be taken under a step of an older placement: that step commits without the
+  // target, which would start one step behind and never catch up. Its steps at the new epoch
+  // include the target (their inputs are forwarded to it), so they need no wait.
+  const int64_t copy_epoch = request.placement_epoch();
+  auto older_step_settled = [this, copy_epoch]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return stopping_ || executing_step_ == -2 || executing_epoch_ >= copy_epoch;
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&older_step_settled), deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat("FetchShardState: job ", job_id_, ": the step in flight at epoch ",
+                                                    executing_epoch_, " was not decided before the deadline"));
   }
   auto not_applying = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !applying_; };
   mu_.Await(absl::Condition(&not_applying));  // the state, as of a committed step
@@ -108,24 +121,32 @@ void Job::RunMovesIn() {
   }
   const MoveIn move = queued;
   mu_.Unlock();
+  // One stream per shard, all at once: a stream alternates between the source's encoding and
+  // this daemon's decoding, so several keep both ends busy.
   std::vector<std::pair<Key, absl::StatusOr<ShardStateCopy>>> copies;
-  absl::Status failed;
-  for (const Key& key : move.keys) {
+  for (const Key& key : move.keys) copies.emplace_back(key, absl::UnknownError("not fetched"));
+  auto fetch = [&](size_t k) {
+    const Key& key = copies[k].first;
     v1::FetchShardStateRequest request;
     request.set_job_id(job_id_);
     request.set_placement_epoch(move.epoch);
     request.mutable_shard()->set_bucket(key.first);
     request.mutable_shard()->set_shard(key.second);
-    absl::StatusOr<ShardStateCopy> copy =
-        options_.peer_client == nullptr
-            ? absl::FailedPreconditionError("this daemon has no peer client to copy shards with")
-            : options_.peer_client->FetchShardState(move.source, request, absl::Now() + kCopyTimeout);
+    copies[k].second = options_.peer_client == nullptr
+                           ? absl::FailedPreconditionError("this daemon has no peer client to copy shards with")
+                           : options_.peer_client->FetchShardState(move.source, request, absl::Now() + kCopyTimeout);
+  };
+  std::vector<std::thread> fetchers;
+  for (size_t k = 1; k < copies.size(); ++k) fetchers.emplace_back(fetch, k);
+  if (!copies.empty()) fetch(0);
+  for (std::thread& t : fetchers) t.join();
+  absl::Status failed;
+  for (const auto& [key, copy] : copies) {
     if (!copy.ok()) {
       failed = Annotate(copy.status(), absl::StrCat("copying ", ShardName(key.first, key.second), " from daemon ",
                                                     move.source.daemon_id()));
       break;
     }
-    copies.emplace_back(key, std::move(copy));
   }
   // The copies' state, in this daemon's state memory (all of it, or the move waits and retries),
   // outside the lock: allocating and filling it takes time (page migration on a GPU).
@@ -208,7 +229,8 @@ void Job::RunMovesIn() {
   if (fresh && !copies.empty()) {
     const ShardStateCopy& first = *copies.front().second;
     committed_step_ = first.committed_step;
-    next_step_ = first.committed_step + 1;
+    // Before version 0 (a move of a job not started yet) the engine waits for the initial push.
+    next_step_ = first.version >= 0 ? first.committed_step + 1 : -1;
     version_ = first.version;
     ApplyScaling(first.scaling);  // the step thread's own state: it is this thread
     committed_scaling_ = ScalingProto();

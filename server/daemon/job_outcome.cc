@@ -146,7 +146,8 @@ absl::Status Job::RunReduction(int64_t step, int index, const std::function<absl
   return status;
 }
 
-absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const absl::Status& cause) {
+absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const std::vector<std::string>& members,
+                                                    const absl::Status& cause) {
   // Leave first: a peer still inside the reduction then fails at once rather than at its
   // deadline, and no peer can complete a reduction of this attempt after it answered UNDECIDED.
   BreakGroup();
@@ -161,8 +162,8 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const absl::St
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
-      if (std::find(members_.begin(), members_.end(), options_.daemon_id) == members_.end()) return cause;
-      peers = PeersLocked();
+      if (!IsMemberLocked(options_.daemon_id)) return cause;
+      peers = PeersLocked(members);
     }
     if (peers.empty()) return cause;
     bool undecided_everywhere = true;
@@ -170,6 +171,12 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const absl::St
     for (const v1::DaemonEndpoint& peer : peers) {
       absl::StatusOr<v1::GetStepOutcomeResponse> answer =
           options_.peer_client->GetStepOutcome(peer, request, absl::Now() + kAskTimeout);
+      if (!answer.ok()) {
+        absl::MutexLock lock(&mu_);
+        // A member the placement has dropped since (dead, or its shards moved away) that cannot
+        // be reached takes no further part: it decided nothing anyone still holds.
+        if (!IsMemberLocked(peer.daemon_id())) continue;
+      }
       if (answer.ok() && answer->state() == v1::STEP_OUTCOME_STATE_DECIDED) {
         if (answer->decision().step() != step) {
           return absl::InternalError(absl::StrCat("daemon ", peer.daemon_id(), " answered for step ",
@@ -197,9 +204,9 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const absl::St
   }
 }
 
-std::vector<v1::DaemonEndpoint> Job::PeersLocked() const {
+std::vector<v1::DaemonEndpoint> Job::PeersLocked(const std::vector<std::string>& members) const {
   std::vector<v1::DaemonEndpoint> peers;
-  for (const std::string& id : members_) {
+  for (const std::string& id : members) {
     if (id == options_.daemon_id) continue;
     auto it = endpoints_.find(id);
     v1::DaemonEndpoint e;
@@ -210,7 +217,7 @@ std::vector<v1::DaemonEndpoint> Job::PeersLocked() const {
   return peers;
 }
 
-absl::Status Job::ConfirmDecisionHeld(int64_t step) {
+absl::Status Job::ConfirmDecisionHeld(int64_t step, const std::vector<std::string>& members) {
   if (group_ != nullptr) {
     float token = 0.0f;
     const absl::Status barrier =
@@ -232,7 +239,9 @@ absl::Status Job::ConfirmDecisionHeld(int64_t step) {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
-      peers = PeersLocked();
+      for (v1::DaemonEndpoint& peer : PeersLocked(members)) {
+        if (IsMemberLocked(peer.daemon_id())) peers.push_back(std::move(peer));  // one that left takes no part
+      }
     }
     std::string missing;
     for (const v1::DaemonEndpoint& peer : peers) {

@@ -61,6 +61,10 @@ absl::StatusOr<bool> Job::CheckReplicaStepLocked(const char* call, int64_t epoch
         " at placement epoch ", epoch, " (it is at epoch ", epoch_, ")")));
   }
   if (step < -1) return absl::InvalidArgumentError(absl::StrCat(call, ": step ", step, " < -1"));
+  if (it->second->incoming) {  // a new replica still being copied: its steps are not known yet
+    return absl::UnavailableError(absl::StrCat(call, ": job ", job_id_, ": the replica of ",
+                                               ShardName(key.first, key.second), " is still being copied here; retry"));
+  }
   // Applied already (a retried call). While the step runs here its input is still wanted: the
   // step thread takes it after the stats reduction.
   if (Decided(step)) return true;

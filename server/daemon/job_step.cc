@@ -297,7 +297,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     };
     absl::Status reduced_stats = reduce_stats();
     absl::StatusOr<v1::StepDecision> decision;  // when the reduction failed here: the peers' decision
-    if (!reduced_stats.ok()) decision = LearnDecision(step, reduced_stats);
+    if (!reduced_stats.ok()) decision = LearnDecision(step, members, reduced_stats);
     if (!reduced_stats.ok() && decision.status() == reduced_stats && !new_group && MovedOn(epoch)) {
       // The peers left the group for a newer placement, which moves this daemon's shards away
       // (a fence): this attempt cannot meet them again. Its pushes go with the copy.
@@ -315,7 +315,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
                        reduced_stats.message(), "); joining the peers' new one"));
       MAINSTAY_ASSIGN_OR_RETURN(new_group, EnsureGroup(members, epoch, deadline));
       reduced_stats = reduce_stats();
-      if (!reduced_stats.ok()) decision = LearnDecision(step, reduced_stats);
+      if (!reduced_stats.ok()) decision = LearnDecision(step, members, reduced_stats);
     }
     if (!reduced_stats.ok()) {
       MAINSTAY_ASSIGN_OR_RETURN(learned, std::move(decision));
@@ -486,7 +486,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     const absl::Status reduced_amax = RunReduction(
         step, 1, [&] { return group_->AllReduceMax(std::span<float>(reduced), deadline); }, decide);
     if (!reduced_amax.ok()) {
-      MAINSTAY_ASSIGN_OR_RETURN(learned, LearnDecision(step, reduced_amax));
+      MAINSTAY_ASSIGN_OR_RETURN(learned, LearnDecision(step, members, reduced_amax));
     }
   }
   if (learned.has_value()) {
@@ -822,6 +822,7 @@ void Job::RunSteps() {
     StepInputs inputs = std::move(pending_[step]);
     pending_.erase(step);
     executing_step_ = step;
+    executing_epoch_ = epoch_;
     executing_hyper_.reset();
     if (!inputs.finished.empty()) executing_hyper_ = inputs.finished.begin()->second;
     executing_keys_.clear();
@@ -856,7 +857,7 @@ void Job::RunSteps() {
     }
     if (result.ok() && step >= 0 && job_.spec.replication_factor > 1) {
       // Decided: but it is committed and acknowledged only once every replica holds the decision.
-      if (absl::Status held = ConfirmDecisionHeld(step); !held.ok()) result = held;
+      if (absl::Status held = ConfirmDecisionHeld(step, members); !held.ok()) result = held;
     }
     if (result.ok() && result->update.has_value()) {
       // Nothing can fail from here: the state is updated in place.

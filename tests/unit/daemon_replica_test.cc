@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <thread>
@@ -384,6 +385,89 @@ TEST(FailoverTest, ANewReplicaCopiedFromItsPrimaryKeepsUpAndSurvivesTheNextLoss)
   ASSERT_THAT(cluster.Failover(1), IsOk());  // rank 0's primary again: d3 takes over
   EXPECT_EQ(cluster.Owner(0), 3);
   run(2);  // (delayed scaling: the copy carried the amax histories, or these casts would differ)
+}
+
+// Re-replication keeps its source in the new placement, so the source is not fenced. A copy it
+// is asked for while a step of the older placement runs there waits for that step, which
+// commits without the new replica: a copy taken under it would leave the new replica one step
+// behind for good, and every later step would wait for it.
+TEST(FailoverTest, ANewReplicaIsCopiedOnlyAfterTheOlderPlacementsStepInFlight) {
+  // The placement must reach the daemons after step 1 went past its forwards, while it reduces:
+  // the trials start the re-replication at different times into the step.
+  int raced = 0;
+  for (int trial = 0; trial < 12; ++trial) {
+    SCOPED_TRACE(absl::StrCat("trial ", trial));
+    JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+    spec.tensors = {{"layers.0.mlp.fc1.weight", {2048, 2048}}};
+    spec.bucket_numel = 1 << 23;
+    spec.replication_factor = 2;
+    Cluster cluster(spec, 4);  // rank 0: d0 (+ d1), rank 1: d1 (+ d2); d3 holds nothing
+    Reference ref(cluster.resolved());
+    cluster.PushInitial(ref);
+    cluster.PushGrads(0);
+    for (const auto& stats : cluster.Finish(0, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(0, 1e-3f);
+    cluster.PushGrads(1);
+    std::vector<absl::StatusOr<v1::StepStats>> finished;
+    std::thread trainers([&] { finished = cluster.Finish(1, 1e-3f); });
+    absl::SleepFor(absl::Milliseconds(2 * trial));
+    const absl::Status added = cluster.AddReplica(0, 3);
+    trainers.join();
+    ASSERT_THAT(added, IsOk());
+    if (std::all_of(finished.begin(), finished.end(), [](const auto& s) { return s.ok(); })) {
+      ++raced;  // step 1 committed at the first placement, beside the copy
+    } else {
+      cluster.PushGrads(1);  // the attempt met the new placement and failed: pushed again
+      finished = cluster.Finish(1, 1e-3f);
+    }
+    for (const auto& stats : finished) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(1, 1e-3f);
+    cluster.PushGrads(2);
+    for (const auto& stats : cluster.Finish(2, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(2, 1e-3f);
+    ExpectMatchesReference(cluster, ref, 3);
+    ExpectReplicasEqualPrimaries(cluster);
+  }
+  std::cerr << raced << " of 12 trials committed step 1 at the first placement\n";
+}
+
+// A replica-only daemon loses step 1's last reduction and learns the decision from a peer, so
+// the barrier after it fails and the primaries ask their peers whether they hold it. A new
+// replica added meanwhile took no part in step 1 and must not be waited for.
+TEST(FailoverTest, TheDecisionCheckAsksTheStepsMembersNotANewReplica) {
+  for (int trial = 0; trial < 3; ++trial) {
+    SCOPED_TRACE(absl::StrCat("trial ", trial));
+    JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
+    spec.replication_factor = 2;
+    daemon::StepFault lose;
+    lose.kind = daemon::StepFault::Kind::kLoseReduction;
+    lose.step = 1;
+    lose.reduction = 1;
+    Cluster cluster(spec, 4, nullptr, {{2, lose}});  // d2 holds only rank 1's replica
+    Reference ref(cluster.resolved());
+    cluster.PushInitial(ref);
+    cluster.PushGrads(0);
+    for (const auto& stats : cluster.Finish(0, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(0, 1e-3f);
+    cluster.PushGrads(1);
+    std::vector<absl::StatusOr<v1::StepStats>> finished;
+    std::thread trainers([&] { finished = cluster.Finish(1, 1e-3f); });
+    absl::SleepFor(absl::Milliseconds(5 + 20 * trial));
+    const absl::Status added = cluster.AddReplica(0, 3);
+    trainers.join();
+    ASSERT_THAT(added, IsOk());
+    if (!std::all_of(finished.begin(), finished.end(), [](const auto& s) { return s.ok(); })) {
+      cluster.PushGrads(1);
+      finished = cluster.Finish(1, 1e-3f);
+    }
+    for (const auto& stats : finished) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(1, 1e-3f);
+    cluster.PushGrads(2);
+    for (const auto& stats : cluster.Finish(2, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(2, 1e-3f);
+    ExpectMatchesReference(cluster, ref, 3);
+    ExpectReplicasEqualPrimaries(cluster);
+  }
 }
 
 // A move whose source dies before its copy got through (docs/architecture.md, "Replicas"): the
