@@ -7,7 +7,6 @@
 // FinishStep to the new owner: the step goes on). The source keeps its copy until the
 // coordinator drops it, once the target reports the job loaded.
 #include <algorithm>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/error_detail.h"
@@ -121,32 +120,24 @@ void Job::RunMovesIn() {
   }
   const MoveIn move = queued;
   mu_.Unlock();
-  // One stream per shard, all at once: a stream alternates between the source's encoding and
-  // this daemon's decoding, so several keep both ends busy.
   std::vector<std::pair<Key, absl::StatusOr<ShardStateCopy>>> copies;
-  for (const Key& key : move.keys) copies.emplace_back(key, absl::UnknownError("not fetched"));
-  auto fetch = [&](size_t k) {
-    const Key& key = copies[k].first;
+  absl::Status failed;
+  for (const Key& key : move.keys) {
     v1::FetchShardStateRequest request;
     request.set_job_id(job_id_);
     request.set_placement_epoch(move.epoch);
     request.mutable_shard()->set_bucket(key.first);
     request.mutable_shard()->set_shard(key.second);
-    copies[k].second = options_.peer_client == nullptr
-                           ? absl::FailedPreconditionError("this daemon has no peer client to copy shards with")
-                           : options_.peer_client->FetchShardState(move.source, request, absl::Now() + kCopyTimeout);
-  };
-  std::vector<std::thread> fetchers;
-  for (size_t k = 1; k < copies.size(); ++k) fetchers.emplace_back(fetch, k);
-  if (!copies.empty()) fetch(0);
-  for (std::thread& t : fetchers) t.join();
-  absl::Status failed;
-  for (const auto& [key, copy] : copies) {
+    absl::StatusOr<ShardStateCopy> copy =
+        options_.peer_client == nullptr
+            ? absl::FailedPreconditionError("this daemon has no peer client to copy shards with")
+            : options_.peer_client->FetchShardState(move.source, request, absl::Now() + kCopyTimeout);
     if (!copy.ok()) {
       failed = Annotate(copy.status(), absl::StrCat("copying ", ShardName(key.first, key.second), " from daemon ",
                                                     move.source.daemon_id()));
       break;
     }
+    copies.emplace_back(key, std::move(copy));
   }
   // The copies' state, in this daemon's state memory (all of it, or the move waits and retries),
   // outside the lock: allocating and filling it takes time (page migration on a GPU).
