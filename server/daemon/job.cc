@@ -256,6 +256,7 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
   // for the new owner's copy until DropShard (a move). One given back is served again.
   for (auto it = shards_.begin(); it != shards_.end();) {
     if (!holds(it->first)) {
+      released_.insert(it->first);
       moving_out_[it->first] = it->second;
       it = shards_.erase(it);
     } else {
@@ -293,7 +294,8 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
   std::erase_if(trainer_copies_, [](const auto& entry) { return entry.second.empty(); });
 
   members_.assign(members.begin(), members.end());
-  endpoints_.clear();
+  // Daemons that left keep their endpoints: a step's members are asked about its outcome after
+  // a newer placement dropped some of them (a move's fenced source may hold the decision).
   for (const v1::DaemonEndpoint& e : request.placement().daemons()) endpoints_[e.daemon_id()] = e;
   MoveIn move_in{request.from_peer().daemon(), {}, request.placement_epoch()};
   for (const v1::ShardRef& ref : request.shards()) {
@@ -302,7 +304,18 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
       // Still waiting for its copy: a re-sent move (its earlier copy failed, or is superseded by
       // this newer epoch) copies it from this request's source, or it would wait for ever.
       if (request.has_from_peer() && held->second->incoming) move_in.keys.push_back(key);
-      continue;
+      // A shard this daemon let go (given to another daemon, or copied away under a fence) and
+      // now given back with a copy to make: what it kept may be steps behind (the rank went on
+      // elsewhere, e.g. on a promoted replica, after the move was abandoned), so it is dropped
+      // and copied like a new shard. Without `from_peer` (a move called off before the rank
+      // went on) it is served again as it is; a re-sent move to a shard already copied here is
+      // not copied again.
+      if (!request.has_from_peer() || held->second->incoming || !released_.count(key)) continue;
+      Log(LogLevel::kInfo, "daemon",
+          absl::StrCat("job ", job_id_, ": ", ShardName(key.first, key.second), " comes back at placement epoch ",
+                       request.placement_epoch(), " with a copy from daemon ", request.from_peer().daemon().daemon_id(),
+                       "; the state kept here since it left is dropped"));
+      shards_.erase(held);
     }
     auto state = std::make_shared<ShardState>();
     state->bucket = key.first;
@@ -339,10 +352,12 @@ absl::StatusOr<bool> Job::Drop(const v1::DropShardRequest& request) {
   if (request.shards().empty()) {
     shards_.clear();
     moving_out_.clear();
+    released_.clear();
   } else {
     for (const v1::ShardRef& ref : request.shards()) {
       shards_.erase({ref.bucket(), ref.shard()});
       moving_out_.erase({ref.bucket(), ref.shard()});
+      released_.erase({ref.bucket(), ref.shard()});
     }
   }
   return shards_.empty() && moving_out_.empty();

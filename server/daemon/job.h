@@ -570,7 +570,8 @@ class Job : public std::enable_shared_from_this<Job> {
   // decision (returned; this daemon finishes the step with it) or every one answers UNDECIDED
   // (returns `cause`: every daemon gives the step up). Waits while a member still in the
   // placement is unreachable or still reducing; one that has left it (dead, or moved away) and
-  // cannot be reached counts as UNDECIDED. UNAVAILABLE when the job stops meanwhile.
+  // cannot be reached in three rounds counts as UNDECIDED. UNAVAILABLE when the job stops
+  // meanwhile.
   absl::StatusOr<v1::StepDecision> LearnDecision(int64_t step, const std::vector<std::string>& members,
                                                  const absl::Status& cause);
   // With replicas, before a decided step is committed and acknowledged: makes sure every member
@@ -626,6 +627,9 @@ class Job : public std::enable_shared_from_this<Job> {
   // Moves: shards the placement gave to another daemon, kept for its copy until DropShard;
   // shards to copy from their sources; the epoch this daemon was fenced at by a copy.
   std::map<Key, std::shared_ptr<ShardState>> moving_out_ ABSL_GUARDED_BY(mu_);
+  // Shards this daemon let go since it last installed them: given to another daemon by a
+  // placement, or copied away under a fence. Given back with `from_peer`, they are copied anew.
+  std::set<Key> released_ ABSL_GUARDED_BY(mu_);
   struct MoveIn {
     v1::DaemonEndpoint source;
     std::vector<Key> keys;

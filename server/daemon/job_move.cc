@@ -80,6 +80,8 @@ absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest
     return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
         "FetchShardState: job ", job_id_, ": this daemon holds no state of ", ShardName(key.first, key.second))));
   }
+  // Fenced (or moving out), the copy is the shard's state from now on, wherever it goes.
+  if (Fenced() || moving_out_.count(key)) released_.insert(key);
   ShardStateCopy copy;
   copy.version = state->initialized ? version_ : -1;
   copy.committed_step = committed_step_;
@@ -216,6 +218,7 @@ void Job::RunMovesIn() {
     s.versions.clear();
     if (copy->newest != nullptr) s.versions[copy->newest->version] = copy->newest;
     s.incoming = false;
+    released_.erase(key);
   }
   if (fresh && !copies.empty()) {
     const ShardStateCopy& first = *copies.front().second;

@@ -25,6 +25,7 @@ namespace {
 constexpr size_t kDecisionsKept = 8;  // a peer in doubt is at most one step behind
 constexpr absl::Duration kAskTimeout = absl::Seconds(2);
 constexpr absl::Duration kAskInterval = absl::Milliseconds(200);
+constexpr int kRoundsToGiveUpOnALeaver = 3;
 }  // namespace
 
 absl::StatusOr<bool> Job::EnsureGroup(const std::vector<std::string>& members, int64_t epoch, absl::Time deadline) {
@@ -157,6 +158,7 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const std::vec
   v1::GetStepOutcomeRequest request;
   request.set_job_id(job_id_);
   request.set_step(step);
+  std::map<std::string, int> unreachable_rounds;  // of members that left the placement
   while (true) {
     std::vector<v1::DaemonEndpoint> peers;
     {
@@ -174,8 +176,11 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const std::vec
       if (!answer.ok()) {
         absl::MutexLock lock(&mu_);
         // A member the placement has dropped since (dead, or its shards moved away) that cannot
-        // be reached takes no further part: it decided nothing anyone still holds.
-        if (!IsMemberLocked(peer.daemon_id())) continue;
+        // be reached in three rounds takes no further part: it decided nothing anyone still
+        // holds. (One that is alive holds the decision if it made one, and answers.)
+        if (!IsMemberLocked(peer.daemon_id()) && ++unreachable_rounds[peer.daemon_id()] >= kRoundsToGiveUpOnALeaver) {
+          continue;
+        }
       }
       if (answer.ok() && answer->state() == v1::STEP_OUTCOME_STATE_DECIDED) {
         if (answer->decision().step() != step) {

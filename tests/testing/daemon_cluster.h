@@ -310,6 +310,11 @@ class Cluster {
   // A move whose first copy fails (its source cannot be reached for a while): the coordinator
   // re-sends it at the next epoch (reconciliation), after which the copy succeeds.
   absl::Status MoveWithResend(int32_t rank, int to) { return MoveAndResend(rank, to, /*resend=*/true); }
+  // A move whose source never gets its DropShard (one the coordinator lost): the source keeps
+  // its copy of the rank, frozen at the move's step.
+  absl::Status MoveKeepingTheSource(int32_t rank, int to) {
+    return MoveAndResend(rank, to, /*resend=*/false, /*drop=*/false);
+  }
 
   // What the coordinator does to re-replicate: daemon `to` becomes one more replica of rank
   // `rank` at the next epoch and copies it from the rank's primary, which keeps its copy.
@@ -566,7 +571,7 @@ class Cluster {
     return absl::OkStatus();
   }
 
-  absl::Status MoveAndResend(int32_t rank, int to, bool resend) {
+  absl::Status MoveAndResend(int32_t rank, int to, bool resend, bool drop = true) {
     const int from = Owner(rank);
     if (owners_.empty()) {
       for (int32_t r = 0; r < layout().data_parallel_size; ++r) owners_.push_back(Owner(r));
@@ -583,11 +588,12 @@ class Cluster {
       peer_client_.SetCopiesFail(absl::StrCat("d", from), false);
     }
     MAINSTAY_RETURN_IF_ERROR(WaitLoaded(to));
-    v1::DropShardRequest drop;
-    drop.set_job_id(kJob);
-    drop.set_placement_epoch(epoch_);
-    for (const Bucket& b : resolved_.layout.buckets) *drop.add_shards() = ShardRef(b.index, rank);
-    return daemons_[static_cast<size_t>(from)]->DropShard(drop);
+    if (!drop) return absl::OkStatus();
+    v1::DropShardRequest request;
+    request.set_job_id(kJob);
+    request.set_placement_epoch(epoch_);
+    for (const Bucket& b : resolved_.layout.buckets) *request.add_shards() = ShardRef(b.index, rank);
+    return daemons_[static_cast<size_t>(from)]->DropShard(request);
   }
 
   // What the coordinator waits for after a copy: the target's progress says it loaded epoch_.

@@ -470,6 +470,35 @@ TEST(FailoverTest, TheDecisionCheckAsksTheStepsMembersNotANewReplica) {
   }
 }
 
+// A rank moved out of d0 whose DropShard never came (the coordinator lost it) is frozen there
+// while the rank goes on elsewhere. When a later placement gives it back to d0 with a copy to
+// make (re-replication), d0 copies it from the primary instead of serving its stale state.
+TEST(FailoverTest, ARankGivenBackWithACopyIsCopiedNotServedFromTheStateKeptSinceItMovedOut) {
+  JobSpec spec = MakeSpec("bf16_with_fp8_mixed", LayoutPolicy::kFlat, 2);
+  spec.replication_factor = 2;
+  Cluster cluster(spec, 4);  // rank 0: d0 (+ d1), rank 1: d1 (+ d2); d3 holds nothing
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  ExpectMatchesReference(cluster, ref, 0);  // (the reference's delayed scaling counts this cast)
+  int64_t step = 0;
+  auto run = [&](int64_t steps) {
+    for (int64_t end = step + steps; step < end; ++step) {
+      SCOPED_TRACE(absl::StrCat("step ", step));
+      cluster.PushGrads(step);
+      for (const auto& stats : cluster.Finish(step, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
+      ref.Step(step, 1e-3f);
+      ExpectMatchesReference(cluster, ref, step + 1);
+    }
+  };
+  run(1);
+  ASSERT_THAT(cluster.MoveKeepingTheSource(0, 3), IsOk());  // d0 keeps rank 0 at step 0
+  run(2);
+  ASSERT_THAT(cluster.AddReplica(0, 0), IsOk());  // back to d0, copied from d3
+  ExpectReplicasEqualPrimaries(cluster);
+  run(1);
+  ExpectReplicasEqualPrimaries(cluster);
+}
+
 // A move whose source dies before its copy got through (docs/architecture.md, "Replicas"): the
 // target copies the rank from its surviving replica, and the job goes on bit for bit.
 TEST(FailoverTest, AMoveWhoseSourceDiesCopiesFromTheReplicaAndTheJobGoesOnBitForBit) {
