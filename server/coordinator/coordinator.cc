@@ -58,6 +58,10 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Coordinat
   const int64_t now = impl->Mono();
   for (const auto& [id, d] : impl->state.daemons) {
     if (d.state() != v1::DAEMON_STATE_DOWN) impl->leases[id] = {"", options.default_lease_ttl_ms, now + options.default_lease_ttl_ms, 0, {}};
+    // A daemon saved DOWN may have jobs the previous process had not failed over or restored
+    // yet (the queue of jobs to recover is not saved): queue them again. Jobs already recovered
+    // no longer name it.
+    if (d.state() == v1::DAEMON_STATE_DOWN) impl->MarkJobsToRecover(id);
   }
   Log(LogLevel::kInfo, "coordinator",
       absl::StrCat("state loaded: sequence ", impl->state.sequence, ", ", impl->state.daemons.size(), " daemon(s), ",

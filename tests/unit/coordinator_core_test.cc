@@ -1168,6 +1168,50 @@ TEST_F(CoordinatorCoreTest, ALostDaemonFailsOverToReplicasThenTheJobIsReReplicat
       << "two copies of every rank: nothing more to do";
 }
 
+// A daemon saved DOWN by a heartbeat's lease check, then the coordinator restarted before its
+// next tick made the failover: the new process makes it (the queue of jobs to recover lives
+// only in memory).
+TEST_F(CoordinatorCoreTest, AFailoverNotMadeBeforeARestartIsMadeAfterIt) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto c = Register("n3", kGiB);
+  v1::JobSpec spec = SmallSpec("j", 2, {"n1", "n2"});
+  spec.set_replication_factor(2);
+  auto created = Create(spec);
+  ASSERT_THAT(created, IsOk());
+  const std::string job = created->job_id();
+  auto beat = [&](const v1::RegisterDaemonResponse& d) {
+    v1::HeartbeatRequest hb;
+    hb.set_daemon_id(d.daemon_id());
+    hb.set_lease_id(d.lease_id());
+    v1::JobProgress* p = hb.add_jobs();
+    p->set_job_id(job);
+    p->set_placement_epoch(1);
+    p->set_version(3);
+    p->set_committed_step(2);
+    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  };
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(v1::Placement first,
+                                coordinator_->WaitPlacement(job, "", 0, absl::Now() + absl::Seconds(1)));
+  ASSERT_EQ(HoldersOf(first, 0).front(), a.daemon_id());
+  const std::string replica_of_0 = HoldersOf(first, 0)[1];
+  for (auto* d : {&a, &b, &c}) beat(*d);
+  clock_.Advance(900);
+  beat(b);
+  beat(c);
+  clock_.Advance(200);
+  beat(b);  // its lease check saves a DOWN; the failover waits for the next Tick
+  ASSERT_EQ(Daemons()[a.daemon_id()].state(), v1::DAEMON_STATE_DOWN);
+  EXPECT_THAT(coordinator_->WaitPlacement(job, "", 1, absl::Now() + absl::Milliseconds(20)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded));
+  Restart(std::move(store_));
+  coordinator_->Tick();
+  MAINSTAY_ASSERT_OK_AND_ASSIGN(v1::Placement failed_over,
+                                coordinator_->WaitPlacement(job, "", 1, absl::Now() + absl::Seconds(1)));
+  EXPECT_EQ(failed_over.epoch(), 2);
+  EXPECT_EQ(HoldersOf(failed_over, 0), std::vector<std::string>{replica_of_0}) << "promoted after the restart";
+}
+
 TEST_F(CoordinatorCoreTest, DrainingAReplicaMovesItsRoleAndAPrimaryMovesOnlyToADaemonWithoutACopy) {
   auto a = Register("n1", kGiB);
   auto b = Register("n2", kGiB);
