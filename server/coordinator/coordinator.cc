@@ -427,6 +427,14 @@ absl::StatusOr<v1::DrainDaemonResponse> Coordinator::DrainDaemon(const v1::Drain
     std::vector<Impl::RankMove> targets;
     for (size_t r = 0; r < holders.size(); ++r) {
       if (!std::count(holders[r].begin(), holders[r].end(), from)) continue;
+      // A rank still moving (to this daemon, or away from another holder) waits for its move:
+      // a second move planned on top of it would never finish.
+      for (const v1::PendingMove& m : job.moves()) {
+        if (m.rank() != static_cast<int32_t>(r)) continue;
+        return absl::FailedPreconditionError(absl::StrCat(
+            "cannot drain ", from, " yet: rank ", r, " of job ", job_id, " is still moving from ",
+            m.source_daemon_id(), " to ", m.target_daemon_id(), "; retry once it has moved (nothing was moved)"));
+      }
       std::vector<std::vector<std::string>> others(1);
       for (const std::string& id : holders[r]) {
         if (id != from) others[0].push_back(id);

@@ -1239,6 +1239,23 @@ TEST_F(CoordinatorCoreTest, DrainingAReplicaMovesItsRoleAndAPrimaryMovesOnlyToAD
   auto second = coordinator_->WaitPlacement(job, "", 1, absl::Now() + absl::Seconds(1));
   ASSERT_THAT(second, IsOk());
   EXPECT_EQ(HoldersOf(*second, 0), (std::vector<std::string>{a.daemon_id(), spare}));
+  // The spare is copying the rank: draining it (or the primary) now is refused until the move is
+  // over, with nothing changed; a second move on top of the first would never finish.
+  for (const std::string& id : {spare, a.daemon_id()}) {
+    drain.set_daemon_id(id);
+    EXPECT_THAT(coordinator_->DrainDaemon(drain),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("is still moving")));
+    EXPECT_EQ(Daemons()[id].state(), v1::DAEMON_STATE_READY);
+  }
+  // The spare reports the rank loaded: the move is over.
+  const v1::RegisterDaemonResponse& target = spare == b.daemon_id() ? b : c;
+  v1::HeartbeatRequest hb;
+  hb.set_daemon_id(target.daemon_id());
+  hb.set_lease_id(target.lease_id());
+  v1::JobProgress* progress = hb.add_jobs();
+  progress->set_job_id(job);
+  progress->set_placement_epoch(second->epoch());
+  ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
   // With every other daemon holding a copy, the primary's daemon cannot be drained.
   drain.set_daemon_id(a.daemon_id());
   EXPECT_THAT(coordinator_->DrainDaemon(drain),
