@@ -417,6 +417,7 @@ class Job : public std::enable_shared_from_this<Job> {
     // Buffers the step no longer needs (the replicas' forwarded inputs, once applied): they
     // serve the next steps' inputs (spare_buffers_).
     std::vector<std::vector<uint8_t>> spent;
+    std::vector<char> replica;  // per shard: its role in the attempt (1: replica)
   };
 
   Job(std::string job_id, ResolvedJob resolved, std::string token_sha256, JobOptions options);
@@ -445,13 +446,12 @@ class Job : public std::enable_shared_from_this<Job> {
                              const std::vector<std::shared_ptr<ShardState>>& shards, const StepHyper& hyper,
                              const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of, absl::Time deadline,
                              int64_t* payload_bytes = nullptr);
-  // The replica's half: waits (until `deadline`) for the inputs of `step` of every replica shard
-  // in `shards`, then takes them. UNAVAILABLE when the job stops, DEADLINE_EXCEEDED naming the
+  // The replica's half: waits (until `deadline`) for the inputs of `step` of the replica shards
+  // `wanted`, then takes them. UNAVAILABLE when the job stops, DEADLINE_EXCEEDED naming the
   // shards still missing (the step then fails everywhere before its decision).
   // ABORTED when the placement moves past `epoch` (the attempt's) meanwhile.
   absl::StatusOr<std::map<Key, ReplicaInput>> TakeReplicaInputs(int64_t step, int64_t epoch,
-                                                                const std::vector<std::shared_ptr<ShardState>>& shards,
-                                                                absl::Time deadline);
+                                                                const std::vector<Key>& wanted, absl::Time deadline);
   absl::Status ApplyPlacement(const v1::AssignShardRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::PushGradResponse> StorePush(PushSession& session);
   // UNAVAILABLE for a push of the step executing here that its attempt does not include.

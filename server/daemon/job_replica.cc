@@ -306,12 +306,9 @@ absl::Status Job::ForwardInputs(int64_t step, int64_t epoch, const std::vector<F
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::map<Job::Key, Job::ReplicaInput>> Job::TakeReplicaInputs(
-    int64_t step, int64_t epoch, const std::vector<std::shared_ptr<ShardState>>& shards, absl::Time deadline) {
-  std::vector<Key> wanted;
-  for (const auto& s : shards) {
-    if (s->replica) wanted.push_back({s->bucket, s->shard});
-  }
+absl::StatusOr<std::map<Job::Key, Job::ReplicaInput>> Job::TakeReplicaInputs(int64_t step, int64_t epoch,
+                                                                             const std::vector<Key>& wanted,
+                                                                             absl::Time deadline) {
   std::map<Key, ReplicaInput> out;
   if (wanted.empty()) return out;
   absl::MutexLock lock(&mu_);

@@ -167,6 +167,19 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   std::optional<v1::StepDecision> learned;
   const bool restoring = inputs.restored;
 
+  // Each shard's role in this attempt, read once: a newer placement may promote a replica while
+  // the attempt runs (which then fails at that epoch), and the attempt must not see it change.
+  std::vector<char> is_replica(shards.size());
+  std::vector<Key> replica_keys;
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < shards.size(); ++i) {
+      is_replica[i] = shards[i]->replica;
+      if (is_replica[i]) replica_keys.push_back({shards[i]->bucket, shards[i]->shard});
+    }
+  }
+  result.replica = is_replica;
+
   // The step's hyperparameters, one entry per param group (step -1 and restores have none).
   StepHyper hyper;
   if (!inputs.finished.empty()) hyper = inputs.finished.begin()->second;
@@ -188,7 +201,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   if (step < 0 && !restoring) {
     for (size_t i = 0; i < shards.size(); ++i) {
       const ShardState& s = *shards[i];
-      if (s.replica || !replicas_of.count({s.bucket, s.shard})) continue;
+      if (is_replica[i] || !replicas_of.count({s.bucket, s.shard})) continue;
       forwards.push_back({i, inputs.shards.at({s.bucket, s.shard}).by_rank.begin()->second.data(), ElementType::kFloat32, 1.0});
     }
     if (!forwards.empty()) {
@@ -198,7 +211,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   if (step >= 0) {
     for (size_t i = 0; i < shards.size(); ++i) {
       ShardState& s = *shards[i];
-      if (s.replica) continue;
+      if (is_replica[i]) continue;
       const ShardInputs& in = inputs.shards.at({s.bucket, s.shard});
       loss_scales[i] = in.loss_scale;
       if (in.num_contributors == 1) {
@@ -215,7 +228,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     }
     // On a GPU the kernels read the gradients from state memory (the forwards keep the host's).
     for (size_t i = 0; i < shards.size(); ++i) {
-      if (shards[i]->replica) continue;
+      if (is_replica[i]) continue;
       MAINSTAY_ASSIGN_OR_RETURN(grads[i], StageGradient(*shards[i], grads[i]));
     }
     absl::Status forwarded;
@@ -237,7 +250,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     absl::Status stats_status;
     for (size_t i = 0; i < shards.size() && stats_status.ok(); ++i) {
       ShardState& s = *shards[i];
-      if (s.replica) continue;
+      if (is_replica[i]) continue;
       casts[i] = FragmentCasts(s);
       stats_status = EnsureStepBuffers(s, casts[i]);
       if (!stats_status.ok()) break;
@@ -269,7 +282,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     if (stats_status.ok()) stats_status = options_.memory->Synchronize();
     for (size_t i = 0; i < shards.size() && stats_status.ok(); ++i) {
       ShardState& s = *shards[i];
-      if (s.replica) continue;
+      if (is_replica[i]) continue;
       for (FragmentCast& c : casts[i]) {
         partial[0] += *SlotAt<double>(s.scalars, c.slot + kSlotSumSquares);
         partial[1] += static_cast<double>(*SlotAt<int64_t>(s.scalars, c.slot + kSlotNonfinite));
@@ -341,9 +354,9 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       return result;
     }
     // Every primary forwarded its inputs of this attempt before its SUM, so they are here now.
-    MAINSTAY_ASSIGN_OR_RETURN(replica_in, TakeReplicaInputs(step, epoch, shards, deadline));
+    MAINSTAY_ASSIGN_OR_RETURN(replica_in, TakeReplicaInputs(step, epoch, replica_keys, deadline));
     for (size_t i = 0; i < shards.size(); ++i) {
-      if (!shards[i]->replica) continue;
+      if (!is_replica[i]) continue;
       ReplicaInput& in = replica_in.at({shards[i]->bucket, shards[i]->shard});
       if (options_.faults.Is(StepFault::Kind::kDropReplicaInput, step)) {
         std::fill(in.data.begin(), in.data.end(), uint8_t{0});
@@ -369,7 +382,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     // One rounding from the exact factor: (clip / loss scale) in double, then to FP32.
     for (size_t i = 0; i < shards.size(); ++i) multipliers[i] = static_cast<float>(clip / loss_scales[i]);
   } else if (!restoring) {
-    MAINSTAY_ASSIGN_OR_RETURN(replica_in, TakeReplicaInputs(step, epoch, shards, deadline));
+    MAINSTAY_ASSIGN_OR_RETURN(replica_in, TakeReplicaInputs(step, epoch, replica_keys, deadline));
   }
   // A daemon holding only replicas has no FinishStep calls: the primaries forwarded the step's
   // hyperparameters. Every value any input carried goes into the MAX check below.
@@ -422,8 +435,9 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     if (restoring) {
       // LoadRestore read the state into the scratch buffers.
     } else if (step < 0) {
-      const std::vector<uint8_t>& initial = s.replica ? replica_in.at({s.bucket, s.shard}).data
-                                                      : inputs.shards.at({s.bucket, s.shard}).by_rank.begin()->second;
+      const std::vector<uint8_t>& initial = is_replica[i]
+                                                ? replica_in.at({s.bucket, s.shard}).data
+                                                : inputs.shards.at({s.bucket, s.shard}).by_rank.begin()->second;
       if (s.scratch_master.size() != static_cast<size_t>(n)) {
         MAINSTAY_RETURN_IF_ERROR(s.scratch_master.Reset(*options_.memory, n));
       }
@@ -445,7 +459,7 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
             AmaxSlots(s, c)));
         amax_written[i][k] = 1;
       } else if (!c.probed && NeedsAmaxBeforeCast(bucket.format, frag, adamw) &&
-                 !(s.replica && TensorScaleOnly(bucket.format))) {
+                 !(is_replica[i] && TensorScaleOnly(bucket.format))) {
         kernels::StepOutputs out;
         out.amax = AmaxSlots(s, c);
         out.dry_run = true;
@@ -750,8 +764,8 @@ void Job::ApplyStep(int64_t step, StepResult& result, const std::vector<std::sha
     }
     result.published.push_back(std::move(update.snapshots[i]));
     if (i == 0 && shards.size() > 1 && options_.faults.armed()) {
-      const bool primary = std::any_of(shards.begin(), shards.end(), [](const auto& s) { return !s->replica; });
-      const bool replica = std::any_of(shards.begin(), shards.end(), [](const auto& s) { return s->replica; });
+      const bool primary = std::count(result.replica.begin(), result.replica.end(), 0) > 0;
+      const bool replica = std::count(result.replica.begin(), result.replica.end(), 1) > 0;
       CrashIfInjected(StepFault::Phase::kUpdate, step, primary, replica,
                       [&] { return absl::StrCat("with 1 of its ", shards.size(), " shards updated by step ", step); });
     }
