@@ -175,8 +175,14 @@ absl::Status RunDaemonsDrain(const Args& args, Output& output) {
     moves[{m.job_id(), m.shard().shard()}] = {m.to_daemon_id(), m.placement_epoch()};
     buckets[{m.job_id(), m.shard().shard()}]++;
   }
-  output.out << "daemon " << id << " is DRAINING; " << moves.size() << " rank(s) moved\n";
-  if (moves.empty()) return absl::OkStatus();
+  output.out << "daemon " << id << " is DRAINING; " << moves.size() << " rank(s) moving";
+  if (moves.empty()) {
+    output.out << "\n";
+    return absl::OkStatus();
+  }
+  // The targets copy the state now: a rank has moved once the coordinator logs it and the
+  // daemon no longer lists it.
+  output.out << " (each has moved once `daemons show " << id << "` no longer lists it)\n";
   Table t({"JOB", "RANK", "BUCKETS", "TO", "EPOCH"});
   for (const auto& [key, to] : moves) {
     t.AddRow({key.first, absl::StrCat(key.second), absl::StrCat(buckets[key]), to.first, absl::StrCat(to.second)});

@@ -698,7 +698,7 @@ class Job : public std::enable_shared_from_this<Job> {
   int64_t group_generation_ = 0;  // the generation group_ was built at
   std::vector<std::string> group_members_;
   bool fault_fired_ = false;      // options_.faults' lost reduction fired
-  int restore_attempts_ = 0;      // failed attempts of the restore in progress (at most 3)
+  int restore_attempts_ = 0;      // failed attempts of the restore in progress (for the log)
 
   double loss_scale_now_ ABSL_GUARDED_BY(mu_) = 1.0;  // copy for push validation
   std::thread step_thread_;

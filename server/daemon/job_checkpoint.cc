@@ -15,6 +15,8 @@
 namespace mainstay::daemon {
 namespace {
 
+constexpr absl::Duration kRestoreRetryInterval = absl::Milliseconds(500);
+
 int ElementBytes(ElementType type) { return BitsOf(type) / 8; }
 
 }  // namespace
@@ -237,12 +239,22 @@ void Job::RunRestore() {
   if (!result.ok()) {
     decisions_.erase(-1);
     ++restore_attempts_;
-    const bool retry = !loaded.ok() ? false : restore_attempts_ < 3 && !stopping_;
+    // A failed rendezvous or reduction with the peers (they load at their own pace; one may
+    // have timed out first) is tried again for as long as this assignment stands: giving up
+    // after a count of this daemon's own would leave it refusing while its peers wait (a
+    // newer assignment replaces the restore). A checkpoint that does not load, or any other
+    // error, is final.
+    const absl::StatusCode code = result.status().code();
+    const bool transient = code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded ||
+                           code == absl::StatusCode::kAborted;
+    const bool retry = loaded.ok() && transient && !stopping_;
     Log(LogLevel::kWarning, "daemon",
         absl::StrCat("job ", job_id_, ": restoring from checkpoint ", restore->checkpoint_id,
-                     retry ? " failed, retrying: " : " failed: ", result.status().ToString()));
+                     retry ? absl::StrCat(" failed (attempt ", restore_attempts_, "), retrying: ") : " failed: ",
+                     result.status().ToString()));
     if (retry) {
       restore_ = std::move(restore);
+      mu_.AwaitWithTimeout(absl::Condition(&stopping_), kRestoreRetryInterval);
     } else {
       restoring_ = false;
       restore_error_ = absl::Status(result.status().code(),

@@ -252,8 +252,10 @@ absl::Status Job::ConfirmDecisionHeld(int64_t step, const std::vector<std::strin
     for (const v1::DaemonEndpoint& peer : peers) {
       absl::StatusOr<v1::GetStepOutcomeResponse> answer =
           options_.peer_client->GetStepOutcome(peer, request, absl::Now() + kAskTimeout);
-      // (A peer past the step committed it: it keeps the decision of its last steps.)
-      if (answer.ok() && (answer->state() == v1::STEP_OUTCOME_STATE_DECIDED || answer->committed_step() >= step)) {
+      // (A peer past the step committed it: it keeps the decision of its last steps. Version 0,
+      // step -1, is "past" everywhere, so only its decision counts.)
+      if (answer.ok() &&
+          (answer->state() == v1::STEP_OUTCOME_STATE_DECIDED || (step >= 0 && answer->committed_step() >= step))) {
         continue;
       }
       absl::StrAppend(&missing, missing.empty() ? "" : ", ", peer.daemon_id());

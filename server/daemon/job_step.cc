@@ -869,8 +869,9 @@ void Job::RunSteps() {
       // writes the buffers they read only after them. Their own error was reported already.
       (void)options_.memory->Synchronize();
     }
-    if (result.ok() && step >= 0 && job_.spec.replication_factor > 1) {
-      // Decided: but it is committed and acknowledged only once every replica holds the decision.
+    if (result.ok() && job_.spec.replication_factor > 1) {
+      // Decided: but it is committed and acknowledged only once every replica holds the decision
+      // (version 0 too: a replica that gave it up would wait for initial values for ever).
       if (absl::Status held = ConfirmDecisionHeld(step, members); !held.ok()) result = held;
     }
     if (result.ok() && result->update.has_value()) {

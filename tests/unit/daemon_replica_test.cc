@@ -499,6 +499,33 @@ TEST(FailoverTest, ARankGivenBackWithACopyIsCopiedNotServedFromTheStateKeptSince
   ExpectReplicasEqualPrimaries(cluster);
 }
 
+// Version 0 is confirmed like a step: a replica-only daemon that loses the MAX of version 0
+// learns the decision from a peer, the barrier after it fails (it left the group), and the
+// daemons ask each other until every member holds the decision before they publish. Then the
+// primary of that rank is lost and its replica takes over with nothing rewound.
+TEST(FailoverTest, AReplicaThatLosesVersionZerosLastReductionLearnsItAndCanTakeOver) {
+  JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  spec.replication_factor = 2;
+  daemon::StepFault lose;
+  lose.kind = daemon::StepFault::Kind::kLoseReduction;
+  lose.step = -1;
+  lose.reduction = 1;
+  Cluster cluster(spec, 3, nullptr, {{2, lose}});  // d2 holds only rank 1's replica
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  ExpectMatchesReference(cluster, ref, 0);
+  ExpectReplicasEqualPrimaries(cluster);
+  ASSERT_THAT(cluster.Failover(1), IsOk());  // rank 1's primary: d2 takes over
+  ASSERT_EQ(cluster.Owner(1), 2);
+  for (int64_t step = 0; step < 2; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    cluster.PushGrads(step);
+    for (const auto& stats : cluster.Finish(step, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(step, 1e-3f);
+    ExpectMatchesReference(cluster, ref, step + 1);
+  }
+}
+
 // A move whose source dies before its copy got through (docs/architecture.md, "Replicas"): the
 // target copies the rank from its surviving replica, and the job goes on bit for bit.
 TEST(FailoverTest, AMoveWhoseSourceDiesCopiesFromTheReplicaAndTheJobGoesOnBitForBit) {
