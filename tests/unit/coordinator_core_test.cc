@@ -78,6 +78,19 @@ class CoordinatorCoreTest : public ::testing::Test {
   }
   std::map<std::string, std::string> keys_;  // daemon id -> its key
 
+  // A heartbeat of daemon `d` reporting `job` at `epoch` (version 3, step 2); must succeed.
+  void Beat(const v1::RegisterDaemonResponse& d, const std::string& job, int64_t epoch, bool loading = false) {
+    v1::HeartbeatRequest hb;
+    hb.set_daemon_id(d.daemon_id());
+    hb.set_lease_id(d.lease_id());
+    v1::JobProgress* p = hb.add_jobs();
+    p->set_job_id(job);
+    p->set_placement_epoch(epoch);
+    p->set_version(3);
+    p->set_committed_step(2);
+    p->set_loading(loading);
+    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  }
   absl::StatusOr<v1::CreateJobResponse> Create(const v1::JobSpec& spec) {
     v1::CreateJobRequest req;
     *req.mutable_spec() = spec;
@@ -1107,18 +1120,7 @@ TEST_F(CoordinatorCoreTest, ALostDaemonFailsOverToReplicasThenTheJobIsReReplicat
     EXPECT_THAT(p, IsOk());
     return p.ok() ? *p : v1::Placement();
   };
-  auto beat = [&](const v1::RegisterDaemonResponse& d, int64_t epoch, bool loading = false) {
-    v1::HeartbeatRequest hb;
-    hb.set_daemon_id(d.daemon_id());
-    hb.set_lease_id(d.lease_id());
-    v1::JobProgress* p = hb.add_jobs();
-    p->set_job_id(job);
-    p->set_placement_epoch(epoch);
-    p->set_version(3);
-    p->set_committed_step(2);
-    p->set_loading(loading);
-    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
-  };
+  auto beat = [&](const v1::RegisterDaemonResponse& d, int64_t epoch) { Beat(d, job, epoch); };
   const v1::Placement first = at(1);
   ASSERT_EQ(HoldersOf(first, 0).front(), a.daemon_id());
   const std::string replica_of_0 = HoldersOf(first, 0)[1];
@@ -1180,17 +1182,7 @@ TEST_F(CoordinatorCoreTest, AFailoverNotMadeBeforeARestartIsMadeAfterIt) {
   auto created = Create(spec);
   ASSERT_THAT(created, IsOk());
   const std::string job = created->job_id();
-  auto beat = [&](const v1::RegisterDaemonResponse& d) {
-    v1::HeartbeatRequest hb;
-    hb.set_daemon_id(d.daemon_id());
-    hb.set_lease_id(d.lease_id());
-    v1::JobProgress* p = hb.add_jobs();
-    p->set_job_id(job);
-    p->set_placement_epoch(1);
-    p->set_version(3);
-    p->set_committed_step(2);
-    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
-  };
+  auto beat = [&](const v1::RegisterDaemonResponse& d) { Beat(d, job, 1); };
   MAINSTAY_ASSERT_OK_AND_ASSIGN(v1::Placement first,
                                 coordinator_->WaitPlacement(job, "", 0, absl::Now() + absl::Seconds(1)));
   ASSERT_EQ(HoldersOf(first, 0).front(), a.daemon_id());
@@ -1248,14 +1240,7 @@ TEST_F(CoordinatorCoreTest, DrainingAReplicaMovesItsRoleAndAPrimaryMovesOnlyToAD
     EXPECT_EQ(Daemons()[id].state(), v1::DAEMON_STATE_READY);
   }
   // The spare reports the rank loaded: the move is over.
-  const v1::RegisterDaemonResponse& target = spare == b.daemon_id() ? b : c;
-  v1::HeartbeatRequest hb;
-  hb.set_daemon_id(target.daemon_id());
-  hb.set_lease_id(target.lease_id());
-  v1::JobProgress* progress = hb.add_jobs();
-  progress->set_job_id(job);
-  progress->set_placement_epoch(second->epoch());
-  ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  Beat(spare == b.daemon_id() ? b : c, job, second->epoch());
   // With every other daemon holding a copy, the primary's daemon cannot be drained.
   drain.set_daemon_id(a.daemon_id());
   EXPECT_THAT(coordinator_->DrainDaemon(drain),

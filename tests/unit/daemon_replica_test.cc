@@ -87,6 +87,27 @@ void ExpectReplicasEqualPrimaries(Cluster& c) {
   }
 }
 
+// Steps *step .. *step + n - 1: pushed, finished (every call OK), then the reference's step
+// and the published versions checked against it.
+void RunSteps(Cluster& c, Reference& ref, int64_t* step, int64_t n) {
+  for (const int64_t end = *step + n; *step < end; ++*step) {
+    SCOPED_TRACE(absl::StrCat("step ", *step));
+    c.PushGrads(*step);
+    for (const auto& stats : c.Finish(*step, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
+    ref.Step(*step, 1e-3f);
+    ExpectMatchesReference(c, ref, *step + 1);
+  }
+}
+
+// `finished`: an attempt of `step` that ran beside a placement change. If it failed, the step
+// is pushed and finished again, as trainers do. Returns whether the first attempt committed.
+bool FinishAgainIfFailed(Cluster& c, int64_t step, std::vector<absl::StatusOr<v1::StepStats>>& finished) {
+  if (std::all_of(finished.begin(), finished.end(), [](const auto& s) { return s.ok(); })) return true;
+  c.PushGrads(step);
+  finished = c.Finish(step, 1e-3f);
+  return false;
+}
+
 struct Case {
   std::string recipe;
   int d;        // trainer ranks
@@ -414,18 +435,11 @@ TEST(FailoverTest, ANewReplicaIsCopiedOnlyAfterTheOlderPlacementsStepInFlight) {
     const absl::Status added = cluster.AddReplica(0, 3);
     trainers.join();
     ASSERT_THAT(added, IsOk());
-    if (std::all_of(finished.begin(), finished.end(), [](const auto& s) { return s.ok(); })) {
-      ++raced;  // step 1 committed at the first placement, beside the copy
-    } else {
-      cluster.PushGrads(1);  // the attempt met the new placement and failed: pushed again
-      finished = cluster.Finish(1, 1e-3f);
-    }
+    raced += FinishAgainIfFailed(cluster, 1, finished) ? 1 : 0;  // committed at the first placement
     for (const auto& stats : finished) ASSERT_THAT(stats.status(), IsOk());
     ref.Step(1, 1e-3f);
-    cluster.PushGrads(2);
-    for (const auto& stats : cluster.Finish(2, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
-    ref.Step(2, 1e-3f);
-    ExpectMatchesReference(cluster, ref, 3);
+    int64_t step = 2;
+    RunSteps(cluster, ref, &step, 1);
     ExpectReplicasEqualPrimaries(cluster);
   }
   std::cerr << raced << " of 12 trials committed step 1 at the first placement\n";
@@ -456,16 +470,11 @@ TEST(FailoverTest, TheDecisionCheckAsksTheStepsMembersNotANewReplica) {
     const absl::Status added = cluster.AddReplica(0, 3);
     trainers.join();
     ASSERT_THAT(added, IsOk());
-    if (!std::all_of(finished.begin(), finished.end(), [](const auto& s) { return s.ok(); })) {
-      cluster.PushGrads(1);
-      finished = cluster.Finish(1, 1e-3f);
-    }
+    FinishAgainIfFailed(cluster, 1, finished);
     for (const auto& stats : finished) ASSERT_THAT(stats.status(), IsOk());
     ref.Step(1, 1e-3f);
-    cluster.PushGrads(2);
-    for (const auto& stats : cluster.Finish(2, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
-    ref.Step(2, 1e-3f);
-    ExpectMatchesReference(cluster, ref, 3);
+    int64_t step = 2;
+    RunSteps(cluster, ref, &step, 1);
     ExpectReplicasEqualPrimaries(cluster);
   }
 }
@@ -481,21 +490,12 @@ TEST(FailoverTest, ARankGivenBackWithACopyIsCopiedNotServedFromTheStateKeptSince
   cluster.PushInitial(ref);
   ExpectMatchesReference(cluster, ref, 0);  // (the reference's delayed scaling counts this cast)
   int64_t step = 0;
-  auto run = [&](int64_t steps) {
-    for (int64_t end = step + steps; step < end; ++step) {
-      SCOPED_TRACE(absl::StrCat("step ", step));
-      cluster.PushGrads(step);
-      for (const auto& stats : cluster.Finish(step, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
-      ref.Step(step, 1e-3f);
-      ExpectMatchesReference(cluster, ref, step + 1);
-    }
-  };
-  run(1);
+  RunSteps(cluster, ref, &step, 1);
   ASSERT_THAT(cluster.MoveKeepingTheSource(0, 3), IsOk());  // d0 keeps rank 0 at step 0
-  run(2);
+  RunSteps(cluster, ref, &step, 2);
   ASSERT_THAT(cluster.AddReplica(0, 0), IsOk());  // back to d0, copied from d3
   ExpectReplicasEqualPrimaries(cluster);
-  run(1);
+  RunSteps(cluster, ref, &step, 1);
   ExpectReplicasEqualPrimaries(cluster);
 }
 
@@ -517,13 +517,8 @@ TEST(FailoverTest, AReplicaThatLosesVersionZerosLastReductionLearnsItAndCanTakeO
   ExpectReplicasEqualPrimaries(cluster);
   ASSERT_THAT(cluster.Failover(1), IsOk());  // rank 1's primary: d2 takes over
   ASSERT_EQ(cluster.Owner(1), 2);
-  for (int64_t step = 0; step < 2; ++step) {
-    SCOPED_TRACE(absl::StrCat("step ", step));
-    cluster.PushGrads(step);
-    for (const auto& stats : cluster.Finish(step, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
-    ref.Step(step, 1e-3f);
-    ExpectMatchesReference(cluster, ref, step + 1);
-  }
+  int64_t step = 0;
+  RunSteps(cluster, ref, &step, 2);
 }
 
 // A move whose source dies before its copy got through (docs/architecture.md, "Replicas"): the
