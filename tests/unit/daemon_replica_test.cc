@@ -521,6 +521,20 @@ TEST(FailoverTest, AReplicaThatLosesVersionZerosLastReductionLearnsItAndCanTakeO
   RunSteps(cluster, ref, &step, 2);
 }
 
+// A rank moved before the job's initial values came (a drain right after CreateJob): the target
+// takes the source's progress, which is "nothing yet", and waits for the initial push, not for
+// step 0 (which it used to: version 0 then never came).
+TEST(FailoverTest, ARankMovedBeforeVersionZeroTakesTheInitialValues) {
+  JobSpec spec = MakeSpec("bf16_with_fp8_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 3);  // rank 0 on d0, rank 1 on d1; d2 holds nothing
+  Reference ref(cluster.resolved());
+  ASSERT_THAT(cluster.Move(0, 2), IsOk());
+  cluster.PushInitial(ref);
+  ExpectMatchesReference(cluster, ref, 0);
+  int64_t step = 0;
+  RunSteps(cluster, ref, &step, 2);
+}
+
 // A move whose source dies before its copy got through (docs/architecture.md, "Replicas"): the
 // target copies the rank from its surviving replica, and the job goes on bit for bit.
 TEST(FailoverTest, AMoveWhoseSourceDiesCopiesFromTheReplicaAndTheJobGoesOnBitForBit) {
