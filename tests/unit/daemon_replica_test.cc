@@ -535,6 +535,37 @@ TEST(FailoverTest, ARankMovedBeforeVersionZeroTakesTheInitialValues) {
   RunSteps(cluster, ref, &step, 2);
 }
 
+// A step that runs while a new replica is still being copied: its forwards to the new replica
+// are answered UNAVAILABLE and retried until the copy is in, so the step commits at its first
+// attempt (they were refused as "ahead", and every attempt failed until the copy was in).
+TEST(FailoverTest, AStepWaitsForANewReplicaStillBeingCopied) {
+  JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
+  spec.replication_factor = 2;
+  Cluster cluster(spec, 4);  // rank 0: d0 (+ d1), rank 1: d1 (+ d2); d3 holds nothing
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  int64_t step = 0;
+  RunSteps(cluster, ref, &step, 3);  // (a copy-in-progress knows no step: later ones look "ahead")
+  cluster.peer_client().SetCopiesFail("d0", true);  // d3's copy of rank 0 waits
+  absl::Status added;
+  std::thread rereplicate([&] { added = cluster.AddReplica(0, 3); });
+  absl::SleepFor(absl::Milliseconds(200));  // every daemon runs the new placement
+  cluster.PushGrads(step);
+  std::vector<absl::StatusOr<v1::StepStats>> finished;
+  std::thread trainers([&] { finished = cluster.Finish(step, 1e-3f); });
+  absl::SleepFor(absl::Milliseconds(500));  // the step's forward to d3 meets the copy in progress
+  cluster.peer_client().SetCopiesFail("d0", false);
+  trainers.join();
+  rereplicate.join();
+  ASSERT_THAT(added, IsOk());
+  for (const auto& stats : finished) ASSERT_THAT(stats.status(), IsOk());
+  ref.Step(step, 1e-3f);
+  ExpectMatchesReference(cluster, ref, step + 1);
+  ++step;
+  RunSteps(cluster, ref, &step, 1);
+  ExpectReplicasEqualPrimaries(cluster);
+}
+
 // A move whose source dies before its copy got through (docs/architecture.md, "Replicas"): the
 // target copies the rank from its surviving replica, and the job goes on bit for bit.
 TEST(FailoverTest, AMoveWhoseSourceDiesCopiesFromTheReplicaAndTheJobGoesOnBitForBit) {
