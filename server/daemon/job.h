@@ -508,11 +508,21 @@ class Job : public std::enable_shared_from_this<Job> {
   // The step thread's scaling state as it goes into a checkpoint.
   v1::CheckpointScalingState ScalingProto() const;
   // The unlocked part of a step (job_step.cc): everything up to the commit.
+  // `is_replica`: each shard's role, read under the lock that took `inputs` (a newer placement
+  // may promote a replica meanwhile; the attempt keeps the roles its inputs were taken for).
   // `replicas_of`: the replicas of the primary shards among `shards` (their forwards' targets).
   absl::StatusOr<StepResult> ExecuteStep(int64_t step, const StepInputs& inputs,
                                          const std::vector<std::shared_ptr<ShardState>>& shards,
-                                         const std::vector<std::string>& members, int64_t epoch,
+                                         const std::vector<char>& is_replica, const std::vector<std::string>& members,
+                                         int64_t epoch,
                                          const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of);
+  // Each of `shards`' role now (1: replica), for ExecuteStep.
+  std::vector<char> RolesLocked(const std::vector<std::shared_ptr<ShardState>>& shards) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    std::vector<char> roles;
+    for (const auto& s : shards) roles.push_back(s->replica ? 1 : 0);
+    return roles;
+  }
   // Version `version` of `s`, its data and scale buffers allocated and zeroed for `casts`
   // (reusing the shard's spare buffer). Step thread.
   // One FragmentCast per fragment of `s`, in shard order, with no amaxes yet, and each its
@@ -699,6 +709,7 @@ class Job : public std::enable_shared_from_this<Job> {
   std::vector<std::string> group_members_;
   bool fault_fired_ = false;      // options_.faults' lost reduction fired
   int restore_attempts_ = 0;      // failed attempts of the restore in progress (for the log)
+  absl::Time restore_failing_since_;  // its first failed attempt
 
   double loss_scale_now_ ABSL_GUARDED_BY(mu_) = 1.0;  // copy for push validation
   std::thread step_thread_;

@@ -16,6 +16,7 @@ namespace mainstay::daemon {
 namespace {
 
 constexpr absl::Duration kRestoreRetryInterval = absl::Milliseconds(500);
+constexpr absl::Duration kRestoreRetryFor = absl::Minutes(15);
 
 int ElementBytes(ElementType type) { return BitsOf(type) / 8; }
 
@@ -218,6 +219,7 @@ void Job::RunRestore() {
   std::unique_ptr<Restore> restore = std::move(restore_);
   std::vector<std::shared_ptr<ShardState>> shards;
   for (const auto& [key, state] : shards_) shards.push_back(state);
+  const std::vector<char> is_replica = RolesLocked(shards);
   const std::vector<std::string> members = members_;
   const int64_t epoch = epoch_;
   executing_step_ = -1;  // the republication's reductions answer RUNNING to peers in doubt
@@ -227,8 +229,8 @@ void Job::RunRestore() {
   const absl::Time start = absl::Now();
   StepInputs inputs;
   absl::Status loaded = LoadRestore(*restore, shards, inputs);
-  absl::StatusOr<StepResult> result =
-      loaded.ok() ? ExecuteStep(-1, inputs, shards, members, epoch, {}) : absl::StatusOr<StepResult>(loaded);
+  absl::StatusOr<StepResult> result = loaded.ok() ? ExecuteStep(-1, inputs, shards, is_replica, members, epoch, {})
+                                                  : absl::StatusOr<StepResult>(loaded);
 
   if (!result.ok()) {
     BreakGroup();                          // a failed collective leaves the group unusable
@@ -238,16 +240,17 @@ void Job::RunRestore() {
   executing_step_ = -2;
   if (!result.ok()) {
     decisions_.erase(-1);
-    ++restore_attempts_;
+    if (++restore_attempts_ == 1) restore_failing_since_ = absl::Now();
     // A failed rendezvous or reduction with the peers (they load at their own pace; one may
-    // have timed out first) is tried again for as long as this assignment stands: giving up
-    // after a count of this daemon's own would leave it refusing while its peers wait (a
-    // newer assignment replaces the restore). A checkpoint that does not load, or any other
-    // error, is final.
+    // have timed out first) is tried again for kRestoreRetryFor: long enough for any peer still
+    // loading, rather than a count of this daemon's own attempts that a slow peer outlasts. A
+    // peer whose load failed for good never comes, so the retries end. A checkpoint that does
+    // not load here, or any other error, is final.
     const absl::StatusCode code = result.status().code();
     const bool transient = code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded ||
                            code == absl::StatusCode::kAborted;
-    const bool retry = loaded.ok() && transient && !stopping_;
+    const bool retry =
+        loaded.ok() && transient && !stopping_ && absl::Now() - restore_failing_since_ < kRestoreRetryFor;
     Log(LogLevel::kWarning, "daemon",
         absl::StrCat("job ", job_id_, ": restoring from checkpoint ", restore->checkpoint_id,
                      retry ? absl::StrCat(" failed (attempt ", restore_attempts_, "), retrying: ") : " failed: ",

@@ -148,6 +148,7 @@ absl::Status UpdateFragment(const kernels::Device& device, Format format, Format
 
 absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs& inputs,
                                                  const std::vector<std::shared_ptr<ShardState>>& shards,
+                                                 const std::vector<char>& is_replica,
                                                  const std::vector<std::string>& members, int64_t epoch,
                                                  const std::map<Key, std::vector<v1::DaemonEndpoint>>& replicas_of) {
   StepResult result;
@@ -167,16 +168,10 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   std::optional<v1::StepDecision> learned;
   const bool restoring = inputs.restored;
 
-  // Each shard's role in this attempt, read once: a newer placement may promote a replica while
-  // the attempt runs (which then fails at that epoch), and the attempt must not see it change.
-  std::vector<char> is_replica(shards.size());
+  // The roles are the attempt's own (a promotion meanwhile fails it at the newer epoch).
   std::vector<Key> replica_keys;
-  {
-    absl::MutexLock lock(&mu_);
-    for (size_t i = 0; i < shards.size(); ++i) {
-      is_replica[i] = shards[i]->replica;
-      if (is_replica[i]) replica_keys.push_back({shards[i]->bucket, shards[i]->shard});
-    }
+  for (size_t i = 0; i < shards.size(); ++i) {
+    if (is_replica[i]) replica_keys.push_back({shards[i]->bucket, shards[i]->shard});
   }
   result.replica = is_replica;
 
@@ -551,7 +546,17 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
     for (size_t i = 0; i < shards.size(); ++i) {
       std::shared_ptr<QuantizedShard> snap =
           NewSnapshot(*shards[i], casts[i], restoring ? inputs.publish_version : step + 1);
-      MAINSTAY_RETURN_IF_ERROR(CastShard(*shards[i], casts[i], *snap, /*update=*/nullptr, 0));
+      const absl::Status cast = CastShard(*shards[i], casts[i], *snap, /*update=*/nullptr, 0);
+      if (!cast.ok() && !restoring) {
+        // Version 0 is decided (the MAX above): the peers publish it and, with replicas, wait
+        // for this daemon to hold it. As for a step's apply (ApplyStep), better no daemon (its
+        // replicas take over) than one that can neither publish nor give the decision up.
+        Log(LogLevel::kError, "daemon",
+            absl::StrCat("job ", job_id_, ": version 0 was decided but its cast of ",
+                         ShardName(shards[i]->bucket, shards[i]->shard), " failed (", cast.ToString(), "); aborting"));
+        std::abort();
+      }
+      MAINSTAY_RETURN_IF_ERROR(cast);
       result.published.push_back(std::move(snap));
     }
   }
@@ -845,6 +850,7 @@ void Job::RunSteps() {
     }
     std::vector<std::shared_ptr<ShardState>> shards;
     for (const auto& [key, state] : shards_) shards.push_back(state);
+    const std::vector<char> is_replica = RolesLocked(shards);
     const std::vector<std::string> members = members_;
     const int64_t epoch = epoch_;
     std::map<Key, std::vector<v1::DaemonEndpoint>> replicas_of;  // of this daemon's primaries
@@ -862,7 +868,7 @@ void Job::RunSteps() {
     const double wait_ms = static_cast<double>(now_ms - inputs.first_push_ms);
     mu_.Unlock();
 
-    absl::StatusOr<StepResult> result = ExecuteStep(step, inputs, shards, members, epoch, replicas_of);
+    absl::StatusOr<StepResult> result = ExecuteStep(step, inputs, shards, is_replica, members, epoch, replicas_of);
     if (!result.ok()) {
       BreakGroup();  // a failed collective leaves the group unusable
       // A failed attempt may have left kernels running on the GPU; the next one (or a move)

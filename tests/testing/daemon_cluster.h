@@ -113,25 +113,21 @@ class InProcessPeers : public daemon::PeerClient {
                                 std::span<const uint8_t> payload, absl::Time) override {
     {
       absl::MutexLock lock(&mu_);
-      if (hold_forwards_ && !hold_after_delivery_) Hold();
+      if (hold_forwards_) {
+        ++forwards_held_;
+        mu_.Await(absl::Condition(this, &InProcessPeers::ForwardsReleased));
+        --forwards_held_;
+      }
       if (down_.count(peer.daemon_id())) return absl::UnavailableError(absl::StrCat("daemon ", peer.daemon_id(), " is down"));
     }
-    absl::Status delivered = absl::UnavailableError(absl::StrCat("no daemon ", peer.daemon_id()));
     for (const auto& d : *daemons_) {
       if (d->daemon_id() != peer.daemon_id()) continue;
-      if (header.payload_from_trainer()) {
-        delivered = d->AdoptTrainerCopy(header).status();
-      } else {
-        absl::StatusOr<bool> duplicate = d->CheckReplicaInput(header);
-        delivered = !duplicate.ok() || *duplicate
-                        ? duplicate.status()
-                        : d->StoreReplicaInput(header, std::vector<uint8_t>(payload.begin(), payload.end())).status();
-      }
-      break;
+      if (header.payload_from_trainer()) return d->AdoptTrainerCopy(header).status();
+      MAINSTAY_ASSIGN_OR_RETURN(bool duplicate, d->CheckReplicaInput(header));
+      if (duplicate) return absl::OkStatus();
+      return d->StoreReplicaInput(header, std::vector<uint8_t>(payload.begin(), payload.end())).status();
     }
-    absl::MutexLock lock(&mu_);
-    if (hold_forwards_ && hold_after_delivery_) Hold();
-    return delivered;
+    return absl::UnavailableError(absl::StrCat("no daemon ", peer.daemon_id()));
   }
   // Calls to a daemon marked down fail UNAVAILABLE (a lost daemon).
   void SetDown(const std::string& id) {
@@ -139,12 +135,10 @@ class InProcessPeers : public daemon::PeerClient {
     down_.insert(id);
   }
   // While held, forwards wait (forwards_held() of them) until released: a step thread stopped
-  // inside an attempt. `after_delivery`: they wait with their input already stored on the
-  // replica (the attempt is then stopped past its forwards, before its reductions).
-  void HoldForwards(bool hold, bool after_delivery = false) {
+  // inside an attempt.
+  void HoldForwards(bool hold) {
     absl::MutexLock lock(&mu_);
     hold_forwards_ = hold;
-    hold_after_delivery_ = after_delivery;
   }
   int forwards_held() {
     absl::MutexLock lock(&mu_);
@@ -163,16 +157,10 @@ class InProcessPeers : public daemon::PeerClient {
  private:
   const std::vector<std::unique_ptr<ShardDaemon>>* daemons_;
   bool ForwardsReleased() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !hold_forwards_; }
-  void Hold() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    ++forwards_held_;
-    mu_.Await(absl::Condition(this, &InProcessPeers::ForwardsReleased));
-    --forwards_held_;
-  }
   absl::Mutex mu_;
   std::set<std::string> down_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> unreachable_copies_ ABSL_GUARDED_BY(mu_);
   bool hold_forwards_ ABSL_GUARDED_BY(mu_) = false;
-  bool hold_after_delivery_ ABSL_GUARDED_BY(mu_) = false;
   int forwards_held_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

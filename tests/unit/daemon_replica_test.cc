@@ -447,7 +447,9 @@ TEST(FailoverTest, ANewReplicaIsCopiedOnlyAfterTheOlderPlacementsStepInFlight) {
 
 // A replica-only daemon loses step 1's last reduction and learns the decision from a peer, so
 // the barrier after it fails and the primaries ask their peers whether they hold it. A new
-// replica added meanwhile took no part in step 1 and must not be waited for.
+// replica added meanwhile took no part in step 1 and must not be waited for. (Timing-based:
+// the re-replication lands at three points of the step; the review's reproduction of the wait
+// for ever came from such a loop.)
 TEST(FailoverTest, TheDecisionCheckAsksTheStepsMembersNotANewReplica) {
   for (int trial = 0; trial < 3; ++trial) {
     SCOPED_TRACE(absl::StrCat("trial ", trial));
@@ -502,7 +504,9 @@ TEST(FailoverTest, ARankGivenBackWithACopyIsCopiedNotServedFromTheStateKeptSince
 // Version 0 is confirmed like a step: a replica-only daemon that loses the MAX of version 0
 // learns the decision from a peer, the barrier after it fails (it left the group), and the
 // daemons ask each other until every member holds the decision before they publish. Then the
-// primary of that rank is lost and its replica takes over with nothing rewound.
+// primary of that rank is lost and its replica takes over with nothing rewound. (This runs
+// the confirmation's asking path for version 0; the case it guards against, the deciding
+// primary lost before the replica asked, needs a kill between the two and is not staged.)
 TEST(FailoverTest, AReplicaThatLosesVersionZerosLastReductionLearnsItAndCanTakeOver) {
   JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
   spec.replication_factor = 2;
