@@ -709,7 +709,8 @@ class Job : public std::enable_shared_from_this<Job> {
   std::vector<std::string> group_members_;
   bool fault_fired_ = false;      // options_.faults' lost reduction fired
   int restore_attempts_ = 0;      // failed attempts of the restore in progress (for the log)
-  absl::Time restore_failing_since_;  // its first failed attempt
+  absl::Time restore_failing_since_;  // its first failed attempt (at restore_failing_epoch_)
+  int64_t restore_failing_epoch_ = 0;
 
   double loss_scale_now_ ABSL_GUARDED_BY(mu_) = 1.0;  // copy for push validation
   std::thread step_thread_;

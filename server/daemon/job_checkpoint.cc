@@ -240,7 +240,10 @@ void Job::RunRestore() {
   executing_step_ = -2;
   if (!result.ok()) {
     decisions_.erase(-1);
-    if (++restore_attempts_ == 1) restore_failing_since_ = absl::Now();
+    if (++restore_attempts_ == 1 || epoch != restore_failing_epoch_) {  // (a new placement starts anew)
+      restore_failing_since_ = absl::Now();
+      restore_failing_epoch_ = epoch;
+    }
     // A failed rendezvous or reduction with the peers (they load at their own pace; one may
     // have timed out first) is tried again for kRestoreRetryFor: long enough for any peer still
     // loading, rather than a count of this daemon's own attempts that a slow peer outlasts. A

@@ -547,10 +547,12 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
       std::shared_ptr<QuantizedShard> snap =
           NewSnapshot(*shards[i], casts[i], restoring ? inputs.publish_version : step + 1);
       const absl::Status cast = CastShard(*shards[i], casts[i], *snap, /*update=*/nullptr, 0);
-      if (!cast.ok() && !restoring) {
+      if (!cast.ok() && !restoring && job_.spec.replication_factor > 1 && members.size() > 1) {
         // Version 0 is decided (the MAX above): the peers publish it and, with replicas, wait
         // for this daemon to hold it. As for a step's apply (ApplyStep), better no daemon (its
         // replicas take over) than one that can neither publish nor give the decision up.
+        // (Without replicas nobody waits: the attempt fails, and the next one learns the
+        // decision from the peers and casts again.)
         Log(LogLevel::kError, "daemon",
             absl::StrCat("job ", job_id_, ": version 0 was decided but its cast of ",
                          ShardName(shards[i]->bucket, shards[i]->shard), " failed (", cast.ToString(), "); aborting"));
