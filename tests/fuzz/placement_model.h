@@ -67,6 +67,7 @@ struct JobModel {
   std::pair<std::string, int64_t> restored_from{"", -1};  // (checkpoint id, epoch), as Job keeps it
   int64_t epoch = 0;
   std::map<Key, HeldShard> held, moving_out;  // moving_out: given to another daemon, state kept
+  std::set<Key> released;                     // moved out since last held (Job::released_)
   PlacementView placement;                    // of the last AssignShard
   // A from_peer message gained shards: the job's step thread retries the copy every 500 ms
   // until a newer epoch supersedes it, and takes no step meanwhile.
@@ -108,7 +109,7 @@ struct PlacementChange {
 
 // An accepted AssignShard: shards the placement gives away move out (state kept), shards it
 // gives back are served again, the gained shards not held yet are added (waiting for a copy
-// when from_peer).
+// when from_peer), and so are those given back with from_peer that this daemon let go.
 inline PlacementChange ApplyAssign(JobModel& m, const v1::AssignShardRequest& req, const std::string& self) {
   PlacementChange change;
   m.epoch = req.placement_epoch();
@@ -119,6 +120,7 @@ inline PlacementChange ApplyAssign(JobModel& m, const v1::AssignShardRequest& re
       continue;
     }
     m.moving_out[it->first] = it->second;
+    m.released.insert(it->first);
     it = m.held.erase(it);
     ++change.moved_out;
   }
@@ -133,7 +135,9 @@ inline PlacementChange ApplyAssign(JobModel& m, const v1::AssignShardRequest& re
   }
   for (const v1::ShardRef& ref : req.shards()) {
     const Key k{ref.bucket(), ref.shard()};
-    if (m.held.count(k)) continue;
+    // A shard given back that this daemon let go, with a copy to make, is copied anew (what it
+    // kept may be behind); one already waiting for its copy keeps waiting.
+    if (m.held.count(k) && !(req.has_from_peer() && !m.held[k].incoming && m.released.count(k))) continue;
     m.held[k].incoming = req.has_from_peer();
     m.queued_move |= req.has_from_peer();
     change.waiting_for_copy += req.has_from_peer() ? 1 : 0;
@@ -148,10 +152,12 @@ inline bool ApplyDrop(JobModel& m, const v1::DropShardRequest& req) {
   if (req.shards().empty()) {
     m.held.clear();
     m.moving_out.clear();
+    m.released.clear();
   }
   for (const v1::ShardRef& ref : req.shards()) {
     m.held.erase({ref.bucket(), ref.shard()});
     m.moving_out.erase({ref.bucket(), ref.shard()});
+    m.released.erase({ref.bucket(), ref.shard()});
   }
   return m.held.empty() && m.moving_out.empty();
 }
