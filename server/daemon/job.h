@@ -417,7 +417,6 @@ class Job : public std::enable_shared_from_this<Job> {
     // Buffers the step no longer needs (the replicas' forwarded inputs, once applied): they
     // serve the next steps' inputs (spare_buffers_).
     std::vector<std::vector<uint8_t>> spent;
-    std::vector<char> replica;  // per shard: its role in the attempt (1: replica)
   };
 
   Job(std::string job_id, ResolvedJob resolved, std::string token_sha256, JobOptions options);
@@ -554,7 +553,8 @@ class Job : public std::enable_shared_from_this<Job> {
   // that the layout rules out (the probe, where there is one, passed the same ones). A kernel
   // error here is a bug, and the process aborts rather than keep a half-updated shard; being
   // deterministic, the replicas would fail alike, so the job falls back to its checkpoint.
-  void ApplyStep(int64_t step, StepResult& result, const std::vector<std::shared_ptr<ShardState>>& shards);
+  void ApplyStep(int64_t step, StepResult& result, const std::vector<std::shared_ptr<ShardState>>& shards,
+                 const std::vector<char>& is_replica);
   // The job's peer group for `members` at `epoch` (job_outcome.cc): the current one, or a new
   // one at the generation the members agree on (PeerGroupFactory::Generation); true when new.
   absl::StatusOr<bool> EnsureGroup(const std::vector<std::string>& members, int64_t epoch, absl::Time deadline)

@@ -173,7 +173,6 @@ absl::StatusOr<Job::StepResult> Job::ExecuteStep(int64_t step, const StepInputs&
   for (size_t i = 0; i < shards.size(); ++i) {
     if (is_replica[i]) replica_keys.push_back({shards[i]->bucket, shards[i]->shard});
   }
-  result.replica = is_replica;
 
   // The step's hyperparameters, one entry per param group (step -1 and restores have none).
   StepHyper hyper;
@@ -754,7 +753,8 @@ absl::Status Job::CastShard(ShardState& s, const std::vector<FragmentCast>& cast
   return absl::OkStatus();
 }
 
-void Job::ApplyStep(int64_t step, StepResult& result, const std::vector<std::shared_ptr<ShardState>>& shards) {
+void Job::ApplyStep(int64_t step, StepResult& result, const std::vector<std::shared_ptr<ShardState>>& shards,
+                    const std::vector<char>& is_replica) {
   const absl::Time t = absl::Now();
   StepUpdate& update = *result.update;
   for (size_t i = 0; i < shards.size(); ++i) {
@@ -771,8 +771,8 @@ void Job::ApplyStep(int64_t step, StepResult& result, const std::vector<std::sha
     }
     result.published.push_back(std::move(update.snapshots[i]));
     if (i == 0 && shards.size() > 1 && options_.faults.armed()) {
-      const bool primary = std::count(result.replica.begin(), result.replica.end(), 0) > 0;
-      const bool replica = std::count(result.replica.begin(), result.replica.end(), 1) > 0;
+      const bool primary = std::count(is_replica.begin(), is_replica.end(), 0) > 0;
+      const bool replica = std::count(is_replica.begin(), is_replica.end(), 1) > 0;
       CrashIfInjected(StepFault::Phase::kUpdate, step, primary, replica,
                       [&] { return absl::StrCat("with 1 of its ", shards.size(), " shards updated by step ", step); });
     }
@@ -888,7 +888,7 @@ void Job::RunSteps() {
         absl::MutexLock lock(&mu_);
         applying_ = true;
       }
-      ApplyStep(step, *result, shards);
+      ApplyStep(step, *result, shards, is_replica);
     }
 
     mu_.Lock();
