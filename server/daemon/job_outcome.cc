@@ -273,19 +273,32 @@ absl::Status Job::ConfirmDecisionHeld(int64_t step, const std::vector<std::strin
   }
 }
 
-v1::GetStepOutcomeResponse Job::GetStepOutcome(const v1::GetStepOutcomeRequest& request) const {
+Job::Decisions Job::DecisionsKept() const {
   absl::MutexLock lock(&mu_);
+  return Decisions{.committed_step = committed_step_, .by_step = decisions_};
+}
+
+v1::GetStepOutcomeResponse Job::Decisions::Answer(int64_t step) const {
   v1::GetStepOutcomeResponse response;
-  response.set_committed_step(committed_step_);
-  if (auto it = decisions_.find(request.step()); it != decisions_.end()) {
+  response.set_committed_step(committed_step);
+  if (auto it = by_step.find(step); it != by_step.end()) {
     response.set_state(v1::STEP_OUTCOME_STATE_DECIDED);
     *response.mutable_decision() = it->second;
-  } else if (reducing_ && executing_step_ == request.step()) {
-    response.set_state(v1::STEP_OUTCOME_STATE_RUNNING);
   } else {
     response.set_state(v1::STEP_OUTCOME_STATE_UNDECIDED);
   }
   return response;
+}
+
+v1::GetStepOutcomeResponse Job::GetStepOutcome(const v1::GetStepOutcomeRequest& request) const {
+  absl::MutexLock lock(&mu_);
+  if (!decisions_.contains(request.step()) && reducing_ && executing_step_ == request.step()) {
+    v1::GetStepOutcomeResponse response;
+    response.set_committed_step(committed_step_);
+    response.set_state(v1::STEP_OUTCOME_STATE_RUNNING);
+    return response;
+  }
+  return Decisions{.committed_step = committed_step_, .by_step = decisions_}.Answer(request.step());
 }
 
 }  // namespace mainstay::daemon

@@ -82,6 +82,12 @@ class InProcessPeers : public daemon::PeerClient {
   absl::StatusOr<v1::GetStepOutcomeResponse> GetStepOutcome(const v1::DaemonEndpoint& peer,
                                                             const v1::GetStepOutcomeRequest& request,
                                                             absl::Time) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (unreachable_outcomes_.count(peer.daemon_id())) {
+        return absl::UnavailableError(absl::StrCat("daemon ", peer.daemon_id(), " is cut off"));
+      }
+    }
     for (const auto& d : *daemons_) {
       if (d->daemon_id() == peer.daemon_id()) return d->GetStepOutcome(request);
     }
@@ -145,14 +151,9 @@ class InProcessPeers : public daemon::PeerClient {
     return forwards_held_;
   }
   // State copies from `id` fail UNAVAILABLE while set (a source cut off for a while).
-  void SetCopiesFail(const std::string& id, bool fail) {
-    absl::MutexLock lock(&mu_);
-    if (fail) {
-      unreachable_copies_.insert(id);
-    } else {
-      unreachable_copies_.erase(id);
-    }
-  }
+  void SetCopiesFail(const std::string& id, bool fail) { SetCut(unreachable_copies_, id, fail); }
+  // Questions to `id` about a step's outcome fail UNAVAILABLE while set.
+  void SetOutcomesFail(const std::string& id, bool fail) { SetCut(unreachable_outcomes_, id, fail); }
 
  private:
   const std::vector<std::unique_ptr<ShardDaemon>>* daemons_;
@@ -160,6 +161,15 @@ class InProcessPeers : public daemon::PeerClient {
   absl::Mutex mu_;
   std::set<std::string> down_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> unreachable_copies_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> unreachable_outcomes_ ABSL_GUARDED_BY(mu_);
+  void SetCut(std::set<std::string>& cut, const std::string& id, bool on) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (on) {
+      cut.insert(id);
+    } else {
+      cut.erase(id);
+    }
+  }
   bool hold_forwards_ ABSL_GUARDED_BY(mu_) = false;
   int forwards_held_ ABSL_GUARDED_BY(mu_) = 0;
 };

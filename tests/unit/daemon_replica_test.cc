@@ -501,6 +501,44 @@ TEST(FailoverTest, ARankGivenBackWithACopyIsCopiedNotServedFromTheStateKeptSince
   ExpectReplicasEqualPrimaries(cluster);
 }
 
+// With R = 1, d1 loses step 1's last reduction and cannot reach d0 to ask about it. Meanwhile d0,
+// which decided and committed step 1, is fenced by a move of its rank to d2, copied and dropped.
+// When d1 reaches d0 at last, d0 no longer holds the job but still answers with the decision it
+// made: d1 commits step 1 as well instead of giving it up while d2 holds it committed.
+TEST(FailoverTest, ADaemonThatDroppedTheJobStillAnswersWithTheDecisionsItMade) {
+  const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  daemon::StepFault lose;
+  lose.kind = daemon::StepFault::Kind::kLoseReduction;
+  lose.step = 1;
+  lose.reduction = 1;
+  Cluster cluster(spec, 3, nullptr, {{1, lose}});  // rank 0 on d0, rank 1 on d1; d2 holds nothing
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  int64_t step = 0;
+  RunSteps(cluster, ref, &step, 1);
+  cluster.peer_client().SetOutcomesFail("d0", true);
+  cluster.PushGrads(1);
+  std::vector<absl::StatusOr<v1::StepStats>> finished;
+  std::thread trainers([&] { finished = cluster.Finish(1, 1e-3f); });
+  const auto committed = [&](int d) {
+    for (const v1::JobProgress& p : cluster.daemon(d).Progress()) {
+      if (p.job_id() == kJob) return p.committed_step();
+    }
+    return int64_t{-2};
+  };
+  while (committed(0) < 1) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_THAT(cluster.Move(0, 2), IsOk());  // d0 is copied and drops the job
+  ASSERT_EQ(committed(0), -2) << "d0 still holds the job";
+  EXPECT_EQ(committed(1), 0) << "d1 is still in doubt about step 1";
+  cluster.peer_client().SetOutcomesFail("d0", false);
+  trainers.join();
+  for (const auto& stats : finished) EXPECT_THAT(stats.status(), IsOk());
+  ref.Step(1, 1e-3f);
+  ExpectMatchesReference(cluster, ref, 2);
+  step = 2;
+  RunSteps(cluster, ref, &step, 2);
+}
+
 // Version 0 is confirmed like a step: a replica-only daemon that loses the MAX of version 0
 // learns the decision from a peer, the barrier after it fails (it left the group), and the
 // daemons ask each other until every member holds the decision before they publish. Then the
