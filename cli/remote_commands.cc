@@ -281,6 +281,13 @@ absl::Status RunJobsShow(const Args& args, Output& output) {
     t.AddRow({"step time", absl::StrCat(st.step_time_ms(), " ms (amax probe ", absl::StrFormat("%.1f", st.phases().update_ms()),
                                         " ms, update and cast ", absl::StrFormat("%.1f", st.phases().quantize_ms()), " ms)")});
   }
+  for (const v1::PendingMove& m : j.moves()) {
+    t.AddRow({"moving", absl::StrCat("rank ", m.rank(), " from ", m.source_daemon_id(), " to ", m.target_daemon_id(),
+                                     " (placement epoch ", m.epoch(), ")")});
+  }
+  for (const v1::DaemonLoadError& e : j.load_errors()) {
+    t.AddRow({"load error", absl::StrCat(e.daemon_id(), ": ", e.error())});
+  }
   t.AddRow({"created", Time(j.created_unix_ms())});
   t.Print(output.out);
   return absl::OkStatus();

@@ -209,7 +209,23 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
       for (const v1::PendingMove& m : job->second.moves()) moving_out |= m.source_daemon_id() == request.daemon_id();
     }
     if (placed) {
-      s.progress[p.job_id()][request.daemon_id()] = p;
+      v1::JobProgress& kept = s.progress[p.job_id()][request.daemon_id()];
+      if (!p.load_error().empty() && p.load_error() != kept.load_error()) {
+        Log(LogLevel::kWarning, "coordinator",
+            absl::StrCat("job ", p.job_id(), ": daemon ", request.daemon_id(),
+                         " cannot load its state yet: ", p.load_error()));
+      }
+      kept = p;
+      // A move's target that cannot allocate the copy would retry for ever with its source
+      // fenced: the move goes elsewhere, as when a target refuses the assignment.
+      const bool moving_in =
+          std::any_of(job->second.moves().begin(), job->second.moves().end(),
+                      [&](const v1::PendingMove& m) { return m.target_daemon_id() == request.daemon_id(); });
+      if (moving_in && p.loading() && p.placement_epoch() == job->second.placement().epoch() &&
+          p.load_error_code() == static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) {
+        s.PlaceRefusedRanks(request.daemon_id(), job->second, /*restore=*/false,
+                            absl::ResourceExhaustedError(p.load_error()));
+      }
       continue;
     }
     if (moving_out) continue;  // it keeps the job until the move's target has copied it

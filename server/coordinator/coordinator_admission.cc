@@ -1,6 +1,7 @@
 // A daemon's refusal of an assignment for lack of memory (its AssignShard answered
 // RESOURCE_EXHAUSTED: the job's MemoryPlan does not fit its --memory-bytes next to its other
-// jobs): the ranks it was to take go to other daemons at a new placement epoch.
+// jobs), or a move's target that could not allocate the copy (its heartbeat's load error): the
+// ranks it was to take go to other daemons at a new placement epoch.
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -16,19 +17,23 @@ void Coordinator::AssignmentRefused(const std::string& address, const v1::Assign
   s.TickLocked();
   auto job_it = s.state.jobs.find(request.job_id());
   if (job_it == s.state.jobs.end()) return;
-  const v1::StoredJob& job = job_it->second;
-  if (request.placement_epoch() != job.placement().epoch()) return;  // overtaken by a newer epoch
+  if (request.placement_epoch() != job_it->second.placement().epoch()) return;  // overtaken by a newer epoch
   std::string refuser;
   for (const auto& [id, d] : s.state.daemons) {
     if (d.endpoint().address() == address && d.state() != v1::DAEMON_STATE_DOWN) refuser = id;
   }
   if (refuser.empty()) return;
+  s.PlaceRefusedRanks(refuser, job_it->second, request.has_from_checkpoint(), status);
+}
+
+void Coordinator::Impl::PlaceRefusedRanks(const std::string& refuser, const v1::StoredJob& job, bool restore,
+                                          const absl::Status& status) {
+  Impl& s = *this;
   s.refused[job.info().job_id()].insert(refuser);
 
   // The ranks the refuser was to gain: all of its ranks before the job started, or in a restore
   // (nothing of them exists on any daemon but the checkpoint), else those a pending move brings
   // to it (their source still has them).
-  const bool restore = request.has_from_checkpoint();
   const std::vector<std::vector<std::string>> holders = Impl::HoldersByRank(job);
   std::map<int, std::string> gained;  // rank -> the move's source ("" for a fresh rank)
   for (size_t r = 0; r < holders.size(); ++r) {
@@ -42,7 +47,7 @@ void Coordinator::AssignmentRefused(const std::string& address, const v1::Assign
   if (gained.empty()) {
     Log(LogLevel::kWarning, "coordinator",
         absl::StrCat("daemon ", refuser, " refused its shards of job ", job.info().job_id(), " at epoch ",
-                     request.placement_epoch(), " (", status.message(), "); it holds them already, so they stay"));
+                     job.placement().epoch(), " (", status.message(), "); it holds them already, so they stay"));
     return;
   }
 

@@ -90,8 +90,16 @@ struct Coordinator::Impl {
   v1::JobInfo InfoWithProgress(const v1::StoredJob& job, v1::StepStats* last_stats = nullptr) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     v1::JobInfo info = job.info();
+    *info.mutable_moves() = job.moves();
     auto it = progress.find(info.job_id());
     if (it == progress.end()) return info;
+    for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
+      auto p = it->second.find(e.daemon_id());
+      if (p == it->second.end() || p->second.load_error().empty()) continue;
+      v1::DaemonLoadError* error = info.add_load_errors();
+      error->set_daemon_id(e.daemon_id());
+      error->set_error(p->second.load_error());
+    }
     const v1::JobProgress* least = nullptr;
     for (const v1::DaemonEndpoint& e : job.placement().daemons()) {
       auto p = it->second.find(e.daemon_id());
@@ -688,6 +696,12 @@ struct Coordinator::Impl {
   void FaultPoint(const char* point) const {
     if (options.fault_point) options.fault_point(point);
   }
+
+  // Coordinator::AssignmentRefused's work, for `job` at its current epoch (coordinator_admission.cc):
+  // the ranks `refuser` was to gain go elsewhere at a new epoch (`restore`: the assignment was a
+  // restore's). Also called when a move's target reports that it cannot allocate the copy.
+  void PlaceRefusedRanks(const std::string& refuser, const v1::StoredJob& job, bool restore, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   // After PlanMoves' job is committed: every daemon of the placement gets the new epoch, each
   // target its moved ranks from their source.

@@ -121,8 +121,14 @@ void Coordinator::Impl::ReReplicateLocked() {
                 !p->second.loading();
     }
     if (!settled) continue;
+    // Not on a daemon that refused the job's shards or could not allocate them: it would refuse
+    // again, and each try costs a placement epoch.
+    std::vector<DaemonCandidate> candidates = Candidates("");
+    if (auto no = refused.find(job_id); no != refused.end()) {
+      std::erase_if(candidates, [&](const DaemonCandidate& c) { return no->second.count(c.id) > 0; });
+    }
     absl::StatusOr<std::vector<std::vector<std::string>>> added =
-        AddCopies(holders, r, Candidates(""), job.bytes_per_rank());
+        AddCopies(holders, r, std::move(candidates), job.bytes_per_rank());
     if (!added.ok()) {
       if (rereplication_waiting[job_id] != job.placement().epoch()) {
         rereplication_waiting[job_id] = job.placement().epoch();

@@ -787,6 +787,10 @@ v1::JobProgress Job::Progress() const {
   p.set_version(version_);
   p.set_placement_epoch(epoch_);
   p.set_loading(!moves_in_.empty() || restoring_);
+  // A restore that failed for good, else the last failed attempt of the load in progress.
+  const absl::Status& error = !restore_error_.ok() ? restore_error_ : p.loading() ? load_error_ : absl::OkStatus();
+  p.set_load_error(std::string(error.message()));
+  p.set_load_error_code(static_cast<int32_t>(error.code()));
   if (auto it = stats_.find(committed_step_); committed_step_ >= 0 && it != stats_.end()) {
     *p.mutable_last_step_stats() = it->second;
   }

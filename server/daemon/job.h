@@ -656,6 +656,9 @@ class Job : public std::enable_shared_from_this<Job> {
     int64_t epoch = 0;
   };
   std::vector<MoveIn> moves_in_ ABSL_GUARDED_BY(mu_);
+  // Why the last attempt to load state (a copy from a peer, a restore) failed; cleared when one
+  // succeeds. Reported in Progress while loading (JobProgress.load_error).
+  absl::Status load_error_ ABSL_GUARDED_BY(mu_);
   int64_t fence_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t next_step_ ABSL_GUARDED_BY(mu_) = -1;       // the step the engine waits for
   int64_t executing_step_ ABSL_GUARDED_BY(mu_) = -2;  // the step running unlocked, or -2

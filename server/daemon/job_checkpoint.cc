@@ -254,10 +254,11 @@ void Job::RunRestore() {
                            code == absl::StatusCode::kAborted;
     const bool retry =
         loaded.ok() && transient && !stopping_ && absl::Now() - restore_failing_since_ < kRestoreRetryFor;
+    load_error_ = absl::Status(result.status().code(),
+                               absl::StrCat("restoring from checkpoint ", restore->checkpoint_id, " failed (attempt ",
+                                            restore_attempts_, "): ", result.status().ToString()));
     Log(LogLevel::kWarning, "daemon",
-        absl::StrCat("job ", job_id_, ": restoring from checkpoint ", restore->checkpoint_id,
-                     retry ? absl::StrCat(" failed (attempt ", restore_attempts_, "), retrying: ") : " failed: ",
-                     result.status().ToString()));
+        absl::StrCat("job ", job_id_, ": ", load_error_.message(), retry ? "; retrying" : ""));
     if (retry) {
       restore_ = std::move(restore);
       mu_.AwaitWithTimeout(absl::Condition(&stopping_), kRestoreRetryInterval);
@@ -275,6 +276,7 @@ void Job::RunRestore() {
   version_ = inputs.publish_version;
   restoring_ = false;
   restore_attempts_ = 0;
+  load_error_ = absl::OkStatus();
   loss_scale_now_ = loss_scale_.scale;
   committed_scaling_ = ScalingProto();
   Log(LogLevel::kInfo, "daemon",

@@ -198,8 +198,10 @@ void Job::RunMovesIn() {
     }
   }
   if (!failed.ok()) {
-    Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": move from daemon ", move.source.daemon_id(),
-                                                   " at epoch ", move.epoch, ": ", failed.ToString(), "; retrying"));
+    load_error_ = absl::Status(
+        failed.code(), absl::StrCat("loading ", move.keys.size(), " shard(s) from daemon ", move.source.daemon_id(),
+                                    " at placement epoch ", move.epoch, ": ", failed.ToString()));
+    Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": ", load_error_.message(), "; retrying"));
     if (epoch_ > move.epoch || stopping_) {
       // A newer placement supersedes this move (the coordinator re-sends what is still wanted).
       moves_in_.erase(moves_in_.begin());
@@ -280,6 +282,7 @@ void Job::RunMovesIn() {
     }
   }
   moves_in_.erase(moves_in_.begin());
+  load_error_ = absl::OkStatus();
   Log(LogLevel::kInfo, "daemon",
       absl::StrCat("job ", job_id_, ": copied ", copies.size(), " shard(s) from daemon ", move.source.daemon_id(),
                    " at step ", committed_step_, ", version ", version_, " (placement epoch ", move.epoch, ")",

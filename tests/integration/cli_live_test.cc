@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -49,8 +50,23 @@ class CliLiveTest : public ::testing::Test {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     EXPECT_TRUE(stub_->RegisterDaemon(&ctx, req, &resp).ok());
+    leases_[resp.daemon_id()] = resp.lease_id();
     return resp.daemon_id();
   }
+
+  // A heartbeat of daemon `id` reporting `progress`.
+  void Beat(const std::string& id, const v1::JobProgress& progress) {
+    v1::HeartbeatRequest req;
+    req.set_daemon_id(id);
+    req.set_lease_id(leases_[id]);
+    *req.add_jobs() = progress;
+    v1::HeartbeatResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    const grpc::Status status = stub_->Heartbeat(&ctx, req, &resp);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+  }
+  std::map<std::string, std::string> leases_;  // daemon id -> lease id
 
   absl::Status Ctl(std::vector<std::string> args, std::string* out, bool interactive = false) {
     args.push_back("--coordinator=" + address_);
@@ -115,6 +131,18 @@ TEST_F(CliLiveTest, DaemonsJobsPlacementLayoutAndKvThroughTheCli) {
   EXPECT_THAT(out, HasSubstr("is DRAINING"));
   ASSERT_THAT(Ctl({"placement", "--job", "job-1"}, &out), IsOk());
   EXPECT_THAT(out, HasSubstr("placement epoch 2"));
+  // The move stays pending (these daemons never copy): jobs show lists it, and the target's
+  // load error once its heartbeat reports one.
+  v1::JobProgress loading;
+  loading.set_job_id("job-1");
+  loading.set_placement_epoch(2);
+  loading.set_loading(true);
+  loading.set_load_error("loading 1 shard(s) from daemon " + a +
+                         " at placement epoch 2: RESOURCE_EXHAUSTED: no memory");
+  Beat(b, loading);
+  ASSERT_THAT(Ctl({"jobs", "show", "job-1"}, &out), IsOk());
+  EXPECT_THAT(out, ::testing::ContainsRegex("moving +rank [01] from " + a + " to " + b + " \\(placement epoch 2\\)"));
+  EXPECT_THAT(out, HasSubstr("load error          " + b + ": loading 1 shard(s) from daemon " + a));
   ASSERT_THAT(Ctl({"daemons", "cordon", b, "--yes"}, &out), IsOk());
   EXPECT_THAT(out, HasSubstr("CORDONED"));
   ASSERT_THAT(Ctl({"daemons", "cordon", b, "--undo"}, &out, /*interactive=*/true), IsOk());

@@ -79,7 +79,9 @@ class CoordinatorCoreTest : public ::testing::Test {
   std::map<std::string, std::string> keys_;  // daemon id -> its key
 
   // A heartbeat of daemon `d` reporting `job` at `epoch` (version 3, step 2); must succeed.
-  void Beat(const v1::RegisterDaemonResponse& d, const std::string& job, int64_t epoch, bool loading = false) {
+  // `load_error`, `code`: a failed load's report (JobProgress.load_error, load_error_code).
+  void Beat(const v1::RegisterDaemonResponse& d, const std::string& job, int64_t epoch, bool loading = false,
+            const std::string& load_error = "", absl::StatusCode code = absl::StatusCode::kOk) {
     v1::HeartbeatRequest hb;
     hb.set_daemon_id(d.daemon_id());
     hb.set_lease_id(d.lease_id());
@@ -89,6 +91,8 @@ class CoordinatorCoreTest : public ::testing::Test {
     p->set_version(3);
     p->set_committed_step(2);
     p->set_loading(loading);
+    p->set_load_error(load_error);
+    p->set_load_error_code(static_cast<int32_t>(code));
     ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
   }
   absl::StatusOr<v1::CreateJobResponse> Create(const v1::JobSpec& spec) {
@@ -722,6 +726,67 @@ TEST_F(RefusalTest, AMoveTargetThatRefusesIsReplacedOrTheRankStaysWithItsSource)
   EXPECT_EQ(LastAssignmentTo("n1:7000").placement_epoch(), 4);
 }
 
+// A move's target that accepted the assignment but then cannot allocate the copy (its heartbeat
+// reports RESOURCE_EXHAUSTED while loading) is treated like one that refused: the move goes to
+// another daemon with room, or the rank stays with its source.
+TEST_F(RefusalTest, AMoveTargetThatCannotAllocateTheCopyIsReplacedOrTheRankStaysWithItsSource) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto c = Register("n3", kGiB);
+  auto created = Create(SmallSpec("j", 2, {"n1", "n2"}));
+  ASSERT_THAT(created, IsOk());
+  const std::string job = created->job_id();
+  // Version 0 published (a heartbeat of `d` at `epoch`), and a load error when given.
+  auto beat = [&](const v1::RegisterDaemonResponse& d, int64_t epoch, bool cannot_allocate) {
+    v1::HeartbeatRequest hb;
+    hb.set_daemon_id(d.daemon_id());
+    hb.set_lease_id(d.lease_id());
+    v1::JobProgress* p = hb.add_jobs();
+    p->set_job_id(job);
+    p->set_placement_epoch(epoch);
+    p->set_version(cannot_allocate ? -1 : 0);
+    p->set_loading(cannot_allocate);
+    if (cannot_allocate) {
+      p->set_load_error("loading 1 shard(s): RESOURCE_EXHAUSTED: cannot allocate 4096 bytes of state memory");
+      p->set_load_error_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
+    }
+    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
+  };
+  beat(a, 1, false);
+  beat(b, 1, false);
+  v1::DrainDaemonRequest drain;  // a's rank 0 moves to c (the emptiest), epoch 2
+  drain.set_daemon_id(a.daemon_id());
+  ASSERT_THAT(coordinator_->DrainDaemon(drain), IsOk());
+  ASSERT_THAT(Owners(PlacementOf(job), 2), ElementsAre(c.daemon_id(), b.daemon_id()));
+  // Another error while loading (the source unreachable for a moment) changes nothing.
+  v1::HeartbeatRequest other;
+  other.set_daemon_id(c.daemon_id());
+  other.set_lease_id(c.lease_id());
+  v1::JobProgress* p = other.add_jobs();
+  p->set_job_id(job);
+  p->set_placement_epoch(2);
+  p->set_loading(true);
+  p->set_load_error("loading 1 shard(s): UNAVAILABLE: connection refused");
+  p->set_load_error_code(static_cast<int32_t>(absl::StatusCode::kUnavailable));
+  ASSERT_THAT(coordinator_->Heartbeat(other), IsOk());
+  EXPECT_EQ(PlacementOf(job).epoch(), 2);
+  // c cannot allocate the copy: the move goes to b, still from a's copy.
+  beat(c, 2, true);
+  EXPECT_EQ(PlacementOf(job).epoch(), 3);
+  EXPECT_THAT(Owners(PlacementOf(job), 2), ElementsAre(b.daemon_id(), b.daemon_id()));
+  v1::AssignShardRequest moved = LastAssignmentTo("n2:7000", /*from_peer=*/true);
+  EXPECT_EQ(moved.placement_epoch(), 3);
+  EXPECT_EQ(moved.from_peer().daemon().daemon_id(), a.daemon_id());
+  // A late report of c at the old epoch changes nothing; then b cannot allocate either: no daemon
+  // is left with room, so rank 0 stays with its source, a.
+  beat(c, 2, true);
+  EXPECT_EQ(PlacementOf(job).epoch(), 3);
+  beat(b, 3, true);
+  EXPECT_EQ(PlacementOf(job).epoch(), 4);
+  EXPECT_THAT(Owners(PlacementOf(job), 2), ElementsAre(a.daemon_id(), b.daemon_id()));
+  EXPECT_EQ(LastAssignmentTo("n1:7000").placement_epoch(), 4);
+}
+
 // Reconciliation: the coordinator re-sends what a live daemon lacks, for as long as it lives.
 TEST_F(CoordinatorCoreTest, AnAssignmentADaemonNeverGotIsSentAgainUntilItHoldsTheJob) {
   auto a = Register("n1", kGiB);
@@ -991,6 +1056,48 @@ TEST_F(CoordinatorCoreTest, MoveShardMovesOneRankStateAndAllAndRefusesBadMoves) 
   EXPECT_THAT(coordinator_->MoveShard(move), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("READY")));
 }
 
+// A move in progress and its target's load error are in GetJob's and ListJobs' answers (what
+// `mainstayctl jobs show` prints) until the target reports the copy loaded.
+TEST_F(CoordinatorCoreTest, AJobListsItsMovesInProgressAndTheLoadErrorsItsDaemonsReport) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto c = Register("n3", kGiB);
+  auto created = Create(SmallSpec("j", 2, {"n1", "n2"}));
+  ASSERT_THAT(created, IsOk());
+  const std::string job = created->job_id();
+  v1::MoveShardRequest move;
+  move.set_job_id(job);
+  move.mutable_shard()->set_shard(1);
+  move.set_to_daemon_id(c.daemon_id());
+  ASSERT_THAT(coordinator_->MoveShard(move), IsOk());
+  const std::string error =
+      "loading 1 shard(s) from daemon " + b.daemon_id() + " at placement epoch 2: UNAVAILABLE: connection refused";
+  Beat(a, job, 2);
+  Beat(b, job, 1);
+  Beat(c, job, 2, /*loading=*/true, error);
+  v1::GetJobRequest get;
+  get.set_job_id(job);
+  auto info = coordinator_->GetJob(get);
+  ASSERT_THAT(info, IsOk());
+  ASSERT_EQ(info->job().moves_size(), 1);
+  EXPECT_EQ(info->job().moves(0).rank(), 1);
+  EXPECT_EQ(info->job().moves(0).source_daemon_id(), b.daemon_id());
+  EXPECT_EQ(info->job().moves(0).target_daemon_id(), c.daemon_id());
+  EXPECT_EQ(info->job().moves(0).epoch(), 2);
+  ASSERT_EQ(info->job().load_errors_size(), 1);
+  EXPECT_EQ(info->job().load_errors(0).daemon_id(), c.daemon_id());
+  EXPECT_EQ(info->job().load_errors(0).error(), error);
+  const v1::ListJobsResponse listed = coordinator_->ListJobs({});
+  ASSERT_EQ(listed.jobs_size(), 1);
+  EXPECT_EQ(listed.jobs(0).moves_size(), 1);
+  EXPECT_EQ(listed.jobs(0).load_errors_size(), 1);
+  Beat(c, job, 2);  // loaded: the move is done
+  info = coordinator_->GetJob(get);
+  ASSERT_THAT(info, IsOk());
+  EXPECT_EQ(info->job().moves_size(), 0);
+  EXPECT_EQ(info->job().load_errors_size(), 0);
+}
+
 // The holders of rank `rank` (primary first) in a placement.
 std::vector<std::string> HoldersOf(const v1::Placement& p, int rank) {
   for (const v1::ShardPlacement& s : p.shards()) {
@@ -1168,6 +1275,53 @@ TEST_F(CoordinatorCoreTest, ALostDaemonFailsOverToReplicasThenTheJobIsReReplicat
   EXPECT_THAT(coordinator_->WaitPlacement(job, "", 3, absl::Now() + absl::Milliseconds(20)),
               StatusIs(absl::StatusCode::kDeadlineExceeded))
       << "two copies of every rank: nothing more to do";
+}
+
+// A new replica that cannot allocate its copy gives the copy up (the rank stays with one copy
+// for now), and re-replication does not pick that daemon for the job again: each try would cost
+// a placement epoch.
+TEST_F(CoordinatorCoreTest, ANewReplicaThatCannotAllocateItsCopyIsNotChosenAgain) {
+  auto a = Register("n1", kGiB);
+  auto b = Register("n2", kGiB);
+  auto c = Register("n3", kGiB);
+  v1::JobSpec spec = SmallSpec("j", 2, {"n1", "n2"});
+  spec.set_replication_factor(2);
+  auto created = Create(spec);
+  ASSERT_THAT(created, IsOk());
+  const std::string job = created->job_id();
+  auto at = [&](int64_t epoch) {
+    auto p = coordinator_->WaitPlacement(job, "", epoch - 1, absl::Now() + absl::Seconds(1));
+    EXPECT_THAT(p, IsOk());
+    return p.ok() ? *p : v1::Placement();
+  };
+  const std::string replica_of_0 = HoldersOf(at(1), 0)[1];
+  for (auto* d : {&a, &b, &c}) Beat(*d, job, 1);
+  clock_.Advance(900);  // a dies
+  Beat(b, job, 1);
+  Beat(c, job, 1);
+  clock_.Advance(200);
+  coordinator_->Tick();
+  ASSERT_EQ(at(2).epoch(), 2);
+  Beat(b, job, 2);
+  Beat(c, job, 2);
+  coordinator_->Tick();
+  const std::vector<std::string> holders = HoldersOf(at(3), 0);
+  ASSERT_EQ(holders.size(), 2u);
+  ASSERT_EQ(holders[0], replica_of_0);
+  const v1::RegisterDaemonResponse& full = holders[1] == b.daemon_id() ? b : c;
+  const v1::RegisterDaemonResponse& other = holders[1] == b.daemon_id() ? c : b;
+  Beat(other, job, 3);
+  Beat(full, job, 3, /*loading=*/true, "loading 1 shard(s): RESOURCE_EXHAUSTED: no memory",
+       absl::StatusCode::kResourceExhausted);
+  const v1::Placement given_up = at(4);
+  EXPECT_EQ(HoldersOf(given_up, 0), std::vector<std::string>{replica_of_0}) << "no other daemon has room";
+  EXPECT_EQ(coordinator_->ListJobs({}).jobs(0).moves_size(), 0);
+  Beat(other, job, 4);
+  Beat(full, job, 4);
+  coordinator_->Tick();
+  EXPECT_THAT(coordinator_->WaitPlacement(job, "", 4, absl::Now() + absl::Milliseconds(20)),
+              StatusIs(absl::StatusCode::kDeadlineExceeded))
+      << "re-replicated to " << full.daemon_id() << " again";
 }
 
 // A daemon saved DOWN by a heartbeat's lease check, then the coordinator restarted before its

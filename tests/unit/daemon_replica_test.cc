@@ -539,6 +539,40 @@ TEST(FailoverTest, ADaemonThatDroppedTheJobStillAnswersWithTheDecisionsItMade) {
   RunSteps(cluster, ref, &step, 2);
 }
 
+// A move's target that cannot copy its shards reports why in its progress (JobProgress.load_error,
+// which the coordinator shows in `jobs show`) while it retries, and clears it once loaded.
+TEST(FailoverTest, AMoveTargetThatCannotCopyReportsWhyUntilItHasLoaded) {
+  const JobSpec spec = MakeSpec("bf16_with_fp8_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 3);  // rank 0 on d0, rank 1 on d1; d2 holds nothing
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  ExpectMatchesReference(cluster, ref, 0);  // (the reference's delayed scaling counts this cast)
+  int64_t step = 0;
+  RunSteps(cluster, ref, &step, 1);
+  const auto progress = [&](int d) {
+    for (const v1::JobProgress& p : cluster.daemon(d).Progress()) {
+      if (p.job_id() == kJob) return p;
+    }
+    return v1::JobProgress();
+  };
+  cluster.peer_client().SetCopiesFail("d0", true);
+  absl::Status moved;
+  std::thread mover([&] { moved = cluster.Move(0, 2); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (progress(2).load_error().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  const v1::JobProgress failing = progress(2);
+  EXPECT_TRUE(failing.loading());
+  EXPECT_THAT(failing.load_error(), ::testing::HasSubstr("from daemon d0 at placement epoch 2"));
+  EXPECT_THAT(failing.load_error(), ::testing::HasSubstr("UNAVAILABLE"));
+  EXPECT_EQ(progress(0).load_error(), "") << "the source loads nothing";
+  cluster.peer_client().SetCopiesFail("d0", false);
+  mover.join();
+  ASSERT_THAT(moved, IsOk());
+  EXPECT_FALSE(progress(2).loading());
+  EXPECT_EQ(progress(2).load_error(), "");
+  RunSteps(cluster, ref, &step, 1);
+}
+
 // Version 0 is confirmed like a step: a replica-only daemon that loses the MAX of version 0
 // learns the decision from a peer, the barrier after it fails (it left the group), and the
 // daemons ask each other until every member holds the decision before they publish. Then the
