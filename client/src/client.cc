@@ -2,9 +2,10 @@
 #include "mainstay/client.h"
 
 #include <algorithm>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -549,11 +550,13 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
     struct Target {
       std::string address, id;
       bool redirected = false;  // a new owner of shards pushed elsewhere (moved meanwhile)
+      // (Not redirected) the oldest epoch the pushes there were routed at.
+      int64_t pushed_epoch = std::numeric_limits<int64_t>::max();
     };
-    std::map<std::string, std::string> landed;  // address -> daemon id
+    client_internal::StepRecord landed;
     {
       absl::MutexLock lock(&impl_->mu);
-      landed = impl_->steps[step].daemons;
+      landed = impl_->steps[step];
     }
     v1::FinishStepRequest request;
     request.set_job_id(impl_->job_id);
@@ -584,7 +587,9 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
           absl::StrCat("FinishStep(", step, ")"), deadline, [&] { return impl_->RouteForAddress(t.address, t.id); },
           [&](const Route& route, grpc::ClientContext* context) {
             v1::FinishStepRequest r = request;
-            r.set_placement_epoch(route.epoch);
+            // The pushes' epoch, not a newer one the client learned since: the daemon then knows
+            // whether a re-placement after them dropped them (job.cc, Job::FinishStep).
+            r.set_placement_epoch(t.redirected ? route.epoch : std::min(route.epoch, t.pushed_epoch));
             r.set_redirected(t.redirected);
             return client_internal::StatusFromCall(route.stub->FinishStep(context, r, &answer), context);
           },
@@ -633,10 +638,13 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
     };
     {
       absl::MutexLock lock(&mu);
-      for (const auto& [address, id] : landed) {
+      for (const auto& [address, id] : landed.daemons) {
         asked.insert(id);
         ++running;
-        threads.emplace_back(finish_at, Target{address, id, false});
+        auto epoch = landed.epochs.find(address);
+        threads.emplace_back(finish_at,
+                             Target{address, id, false,
+                                    epoch != landed.epochs.end() ? epoch->second : std::numeric_limits<int64_t>::max()});
       }
       mu.Await(absl::Condition(+[](int* n) { return *n == 0; }, &running));
     }
@@ -702,6 +710,12 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
           stats->first_abort = first_abort;
         }
         return stats;
+      }
+      // A refusal that says what to do instead (a restore rewound the job: ABORTED with the
+      // committed step to resume after) is the answer; any other failure keeps the first abort's.
+      if (again.code() == absl::StatusCode::kAborted && GetErrorInfo(again).has_value()) {
+        return Annotate(again, absl::StrCat("FinishStep(", step, ") was aborted (", result.status().message(),
+                                            ") and pushing it again was refused"));
       }
       return Annotate(result.status(), absl::StrCat("not pushed again by the client: ", again.message()));
     }

@@ -102,6 +102,10 @@ class ReplicaCopies {
 struct StepRecord {
   std::vector<StepPush> pushes;
   std::map<std::string, std::string> daemons;  // address -> daemon id, of acknowledged pushes
+  // address -> the oldest placement epoch a push acknowledged there was routed at: FinishStep
+  // tells the daemon that epoch, so that a daemon re-placed since (a restore replaced the job
+  // and dropped the pushes) answers ABORTED at once instead of waiting for them.
+  std::map<std::string, int64_t> epochs;
 };
 
 // Calls made together that can be given up together: FinishStep's calls at several daemons,

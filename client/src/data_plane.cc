@@ -409,7 +409,10 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
                                                                   std::chrono::steady_clock::now() - started)));
       if (r.ok() && kind == v1::PUSH_KIND_GRADIENT) {
         absl::MutexLock lock(&mu);
-        steps[step].daemons[landed.address] = landed.daemon_id;
+        client_internal::StepRecord& record = steps[step];
+        record.daemons[landed.address] = landed.daemon_id;
+        auto [epoch, first] = record.epochs.emplace(landed.address, landed.epoch);
+        if (!first) epoch->second = std::min(epoch->second, landed.epoch);
       }
       // The handle first: once FinishStep has seen every `done`, every handle of the step is ready.
       countdown->Done(r);
