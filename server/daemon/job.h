@@ -217,16 +217,6 @@ class Job : public std::enable_shared_from_this<Job> {
   // the results of the step's deciding reduction once one completed here (kept for the newest
   // steps), RUNNING while one of the step's reductions is in progress, else UNDECIDED.
   v1::GetStepOutcomeResponse GetStepOutcome(const v1::GetStepOutcomeRequest& request) const;
-  // The decisions GetStepOutcome answers with, and the last decided step: what the daemon
-  // answers for the job once it dropped it (ShardDaemon keeps them; a peer in doubt about a
-  // step this daemon decided before its shards moved away may ask after the drop).
-  struct Decisions {
-    int64_t committed_step = -1;
-    std::map<int64_t, v1::StepDecision> by_step;
-    // DECIDED with the step's decision when kept, else UNDECIDED.
-    v1::GetStepOutcomeResponse Answer(int64_t step) const;
-  };
-  Decisions DecisionsKept() const;
 
   // Writes the owned shards' committed state at `request.committed_step` into
   // `request.directory_uri` (job_checkpoint.cc): waits until that step is decided (the

@@ -92,6 +92,7 @@ absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest
   copy.scaling = committed_scaling_;
   if (!state->versions.empty()) copy.newest = state->versions.rbegin()->second;
   if (auto it = stats_.find(committed_step_); it != stats_.end()) copy.committed_stats = it->second;
+  for (const auto& [step, decision] : decisions_) copy.decisions.push_back(decision);
   // The pushes of later steps stored here go along: the trainers' next step continues on the
   // target instead of being pushed again (pushes that come after the fence are refused and
   // re-routed by the trainers, so each push lands exactly once on either side).
@@ -232,6 +233,12 @@ void Job::RunMovesIn() {
     committed_scaling_ = ScalingProto();
     loss_scale_now_ = loss_scale_.scale;
     restoring_ = false;
+    // A peer in doubt about a step the source decided may ask only after the source dropped
+    // the job: this daemon, now a member, answers for it (Job::LearnDecision asks the current
+    // members too).
+    for (const v1::StepDecision& d : first.decisions) {
+      if (d.step() <= committed_step_) decisions_[d.step()] = d;
+    }
     if (first.committed_stats.has_value() && first.committed_step >= 0) {
       stats_[first.committed_step] = *first.committed_stats;
     }

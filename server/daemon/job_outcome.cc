@@ -158,30 +158,44 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const std::vec
   v1::GetStepOutcomeRequest request;
   request.set_job_id(job_id_);
   request.set_step(step);
-  std::map<std::string, int> unreachable_rounds;  // of members that left the placement
+  request.set_asker_daemon_id(options_.daemon_id);
+  // Of members that left the placement, and of daemons asked that are not in the step.
+  std::map<std::string, int> unreachable_rounds;
   while (true) {
     std::vector<v1::DaemonEndpoint> peers;
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
       if (!IsMemberLocked(options_.daemon_id)) return cause;
-      peers = PeersLocked(members);
+      // The step's members, and the placement's members that joined since: a move's target
+      // holds the decisions its source made (they come with the copy), and the source, fenced
+      // and dropped, may no longer answer.
+      std::vector<std::string> asked = members;
+      for (const std::string& id : members_) {
+        if (std::find(members.begin(), members.end(), id) == members.end()) asked.push_back(id);
+      }
+      peers = PeersLocked(asked);
     }
     if (peers.empty()) return cause;
     bool undecided_everywhere = true;
     std::string unknown;
     for (const v1::DaemonEndpoint& peer : peers) {
+      const bool in_step = std::find(members.begin(), members.end(), peer.daemon_id()) != members.end();
       absl::StatusOr<v1::GetStepOutcomeResponse> answer =
           options_.peer_client->GetStepOutcome(peer, request, absl::Now() + kAskTimeout);
       if (!answer.ok()) {
         absl::MutexLock lock(&mu_);
         // A member the placement has dropped since (dead, or its shards moved away) that cannot
         // be reached in three rounds takes no further part: it decided nothing anyone still
-        // holds. (One that is alive holds the decision if it made one, and answers.)
-        if (!IsMemberLocked(peer.daemon_id()) && ++unreachable_rounds[peer.daemon_id()] >= kRoundsToGiveUpOnALeaver) {
+        // holds (a move's target, which holds its decisions, answers for it). Nor does a daemon
+        // not in the step that cannot be reached.
+        if ((!in_step || !IsMemberLocked(peer.daemon_id())) &&
+            ++unreachable_rounds[peer.daemon_id()] >= kRoundsToGiveUpOnALeaver) {
           continue;
         }
       }
+      // A daemon not in the step that holds no decision of it (and is copying none) has no say.
+      if (!in_step && answer.ok() && answer->state() == v1::STEP_OUTCOME_STATE_UNDECIDED) continue;
       if (answer.ok() && answer->state() == v1::STEP_OUTCOME_STATE_DECIDED) {
         if (answer->decision().step() != step) {
           return absl::InternalError(absl::StrCat("daemon ", peer.daemon_id(), " answered for step ",
@@ -195,7 +209,10 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const std::vec
       if (answer.ok() && answer->state() == v1::STEP_OUTCOME_STATE_UNDECIDED) continue;
       undecided_everywhere = false;
       absl::StrAppend(&unknown, unknown.empty() ? "" : ", ", peer.daemon_id(), " (",
-                      answer.ok() ? "still reducing" : answer.status().ToString(), ")");
+                      !answer.ok() ? answer.status().ToString()
+                      : in_step    ? std::string("still reducing")
+                                   : std::string("copying the decisions of a daemon that left"),
+                      ")");
     }
     if (undecided_everywhere) return cause;
     if (absl::Now() >= next_log) {
@@ -239,6 +256,7 @@ absl::Status Job::ConfirmDecisionHeld(int64_t step, const std::vector<std::strin
   v1::GetStepOutcomeRequest request;
   request.set_job_id(job_id_);
   request.set_step(step);
+  request.set_asker_daemon_id(options_.daemon_id);
   while (true) {
     std::vector<v1::DaemonEndpoint> peers;
     {
@@ -273,32 +291,26 @@ absl::Status Job::ConfirmDecisionHeld(int64_t step, const std::vector<std::strin
   }
 }
 
-Job::Decisions Job::DecisionsKept() const {
+v1::GetStepOutcomeResponse Job::GetStepOutcome(const v1::GetStepOutcomeRequest& request) const {
   absl::MutexLock lock(&mu_);
-  return Decisions{.committed_step = committed_step_, .by_step = decisions_};
-}
-
-v1::GetStepOutcomeResponse Job::Decisions::Answer(int64_t step) const {
   v1::GetStepOutcomeResponse response;
-  response.set_committed_step(committed_step);
-  if (auto it = by_step.find(step); it != by_step.end()) {
+  response.set_committed_step(committed_step_);
+  if (auto it = decisions_.find(request.step()); it != decisions_.end()) {
     response.set_state(v1::STEP_OUTCOME_STATE_DECIDED);
     *response.mutable_decision() = it->second;
+  } else if (reducing_ && executing_step_ == request.step()) {
+    response.set_state(v1::STEP_OUTCOME_STATE_RUNNING);
+  } else if (executing_step_ == -2 && std::any_of(moves_in_.begin(), moves_in_.end(), [&](const MoveIn& m) {
+               return m.source.daemon_id() != request.asker_daemon_id();
+             })) {
+    // A copy in progress carries its source's decisions (a source that may no longer answer:
+    // fenced, dropped, cut off). Not while a step runs here (the copy waits for the step
+    // thread), nor for a copy from the asker (whose own step the copy may be waiting for).
+    response.set_state(v1::STEP_OUTCOME_STATE_RUNNING);
   } else {
     response.set_state(v1::STEP_OUTCOME_STATE_UNDECIDED);
   }
   return response;
-}
-
-v1::GetStepOutcomeResponse Job::GetStepOutcome(const v1::GetStepOutcomeRequest& request) const {
-  absl::MutexLock lock(&mu_);
-  if (!decisions_.contains(request.step()) && reducing_ && executing_step_ == request.step()) {
-    v1::GetStepOutcomeResponse response;
-    response.set_committed_step(committed_step_);
-    response.set_state(v1::STEP_OUTCOME_STATE_RUNNING);
-    return response;
-  }
-  return Decisions{.committed_step = committed_step_, .by_step = decisions_}.Answer(request.step());
 }
 
 }  // namespace mainstay::daemon

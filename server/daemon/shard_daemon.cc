@@ -12,11 +12,6 @@
 #include "server/checkpoint/checkpoint_files.h"
 
 namespace mainstay::daemon {
-namespace {
-
-constexpr size_t kDroppedJobsKept = 64;  // jobs whose decisions GetStepOutcome answers after their drop
-
-}  // namespace
 
 ShardDaemon::ShardDaemon(ShardDaemonOptions options)
     : options_(std::move(options)),
@@ -97,7 +92,6 @@ absl::StatusOr<v1::AssignShardResponse> ShardDaemon::AssignShard(const v1::Assig
     absl::MutexLock lock(&mu_);
     if (stopping_) return absl::UnavailableError("the daemon is shutting down");
     if (daemon_id_.empty()) return absl::UnavailableError("the daemon has not finished registering; retry");
-    dropped_.erase(request.job_id());  // the job's decisions are its own again
     auto it = jobs_.find(request.job_id());
     if (it != jobs_.end()) job = it->second;
     MAINSTAY_ASSIGN_OR_RETURN(planned, AdmitLocked(request));
@@ -218,22 +212,12 @@ absl::Status ShardDaemon::DropShard(const v1::DropShardRequest& request) {
   }
   MAINSTAY_ASSIGN_OR_RETURN(bool empty, job->Drop(request));
   if (empty) {
-    Job::Decisions decisions = job->DecisionsKept();
     {
       absl::MutexLock lock(&mu_);
       auto it = jobs_.find(request.job_id());
       if (it != jobs_.end() && it->second == job) {
         jobs_.erase(it);
         planned_.erase(request.job_id());
-        // A peer that lost a step's last reduction may ask about it after this drop, while the
-        // step's state lives on at the move's target: it must learn the decision, not give the
-        // step up.
-        dropped_[request.job_id()] = {++drops_, std::move(decisions)};
-        if (dropped_.size() > kDroppedJobsKept) {
-          auto oldest = std::min_element(dropped_.begin(), dropped_.end(),
-                                         [](const auto& a, const auto& b) { return a.second.first < b.second.first; });
-          dropped_.erase(oldest);
-        }
       }
       ReapLocked(job);
     }
@@ -344,9 +328,6 @@ v1::GetStepOutcomeResponse ShardDaemon::GetStepOutcome(const v1::GetStepOutcomeR
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(request.job_id());
     if (it != jobs_.end()) job = it->second;
-    if (auto d = dropped_.find(request.job_id()); job == nullptr && d != dropped_.end()) {
-      return d->second.second.Answer(request.step());
-    }
   }
   if (job != nullptr) return job->GetStepOutcome(request);
   // Without the job this daemon cannot decide any of its steps.

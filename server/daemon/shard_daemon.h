@@ -114,9 +114,7 @@ class ShardDaemon {
   // memory kept, for a forwarded input to land in without page faults; an empty vector when
   // none fits or the job is not here.
   std::vector<uint8_t> SpareBuffer(const std::string& job_id, int64_t bytes);
-  // Job::GetStepOutcome of the named job. For a job this daemon dropped (its shards moved away),
-  // the decisions it held at the drop (the newest dropped jobs' are kept until the job is
-  // assigned here again); else UNDECIDED when the daemon does not hold the job.
+  // Job::GetStepOutcome of the named job; UNDECIDED when the daemon does not hold the job.
   v1::GetStepOutcomeResponse GetStepOutcome(const v1::GetStepOutcomeRequest& request) const;
   // Job::WriteCheckpoint of the named job. UNAVAILABLE when the job has no shards here.
   absl::StatusOr<v1::WriteCheckpointResponse> WriteCheckpoint(const v1::WriteCheckpointRequest& request,
@@ -172,9 +170,6 @@ class ShardDaemon {
   };
   std::vector<Reaper> reapers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
-  // The decisions of the newest jobs dropped here (GetStepOutcome), with the order of the drop.
-  std::map<std::string, std::pair<uint64_t, Job::Decisions>> dropped_ ABSL_GUARDED_BY(mu_);
-  uint64_t drops_ ABSL_GUARDED_BY(mu_) = 0;
   // AssignShard calls one at a time: admission (planned_) checks and reserves in one go.
   absl::Mutex assign_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   std::map<std::string, int64_t> planned_ ABSL_GUARDED_BY(mu_);  // job id -> bytes planned here

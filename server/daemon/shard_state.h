@@ -121,6 +121,8 @@ struct ShardStateCopy {
   // target takes them over, so the trainers need not push them again).
   std::vector<PendingPushCopy> pending;
   std::optional<v1::StepStats> committed_stats;  // of committed_step, when the source keeps them
+  // For moves: the decisions of the newest steps the source decided (Job::GetStepOutcome).
+  std::vector<v1::StepDecision> decisions;
 };
 
 }  // namespace mainstay::daemon

@@ -45,6 +45,7 @@ absl::Status WriteShardState(const ShardStateCopy& copy, int64_t chunk_bytes,
   *h.mutable_scaling() = copy.scaling;
   if (copy.newest != nullptr) *h.mutable_newest() = PullHeaderOf(PullResult{copy.newest, false});
   if (copy.committed_stats.has_value()) *h.mutable_committed_stats() = *copy.committed_stats;
+  for (const v1::StepDecision& d : copy.decisions) *h.add_decisions() = d;
   for (const PendingPushCopy& p : copy.pending) {
     v1::PendingPush& e = *h.add_pending();
     e.set_step(p.step);
@@ -91,6 +92,7 @@ absl::Status ShardStateReader::Add(const v1::FetchShardStateResponse& message) {
     copy_.committed_step = header_.committed_step();
     copy_.scaling = header_.scaling();
     if (header_.has_committed_stats()) copy_.committed_stats = header_.committed_stats();
+    copy_.decisions.assign(header_.decisions().begin(), header_.decisions().end());
     copy_.master.resize(static_cast<size_t>(n));
     data_.resize(static_cast<size_t>(header_.newest().total_data_bytes()));
     scales_.resize(static_cast<size_t>(header_.newest().total_scale_bytes()));

@@ -502,10 +502,12 @@ TEST(FailoverTest, ARankGivenBackWithACopyIsCopiedNotServedFromTheStateKeptSince
 }
 
 // With R = 1, d1 loses step 1's last reduction and cannot reach d0 to ask about it. Meanwhile d0,
-// which decided and committed step 1, is fenced by a move of its rank to d2, copied and dropped.
-// When d1 reaches d0 at last, d0 no longer holds the job but still answers with the decision it
-// made: d1 commits step 1 as well instead of giving it up while d2 holds it committed.
-TEST(FailoverTest, ADaemonThatDroppedTheJobStillAnswersWithTheDecisionsItMade) {
+// which decided and committed step 1, is fenced by a move of its rank to d2, copied and dropped,
+// and d1 never reaches it again. The decisions d0 made came with the copy: d1 learns step 1 from
+// d2 and commits it too, instead of giving it up while d2 holds it committed. `back`: the rank
+// then moves back to d0, which d1 reaches only after a while (d0 holds the decisions again, from
+// d2's copy).
+void DecisionsTravelWithAMove(bool back) {
   const JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
   daemon::StepFault lose;
   lose.kind = daemon::StepFault::Kind::kLoseReduction;
@@ -529,8 +531,12 @@ TEST(FailoverTest, ADaemonThatDroppedTheJobStillAnswersWithTheDecisionsItMade) {
   while (committed(0) < 1) absl::SleepFor(absl::Milliseconds(5));
   ASSERT_THAT(cluster.Move(0, 2), IsOk());  // d0 is copied and drops the job
   ASSERT_EQ(committed(0), -2) << "d0 still holds the job";
-  EXPECT_EQ(committed(1), 0) << "d1 is still in doubt about step 1";
-  cluster.peer_client().SetOutcomesFail("d0", false);
+  if (back) {
+    ASSERT_THAT(cluster.Move(0, 0), IsOk());
+    absl::SleepFor(absl::Milliseconds(1500));  // longer than d1 waits for a member that left
+    EXPECT_EQ(committed(1), 0) << "d1 is still in doubt about step 1";
+    cluster.peer_client().SetOutcomesFail("d0", false);
+  }
   trainers.join();
   for (const auto& stats : finished) EXPECT_THAT(stats.status(), IsOk());
   ref.Step(1, 1e-3f);
@@ -538,6 +544,10 @@ TEST(FailoverTest, ADaemonThatDroppedTheJobStillAnswersWithTheDecisionsItMade) {
   step = 2;
   RunSteps(cluster, ref, &step, 2);
 }
+
+TEST(FailoverTest, AMovesTargetAnswersForTheDecisionsItsSourceMade) { DecisionsTravelWithAMove(false); }
+
+TEST(FailoverTest, ARankMovedAwayAndBackStillAnswersForTheDecisionsItMade) { DecisionsTravelWithAMove(true); }
 
 // A move's target that cannot copy its shards reports why in its progress (JobProgress.load_error,
 // which the coordinator shows in `jobs show`) while it retries, and clears it once loaded.
