@@ -460,6 +460,10 @@ absl::StatusOr<PullResult> Job::PullAfterTokenCheck(const v1::PullParamsRequest&
         restored_version_, "; version ", wanted, " does not exist: pull the latest version and resume at step ",
         committed_step_ + 1)));
   }
+  if (request.version() >= 1 && Decided(wanted - 1)) {
+    CrashIfInjectedLocked(StepFault::Phase::kPull, wanted - 1,
+                          [&] { return absl::StrCat("with a pull of version ", wanted, " arrived"); });
+  }
   if (wanted > std::max<int64_t>(next_step_, 0) + 2) {
     return ErrorWithDetail(absl::FailedPreconditionError(absl::StrCat(
         "PullParams: version ", wanted, " is more than one step ahead of job ", job_id_, " (current version ", version_,

@@ -147,7 +147,8 @@ flags:
                               gradient (the replication mutation check);
                               crash-at:PHASE:STEP[:ROLE] SIGKILLs it at PHASE of STEP (input,
                               finish, update, decision; copy and install: a move's source asked
-                              for a copy, its target holding one, once STEP is committed) if it
+                              for a copy, its target holding one, once STEP is committed; pull:
+                              a trainer's pull of version STEP + 1, STEP decided) if it
                               holds a primary (ROLE primary) or only replicas (replica-only) of
                               the job, or either (any, the default); default none
   --inject-fault-once FILE    tests only: the crash fires only if this daemon is the first to

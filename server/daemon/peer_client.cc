@@ -32,9 +32,10 @@ absl::StatusOr<StepFault> ParseOne(absl::string_view spec) {
     return fault;
   }
   static const std::map<absl::string_view, StepFault::Phase> kPhases = {
-      {"input", StepFault::Phase::kInput},       {"finish", StepFault::Phase::kFinish},
-      {"update", StepFault::Phase::kUpdate},     {"decision", StepFault::Phase::kDecision},
-      {"copy", StepFault::Phase::kCopy},         {"install", StepFault::Phase::kInstall}};
+      {"input", StepFault::Phase::kInput},   {"finish", StepFault::Phase::kFinish},
+      {"update", StepFault::Phase::kUpdate}, {"decision", StepFault::Phase::kDecision},
+      {"copy", StepFault::Phase::kCopy},     {"install", StepFault::Phase::kInstall},
+      {"pull", StepFault::Phase::kPull}};
   static const std::map<absl::string_view, StepFault::Role> kRoles = {
       {"any", StepFault::Role::kAny}, {"primary", StepFault::Role::kPrimary},
       {"replica-only", StepFault::Role::kReplicaOnly}};
@@ -49,8 +50,8 @@ absl::StatusOr<StepFault> ParseOne(absl::string_view spec) {
   return absl::InvalidArgumentError(absl::StrCat(
       "--inject-fault: '", spec,
       "' is not 'lose-reduction:STEP:stats', 'lose-reduction:STEP:amax' (STEP >= -1), 'drop-replica-input:STEP', "
-      "'crash-at:PHASE:STEP[:ROLE]' (STEP >= 0, PHASE one of input, finish, update, decision, copy, install; ROLE "
-      "one of any, primary, replica-only) or 'none'"));
+      "'crash-at:PHASE:STEP[:ROLE]' (STEP >= 0, PHASE one of input, finish, update, decision, copy, install, "
+      "pull; ROLE one of any, primary, replica-only) or 'none'"));
 }
 
 }  // namespace

@@ -69,13 +69,15 @@ class PeerClient {
 //   - kCopy: a move's target asks it for a copy of a shard (FetchShardState) once the job has
 //     committed `step`: a move's source lost mid-move;
 //   - kInstall: as a move's target it fetched every shard of a copy made once `step` was
-//     committed, and has not installed it: a move's (or a re-replication's) target lost mid-move.
+//     committed, and has not installed it: a move's (or a re-replication's) target lost mid-move;
+//   - kPull: a trainer's pull of version `step` + 1 arrived, `step` decided here: lost after
+//     the trainers' FinishStep returned, before they loaded the new version.
 //   With `once_file`, the daemon fires only if it is the first to create that file: daemons
 //   given the same file (and the same fault) crash one of them, whichever reaches it first.
 struct StepFault {
   static constexpr int64_t kNever = std::numeric_limits<int64_t>::min();
   enum class Kind { kLoseReduction, kDropReplicaInput, kCrash };
-  enum class Phase { kInput, kFinish, kUpdate, kDecision, kCopy, kInstall };
+  enum class Phase { kInput, kFinish, kUpdate, kDecision, kCopy, kInstall, kPull };
   enum class Role { kAny, kPrimary, kReplicaOnly };  // kPrimary: holds a primary shard of the job
   Kind kind = Kind::kLoseReduction;
   int64_t step = kNever;

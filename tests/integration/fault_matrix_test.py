@@ -220,6 +220,12 @@ class FaultMatrixTest(unittest.TestCase):
     def test_a_daemon_holding_only_replicas_killed_between_the_decision_and_the_commit(self):
         self.assertIn("after deciding step %d" % AT, self.cluster_log_of(self.daemon_case("decision", "replica-only")))
 
+    def test_a_daemon_holding_primaries_killed_after_the_commit_before_the_pull(self):
+        # The trainers' FinishStep of step AT returned; the new version is pulled from the
+        # promoted replicas.
+        self.assertIn("with a pull of version %d arrived" % (AT + 1),
+                      self.cluster_log_of(self.daemon_case("pull", "primary")))
+
     def cluster_log_of(self, name):
         return self.cluster.log(name + ".")
 

@@ -253,7 +253,7 @@ class MainstayOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._reset_step()
             raise
-        pushes = []
+        pushes, resume, stats = [], None, None
         for attempt in range(1, self.MAX_STEP_ATTEMPTS + 1):
             try:
                 if attempt == 1:
@@ -279,10 +279,9 @@ class MainstayOptimizer(torch.optim.Optimizer):
                 if e.code != "ABORTED" or attempt == self.MAX_STEP_ATTEMPTS:
                     self._reset_step()
                     raise
-                resume = self._resume_step(e, step)
-                if resume < step:
-                    self._reset_step()
-                    return self._rewind(resume, e, loss)
+                if self._resume_step(e, step) < step:
+                    resume = (self._resume_step(e, step), e.message)  # the job was restored
+                    break
                 # The daemons gave this step up and changed nothing (a peer lost mid-step, a
                 # daemon left the placement): push the same gradients again.
                 self.retried_steps += 1
@@ -293,9 +292,9 @@ class MainstayOptimizer(torch.optim.Optimizer):
                 raise
         self._reset_step()
         self._next_step = step + 1
-        self.last_stats = stats
-        if not stats["skipped"]:
-            self._load_version(stats["version"])
+        self.last_stats = stats if resume is None else None
+        committed = stats is not None and not stats["skipped"]
+        self._load_after_step(step, stats["version"] if committed else None, resume)
         return loss
 
     @staticmethod
@@ -308,20 +307,77 @@ class MainstayOptimizer(torch.optim.Optimizer):
             return step
         return committed + 1
 
-    def _rewind(self, resume, error, loss):
-        """The job was restored from a checkpoint: its newest version belongs to step
-        `resume` - 1. Loads it into the parameters (a collective: every rank gets the same
-        ABORTED) and goes on from `resume`; this call's gradients are dropped, as a restart from
-        that checkpoint would have dropped them."""
-        probe = self.client.pull_shard(self._buckets[0]["index"], self._rank, _mainstay.Client.LATEST,
-                                       timeout_s=self._step_timeout_s)
-        print("mainstay.torch: job %s was restored to step %d (%s); resuming there at version %d"
-              % (self.client.job_id, resume - 1, error.message, probe.version), file=sys.stderr, flush=True)
-        self._next_step = resume
-        self.rewinds += 1
-        self.last_stats = None
-        self._load_version(probe.version)
-        return loss
+    def _load_after_step(self, step, version, resume):
+        """Every rank ends step() here, whatever its finish_step said, and the ranks agree on
+        what to load: `version` (the step committed; None when it was skipped, or when the job
+        was restored) into the parameters, or, when any rank's finish_step or pull says the job
+        was restored (`resume`: (step to resume at, message)) or any rank's pull failed, the
+        version every rank sees as the newest. One small all-reduce per step keeps the ranks'
+        collectives in line: a rank whose pull fails (a daemon lost between the step's commit
+        and its pull) would otherwise leave the others waiting in the all-gather."""
+        pulled, failed, why = None, resume is not None, resume[1] if resume is not None else ""
+        hint = resume[0] if resume is not None else -1
+        if version is not None and not failed:
+            try:
+                pulled = self._pull_all(version)
+            except _mainstay.Error as e:
+                failed, why = True, "%s: %s" % (e.code, e.message)
+                if self._resume_step(e, step + 1) < step + 1:
+                    hint = self._resume_step(e, step + 1)
+        mine = -1 if version is None else version
+        flags = self._max_over_ranks([int(failed), hint, mine, -mine])
+        if not flags[0] and flags[2] == -flags[3]:  # no failure, one outcome on every rank
+            if version is not None:
+                self._gather(version, pulled)
+            return
+        # Some rank could not load the step's version (or was told the job was restored): every
+        # rank loads the newest version they all see, and resumes at the restored step when a
+        # rank was told it (else at the next step: if the job was restored meanwhile, that
+        # step's finish_step says so, with the step to resume at).
+        resume_at = flags[1] if flags[1] >= 0 else step + 1
+        loaded = self._load_newest_agreed()
+        self._next_step = resume_at
+        if resume_at <= step:
+            self.rewinds += 1
+            print("mainstay.torch: job %s was restored to step %d (%s); resuming there at version %d"
+                  % (self.client.job_id, resume_at - 1, why or "seen by another rank", loaded),
+                  file=sys.stderr, flush=True)
+        else:
+            print("mainstay.torch: version %s of job %s could not be loaded on every rank (%s); loaded version %d"
+                  % (version, self.client.job_id, why or "failed on another rank", loaded), file=sys.stderr, flush=True)
+
+    def _load_newest_agreed(self):
+        """Loads the newest version, once every rank sees the same one (a restore replaces the
+        job's daemons one by one), with the same agreement on failure as after a step. Returns
+        the version loaded. Raises RuntimeError when the ranks do not agree in step_timeout."""
+        deadline = time.monotonic() + self._step_timeout_s
+        while True:
+            version, pulled = -1, None
+            try:
+                probe = self.client.pull_shard(self._buckets[0]["index"], self._rank, _mainstay.Client.LATEST,
+                                               timeout_s=self._step_timeout_s)
+                version = probe.version
+                pulled = self._pull_all(version)
+            except _mainstay.Error:
+                pulled = None
+            ok = pulled is not None
+            flags = self._max_over_ranks([int(not ok), version, -version])
+            if not flags[0] and flags[1] == -flags[2]:
+                self._gather(version, pulled)
+                return version
+            if time.monotonic() > deadline:
+                raise RuntimeError("MainstayOptimizer: the ranks of job %s did not agree on a version to load "
+                                   "within %s s (newest seen: %d..%d)"
+                                   % (self.client.job_id, self._step_timeout_s, -flags[2], flags[1]))
+            time.sleep(0.2)
+
+    def _max_over_ranks(self, values):
+        """The elementwise MAX of `values` (ints) over the ranks (a collective)."""
+        if self._world == 1:
+            return list(values)
+        t = self._to_comm(torch.tensor(values, dtype=torch.int64))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return [int(x) for x in t.cpu()]
 
     def state_dict(self):
         """A Mainstay checkpoint of the job (admin CreateCheckpoint, wait=True) plus the
@@ -759,30 +815,49 @@ class MainstayOptimizer(torch.optim.Optimizer):
 
     def _load_version(self, version):
         """Pulls this rank's shard of every bucket at `version` and all-gathers the buckets among
-        the ranks (the published bytes with allgather="quantized", FP32 otherwise), each as soon
-        as its pull lands, into the flat parameter buffers."""
+        the ranks (the published bytes with allgather="quantized", FP32 otherwise) into the flat
+        parameter buffers. A collective; a failed pull raises on its rank only (step() agrees
+        on failures first: _load_after_step)."""
+        self._gather(version, self._pull_all(version))
+
+    def _pull_all(self, version):
+        """This rank's shard of every bucket at `version`, pulled concurrently. Raises
+        mainstay.Error (after every pull has ended) when one fails."""
         handles = [self.client.pull_shard(b["index"], self._rank, version, wait=False, timeout_s=self._step_timeout_s)
                    for b in self._buckets]
-        in_flight, sent = [], 0
-        for b, h in zip(self._buckets, handles):
-            i = b["index"]
-            pulled = h.wait()
-            if pulled.unchanged:
+        pulled, error = [], None
+        for h in handles:
+            try:
+                pulled.append(h.wait())
+            except _mainstay.Error as e:
+                error = error or e
+        if error is not None:
+            raise error
+        for p in pulled:
+            if p.unchanged:
                 raise RuntimeError("MainstayOptimizer: version %d of job %s is unchanged (a skipped step) but the "
                                    "step said it was committed" % (version, self.client.job_id))
+        return pulled
+
+    def _gather(self, version, pulled):
+        """All-gathers the pulled shards of every bucket among the ranks into the flat parameter
+        buffers, up to MAX_IN_FLIGHT buckets at a time (a collective)."""
+        in_flight, sent = [], 0
+        for b, shard in zip(self._buckets, pulled):
+            i = b["index"]
             if self._world == 1:
-                self._dequantize_into(i, pulled, self._param_flat[i])
+                self._dequantize_into(i, shard, self._param_flat[i])
                 continue
             if len(in_flight) >= self.MAX_IN_FLIGHT:
                 self._finish_gather(*in_flight.pop(0))
             if self._allgather == "quantized":
-                record = torch.from_numpy(pulled.shard_record())
+                record = torch.from_numpy(shard.shard_record())
                 recv = torch.empty(self._world * record.numel(), dtype=torch.uint8)
                 record, recv = self._to_comm(record), self._to_comm(recv)
                 sent += record.numel()
             else:
                 lo, hi = self._shard[i]
-                self._dequantize_into(i, pulled, self._param_flat[i][lo:hi])
+                self._dequantize_into(i, shard, self._param_flat[i][lo:hi])
                 record = self._to_comm(self._param_flat[i][lo:hi].float())
                 recv = self._to_comm(torch.empty(self._world * (hi - lo), dtype=torch.float32))
                 sent += record.numel() * 4

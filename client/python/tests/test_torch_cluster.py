@@ -248,6 +248,43 @@ class FaultsInsideStepTest(unittest.TestCase):
         finally:
             cluster.stop()
 
+    def test_a_daemon_lost_between_the_commit_and_the_pull_rewinds_every_rank_together(self):
+        """No replicas, three daemons, each started with `--inject-fault crash-at:pull:14` and a
+        shared once-file: the first daemon that a pull of version 15 reaches (step 14 committed,
+        the ranks' finish_step returned) SIGKILLs itself. A checkpoint is taken at step ~4. The
+        rank whose shards were there cannot pull; the other rank's pull landed. Both agree in
+        step() (without it, the first raised and the second waited in the all-gather), load the
+        restored version and go on from the checkpoint's step: no exception, 24 steps."""
+        once = os.path.join(tempfile.mkdtemp(prefix="mainstay-once."), "fired")
+        fault = ["--inject-fault", "crash-at:pull:14", "--inject-fault-once", once]
+        cluster = Cluster(daemons=3, flags_of_daemon={i: fault for i in range(3)})
+        taken = []
+
+        def checkpoint(run):
+            with open(os.path.join(run, "job.json")) as f:
+                job = json.load(f)["job_id"]
+            r = cluster.ctl("checkpoint", "create", "--job", job, "--wait", "--yes", "--json", "--timeout-ms", "60000")
+            self.assertEqual(r.returncode, 0, r.stderr + cluster.logs())
+            taken.append(json.loads(r.stdout))
+
+        try:
+            codes, outs = run_with_action(cluster, ["--step-timeout", "30"], 4, checkpoint, steps=24)
+            both = "\n".join(outs) + cluster.logs()
+            self.assertTrue(os.path.exists(once), "no daemon crashed at the pull\n" + both)
+            self.assertLess(int(taken[0]["version"]), 15, both)
+            for r, code in enumerate(codes):
+                self.assertEqual(code, 0, "rank %d failed:\n%s" % (r, both))
+            self.assertIn("restoring from checkpoint " + taken[0]["checkpoint_id"], cluster.log("coordinator"), both)
+            self.assertNotIn("re-forming the group", outs[0] + outs[1], both)  # no exception out of step()
+            for out in outs:
+                restored = re.search(r"was restored to step (\d+)", out)
+                self.assertIsNotNone(restored, both)
+                self.assertEqual(int(restored.group(1)), int(taken[0]["version"]) - 1, both)
+            self.assertIn("rank 0 done: 24 steps", outs[0])
+            self.assertIn("version 24", outs[0].splitlines()[-1])
+        finally:
+            cluster.stop()
+
 
 class ClusterTest(unittest.TestCase):
     @classmethod
