@@ -127,12 +127,13 @@ class PyClient {
   }
 
   // Registers a push of `step` (-1: initial parameters): its array stays referenced until the
-  // push is done and, for a gradient, FinishStep of a step >= `step` succeeded (the client may
-  // push it again until then).
+  // push is done and, for a gradient, a FinishStep of a step >= `step` called after the push
+  // succeeded (the client may push it again until then; after a restore the same steps are
+  // pushed again, and an older FinishStep says nothing of those pushes).
   py::object Track(PushHandle handle, py::object keep, bool wait, int64_t step) {
     Prune();
     PyPushHandle h(handle, keep);
-    pending_.push_back({handle, std::move(keep), step});
+    pending_.push_back({handle, std::move(keep), step, next_push_++});
     if (wait) return h.wait();
     return py::cast(std::move(h));
   }
@@ -202,11 +203,12 @@ class PyClient {
       }
     }
     absl::StatusOr<StepStats> stats;
+    const uint64_t pushed_before = next_push_;
     {
       py::gil_scoped_release release;
       stats = client_->FinishStep(step, hyper, Millis(timeout_s));
     }
-    if (stats.ok()) finished_ = std::max(finished_, step);
+    for (Pending& p : pending_) p.finished |= stats.ok() && p.push < pushed_before && p.step <= step;
     Prune();
     return StepStatsDict(Take(std::move(stats)));
   }
@@ -221,18 +223,20 @@ class PyClient {
   struct Pending {
     PushHandle handle;
     py::object array;
-    int64_t step;  // -1: initial parameters
+    int64_t step;           // -1: initial parameters
+    uint64_t push;          // the order of Track calls
+    bool finished = false;  // a FinishStep of a step >= `step`, called after the push, succeeded
   };
   void Prune() {
     std::vector<Pending> still;
     for (Pending& p : pending_) {
-      if (!p.handle.ready() || (p.step >= 0 && p.step > finished_)) still.push_back(std::move(p));
+      if (!p.handle.ready() || (p.step >= 0 && !p.finished)) still.push_back(std::move(p));
     }
     pending_.swap(still);
   }
 
   std::vector<Pending> pending_;  // declared first: released last
-  int64_t finished_ = -1;         // the newest step whose finish_step succeeded
+  uint64_t next_push_ = 0;
   std::unique_ptr<Client> client_;
   PyLayout layout_;
 };

@@ -642,9 +642,9 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
         asked.insert(id);
         ++running;
         auto epoch = landed.epochs.find(address);
-        threads.emplace_back(finish_at,
-                             Target{address, id, false,
-                                    epoch != landed.epochs.end() ? epoch->second : std::numeric_limits<int64_t>::max()});
+        threads.emplace_back(
+            finish_at, Target{address, id, false,
+                              epoch != landed.epochs.end() ? epoch->second : std::numeric_limits<int64_t>::max()});
       }
       mu.Await(absl::Condition(+[](int* n) { return *n == 0; }, &running));
     }
@@ -727,12 +727,24 @@ absl::StatusOr<StepStats> Client::CommittedStepStats(int64_t step) {
     absl::MutexLock lock(&impl_->mu);
     impl_->steps.erase(step);
   }
-  absl::StatusOr<StepStats> stats = GetStepStats(step);
-  if (!stats.ok()) {
-    return Annotate(stats.status(), absl::StrCat("FinishStep(", step, "): the daemons committed the step (a push of "
-                                                 "it was refused as already decided) but its stats could not be read"));
+  // The step is decided, but the daemon asked (the owner of (bucket 0, this rank)) may not have
+  // committed it yet, or may be out of reach for a moment (a move, a failover): asked again,
+  // with the placement re-read, until the client's timeout.
+  const Deadline deadline = impl_->DeadlineAfter(impl_->options.timeout);
+  for (std::chrono::milliseconds pause(20);; pause = std::min(2 * pause, std::chrono::milliseconds(1000))) {
+    absl::StatusOr<StepStats> stats = GetStepStats(step);
+    const absl::StatusCode code = stats.status().code();
+    const bool again = code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded ||
+                       code == absl::StatusCode::kFailedPrecondition;
+    if (stats.ok()) return stats;
+    if (!again || std::chrono::system_clock::now() + pause > deadline) {
+      return Annotate(stats.status(), absl::StrCat("FinishStep(", step, "): the daemons committed the step (a push of "
+                                                   "it was refused as already decided) but its stats could not be "
+                                                   "read"));
+    }
+    if (code != absl::StatusCode::kUnavailable) impl_->RefreshPlacement(deadline, 0).IgnoreError();
+    std::this_thread::sleep_for(pause);
   }
-  return stats;
 }
 
 absl::Status Client::Impl::ReaderRefusal() const {
