@@ -159,8 +159,7 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const std::vec
   request.set_job_id(job_id_);
   request.set_step(step);
   request.set_asker_daemon_id(options_.daemon_id);
-  // Of members that left the placement, and of daemons asked that are not in the step.
-  std::map<std::string, int> unreachable_rounds;
+  std::map<std::string, int> unreachable_rounds;  // of members that left the placement
   while (true) {
     std::vector<v1::DaemonEndpoint> peers;
     {
@@ -187,10 +186,9 @@ absl::StatusOr<v1::StepDecision> Job::LearnDecision(int64_t step, const std::vec
         absl::MutexLock lock(&mu_);
         // A member the placement has dropped since (dead, or its shards moved away) that cannot
         // be reached in three rounds takes no further part: it decided nothing anyone still
-        // holds (a move's target, which holds its decisions, answers for it). Nor does a daemon
-        // not in the step that cannot be reached.
-        if ((!in_step || !IsMemberLocked(peer.daemon_id())) &&
-            ++unreachable_rounds[peer.daemon_id()] >= kRoundsToGiveUpOnALeaver) {
+        // holds (a move's target, which holds its decisions, answers for it). A current member
+        // is asked until it answers, or leaves the placement (a failover or restore).
+        if (!IsMemberLocked(peer.daemon_id()) && ++unreachable_rounds[peer.daemon_id()] >= kRoundsToGiveUpOnALeaver) {
           continue;
         }
       }
@@ -300,12 +298,16 @@ v1::GetStepOutcomeResponse Job::GetStepOutcome(const v1::GetStepOutcomeRequest& 
     *response.mutable_decision() = it->second;
   } else if (reducing_ && executing_step_ == request.step()) {
     response.set_state(v1::STEP_OUTCOME_STATE_RUNNING);
-  } else if (executing_step_ == -2 && std::any_of(moves_in_.begin(), moves_in_.end(), [&](const MoveIn& m) {
-               return m.source.daemon_id() != request.asker_daemon_id();
+  } else if (executing_step_ == -2 && IsMemberLocked(request.asker_daemon_id()) &&
+             std::any_of(moves_in_.begin(), moves_in_.end(), [&](const MoveIn& m) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+               return !IsMemberLocked(m.source.daemon_id());
              })) {
-    // A copy in progress carries its source's decisions (a source that may no longer answer:
-    // fenced, dropped, cut off). Not while a step runs here (the copy waits for the step
-    // thread), nor for a copy from the asker (whose own step the copy may be waiting for).
+    // A copy in progress from a daemon that left the placement (a move's source: fenced, soon
+    // dropped, perhaps cut off from the asker) carries its decisions: a member asks again.
+    // Never while a step runs here (the copy waits for the step thread); never for a copy from
+    // a member (a re-replication's source answers for itself, and its copy may wait for the
+    // asker's own step); never to a daemon that left (a fenced source, whose step the copy may
+    // be waiting for, and which must not wait for copies in turn).
     response.set_state(v1::STEP_OUTCOME_STATE_RUNNING);
   } else {
     response.set_state(v1::STEP_OUTCOME_STATE_UNDECIDED);

@@ -549,6 +549,55 @@ TEST(FailoverTest, AMovesTargetAnswersForTheDecisionsItsSourceMade) { DecisionsT
 
 TEST(FailoverTest, ARankMovedAwayAndBackStillAnswersForTheDecisionsItMade) { DecisionsTravelWithAMove(true); }
 
+// While a daemon copies shards, it tells a member asking about a step it has not decided to ask
+// again (RUNNING) only when the copy comes from a daemon that left the placement (a move's
+// source: the copy brings its decisions). Not for a re-replication (its source is a member and
+// answers for itself), and never to a daemon that left: either wait could close a cycle (the
+// copy waits for its source's step in flight).
+TEST(FailoverTest, ACopyingDaemonTellsAMemberToAskAgainOnlyForACopyFromADaemonThatLeft) {
+  for (const bool move : {true, false}) {
+    SCOPED_TRACE(move ? "R = 1: rank 0 moves from d0 to d2" : "R = 2: a new replica of rank 0 on d3");
+    JobSpec spec = MakeSpec("bf16_with_fp8_mixed", LayoutPolicy::kFlat, 2);
+    spec.replication_factor = move ? 1 : 2;
+    // R = 1: rank 0 on d0, rank 1 on d1, d2 empty. R = 2: rank 0 on d0 (+ d1), rank 1 on d1 (+ d2).
+    Cluster cluster(spec, move ? 3 : 4);
+    const int target = move ? 2 : 3;
+    Reference ref(cluster.resolved());
+    cluster.PushInitial(ref);
+    ExpectMatchesReference(cluster, ref, 0);  // (the reference's delayed scaling counts this cast)
+    int64_t step = 0;
+    RunSteps(cluster, ref, &step, 1);
+    const auto ask = [&](const std::string& asker) {
+      v1::GetStepOutcomeRequest request;
+      request.set_job_id(kJob);
+      request.set_step(step);  // not decided anywhere yet
+      request.set_asker_daemon_id(asker);
+      return cluster.daemon(target).GetStepOutcome(request).state();
+    };
+    const auto copying = [&] {
+      for (const v1::JobProgress& p : cluster.daemon(target).Progress()) {
+        if (p.job_id() == kJob) return p.loading();
+      }
+      return false;
+    };
+    cluster.peer_client().SetCopiesFail("d0", true);
+    absl::Status done;
+    std::thread placer([&] { done = move ? cluster.Move(0, target) : cluster.AddReplica(0, target); });
+    while (!copying()) absl::SleepFor(absl::Milliseconds(5));
+    if (move) {
+      EXPECT_EQ(ask("d1"), v1::STEP_OUTCOME_STATE_RUNNING) << "a member; the copy's source left";
+      EXPECT_EQ(ask("d0"), v1::STEP_OUTCOME_STATE_UNDECIDED) << "the move's source, which left";
+    } else {
+      EXPECT_EQ(ask("d1"), v1::STEP_OUTCOME_STATE_UNDECIDED) << "the copy's source is a member";
+    }
+    cluster.peer_client().SetCopiesFail("d0", false);
+    placer.join();
+    ASSERT_THAT(done, IsOk());
+    EXPECT_EQ(ask("d1"), v1::STEP_OUTCOME_STATE_UNDECIDED) << "loaded";
+    RunSteps(cluster, ref, &step, 1);
+  }
+}
+
 // A move's target that cannot copy its shards reports why in its progress (JobProgress.load_error,
 // which the coordinator shows in `jobs show`) while it retries, and clears it once loaded.
 TEST(FailoverTest, AMoveTargetThatCannotCopyReportsWhyUntilItHasLoaded) {

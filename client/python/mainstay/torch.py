@@ -320,9 +320,11 @@ class MainstayOptimizer(torch.optim.Optimizer):
         if version is not None and not failed:
             try:
                 pulled = self._pull_all(version)
-            except _mainstay.Error as e:
-                failed, why = True, "%s: %s" % (e.code, e.message)
-                if self._resume_step(e, step + 1) < step + 1:
+            except Exception as e:  # noqa: BLE001 (told to every rank, then handled together)
+                failed, why = True, "%s: %s" % (getattr(e, "code", type(e).__name__), getattr(e, "message", e))
+                # Only the restore's refusal says where to resume (other errors carry the
+                # committed step of a daemon that may hold nothing yet).
+                if getattr(e, "code", None) == "ABORTED" and self._resume_step(e, step + 1) < step + 1:
                     hint = self._resume_step(e, step + 1)
         mine = -1 if version is None else version
         flags = self._max_over_ranks([int(failed), hint, mine, -mine])
@@ -352,23 +354,24 @@ class MainstayOptimizer(torch.optim.Optimizer):
         the version loaded. Raises RuntimeError when the ranks do not agree in step_timeout."""
         deadline = time.monotonic() + self._step_timeout_s
         while True:
-            version, pulled = -1, None
+            version, pulled, why = -1, None, ""
             try:
                 probe = self.client.pull_shard(self._buckets[0]["index"], self._rank, _mainstay.Client.LATEST,
                                                timeout_s=self._step_timeout_s)
                 version = probe.version
                 pulled = self._pull_all(version)
-            except _mainstay.Error:
-                pulled = None
-            ok = pulled is not None
-            flags = self._max_over_ranks([int(not ok), version, -version])
-            if not flags[0] and flags[1] == -flags[2]:
+            except Exception as e:  # noqa: BLE001 (told to every rank, then handled together)
+                pulled, why = None, str(e)
+            # Whether to give up is agreed too: the ranks' clocks started at different times.
+            flags = self._max_over_ranks([int(pulled is None), int(time.monotonic() > deadline), version, -version])
+            if not flags[0] and flags[2] == -flags[3]:
                 self._gather(version, pulled)
                 return version
-            if time.monotonic() > deadline:
+            if flags[1]:
                 raise RuntimeError("MainstayOptimizer: the ranks of job %s did not agree on a version to load "
-                                   "within %s s (newest seen: %d..%d)"
-                                   % (self.client.job_id, self._step_timeout_s, -flags[2], flags[1]))
+                                   "within %s s (newest seen: %d..%d)%s"
+                                   % (self.client.job_id, self._step_timeout_s, -flags[3], flags[2],
+                                      "; here: " + why if why else ""))
             time.sleep(0.2)
 
     def _max_over_ranks(self, values):
