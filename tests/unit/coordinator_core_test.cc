@@ -100,6 +100,20 @@ class CoordinatorCoreTest : public ::testing::Test {
     *req.mutable_spec() = spec;
     return coordinator_->CreateJob(req);
   }
+  // Creates job "j" of two ranks (on n1 and n2) with replication_factor 2; returns its id.
+  std::string CreateReplicated() {
+    v1::JobSpec spec = SmallSpec("j", 2, {"n1", "n2"});
+    spec.set_replication_factor(2);
+    auto created = Create(spec);
+    EXPECT_THAT(created, IsOk());
+    return created.ok() ? created->job_id() : "";
+  }
+  // `job`'s placement once its epoch reached `epoch` (waiting a second at most).
+  v1::Placement PlacementAt(const std::string& job, int64_t epoch) {
+    auto p = coordinator_->WaitPlacement(job, "", epoch - 1, absl::Now() + absl::Seconds(1));
+    EXPECT_THAT(p, IsOk());
+    return p.ok() ? *p : v1::Placement();
+  }
 
   std::map<std::string, v1::DaemonInfo> Daemons(bool include_down = true) {
     v1::ListDaemonsRequest req;
@@ -736,42 +750,19 @@ TEST_F(RefusalTest, AMoveTargetThatCannotAllocateTheCopyIsReplacedOrTheRankStays
   auto created = Create(SmallSpec("j", 2, {"n1", "n2"}));
   ASSERT_THAT(created, IsOk());
   const std::string job = created->job_id();
-  // Version 0 published (a heartbeat of `d` at `epoch`), and a load error when given.
-  auto beat = [&](const v1::RegisterDaemonResponse& d, int64_t epoch, bool cannot_allocate) {
-    v1::HeartbeatRequest hb;
-    hb.set_daemon_id(d.daemon_id());
-    hb.set_lease_id(d.lease_id());
-    v1::JobProgress* p = hb.add_jobs();
-    p->set_job_id(job);
-    p->set_placement_epoch(epoch);
-    p->set_version(cannot_allocate ? -1 : 0);
-    p->set_loading(cannot_allocate);
-    if (cannot_allocate) {
-      p->set_load_error("loading 1 shard(s): RESOURCE_EXHAUSTED: cannot allocate 4096 bytes of state memory");
-      p->set_load_error_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
-    }
-    ASSERT_THAT(coordinator_->Heartbeat(hb), IsOk());
-  };
-  beat(a, 1, false);
-  beat(b, 1, false);
+  const std::string no_memory = "loading 1 shard(s): RESOURCE_EXHAUSTED: cannot allocate 4096 bytes of state memory";
+  Beat(a, job, 1);  // (the job has published a version: its state lives in its daemons)
+  Beat(b, job, 1);
   v1::DrainDaemonRequest drain;  // a's rank 0 moves to c (the emptiest), epoch 2
   drain.set_daemon_id(a.daemon_id());
   ASSERT_THAT(coordinator_->DrainDaemon(drain), IsOk());
   ASSERT_THAT(Owners(PlacementOf(job), 2), ElementsAre(c.daemon_id(), b.daemon_id()));
   // Another error while loading (the source unreachable for a moment) changes nothing.
-  v1::HeartbeatRequest other;
-  other.set_daemon_id(c.daemon_id());
-  other.set_lease_id(c.lease_id());
-  v1::JobProgress* p = other.add_jobs();
-  p->set_job_id(job);
-  p->set_placement_epoch(2);
-  p->set_loading(true);
-  p->set_load_error("loading 1 shard(s): UNAVAILABLE: connection refused");
-  p->set_load_error_code(static_cast<int32_t>(absl::StatusCode::kUnavailable));
-  ASSERT_THAT(coordinator_->Heartbeat(other), IsOk());
+  Beat(c, job, 2, /*loading=*/true, "loading 1 shard(s): UNAVAILABLE: connection refused",
+       absl::StatusCode::kUnavailable);
   EXPECT_EQ(PlacementOf(job).epoch(), 2);
   // c cannot allocate the copy: the move goes to b, still from a's copy.
-  beat(c, 2, true);
+  Beat(c, job, 2, /*loading=*/true, no_memory, absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(PlacementOf(job).epoch(), 3);
   EXPECT_THAT(Owners(PlacementOf(job), 2), ElementsAre(b.daemon_id(), b.daemon_id()));
   v1::AssignShardRequest moved = LastAssignmentTo("n2:7000", /*from_peer=*/true);
@@ -779,9 +770,9 @@ TEST_F(RefusalTest, AMoveTargetThatCannotAllocateTheCopyIsReplacedOrTheRankStays
   EXPECT_EQ(moved.from_peer().daemon().daemon_id(), a.daemon_id());
   // A late report of c at the old epoch changes nothing; then b cannot allocate either: no daemon
   // is left with room, so rank 0 stays with its source, a.
-  beat(c, 2, true);
+  Beat(c, job, 2, /*loading=*/true, no_memory, absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(PlacementOf(job).epoch(), 3);
-  beat(b, 3, true);
+  Beat(b, job, 3, /*loading=*/true, no_memory, absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(PlacementOf(job).epoch(), 4);
   EXPECT_THAT(Owners(PlacementOf(job), 2), ElementsAre(a.daemon_id(), b.daemon_id()));
   EXPECT_EQ(LastAssignmentTo("n1:7000").placement_epoch(), 4);
@@ -1217,16 +1208,8 @@ TEST_F(CoordinatorCoreTest, ALostDaemonFailsOverToReplicasThenTheJobIsReReplicat
   auto a = Register("n1", kGiB);
   auto b = Register("n2", kGiB);
   auto c = Register("n3", kGiB);
-  v1::JobSpec spec = SmallSpec("j", 2, {"n1", "n2"});
-  spec.set_replication_factor(2);
-  auto created = Create(spec);
-  ASSERT_THAT(created, IsOk());
-  const std::string job = created->job_id();
-  auto at = [&](int64_t epoch) {
-    auto p = coordinator_->WaitPlacement(job, "", epoch - 1, absl::Now() + absl::Seconds(1));
-    EXPECT_THAT(p, IsOk());
-    return p.ok() ? *p : v1::Placement();
-  };
+  const std::string job = CreateReplicated();
+  auto at = [&](int64_t epoch) { return PlacementAt(job, epoch); };
   auto beat = [&](const v1::RegisterDaemonResponse& d, int64_t epoch) { Beat(d, job, epoch); };
   const v1::Placement first = at(1);
   ASSERT_EQ(HoldersOf(first, 0).front(), a.daemon_id());
@@ -1284,16 +1267,8 @@ TEST_F(CoordinatorCoreTest, ANewReplicaThatCannotAllocateItsCopyIsNotChosenAgain
   auto a = Register("n1", kGiB);
   auto b = Register("n2", kGiB);
   auto c = Register("n3", kGiB);
-  v1::JobSpec spec = SmallSpec("j", 2, {"n1", "n2"});
-  spec.set_replication_factor(2);
-  auto created = Create(spec);
-  ASSERT_THAT(created, IsOk());
-  const std::string job = created->job_id();
-  auto at = [&](int64_t epoch) {
-    auto p = coordinator_->WaitPlacement(job, "", epoch - 1, absl::Now() + absl::Seconds(1));
-    EXPECT_THAT(p, IsOk());
-    return p.ok() ? *p : v1::Placement();
-  };
+  const std::string job = CreateReplicated();
+  auto at = [&](int64_t epoch) { return PlacementAt(job, epoch); };
   const std::string replica_of_0 = HoldersOf(at(1), 0)[1];
   for (auto* d : {&a, &b, &c}) Beat(*d, job, 1);
   clock_.Advance(900);  // a dies
@@ -1331,14 +1306,9 @@ TEST_F(CoordinatorCoreTest, AFailoverNotMadeBeforeARestartIsMadeAfterIt) {
   auto a = Register("n1", kGiB);
   auto b = Register("n2", kGiB);
   auto c = Register("n3", kGiB);
-  v1::JobSpec spec = SmallSpec("j", 2, {"n1", "n2"});
-  spec.set_replication_factor(2);
-  auto created = Create(spec);
-  ASSERT_THAT(created, IsOk());
-  const std::string job = created->job_id();
+  const std::string job = CreateReplicated();
   auto beat = [&](const v1::RegisterDaemonResponse& d) { Beat(d, job, 1); };
-  MAINSTAY_ASSERT_OK_AND_ASSIGN(v1::Placement first,
-                                coordinator_->WaitPlacement(job, "", 0, absl::Now() + absl::Seconds(1)));
+  const v1::Placement first = PlacementAt(job, 1);
   ASSERT_EQ(HoldersOf(first, 0).front(), a.daemon_id());
   const std::string replica_of_0 = HoldersOf(first, 0)[1];
   for (auto* d : {&a, &b, &c}) beat(*d);

@@ -141,6 +141,16 @@ def run_with_action(cluster, extra, at_step, action, steps=30):
     return [p.returncode for p in procs], outs
 
 
+def checkpoint_of_run(test, cluster, run):
+    """`mainstayctl checkpoint create --wait` of the job char_lm.py runs in `run`; returns its
+    JSON (checkpoint_id, version, ...)."""
+    with open(os.path.join(run, "job.json")) as f:
+        job = json.load(f)["job_id"]
+    r = cluster.ctl("checkpoint", "create", "--job", job, "--wait", "--yes", "--json", "--timeout-ms", "60000")
+    test.assertEqual(r.returncode, 0, r.stderr + cluster.logs())
+    return job, json.loads(r.stdout)
+
+
 def owner_of(cluster, job_id, rank):
     r = cluster.ctl("placement", "--job", job_id, "--json")
     assert r.returncode == 0, r.stderr
@@ -215,11 +225,8 @@ class FaultsInsideStepTest(unittest.TestCase):
         taken = []
 
         def checkpoint_then_kill(run):
-            with open(os.path.join(run, "job.json")) as f:
-                job = json.load(f)["job_id"]
-            r = cluster.ctl("checkpoint", "create", "--job", job, "--wait", "--yes", "--json", "--timeout-ms", "60000")
-            self.assertEqual(r.returncode, 0, r.stderr + cluster.logs())
-            taken.append(json.loads(r.stdout))
+            job, info = checkpoint_of_run(self, cluster, run)
+            taken.append(info)
             deadline = time.time() + 120
             while time.time() < deadline:
                 with open(os.path.join(run, "rank0.log")) as f:
@@ -261,11 +268,7 @@ class FaultsInsideStepTest(unittest.TestCase):
         taken = []
 
         def checkpoint(run):
-            with open(os.path.join(run, "job.json")) as f:
-                job = json.load(f)["job_id"]
-            r = cluster.ctl("checkpoint", "create", "--job", job, "--wait", "--yes", "--json", "--timeout-ms", "60000")
-            self.assertEqual(r.returncode, 0, r.stderr + cluster.logs())
-            taken.append(json.loads(r.stdout))
+            taken.append(checkpoint_of_run(self, cluster, run)[1])
 
         try:
             codes, outs = run_with_action(cluster, ["--step-timeout", "30"], 4, checkpoint, steps=24)
