@@ -539,7 +539,7 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
                                           " failed; push it again, then call FinishStep again"));
       }
     }
-    if (committed) return CommittedStepStats(step);
+    if (committed) return CommittedStepStats(step, timeout);
     if (!failed.ok()) {
       // The step's record goes: pushing the step again starts it afresh (a record kept here
       // would fail every later FinishStep of this step with this old error).
@@ -591,7 +591,22 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
             // whether a re-placement after them dropped them (job.cc, Job::FinishStep).
             r.set_placement_epoch(t.redirected ? route.epoch : std::min(route.epoch, t.pushed_epoch));
             r.set_redirected(t.redirected);
-            return client_internal::StatusFromCall(route.stub->FinishStep(context, r, &answer), context);
+            absl::Status s = client_internal::StatusFromCall(route.stub->FinishStep(context, r, &answer), context);
+            // A daemon fenced by a move before it got the new placement answers the pushes'
+            // older epoch with the new one, which the client already routes at. When it still
+            // owns shards this rank pushed, it is behind, not this call: the call waits and
+            // retries (as UNAVAILABLE). (When it owns none, the failure passes it over to the
+            // shards' new owners, below.)
+            if (const std::optional<ErrorInfo> info = GetErrorInfo(s);
+                s.code() == absl::StatusCode::kFailedPrecondition && info.has_value() &&
+                r.placement_epoch() < route.epoch && info->placement_epoch <= route.epoch &&
+                std::any_of(pushes.begin(), pushes.end(), [&](const client_internal::StepPush& p) {
+                  absl::StatusOr<Route> owner = impl_->RouteForShard(p.bucket, p.shard);
+                  return owner.ok() && owner->daemon_id == t.id;
+                })) {
+              return absl::UnavailableError(s.message());
+            }
+            return s;
           },
           &calls);
       if (!status.ok() && status.code() != absl::StatusCode::kAborted && calls.abandoned()) {
@@ -704,7 +719,7 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
       if (client_internal::CommittedAtOrPast(again, step)) {
         // The step committed after this attempt gave up (a move carried this rank's pushes
         // and its FinishStep to the new owner): its stats are what FinishStep returns.
-        absl::StatusOr<StepStats> stats = CommittedStepStats(step);
+        absl::StatusOr<StepStats> stats = CommittedStepStats(step, timeout);
         if (stats.ok()) {
           stats->attempts = n + 1;
           stats->first_abort = first_abort;
@@ -722,7 +737,7 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
   }
 }
 
-absl::StatusOr<StepStats> Client::CommittedStepStats(int64_t step) {
+absl::StatusOr<StepStats> Client::CommittedStepStats(int64_t step, std::chrono::milliseconds timeout) {
   {
     absl::MutexLock lock(&impl_->mu);
     impl_->steps.erase(step);
@@ -730,7 +745,7 @@ absl::StatusOr<StepStats> Client::CommittedStepStats(int64_t step) {
   // The step is decided, but the daemon asked (the owner of (bucket 0, this rank)) may not have
   // committed it yet, or may be out of reach for a moment (a move, a failover): asked again,
   // with the placement re-read, until the client's timeout.
-  const Deadline deadline = impl_->DeadlineAfter(impl_->options.timeout);
+  const Deadline deadline = impl_->DeadlineAfter(timeout);
   for (std::chrono::milliseconds pause(20);; pause = std::min(2 * pause, std::chrono::milliseconds(1000))) {
     absl::StatusOr<StepStats> stats = GetStepStats(step);
     const absl::StatusCode code = stats.status().code();

@@ -224,7 +224,7 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
       if (moving_in && p.loading() && p.placement_epoch() == job->second.placement().epoch() &&
           p.load_error_code() == static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) {
         s.PlaceRefusedRanks(request.daemon_id(), job->second, /*restore=*/false,
-                            absl::ResourceExhaustedError(p.load_error()));
+                            absl::ResourceExhaustedError(p.load_error()), /*moves_only=*/true);
       }
       continue;
     }

@@ -27,9 +27,10 @@ void Coordinator::AssignmentRefused(const std::string& address, const v1::Assign
 }
 
 void Coordinator::Impl::PlaceRefusedRanks(const std::string& refuser, const v1::StoredJob& job, bool restore,
-                                          const absl::Status& status) {
+                                          const absl::Status& status, bool moves_only) {
   Impl& s = *this;
   s.refused[job.info().job_id()].insert(refuser);
+  s.refused_at[job.info().job_id()][refuser] = s.Now();
 
   // The ranks the refuser was to gain: all of its ranks before the job started, or in a restore
   // (nothing of them exists on any daemon but the checkpoint), else those a pending move brings
@@ -37,7 +38,7 @@ void Coordinator::Impl::PlaceRefusedRanks(const std::string& refuser, const v1::
   const std::vector<std::vector<std::string>> holders = Impl::HoldersByRank(job);
   std::map<int, std::string> gained;  // rank -> the move's source ("" for a fresh rank)
   for (size_t r = 0; r < holders.size(); ++r) {
-    if ((!job.started() || restore) && std::count(holders[r].begin(), holders[r].end(), refuser)) {
+    if (!moves_only && (!job.started() || restore) && std::count(holders[r].begin(), holders[r].end(), refuser)) {
       gained[static_cast<int>(r)] = "";
     }
   }

@@ -193,6 +193,11 @@ struct Coordinator::Impl {
   // Per job, the daemons that refused its shards for lack of memory (AssignmentRefused): not
   // chosen again for the job's re-placed ranks. In memory only.
   std::map<std::string, std::set<std::string>> refused ABSL_GUARDED_BY(mu);
+  // Per job and daemon, when it last refused (or could not allocate) the job's shards:
+  // re-replication passes it over for kRefusalRememberedMs, then tries it again (its memory may
+  // have been freed; fewer than R copies for good is worse than an epoch per try).
+  std::map<std::string, std::map<std::string, int64_t>> refused_at ABSL_GUARDED_BY(mu);
+  static constexpr int64_t kRefusalRememberedMs = 5 * 60 * 1000;
   // Coordinator::SetChangeListener's; its own lock, taken under mu.
   absl::Mutex listener_mu ABSL_ACQUIRED_AFTER(mu);
   std::function<void()> listener ABSL_GUARDED_BY(listener_mu);
@@ -699,9 +704,10 @@ struct Coordinator::Impl {
 
   // Coordinator::AssignmentRefused's work, for `job` at its current epoch (coordinator_admission.cc):
   // the ranks `refuser` was to gain go elsewhere at a new epoch (`restore`: the assignment was a
-  // restore's). Also called when a move's target reports that it cannot allocate the copy.
-  void PlaceRefusedRanks(const std::string& refuser, const v1::StoredJob& job, bool restore, const absl::Status& status)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // restore's). Also called when a move's target reports that it cannot allocate the copy
+  // (`moves_only`: only the ranks pending moves bring to it).
+  void PlaceRefusedRanks(const std::string& refuser, const v1::StoredJob& job, bool restore, const absl::Status& status,
+                         bool moves_only = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   // After PlanMoves' job is committed: every daemon of the placement gets the new epoch, each
   // target its moved ranks from their source.

@@ -121,11 +121,14 @@ void Coordinator::Impl::ReReplicateLocked() {
                 !p->second.loading();
     }
     if (!settled) continue;
-    // Not on a daemon that refused the job's shards or could not allocate them: it would refuse
-    // again, and each try costs a placement epoch.
+    // Not on a daemon that refused the job's shards or could not allocate them in the last
+    // kRefusalRememberedMs: it would likely refuse again, and each try costs a placement epoch.
     std::vector<DaemonCandidate> candidates = Candidates("");
-    if (auto no = refused.find(job_id); no != refused.end()) {
-      std::erase_if(candidates, [&](const DaemonCandidate& c) { return no->second.count(c.id) > 0; });
+    if (auto no = refused_at.find(job_id); no != refused_at.end()) {
+      std::erase_if(candidates, [&](const DaemonCandidate& c) {
+        auto at = no->second.find(c.id);
+        return at != no->second.end() && Now() - at->second < kRefusalRememberedMs;
+      });
     }
     absl::StatusOr<std::vector<std::vector<std::string>>> added =
         AddCopies(holders, r, std::move(candidates), job.bytes_per_rank());

@@ -330,7 +330,10 @@ absl::Status Job::ApplyPlacement(const v1::AssignShardRequest& request) {
     }
     shards_[key] = std::move(state);
   }
-  if (!move_in.keys.empty()) moves_in_.push_back(std::move(move_in));
+  if (!move_in.keys.empty()) {
+    moves_in_.push_back(std::move(move_in));
+    load_error_ = absl::OkStatus();  // a new load: an older one's failure says nothing of it
+  }
   owners_ = std::move(owners);  // (last: the lambdas above read them)
   replicas_ = std::move(replicas);
   return absl::OkStatus();

@@ -119,6 +119,7 @@ void Job::RunMovesIn() {
                     queued.keys.end());
   if (queued.keys.empty()) {
     moves_in_.erase(moves_in_.begin());
+    if (moves_in_.empty()) load_error_ = absl::OkStatus();
     return;
   }
   const MoveIn move = queued;
@@ -149,6 +150,11 @@ void Job::RunMovesIn() {
     StateBuffer<uint8_t> m, v;
   };
   std::vector<Installed> installed(copies.size());
+  // A RESOURCE_EXHAUSTED the coordinator acts on (it places the move elsewhere) is only this
+  // daemon's own allocation failing; one from the copy's transport is reported as UNAVAILABLE.
+  if (failed.code() == absl::StatusCode::kResourceExhausted) {
+    failed = absl::UnavailableError(failed.message());
+  }
   for (size_t k = 0; k < copies.size() && failed.ok(); ++k) {
     ShardStateCopy& copy = *copies[k].second;
     failed = installed[k].master.Assign(*options_.memory, std::span<const float>(copy.master));
@@ -206,6 +212,7 @@ void Job::RunMovesIn() {
     if (epoch_ > move.epoch || stopping_) {
       // A newer placement supersedes this move (the coordinator re-sends what is still wanted).
       moves_in_.erase(moves_in_.begin());
+      if (moves_in_.empty()) load_error_ = absl::OkStatus();
       return;
     }
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), kRetryInterval);

@@ -455,8 +455,9 @@ class MAINSTAY_CLIENT_EXPORT Client {
  private:
   explicit Client(std::unique_ptr<Impl> impl);
   // FinishStep's answer for a step the daemons committed although a push of it was refused as
-  // already decided: the step's stats (GetStepStats); its record here goes.
-  absl::StatusOr<StepStats> CommittedStepStats(int64_t step);
+  // already decided: the step's stats (GetStepStats, asked again until `timeout`, 0: the
+  // client's); its record here goes.
+  absl::StatusOr<StepStats> CommittedStepStats(int64_t step, std::chrono::milliseconds timeout);
   std::unique_ptr<Impl> impl_;
 };
 
