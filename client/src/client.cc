@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
-#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -551,12 +550,12 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
       std::string address, id;
       bool redirected = false;  // a new owner of shards pushed elsewhere (moved meanwhile)
       // (Not redirected) the oldest epoch the pushes there were routed at.
-      int64_t pushed_epoch = std::numeric_limits<int64_t>::max();
+      int64_t pushed_epoch = 0;
     };
-    client_internal::StepRecord landed;
+    std::map<std::string, client_internal::StepRecord::Landed> landed;  // by address
     {
       absl::MutexLock lock(&impl_->mu);
-      landed = impl_->steps[step];
+      landed = impl_->steps[step].daemons;
     }
     v1::FinishStepRequest request;
     request.set_job_id(impl_->job_id);
@@ -653,13 +652,10 @@ absl::StatusOr<StepStats> Client::FinishStep(int64_t step, std::span<const Group
     };
     {
       absl::MutexLock lock(&mu);
-      for (const auto& [address, id] : landed.daemons) {
-        asked.insert(id);
+      for (const auto& [address, at] : landed) {
+        asked.insert(at.daemon_id);
         ++running;
-        auto epoch = landed.epochs.find(address);
-        threads.emplace_back(
-            finish_at, Target{address, id, false,
-                              epoch != landed.epochs.end() ? epoch->second : std::numeric_limits<int64_t>::max()});
+        threads.emplace_back(finish_at, Target{address, at.daemon_id, false, at.epoch});
       }
       mu.Await(absl::Condition(+[](int* n) { return *n == 0; }, &running));
     }

@@ -101,11 +101,15 @@ class ReplicaCopies {
 
 struct StepRecord {
   std::vector<StepPush> pushes;
-  std::map<std::string, std::string> daemons;  // address -> daemon id, of acknowledged pushes
-  // address -> the oldest placement epoch a push acknowledged there was routed at: FinishStep
-  // tells the daemon that epoch, so that a daemon re-placed since (a restore replaced the job
-  // and dropped the pushes) answers ABORTED at once instead of waiting for them.
-  std::map<std::string, int64_t> epochs;
+  // Where acknowledged pushes landed: the daemon at an address, and the oldest placement epoch
+  // a push there was routed at. FinishStep tells the daemon that epoch, so that a daemon
+  // re-placed since (a restore replaced the job and dropped the pushes) answers ABORTED at once
+  // instead of waiting for them.
+  struct Landed {
+    std::string daemon_id;
+    int64_t epoch = 0;
+  };
+  std::map<std::string, Landed> daemons;  // by address
 };
 
 // Calls made together that can be given up together: FinishStep's calls at several daemons,

@@ -409,10 +409,9 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
                                                                   std::chrono::steady_clock::now() - started)));
       if (r.ok() && kind == v1::PUSH_KIND_GRADIENT) {
         absl::MutexLock lock(&mu);
-        client_internal::StepRecord& record = steps[step];
-        record.daemons[landed.address] = landed.daemon_id;
-        auto [epoch, first] = record.epochs.emplace(landed.address, landed.epoch);
-        if (!first) epoch->second = std::min(epoch->second, landed.epoch);
+        auto [at, first] = steps[step].daemons.try_emplace(landed.address, landed.daemon_id, landed.epoch);
+        at->second.daemon_id = landed.daemon_id;
+        if (!first) at->second.epoch = std::min(at->second.epoch, landed.epoch);
       }
       // The handle first: once FinishStep has seen every `done`, every handle of the step is ready.
       countdown->Done(r);

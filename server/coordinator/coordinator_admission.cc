@@ -29,7 +29,6 @@ void Coordinator::AssignmentRefused(const std::string& address, const v1::Assign
 void Coordinator::Impl::PlaceRefusedRanks(const std::string& refuser, const v1::StoredJob& job, bool restore,
                                           const absl::Status& status, bool moves_only) {
   Impl& s = *this;
-  s.refused[job.info().job_id()].insert(refuser);
   s.refused_at[job.info().job_id()][refuser] = s.Now();
 
   // The ranks the refuser was to gain: all of its ranks before the job started, or in a restore
@@ -53,7 +52,7 @@ void Coordinator::Impl::PlaceRefusedRanks(const std::string& refuser, const v1::
   }
 
   std::vector<DaemonCandidate> candidates = s.Candidates("");
-  const std::set<std::string>& excluded = s.refused[job.info().job_id()];
+  const std::map<std::string, int64_t>& excluded = s.refused_at[job.info().job_id()];
   v1::StoredJob updated = job;
   v1::Placement& placement = *updated.mutable_placement();
   const int64_t epoch = placement.epoch() + 1;

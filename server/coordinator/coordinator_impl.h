@@ -190,12 +190,11 @@ struct Coordinator::Impl {
   // Per job: (step, time) of the last periodic checkpoint, or of when the policy first saw it.
   std::map<std::string, std::pair<int64_t, int64_t>> policy_last ABSL_GUARDED_BY(mu);
 
-  // Per job, the daemons that refused its shards for lack of memory (AssignmentRefused): not
-  // chosen again for the job's re-placed ranks. In memory only.
-  std::map<std::string, std::set<std::string>> refused ABSL_GUARDED_BY(mu);
-  // Per job and daemon, when it last refused (or could not allocate) the job's shards:
-  // re-replication passes it over for kRefusalRememberedMs, then tries it again (its memory may
-  // have been freed; fewer than R copies for good is worse than an epoch per try).
+  // Per job and daemon, when it last refused the job's shards for lack of memory
+  // (AssignmentRefused) or could not allocate them: never chosen again for the job's re-placed
+  // ranks; re-replication passes it over for kRefusalRememberedMs, then tries it again (its
+  // memory may have been freed; fewer than R copies for good is worse than an epoch per try).
+  // In memory only.
   std::map<std::string, std::map<std::string, int64_t>> refused_at ABSL_GUARDED_BY(mu);
   static constexpr int64_t kRefusalRememberedMs = 5 * 60 * 1000;
   // Coordinator::SetChangeListener's; its own lock, taken under mu.

@@ -189,7 +189,6 @@ absl::Status Coordinator::DeleteJob(const v1::DeleteJobRequest& request) {
   MAINSTAY_RETURN_IF_ERROR(s.Commit(batch));
   s.tokens.erase(job.info().job_id());
   s.progress.erase(job.info().job_id());
-  s.refused.erase(job.info().job_id());
   s.refused_at.erase(job.info().job_id());
   if (s.options.assigner != nullptr) {
     for (const v1::DaemonEndpoint& e : job.placement().daemons()) {

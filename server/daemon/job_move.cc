@@ -119,7 +119,6 @@ void Job::RunMovesIn() {
                     queued.keys.end());
   if (queued.keys.empty()) {
     moves_in_.erase(moves_in_.begin());
-    if (moves_in_.empty()) load_error_ = absl::OkStatus();
     return;
   }
   const MoveIn move = queued;
@@ -205,16 +204,17 @@ void Job::RunMovesIn() {
     }
   }
   if (!failed.ok()) {
-    load_error_ = absl::Status(
+    const absl::Status error(
         failed.code(), absl::StrCat("loading ", move.keys.size(), " shard(s) from daemon ", move.source.daemon_id(),
                                     " at placement epoch ", move.epoch, ": ", failed.ToString()));
-    Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": ", load_error_.message(), "; retrying"));
+    Log(LogLevel::kWarning, "daemon", absl::StrCat("job ", job_id_, ": ", error.message(), "; retrying"));
     if (epoch_ > move.epoch || stopping_) {
-      // A newer placement supersedes this move (the coordinator re-sends what is still wanted).
+      // A newer placement supersedes this move (the coordinator re-sends what is still wanted),
+      // and its failure says nothing of the loads that follow.
       moves_in_.erase(moves_in_.begin());
-      if (moves_in_.empty()) load_error_ = absl::OkStatus();
       return;
     }
+    load_error_ = error;
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), kRetryInterval);
     return;
   }
