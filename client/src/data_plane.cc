@@ -409,7 +409,8 @@ PushHandle Client::Impl::SchedulePushes(int32_t bucket, const std::vector<int32_
                                                                   std::chrono::steady_clock::now() - started)));
       if (r.ok() && kind == v1::PUSH_KIND_GRADIENT) {
         absl::MutexLock lock(&mu);
-        auto [at, first] = steps[step].daemons.try_emplace(landed.address, landed.daemon_id, landed.epoch);
+        auto [at, first] = steps[step].daemons.try_emplace(
+            landed.address, client_internal::StepRecord::Landed{landed.daemon_id, landed.epoch});
         at->second.daemon_id = landed.daemon_id;
         if (!first) at->second.epoch = std::min(at->second.epoch, landed.epoch);
       }
