@@ -89,10 +89,27 @@ void CompleteLocked(Round& round) {
   }
 }
 
+// The factory's hold on reductions (HoldReductions), shared with its groups.
+struct Hold {
+  absl::Mutex mu;
+  bool on ABSL_GUARDED_BY(mu) = false;
+  bool max_only ABSL_GUARDED_BY(mu) = false;
+  int waiting ABSL_GUARDED_BY(mu) = 0;
+
+  void Wait(ReduceKind kind) {
+    absl::MutexLock lock(&mu);
+    if (!on || (max_only && kind != ReduceKind::kMax)) return;
+    ++waiting;
+    auto released = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return !on; };
+    mu.Await(absl::Condition(&released));
+    --waiting;
+  }
+};
+
 class InProcessPeerGroup : public PeerGroup {
  public:
-  InProcessPeerGroup(std::shared_ptr<GroupState> state, int rank, int size)
-      : state_(std::move(state)), rank_(rank), size_(size) {}
+  InProcessPeerGroup(std::shared_ptr<GroupState> state, int rank, int size, std::shared_ptr<Hold> hold)
+      : state_(std::move(state)), rank_(rank), size_(size), hold_(std::move(hold)) {}
 
   ~InProcessPeerGroup() override {
     absl::MutexLock lock(&state_->mu);
@@ -123,6 +140,7 @@ class InProcessPeerGroup : public PeerGroup {
 
  private:
   absl::Status Reduce(ReduceKind kind, std::vector<double> input, absl::Time deadline, std::vector<double>* result) {
+    hold_->Wait(kind);
     GroupState& state = *state_;
     absl::MutexLock lock(&state.mu);
     if (!failure_.ok()) return failure_;
@@ -160,6 +178,7 @@ class InProcessPeerGroup : public PeerGroup {
   const std::shared_ptr<GroupState> state_;
   const int rank_;
   const int size_;
+  const std::shared_ptr<Hold> hold_;
   uint64_t next_round_ = 0;  // guarded by the one-thread-at-a-time contract
   absl::Status failure_;     // sticky: the first failure this member saw
 };
@@ -170,6 +189,7 @@ struct InProcessPeerGroupFactory::Registry {
   absl::Mutex mu;
   std::map<std::string, std::shared_ptr<GroupState>> groups ABSL_GUARDED_BY(mu);
   std::map<std::string, int64_t> generations ABSL_GUARDED_BY(mu);
+  const std::shared_ptr<Hold> hold = std::make_shared<Hold>();
 
   std::shared_ptr<GroupState> Get(const std::string& key) {
     absl::MutexLock lock(&mu);
@@ -241,13 +261,24 @@ absl::StatusOr<std::unique_ptr<PeerGroup>> InProcessPeerGroupFactory::Create(con
                                                     " timed out waiting for members ", absl::StrJoin(missing, ","),
                                                     " to join"));
   }
-  return std::make_unique<InProcessPeerGroup>(std::move(state), rank, size);
+  return std::make_unique<InProcessPeerGroup>(std::move(state), rank, size, registry_->hold);
 }
 
 void InProcessPeerGroupFactory::Kill(const std::string& group_key, int rank) {
   std::shared_ptr<GroupState> state = registry_->Get(group_key);
   absl::MutexLock lock(&state->mu);
   KillLocked(*state, rank);
+}
+
+void InProcessPeerGroupFactory::HoldReductions(bool hold, bool max_only) {
+  absl::MutexLock lock(&registry_->hold->mu);
+  registry_->hold->on = hold;
+  registry_->hold->max_only = max_only;
+}
+
+int InProcessPeerGroupFactory::reductions_held() const {
+  absl::MutexLock lock(&registry_->hold->mu);
+  return registry_->hold->waiting;
 }
 
 absl::StatusOr<int64_t> InProcessPeerGroupFactory::Generation(const std::string& base_key, int64_t at_least,

@@ -51,6 +51,12 @@ class InProcessPeerGroupFactory : public PeerGroupFactory {
   // exists (the member then dies before joining).
   void Kill(const std::string& group_key, int rank);
 
+  // Test hook: while held, every reduction (with `max_only`, every AllReduceMax) of every group
+  // of this factory (groups of size 1 excepted) waits, ignoring its deadline, until released:
+  // the members stopped between two collectives. reductions_held() says how many wait now.
+  void HoldReductions(bool hold, bool max_only = false);
+  int reductions_held() const;
+
   // An in-memory counter per base key, shared by the factory's members.
   absl::StatusOr<int64_t> Generation(const std::string& base_key, int64_t at_least, absl::Time deadline) override;
 

@@ -413,36 +413,41 @@ TEST(FailoverTest, ANewReplicaCopiedFromItsPrimaryKeepsUpAndSurvivesTheNextLoss)
 // commits without the new replica: a copy taken under it would leave the new replica one step
 // behind for good, and every later step would wait for it.
 TEST(FailoverTest, ANewReplicaIsCopiedOnlyAfterTheOlderPlacementsStepInFlight) {
-  // The placement must reach the daemons after step 1 went past its forwards, while it reduces:
-  // the trials start the re-replication at different times into the step.
-  int raced = 0;
-  for (int trial = 0; trial < 12; ++trial) {
-    SCOPED_TRACE(absl::StrCat("trial ", trial));
-    JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
-    spec.tensors = {{"layers.0.mlp.fc1.weight", {2048, 2048}}};
-    spec.bucket_numel = 1 << 23;
-    spec.replication_factor = 2;
-    Cluster cluster(spec, 4);  // rank 0: d0 (+ d1), rank 1: d1 (+ d2); d3 holds nothing
-    Reference ref(cluster.resolved());
-    cluster.PushInitial(ref);
-    cluster.PushGrads(0);
-    for (const auto& stats : cluster.Finish(0, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
-    ref.Step(0, 1e-3f);
-    cluster.PushGrads(1);
-    std::vector<absl::StatusOr<v1::StepStats>> finished;
-    std::thread trainers([&] { finished = cluster.Finish(1, 1e-3f); });
-    absl::SleepFor(absl::Milliseconds(2 * trial));
-    const absl::Status added = cluster.AddReplica(0, 3);
-    trainers.join();
-    ASSERT_THAT(added, IsOk());
-    raced += FinishAgainIfFailed(cluster, 1, finished) ? 1 : 0;  // committed at the first placement
-    for (const auto& stats : finished) ASSERT_THAT(stats.status(), IsOk());
-    ref.Step(1, 1e-3f);
-    int64_t step = 2;
-    RunSteps(cluster, ref, &step, 1);
-    ExpectReplicasEqualPrimaries(cluster);
-  }
-  std::cerr << raced << " of 12 trials committed step 1 at the first placement\n";
+  JobSpec spec = MakeSpec("bf16_with_fp8_current_scaling_mixed", LayoutPolicy::kFlat, 2);
+  spec.tensors = {{"layers.0.mlp.fc1.weight", {2048, 2048}}};
+  spec.bucket_numel = 1 << 23;
+  spec.replication_factor = 2;
+  Cluster cluster(spec, 4);  // rank 0: d0 (+ d1), rank 1: d1 (+ d2); d3 holds nothing
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  cluster.PushGrads(0);
+  for (const auto& stats : cluster.Finish(0, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
+  ref.Step(0, 1e-3f);
+  // Step 1 runs at the first placement, past its forwards and the replicas' taking of their
+  // inputs, and stops in its MAX (the amaxes) on the three daemons of its group.
+  cluster.peers().HoldReductions(true, /*max_only=*/true);
+  cluster.PushGrads(1);
+  std::vector<absl::StatusOr<v1::StepStats>> finished;
+  std::thread trainers([&] { finished = cluster.Finish(1, 1e-3f); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (cluster.peers().reductions_held() < 3 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(2));
+  ASSERT_EQ(cluster.peers().reductions_held(), 3);
+  // The new placement reaches the daemons meanwhile, and d3 asks d0 for rank 0's state: a copy
+  // taken now would be of step 0, while step 1 goes on to commit without d3.
+  absl::Status added = absl::UnknownError("not run");
+  std::thread add([&] { added = cluster.AddReplica(0, 3); });
+  absl::SleepFor(absl::Milliseconds(300));
+  cluster.peers().HoldReductions(false);
+  trainers.join();
+  add.join();
+  ASSERT_THAT(added, IsOk());
+  // Step 1 was under way everywhere before the new placement came: it commits at the first one.
+  for (const auto& stats : finished) ASSERT_THAT(stats.status(), IsOk());
+  ref.Step(1, 1e-3f);
+  ExpectReplicasEqualPrimaries(cluster);
+  int64_t step = 2;
+  RunSteps(cluster, ref, &step, 2);
+  ExpectReplicasEqualPrimaries(cluster);
 }
 
 // A replica-only daemon loses step 1's last reduction and learns the decision from a peer, so
