@@ -3,6 +3,7 @@
 // jobs), or a move's target that could not allocate the copy (its heartbeat's load error): the
 // ranks it was to take go to other daemons at a new placement epoch.
 #include <algorithm>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -24,6 +25,16 @@ void Coordinator::AssignmentRefused(const std::string& address, const v1::Assign
   }
   if (refuser.empty()) return;
   s.PlaceRefusedRanks(refuser, job_it->second, request.has_from_checkpoint(), status);
+}
+
+std::set<std::string> Coordinator::Impl::RecentRefusers(const std::string& job_id) const {
+  std::set<std::string> out;
+  if (auto no = refused_at.find(job_id); no != refused_at.end()) {
+    for (const auto& [daemon_id, at] : no->second) {
+      if (Now() - at < kRefusalRememberedMs) out.insert(daemon_id);
+    }
+  }
+  return out;
 }
 
 void Coordinator::Impl::PlaceRefusedRanks(const std::string& refuser, const v1::StoredJob& job, bool restore,
@@ -52,7 +63,7 @@ void Coordinator::Impl::PlaceRefusedRanks(const std::string& refuser, const v1::
   }
 
   std::vector<DaemonCandidate> candidates = s.Candidates("");
-  const std::map<std::string, int64_t>& excluded = s.refused_at[job.info().job_id()];
+  const std::set<std::string> excluded = s.RecentRefusers(job.info().job_id());
   v1::StoredJob updated = job;
   v1::Placement& placement = *updated.mutable_placement();
   const int64_t epoch = placement.epoch() + 1;

@@ -191,12 +191,14 @@ struct Coordinator::Impl {
   std::map<std::string, std::pair<int64_t, int64_t>> policy_last ABSL_GUARDED_BY(mu);
 
   // Per job and daemon, when it last refused the job's shards for lack of memory
-  // (AssignmentRefused) or could not allocate them: never chosen again for the job's re-placed
-  // ranks; re-replication passes it over for kRefusalRememberedMs, then tries it again (its
-  // memory may have been freed; fewer than R copies for good is worse than an epoch per try).
-  // In memory only.
+  // (AssignmentRefused) or could not allocate them. Re-placing refused ranks and re-replication
+  // pass such a daemon over for kRefusalRememberedMs (RecentRefusers), then try it again: it
+  // would likely refuse again at once, and each try costs a placement epoch, but its memory may
+  // have been freed since (a job deleted), and a drain or fewer than R copies that waits for
+  // good is worse than an epoch per try. In memory only.
   std::map<std::string, std::map<std::string, int64_t>> refused_at ABSL_GUARDED_BY(mu);
   static constexpr int64_t kRefusalRememberedMs = 5 * 60 * 1000;
+  std::set<std::string> RecentRefusers(const std::string& job_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Coordinator::SetChangeListener's; its own lock, taken under mu.
   absl::Mutex listener_mu ABSL_ACQUIRED_AFTER(mu);
   std::function<void()> listener ABSL_GUARDED_BY(listener_mu);

@@ -124,12 +124,8 @@ void Coordinator::Impl::ReReplicateLocked() {
     // Not on a daemon that refused the job's shards or could not allocate them in the last
     // kRefusalRememberedMs: it would likely refuse again, and each try costs a placement epoch.
     std::vector<DaemonCandidate> candidates = Candidates("");
-    if (auto no = refused_at.find(job_id); no != refused_at.end()) {
-      std::erase_if(candidates, [&](const DaemonCandidate& c) {
-        auto at = no->second.find(c.id);
-        return at != no->second.end() && Now() - at->second < kRefusalRememberedMs;
-      });
-    }
+    const std::set<std::string> refusers = RecentRefusers(job_id);
+    std::erase_if(candidates, [&](const DaemonCandidate& c) { return refusers.count(c.id) > 0; });
     absl::StatusOr<std::vector<std::vector<std::string>>> added =
         AddCopies(holders, r, std::move(candidates), job.bytes_per_rank());
     if (!added.ok()) {

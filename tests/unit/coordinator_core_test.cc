@@ -738,6 +738,17 @@ TEST_F(RefusalTest, AMoveTargetThatRefusesIsReplacedOrTheRankStaysWithItsSource)
   EXPECT_EQ(PlacementOf(created->job_id()).epoch(), 4);
   EXPECT_THAT(Owners(PlacementOf(created->job_id()), 2), ElementsAre(a.daemon_id(), b.daemon_id()));
   EXPECT_EQ(LastAssignmentTo("n1:7000").placement_epoch(), 4);
+  // Five minutes later the refusals are forgotten (memory may have been freed): a's rank is
+  // drained to c again, c refuses again, and the rank goes to b, which refused five minutes ago.
+  for (int i = 0; i < 601; ++i) {  // (the leases are renewed meanwhile)
+    clock_.Advance(500);
+    for (auto* d : {&a, &b, &c}) Beat(*d, created->job_id(), 4);
+  }
+  ASSERT_THAT(coordinator_->DrainDaemon(drain), IsOk());
+  ASSERT_THAT(Owners(PlacementOf(created->job_id()), 2), ElementsAre(c.daemon_id(), b.daemon_id()));
+  assigner_.Refuse("n3:7000", LastAssignmentTo("n3:7000"), kNoRoom);
+  EXPECT_EQ(PlacementOf(created->job_id()).epoch(), 6);
+  EXPECT_THAT(Owners(PlacementOf(created->job_id()), 2), ElementsAre(b.daemon_id(), b.daemon_id()));
 }
 
 // A move's target that accepted the assignment but then cannot allocate the copy (its heartbeat
