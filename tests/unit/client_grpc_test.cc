@@ -282,6 +282,28 @@ TEST_F(ClientGrpcTest, WithoutPushCrcTheKeptCrcStillCatchesAChangedBuffer) {
   EXPECT_FALSE(finished[1].ok());
 }
 
+// A daemon fenced by a move (of another of its shards) before it received the new placement
+// answers FinishStep at the pushes' epoch with FAILED_PRECONDITION and the new epoch, even once
+// the client routes at that epoch. It still owns the shard this rank pushed there, so it is
+// behind, not the call: FinishStep waits and asks again, and the step commits. (The fresh-clone
+// CI's fault matrix got that error out of a trainer's FinishStep before the client did so.)
+TEST_F(ClientGrpcTest, FinishStepWaitsForADaemonFencedBeforeItGotTheNewPlacement) {
+  StartCluster();
+  ClientOptions base;
+  base.initial_backoff = std::chrono::milliseconds(5);
+  ConnectRanks(testing_fakes::SmallSpec(1), 1, base);
+  PushInitial(RandomBuckets(1));
+  for (PushHandle& h : PushReduced(0, RandomBuckets(100))) ASSERT_THAT(h.Wait(), IsOk());
+  cluster_->MoveShard(0, 0, 0);  // a new placement epoch; the pushed shard stays on daemon 0
+  // The first answer names epoch 2 (the client re-reads the placement); the second comes at it.
+  cluster_->FenceNextFinishes(2);
+  const auto finished = FinishAll(0, 0.5, 0.0);
+  ASSERT_THAT(finished[0], IsOk());
+  EXPECT_EQ(finished[0]->version, 1);
+  EXPECT_EQ(clients_[0]->placement().epoch, 2);
+  EXPECT_EQ(cluster_->stats().finish_calls, 3);
+}
+
 // A step the daemons gave up having changed nothing (a peer daemon died mid-step, the placement
 // changed) is pushed again by FinishStep itself, from the caller's buffers: the training loop
 // sees no error, and the update is the one of a single attempt.
@@ -328,12 +350,14 @@ TEST_F(ClientGrpcTest, FinishStepPushesAStepTheDaemonsGaveUpAgainItself) {
 
 // A step given up and then committed after all (a move's new owner finished it with the pushes
 // the move carried): the push again is refused as already decided, and FinishStep returns the
-// committed step's stats instead of an error.
+// committed step's stats instead of an error, reading them again while the daemon it asks has
+// not committed the step yet.
 TEST_F(ClientGrpcTest, AStepCommittedAfterItsAttemptGaveUpIsReturnedAsCommitted) {
   StartCluster();
   ConnectRanks(testing_fakes::AllFormatsSpec(2), 2);
   PushInitial(RandomBuckets(1));
   cluster_->GiveUpStep(0, /*then_commit=*/true);
+  cluster_->FailNextStatsReads(3);
   const auto grad = RandomBuckets(100);
   PushReduced(0, grad);
   for (const auto& s : FinishAll(0, 0.5, 0.0)) {

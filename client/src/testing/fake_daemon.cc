@@ -181,6 +181,15 @@ class FakeDaemon final : public v1::Shard::Service {
         s_->Admit(context, index_, request->job_id(), request->job_token(), request->placement_epoch(), -1, -1);
     if (!admitted.ok()) return admitted;
     ++s_->stats.finish_calls;
+    if (s_->fenced_finishes_left > 0 && request->placement_epoch() < s_->epoch) {
+      --s_->fenced_finishes_left;
+      v1::ErrorDetail detail;
+      detail.set_placement_epoch(s_->epoch);
+      return WithDetail(context, grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("FinishStep: job ", request->job_id(), " is moving to placement epoch ", s_->epoch,
+                                     " (fake: fenced before it got that placement)"),
+                        detail);
+    }
     // One (lr, weight_decay) for the whole job: the fake has no param groups.
     std::pair<double, double> hyper{request->lr(), request->weight_decay()};
     if (request->groups_size() > 1) return Invalid("the fake daemon applies one lr / weight_decay (no param groups)");
@@ -210,6 +219,10 @@ class FakeDaemon final : public v1::Shard::Service {
   grpc::Status GetStepStats(grpc::ServerContext* context, const v1::GetStepStatsRequest* request,
                             v1::GetStepStatsResponse* response) override {
     absl::MutexLock lock(&s_->mu);
+    if (s_->stats_unavailable_left > 0) {
+      --s_->stats_unavailable_left;
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake: the step is not committed on this daemon yet");
+    }
     auto it = s_->results.find(request->step());
     if (it == s_->results.end()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "step not decided");
     *response->mutable_stats() = it->second;

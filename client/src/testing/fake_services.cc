@@ -333,6 +333,14 @@ void FakeCluster::GiveUpStep(int64_t step, bool then_commit) {
   state_->give_up_step = step;
   state_->give_up_then_commit = then_commit;
 }
+void FakeCluster::FenceNextFinishes(int calls) {
+  absl::MutexLock lock(&state_->mu);
+  state_->fenced_finishes_left = calls;
+}
+void FakeCluster::FailNextStatsReads(int calls) {
+  absl::MutexLock lock(&state_->mu);
+  state_->stats_unavailable_left = calls;
+}
 int FakeCluster::GivenUp(int64_t step) const {
   absl::MutexLock lock(&state_->mu);
   auto it = state_->given_up.find(step);

@@ -86,6 +86,13 @@ class FakeCluster {
   // had (as a move's target finishing the step with the pushes the move carried).
   void GiveUpStep(int64_t step, bool then_commit = false);
   int GivenUp(int64_t step) const;  // how often `step` was given up
+  // The daemons answer their next `calls` FinishStep calls at an epoch older than the current
+  // one with FAILED_PRECONDITION and ErrorDetail.placement_epoch = the current epoch: a move's
+  // source fenced at the new epoch before it received that placement (it still owns its shards).
+  void FenceNextFinishes(int calls);
+  // The daemons answer their next `calls` GetStepStats calls UNAVAILABLE (a daemon that has not
+  // committed the step yet).
+  void FailNextStatsReads(int calls);
   // Current FP32 master of a bucket (numel elements) and the current version (-1 before the
   // initial parameters are complete).
   std::vector<float> Master(int32_t bucket) const;

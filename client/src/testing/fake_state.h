@@ -60,6 +60,8 @@ struct FakeCluster::State {
   int64_t give_up_step ABSL_GUARDED_BY(mu) = -2;
   bool give_up_then_commit ABSL_GUARDED_BY(mu) = false;
   std::map<int64_t, int> given_up ABSL_GUARDED_BY(mu);
+  int fenced_finishes_left ABSL_GUARDED_BY(mu) = 0;    // FenceNextFinishes
+  int stats_unavailable_left ABSL_GUARDED_BY(mu) = 0;  // FailNextStatsReads
   FakeStats stats ABSL_GUARDED_BY(mu);
   // Checkpoints of the fake Admin service: id -> the masters, version and committed step saved.
   struct Checkpoint {
