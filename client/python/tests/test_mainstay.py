@@ -6,11 +6,13 @@ client/src/testing (a real gRPC coordinator and daemons in one process).
     PYTHONPATH=<build>/client/python python3 test_mainstay.py <build>/client/mainstay_client_fake_server
 """
 import ctypes
+import gc
 import json
 import subprocess
 import sys
 import threading
 import unittest
+import weakref
 
 try:  # the module must load into a process that already has torch (own protobuf, abseil)
     import torch  # noqa: F401
@@ -196,14 +198,32 @@ class EndToEndTest(unittest.TestCase):
 
         # Rank 1 hands its shards over as CUDA arrays (__cuda_array_interface__, as a CUDA
         # tensor does); here they wrap host memory, which the client reads as such.
+        # Rank 0 pushes arrays of its own that only the client keeps alive once pushed: it holds
+        # each one until a finish_step called after the push succeeds (FinishStep may push the
+        # step again from them), then lets it go.
         def step0(r, c):
             handles = []
+            kept = []
             for b in buckets:
                 lo, hi = layout.shard_range(b["index"], r)
                 shard = grads[b["index"]][lo:hi]
+                if r == 0:
+                    shard = shard.copy()
+                    kept.append(weakref.ref(shard))
                 handles.append(c.push_grad(b["index"], 0, CudaArray(shard) if r == 1 else shard))
-            stats = c.finish_step(0, lr=0.5, weight_decay=0.0)
+            del shard
+            for h in handles:
+                h.wait()
             self.assertTrue(all(h.ready() for h in handles))
+            del handles, h  # (a push handle keeps its array too)
+            if r == 0:  # a later push lets go of the finished pushes it may: not of these
+                with self.assertRaises(mainstay.Error):
+                    c.push_grad(99, 0, np.zeros(4, np.float32), wait=True)
+            gc.collect()
+            self.assertTrue(all(k() is not None for k in kept), "released before finish_step")
+            stats = c.finish_step(0, lr=0.5, weight_decay=0.0)
+            gc.collect()
+            self.assertTrue(all(k() is None for k in kept), "still held after finish_step succeeded")
             return stats
 
         stats = self.run_ranks(step0, clients)
