@@ -761,10 +761,11 @@ absl::StatusOr<ShardStateCopy> Job::ReadShardState(int32_t bucket, int32_t shard
   ShardStateCopy copy;
   copy.version = it->second->initialized ? version_ : -1;
   copy.committed_step = committed_step_;
-  copy.master.assign(it->second->master.begin(), it->second->master.end());
   copy.moment_type = job_.spec.optimizer.moment_dtype;
-  copy.m.assign(it->second->m.begin(), it->second->m.end());
-  copy.v.assign(it->second->v.begin(), it->second->v.end());
+  const ShardState& state = *it->second;
+  MAINSTAY_RETURN_IF_ERROR(copy.master.Assign(HostCopyMemory(), state.master.span()));
+  MAINSTAY_RETURN_IF_ERROR(copy.m.Assign(HostCopyMemory(), state.m.span()));
+  MAINSTAY_RETURN_IF_ERROR(copy.v.Assign(HostCopyMemory(), state.v.span()));
   return copy;
 }
 

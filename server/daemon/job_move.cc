@@ -86,9 +86,9 @@ absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest
   copy.version = state->initialized ? version_ : -1;
   copy.committed_step = committed_step_;
   copy.moment_type = job_.spec.optimizer.moment_dtype;
-  copy.master.assign(state->master.begin(), state->master.end());
-  copy.m.assign(state->m.begin(), state->m.end());
-  copy.v.assign(state->v.begin(), state->v.end());
+  MAINSTAY_RETURN_IF_ERROR(copy.master.Assign(HostCopyMemory(), state->master.span()));
+  MAINSTAY_RETURN_IF_ERROR(copy.m.Assign(HostCopyMemory(), state->m.span()));
+  MAINSTAY_RETURN_IF_ERROR(copy.v.Assign(HostCopyMemory(), state->v.span()));
   copy.scaling = committed_scaling_;
   if (!state->versions.empty()) copy.newest = state->versions.rbegin()->second;
   if (auto it = stats_.find(committed_step_); it != stats_.end()) copy.committed_stats = it->second;
@@ -134,7 +134,7 @@ void Job::RunMovesIn() {
     absl::StatusOr<ShardStateCopy> copy =
         options_.peer_client == nullptr
             ? absl::FailedPreconditionError("this daemon has no peer client to copy shards with")
-            : options_.peer_client->FetchShardState(move.source, request, absl::Now() + kCopyTimeout);
+            : options_.peer_client->FetchShardState(move.source, request, absl::Now() + kCopyTimeout, *options_.memory);
     if (!copy.ok()) {
       failed = Annotate(copy.status(), absl::StrCat("copying ", ShardName(key.first, key.second), " from daemon ",
                                                     move.source.daemon_id()));
@@ -142,27 +142,9 @@ void Job::RunMovesIn() {
     }
     copies.emplace_back(key, std::move(copy));
   }
-  // The copies' state, in this daemon's state memory (all of it, or the move waits and retries),
-  // outside the lock: allocating and filling it takes time (page migration on a GPU).
-  struct Installed {
-    StateBuffer<float> master;
-    StateBuffer<uint8_t> m, v;
-  };
-  std::vector<Installed> installed(copies.size());
-  // A RESOURCE_EXHAUSTED the coordinator acts on (it places the move elsewhere) is only this
-  // daemon's own allocation failing; one from the copy's transport is reported as UNAVAILABLE.
-  if (failed.code() == absl::StatusCode::kResourceExhausted) {
-    failed = absl::UnavailableError(failed.message());
-  }
-  for (size_t k = 0; k < copies.size() && failed.ok(); ++k) {
-    ShardStateCopy& copy = *copies[k].second;
-    failed = installed[k].master.Assign(*options_.memory, std::span<const float>(copy.master));
-    if (failed.ok()) failed = installed[k].m.Assign(*options_.memory, std::span<const uint8_t>(copy.m));
-    if (failed.ok()) failed = installed[k].v.Assign(*options_.memory, std::span<const uint8_t>(copy.v));
-    std::vector<float>().swap(copy.master);  // one copy of the state at a time
-    std::vector<uint8_t>().swap(copy.m);
-    std::vector<uint8_t>().swap(copy.v);
-  }
+  // The copies' masters and moments landed in this daemon's state memory as they streamed in
+  // (all of them, or the move waits and retries), outside the lock. A RESOURCE_EXHAUSTED (the
+  // coordinator places the move elsewhere) is only that memory being full (PeerClient).
   mu_.Lock();
   if (stopping_) return;
   if (failed.ok() && !copies.empty()) {
@@ -179,7 +161,7 @@ void Job::RunMovesIn() {
   const bool adamw = job_.spec.optimizer.type == OptimizerType::kAdamW;
   for (size_t k = 0; k < copies.size() && failed.ok(); ++k) {
     const auto& [key, copy] = copies[k];
-    const Installed& state = installed[k];
+    const ShardStateCopy& state = *copy;
     auto it = shards_.find(key);
     const int64_t numel = job_.layout.buckets[static_cast<size_t>(key.first)].shard_numel;
     if (copy->committed_step != (fresh ? copies.front().second->committed_step : committed_step_) ||
@@ -218,13 +200,12 @@ void Job::RunMovesIn() {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), kRetryInterval);
     return;
   }
-  for (size_t k = 0; k < copies.size(); ++k) {
-    const auto& [key, copy] = copies[k];
+  for (auto& [key, copy] : copies) {
     ShardState& s = *shards_.at(key);
     s.initialized = copy->version >= 0;
-    s.master = std::move(installed[k].master);
-    s.m = std::move(installed[k].m);
-    s.v = std::move(installed[k].v);
+    s.master = std::move(copy->master);
+    s.m = std::move(copy->m);
+    s.v = std::move(copy->v);
     s.versions.clear();
     if (copy->newest != nullptr) s.versions[copy->newest->version] = copy->newest;
     s.incoming = false;

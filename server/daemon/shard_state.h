@@ -17,6 +17,7 @@
 #include "common/format.h"
 #include "mainstay/v1/checkpoint.pb.h"
 #include "mainstay/v1/shard.pb.h"
+#include "server/daemon/state_buffer.h"
 
 namespace mainstay::daemon {
 
@@ -106,13 +107,15 @@ struct PendingPushCopy {
   std::vector<uint8_t> payload;  // raw elements of dtype
 };
 
-// A copy of one shard's committed optimizer state (FetchShardState, tests).
+// A copy of one shard's committed optimizer state (FetchShardState, tests). Its masters and
+// moments are state memory: the source's copy and tests' reads in HostCopyMemory(), a move's
+// target's in its own state memory, where the stream lands them and the shard then keeps them.
 struct ShardStateCopy {
   int64_t version = -1;         // the version this state produced; -1 before version 0
   int64_t committed_step = -1;  // last decided step
-  std::vector<float> master;
+  StateBuffer<float> master;
   ElementType moment_type = ElementType::kFloat32;
-  std::vector<uint8_t> m, v;    // raw little-endian elements of moment_type; v empty for SGD
+  StateBuffer<uint8_t> m, v;  // raw little-endian elements of moment_type; v empty for SGD
   // For moves (CopyForMove): the job's scaling state as of committed_step, and the newest
   // published version (null before version 0).
   v1::CheckpointScalingState scaling;
@@ -124,6 +127,10 @@ struct ShardStateCopy {
   // For moves: the decisions of the newest steps the source decided (Job::GetStepOutcome).
   std::vector<v1::StepDecision> decisions;
 };
+
+// Host memory for copies of shard state that belong to no job's state memory (a move's source
+// streams from one; tests read state into one). Process-wide and thread-safe.
+kernels::StateMemory& HostCopyMemory();
 
 }  // namespace mainstay::daemon
 

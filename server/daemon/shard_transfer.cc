@@ -12,6 +12,9 @@
 namespace mainstay::daemon {
 namespace {
 
+// Far above any shard (2^40 elements: 4 TiB of FP32 masters), far below an overflow of its bytes.
+constexpr int64_t kMaxShardNumel = int64_t{1} << 40;
+
 // `base`: bytes of the buffer written before these (the pending pushes share one buffer).
 absl::Status WriteBuffer(v1::StateBuffer buffer, const uint8_t* bytes, int64_t size, int element_bytes,
                          int64_t chunk, const std::function<bool(const v1::FetchShardStateResponse&)>& write,
@@ -30,6 +33,11 @@ absl::Status WriteBuffer(v1::StateBuffer buffer, const uint8_t* bytes, int64_t s
 }
 
 }  // namespace
+
+kernels::StateMemory& HostCopyMemory() {
+  static kernels::StateMemory* const memory = kernels::HostStateMemory(nullptr).release();
+  return *memory;
+}
 
 absl::Status WriteShardState(const ShardStateCopy& copy, int64_t chunk_bytes,
                              const std::function<bool(const v1::FetchShardStateResponse&)>& write) {
@@ -86,14 +94,16 @@ absl::Status ShardStateReader::Add(const v1::FetchShardStateResponse& message) {
     have_header_ = true;
     header_ = message.header();
     const int64_t n = header_.shard_numel();
-    if (n < 0) return absl::InvalidArgumentError("FetchShardState: negative shard_numel");
+    if (n < 0 || n > kMaxShardNumel) {
+      return absl::InvalidArgumentError(absl::StrCat("FetchShardState: shard_numel ", n, " is out of range"));
+    }
     MAINSTAY_ASSIGN_OR_RETURN(copy_.moment_type, ElementTypeFromProto(header_.moment_type()));
     copy_.version = header_.version();
     copy_.committed_step = header_.committed_step();
     copy_.scaling = header_.scaling();
     if (header_.has_committed_stats()) copy_.committed_stats = header_.committed_stats();
     copy_.decisions.assign(header_.decisions().begin(), header_.decisions().end());
-    copy_.master.resize(static_cast<size_t>(n));
+    MAINSTAY_RETURN_IF_ERROR(copy_.master.Reset(land_, n));
     data_.resize(static_cast<size_t>(header_.newest().total_data_bytes()));
     scales_.resize(static_cast<size_t>(header_.newest().total_scale_bytes()));
     int64_t pending_bytes = 0;
@@ -127,11 +137,11 @@ absl::Status ShardStateReader::Add(const v1::FetchShardStateResponse& message) {
       base = reinterpret_cast<uint8_t*>(copy_.master.data()), size = numel * 4, element_bytes = 4;
       break;
     case v1::STATE_BUFFER_MOMENT1:
-      if (copy_.m.empty()) copy_.m.resize(numel * static_cast<size_t>(mb));
+      if (copy_.m.empty()) MAINSTAY_RETURN_IF_ERROR(copy_.m.Reset(land_, static_cast<int64_t>(numel) * mb));
       base = copy_.m.data(), size = copy_.m.size(), element_bytes = mb;
       break;
     case v1::STATE_BUFFER_MOMENT2:
-      if (copy_.v.empty()) copy_.v.resize(numel * static_cast<size_t>(mb));
+      if (copy_.v.empty()) MAINSTAY_RETURN_IF_ERROR(copy_.v.Reset(land_, static_cast<int64_t>(numel) * mb));
       base = copy_.v.data(), size = copy_.v.size(), element_bytes = mb;
       break;
     case v1::STATE_BUFFER_VERSION_DATA:
@@ -175,7 +185,7 @@ absl::StatusOr<ShardStateCopy> ShardStateReader::Finish(int32_t bucket, int32_t 
                                               want[b], " bytes of buffer ", v1::StateBuffer_Name(b)));
     }
   }
-  if (copy_.m.empty()) copy_.m.assign(static_cast<size_t>(numel * mb), 0);  // an empty shard
+  if (copy_.m.empty()) MAINSTAY_RETURN_IF_ERROR(copy_.m.Reset(land_, numel * mb));  // an empty shard
   if (header_.has_newest()) {
     const v1::PullParamsHeader& h = header_.newest();
     auto q = std::make_shared<QuantizedShard>();

@@ -5,7 +5,9 @@
 //
 // WriteShardState encodes a ShardStateCopy as the stream's messages (a header, then chunks of
 // each buffer in order); ShardStateReader decodes them and checks that every byte of every
-// buffer came exactly once. Both are pure (no I/O, no gRPC) and not thread-safe.
+// buffer came exactly once, landing the masters and moments straight in the state memory the
+// reading daemon keeps them in (no second copy to install). Both are pure (no I/O, no gRPC) and
+// not thread-safe.
 #ifndef MAINSTAY_SERVER_DAEMON_SHARD_TRANSFER_H_
 #define MAINSTAY_SERVER_DAEMON_SHARD_TRANSFER_H_
 
@@ -25,12 +27,17 @@ absl::Status WriteShardState(const ShardStateCopy& copy, int64_t chunk_bytes,
 
 class ShardStateReader {
  public:
-  // INVALID_ARGUMENT (DATA_LOSS for overlapping or overrunning chunks) naming what is wrong.
+  // The masters and moments are allocated in `land` (not owned; it outlives the copy).
+  explicit ShardStateReader(kernels::StateMemory& land) : land_(land) {}
+
+  // INVALID_ARGUMENT (DATA_LOSS for overlapping or overrunning chunks) naming what is wrong;
+  // RESOURCE_EXHAUSTED when `land` cannot hold the masters or moments the header announces.
   absl::Status Add(const v1::FetchShardStateResponse& message);
   // The copy, once every buffer is complete; DATA_LOSS when the stream ended short.
   absl::StatusOr<ShardStateCopy> Finish(int32_t bucket, int32_t shard);
 
  private:
+  kernels::StateMemory& land_;
   bool have_header_ = false;
   v1::ShardStateHeader header_;
   ShardStateCopy copy_;

@@ -8,6 +8,7 @@
 #ifndef MAINSTAY_SERVER_DAEMON_STATE_BUFFER_H_
 #define MAINSTAY_SERVER_DAEMON_STATE_BUFFER_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -51,6 +52,11 @@ class StateBuffer {
   }
   // Frees the block.
   void clear() { StateBuffer().swap(*this); }
+
+  // Equal sizes and elements (==, as std::vector compares).
+  friend bool operator==(const StateBuffer& a, const StateBuffer& b) {
+    return a.size_ == b.size_ && std::equal(a.begin(), a.end(), b.begin());
+  }
 
   void swap(StateBuffer& other) noexcept {
     std::swap(memory_, other.memory_);

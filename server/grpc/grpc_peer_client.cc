@@ -43,19 +43,22 @@ absl::StatusOr<v1::GetStepOutcomeResponse> GrpcPeerClient::GetStepOutcome(const 
 
 absl::StatusOr<ShardStateCopy> GrpcPeerClient::FetchShardState(const v1::DaemonEndpoint& peer,
                                                                const v1::FetchShardStateRequest& request,
-                                                               absl::Time deadline) {
+                                                               absl::Time deadline, kernels::StateMemory& land) {
   MAINSTAY_ASSIGN_OR_RETURN(v1::Shard::Stub * stub, StubFor(peer));
   ::grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline));
   std::unique_ptr<::grpc::ClientReader<v1::FetchShardStateResponse>> reader = stub->FetchShardState(&context, request);
-  ShardStateReader assembled;
+  ShardStateReader assembled(land);
   v1::FetchShardStateResponse message;
   absl::Status bad;
   while (reader->Read(&message)) {
     if (bad.ok()) bad = assembled.Add(message);
     if (!bad.ok()) context.TryCancel();
   }
-  const absl::Status status = FromGrpcStatus(reader->Finish());
+  absl::Status status = FromGrpcStatus(reader->Finish());
+  // RESOURCE_EXHAUSTED means that `land` is full (the coordinator places the move elsewhere),
+  // never the transport's limits or the source's.
+  if (status.code() == absl::StatusCode::kResourceExhausted) status = absl::UnavailableError(status.message());
   const std::string where = absl::StrCat("FetchShardState from daemon ", peer.daemon_id());
   if (!bad.ok()) return Annotate(bad, where);
   if (!status.ok()) return Annotate(status, where);

@@ -30,8 +30,8 @@ class GrpcPeerClient : public PeerClient {
                                                             absl::Time deadline) override;
   // Reads the FetchShardState stream into a copy (server/daemon/shard_transfer.h).
   absl::StatusOr<ShardStateCopy> FetchShardState(const v1::DaemonEndpoint& peer,
-                                                 const v1::FetchShardStateRequest& request,
-                                                 absl::Time deadline) override;
+                                                 const v1::FetchShardStateRequest& request, absl::Time deadline,
+                                                 kernels::StateMemory& land) override;
   // A ForwardStepInput stream: the header, then the payload in chunks of 4 MiB.
   absl::Status ForwardStepInput(const v1::DaemonEndpoint& peer, const v1::ReplicaInputHeader& header,
                                 std::span<const uint8_t> payload, absl::Time deadline) override;

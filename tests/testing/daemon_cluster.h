@@ -95,8 +95,8 @@ class InProcessPeers : public daemon::PeerClient {
   }
   // Through the wire codec, as over gRPC (server/daemon/shard_transfer.h).
   absl::StatusOr<ShardStateCopy> FetchShardState(const v1::DaemonEndpoint& peer,
-                                                 const v1::FetchShardStateRequest& request,
-                                                 absl::Time deadline) override {
+                                                 const v1::FetchShardStateRequest& request, absl::Time deadline,
+                                                 kernels::StateMemory& land) override {
     for (const auto& d : *daemons_) {
       if (d->daemon_id() != peer.daemon_id()) continue;
       {
@@ -104,7 +104,7 @@ class InProcessPeers : public daemon::PeerClient {
         if (unreachable_copies_.count(peer.daemon_id())) break;
       }
       MAINSTAY_ASSIGN_OR_RETURN(ShardStateCopy copy, d->CopyShardForMove(request, deadline));
-      daemon::ShardStateReader reader;
+      daemon::ShardStateReader reader(land);
       absl::Status added;
       MAINSTAY_RETURN_IF_ERROR(daemon::WriteShardState(copy, 4096, [&](const v1::FetchShardStateResponse& m) {
         if (added.ok()) added = reader.Add(m);

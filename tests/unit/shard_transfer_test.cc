@@ -7,8 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "kernels/memory.h"
 #include "tests/testing/status_matchers.h"
 
 namespace mainstay::daemon {
@@ -22,9 +26,10 @@ ShardStateCopy MakeCopy() {
   copy.version = 7;
   copy.committed_step = 6;
   copy.moment_type = ElementType::kBFloat16;
-  for (int i = 0; i < 100; ++i) copy.master.push_back(0.25f * static_cast<float>(i) - 3.0f);
-  copy.m.assign(200, 0);
-  copy.v.assign(200, 0);
+  EXPECT_THAT(copy.master.Reset(HostCopyMemory(), 100), IsOk());
+  EXPECT_THAT(copy.m.Reset(HostCopyMemory(), 200), IsOk());
+  EXPECT_THAT(copy.v.Reset(HostCopyMemory(), 200), IsOk());
+  for (size_t i = 0; i < copy.master.size(); ++i) copy.master[i] = 0.25f * static_cast<float>(i) - 3.0f;
   for (size_t i = 0; i < copy.m.size(); ++i) copy.m[i] = static_cast<uint8_t>(i * 7), copy.v[i] = static_cast<uint8_t>(i * 13);
   copy.scaling.set_loss_scale(1024.0);
   PendingPushCopy a{7, 0, 2, ElementType::kFloat32, 1.0, std::vector<uint8_t>(400)};
@@ -52,7 +57,7 @@ std::vector<v1::FetchShardStateResponse> Encode(const ShardStateCopy& copy, int6
 TEST(ShardTransferTest, EveryBufferThePendingPushesAndTheStatsComeThroughByteForByte) {
   const ShardStateCopy copy = MakeCopy();
   for (int64_t chunk : {8, 64, 4096}) {
-    ShardStateReader reader;
+    ShardStateReader reader(HostCopyMemory());
     for (const auto& m : Encode(copy, chunk)) ASSERT_THAT(reader.Add(m), IsOk());
     absl::StatusOr<ShardStateCopy> got = reader.Finish(0, 1);
     ASSERT_THAT(got.status(), IsOk());
@@ -79,13 +84,13 @@ TEST(ShardTransferTest, EveryBufferThePendingPushesAndTheStatsComeThroughByteFor
 TEST(ShardTransferTest, AStreamThatEndsShortOrRepeatsAChunkIsRefused) {
   const std::vector<v1::FetchShardStateResponse> messages = Encode(MakeCopy(), 64);
   {  // the last pending chunk is missing
-    ShardStateReader reader;
+    ShardStateReader reader(HostCopyMemory());
     for (size_t i = 0; i + 1 < messages.size(); ++i) ASSERT_THAT(reader.Add(messages[i]), IsOk());
     EXPECT_THAT(reader.Finish(0, 1).status(),
                 StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("STATE_BUFFER_PENDING_PUSHES")));
   }
   {  // a pending chunk comes twice
-    ShardStateReader reader;
+    ShardStateReader reader(HostCopyMemory());
     for (const auto& m : messages) ASSERT_THAT(reader.Add(m), IsOk());
     EXPECT_THAT(reader.Add(messages.back()), StatusIs(absl::StatusCode::kDataLoss));
   }
@@ -94,8 +99,40 @@ TEST(ShardTransferTest, AStreamThatEndsShortOrRepeatsAChunkIsRefused) {
 TEST(ShardTransferTest, APendingPushOfAnImpossibleSizeIsRefusedAtTheHeader) {
   std::vector<v1::FetchShardStateResponse> messages = Encode(MakeCopy(), 64);
   messages[0].mutable_header()->mutable_pending(1)->set_bytes(201);  // not whole bf16 elements
-  ShardStateReader reader;
+  ShardStateReader reader(HostCopyMemory());
   EXPECT_THAT(reader.Add(messages[0]), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("malformed")));
+}
+
+// State memory with no room left (a GPU whose memory another process took).
+class FullMemory : public kernels::StateMemory {
+ public:
+  const kernels::Device& device() const override { return host_->device(); }
+  bool staged() const override { return false; }
+  std::string Describe() const override { return "full"; }
+  int64_t capacity_bytes() const override { return 0; }
+  absl::StatusOr<void*> Allocate(int64_t bytes) override {
+    return absl::ResourceExhaustedError(absl::StrCat("no room for ", bytes, " bytes"));
+  }
+  void Free(void* block) override { host_->Free(block); }
+  absl::Status Copy(void* dst, const void* src, int64_t bytes) override { return host_->Copy(dst, src, bytes); }
+  absl::Status Synchronize() override { return host_->Synchronize(); }
+
+ private:
+  std::unique_ptr<kernels::StateMemory> host_ = kernels::HostStateMemory(nullptr);
+};
+
+// The masters and moments land in the reader's state memory as they arrive: one that cannot hold
+// them refuses the header with RESOURCE_EXHAUSTED (the coordinator then places the move
+// elsewhere), and a shard size no daemon could hold is refused as malformed.
+TEST(ShardTransferTest, TheCopyLandsInTheReadersStateMemoryOrIsRefusedAtTheHeader) {
+  const std::vector<v1::FetchShardStateResponse> messages = Encode(MakeCopy(), 64);
+  FullMemory full;
+  ShardStateReader refused(full);
+  EXPECT_THAT(refused.Add(messages[0]), StatusIs(absl::StatusCode::kResourceExhausted));
+  std::vector<v1::FetchShardStateResponse> huge = messages;
+  huge[0].mutable_header()->set_shard_numel(int64_t{1} << 62);
+  ShardStateReader reader(HostCopyMemory());
+  EXPECT_THAT(reader.Add(huge[0]), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("out of range")));
 }
 
 }  // namespace
