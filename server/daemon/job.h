@@ -252,7 +252,9 @@ class Job : public std::enable_shared_from_this<Job> {
   // A move's copy of a shard, owned or moving out (job_move.cc). When request.placement_epoch is
   // newer than the job's, this daemon first fences the job: no step at an older epoch starts any
   // more, calls routed with an older epoch are FAILED_PRECONDITION with the new epoch, and the
-  // step in flight is waited for (DEADLINE_EXCEEDED by `deadline`), so the copy is final.
+  // step in flight is waited for (DEADLINE_EXCEEDED by `deadline`), so the copy is final. The
+  // masters and moments are views of the shard's own buffers: no step writes them (ApplyStep
+  // waits) until the copy is destroyed.
   absl::StatusOr<ShardStateCopy> CopyForMove(const v1::FetchShardStateRequest& request, absl::Time deadline);
   std::vector<v1::ShardStatus> ShardStatuses() const;
   // Where the job stands (reported to the coordinator with the heartbeat).
@@ -691,6 +693,8 @@ class Job : public std::enable_shared_from_this<Job> {
   // The step thread is writing the shards' state in place (ApplyStep): readers of master and
   // moments (ReadShardState, SnapshotAt, CopyForMove) wait until it has committed.
   bool applying_ ABSL_GUARDED_BY(mu_) = false;
+  // Copies for moves alive now (CopyForMove's views of the shards' state): ApplyStep waits for 0.
+  int copies_out_ ABSL_GUARDED_BY(mu_) = 0;
   std::string restored_from_ ABSL_GUARDED_BY(mu_);
   int64_t restored_epoch_ ABSL_GUARDED_BY(mu_) = -1;
   int64_t restored_version_ ABSL_GUARDED_BY(mu_) = -1;  // the version the restore publishes

@@ -86,9 +86,16 @@ absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest
   copy.version = state->initialized ? version_ : -1;
   copy.committed_step = committed_step_;
   copy.moment_type = job_.spec.optimizer.moment_dtype;
-  MAINSTAY_RETURN_IF_ERROR(copy.master.Assign(HostCopyMemory(), state->master.span()));
-  MAINSTAY_RETURN_IF_ERROR(copy.m.Assign(HostCopyMemory(), state->m.span()));
-  MAINSTAY_RETURN_IF_ERROR(copy.v.Assign(HostCopyMemory(), state->v.span()));
+  // Views, not a copy: the stream reads the shard's own state, which no step updates meanwhile
+  // (ApplyStep waits for copies_out_; the state and the job stay alive with the copy).
+  copy.master = StateBuffer<float>::View(state->master.data(), state->master.size());
+  copy.m = StateBuffer<uint8_t>::View(state->m.data(), state->m.size());
+  copy.v = StateBuffer<uint8_t>::View(state->v.data(), state->v.size());
+  ++copies_out_;
+  copy.hold = std::shared_ptr<void>(nullptr, [job = shared_from_this(), state](void*) {
+    absl::MutexLock lock(&job->mu_);
+    --job->copies_out_;
+  });
   copy.scaling = committed_scaling_;
   if (!state->versions.empty()) copy.newest = state->versions.rbegin()->second;
   if (auto it = stats_.find(committed_step_); it != stats_.end()) copy.committed_stats = it->second;

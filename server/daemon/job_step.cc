@@ -886,6 +886,10 @@ void Job::RunSteps() {
       // Nothing can fail from here: the state is updated in place.
       {
         absl::MutexLock lock(&mu_);
+        // A move's copy streaming the state now ends first (a re-replication's source, which
+        // keeps training: CopyForMove).
+        auto no_copies = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return copies_out_ == 0; };
+        mu_.Await(absl::Condition(&no_copies));
         applying_ = true;
       }
       ApplyStep(step, *result, shards, is_replica);

@@ -108,8 +108,10 @@ struct PendingPushCopy {
 };
 
 // A copy of one shard's committed optimizer state (FetchShardState, tests). Its masters and
-// moments are state memory: the source's copy and tests' reads in HostCopyMemory(), a move's
-// target's in its own state memory, where the stream lands them and the shard then keeps them.
+// moments are state memory: tests' reads in HostCopyMemory(), a move's target's in its own state
+// memory, where the stream lands them and the shard then keeps them. A move's source streams
+// views of the shard's own buffers instead (Job::CopyForMove), which `hold` keeps alive and
+// unchanged until the copy is destroyed.
 struct ShardStateCopy {
   int64_t version = -1;         // the version this state produced; -1 before version 0
   int64_t committed_step = -1;  // last decided step
@@ -126,10 +128,11 @@ struct ShardStateCopy {
   std::optional<v1::StepStats> committed_stats;  // of committed_step, when the source keeps them
   // For moves: the decisions of the newest steps the source decided (Job::GetStepOutcome).
   std::vector<v1::StepDecision> decisions;
+  std::shared_ptr<void> hold;  // a source's views: see above
 };
 
-// Host memory for copies of shard state that belong to no job's state memory (a move's source
-// streams from one; tests read state into one). Process-wide and thread-safe.
+// Host memory for copies of shard state that belong to no job's state memory (tests read state
+// into it). Process-wide and thread-safe.
 kernels::StateMemory& HostCopyMemory();
 
 }  // namespace mainstay::daemon

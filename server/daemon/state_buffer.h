@@ -1,7 +1,7 @@
 // An array of shard state in the daemon's state memory (kernels/memory.h): masters, moments,
 // and the buffers a step stages its kernels' inputs and outputs in on a GPU.
 //
-// Ownership: owns its block; move-only. The StateMemory must outlive it.
+// Ownership: owns its block (a View owns nothing); move-only. The StateMemory must outlive it.
 // Thread safety: none (like std::vector); the job's lock and step thread order the accesses.
 // The elements are host-addressable (managed memory on CUDA); read them on the host only after
 // the memory's Synchronize has seen the kernels that write them.
@@ -52,6 +52,15 @@ class StateBuffer {
   }
   // Frees the block.
   void clear() { StateBuffer().swap(*this); }
+
+  // A view of `n` elements another buffer owns (a move's source streams its shard's own state):
+  // frees nothing; the owner must outlive it and leave the elements unchanged meanwhile.
+  static StateBuffer View(const T* data, size_t n) {
+    StateBuffer view;
+    view.data_ = const_cast<T*>(data);
+    view.size_ = n;
+    return view;
+  }
 
   // Equal sizes and elements (==, as std::vector compares).
   friend bool operator==(const StateBuffer& a, const StateBuffer& b) {

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <thread>
@@ -448,6 +449,46 @@ TEST(FailoverTest, ANewReplicaIsCopiedOnlyAfterTheOlderPlacementsStepInFlight) {
   int64_t step = 2;
   RunSteps(cluster, ref, &step, 2);
   ExpectReplicasEqualPrimaries(cluster);
+}
+
+// A move's source streams views of its shard's own state, not a copy: a source that keeps
+// training (re-replication) updates the state only once the stream let go of it, so the copy is
+// the state as of one committed step, and the step then completes as without the copy.
+TEST(FailoverTest, AStepWaitsToUpdateTheStateACopyIsStreamingFrom) {
+  JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
+  Cluster cluster(spec, 2);
+  Reference ref(cluster.resolved());
+  cluster.PushInitial(ref);
+  cluster.PushGrads(0);
+  for (const auto& stats : cluster.Finish(0, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
+  ref.Step(0, 1e-3f);
+  v1::FetchShardStateRequest request;  // at the job's own epoch: no fence, as for re-replication
+  request.set_job_id(kJob);
+  request.set_placement_epoch(cluster.epoch());
+  request.mutable_shard()->set_bucket(0);
+  request.mutable_shard()->set_shard(0);
+  absl::StatusOr<ShardStateCopy> copy = cluster.daemon(0).CopyShardForMove(request, absl::Now() + absl::Seconds(10));
+  ASSERT_THAT(copy.status(), IsOk());
+  ASSERT_GT(copy->master.size(), 0u);
+  const std::vector<float> master(copy->master.begin(), copy->master.end());
+  const std::vector<uint8_t> m(copy->m.begin(), copy->m.end());
+  cluster.PushGrads(1);
+  std::atomic<bool> done = false;
+  std::vector<absl::StatusOr<v1::StepStats>> finished;
+  std::thread trainers([&] {
+    finished = cluster.Finish(1, 1e-3f);
+    done = true;
+  });
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_FALSE(done) << "step 1 was acknowledged while the copy still streams its state";
+  EXPECT_EQ(std::vector<float>(copy->master.begin(), copy->master.end()), master)
+      << "the copy changed under the stream";
+  EXPECT_EQ(std::vector<uint8_t>(copy->m.begin(), copy->m.end()), m);
+  copy = absl::CancelledError("the stream ended");  // lets go of the state
+  trainers.join();
+  for (const auto& stats : finished) ASSERT_THAT(stats.status(), IsOk());
+  ref.Step(1, 1e-3f);
+  ExpectMatchesReference(cluster, ref, 2);
 }
 
 // A replica-only daemon loses step 1's last reduction and learns the decision from a peer, so
