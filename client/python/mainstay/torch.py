@@ -185,7 +185,7 @@ class MainstayOptimizer(torch.optim.Optimizer):
                 for b in self._buckets:  # every shard from rank 0: the ranks' models may differ
                     client.push_initial_params(b["index"], self._host(self._param_flat[b["index"]].float()),
                                                all_shards=True)
-            self._load_version(0)
+            self._load_agreed(0)
         self.created_job = created  # True on the rank that created the job
 
     # ---- torch.optim.Optimizer surface.
@@ -337,7 +337,7 @@ class MainstayOptimizer(torch.optim.Optimizer):
         # rank was told it (else at the next step: if the job was restored meanwhile, that
         # step's finish_step says so, with the step to resume at).
         resume_at = flags[1] if flags[1] >= 0 else step + 1
-        loaded = self._load_newest_agreed()
+        loaded = self._load_agreed()
         self._next_step = resume_at
         if resume_at <= step:
             self.rewinds += 1
@@ -348,30 +348,40 @@ class MainstayOptimizer(torch.optim.Optimizer):
             print("mainstay.torch: version %s of job %s could not be loaded on every rank (%s); loaded version %d"
                   % (version, self.client.job_id, why or "failed on another rank", loaded), file=sys.stderr, flush=True)
 
-    def _load_newest_agreed(self):
-        """Loads the newest version, once every rank sees the same one (a restore replaces the
-        job's daemons one by one), with the same agreement on failure as after a step. Returns
-        the version loaded. Raises RuntimeError when the ranks do not agree in step_timeout."""
+    # The codes of a pull that no retry mends (a bad token, a deleted job, a bad request).
+    _FATAL_PULL_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED", "NOT_FOUND", "INVALID_ARGUMENT")
+
+    def _load_agreed(self, version=None):
+        """Loads `version` (None: the newest version, once every rank sees the same one: a
+        restore replaces the job's daemons one by one) into the parameters on every rank, or on
+        none: a rank whose pull fails (a daemon lost meanwhile) tells the others, and all of them
+        pull again (the client re-reads the placement) until every rank has it. A collective.
+        Returns the version loaded. Raises RuntimeError on every rank when the ranks do not get
+        there within step_timeout, or at once when a rank's pull failed for good (a bad token,
+        a deleted job)."""
         deadline = time.monotonic() + self._step_timeout_s
         while True:
-            version, pulled, why = -1, None, ""
+            v, pulled, why, fatal = -1 if version is None else version, None, "", False
             try:
-                probe = self.client.pull_shard(self._buckets[0]["index"], self._rank, _mainstay.Client.LATEST,
-                                               timeout_s=self._step_timeout_s)
-                version = probe.version
-                pulled = self._pull_all(version)
+                if version is None:
+                    v = self.client.pull_shard(self._buckets[0]["index"], self._rank, _mainstay.Client.LATEST,
+                                               timeout_s=self._step_timeout_s).version
+                pulled = self._pull_all(v)
             except Exception as e:  # noqa: BLE001 (told to every rank, then handled together)
                 pulled, why = None, str(e)
+                fatal = getattr(e, "code", None) in self._FATAL_PULL_CODES
             # Whether to give up is agreed too: the ranks' clocks started at different times.
-            flags = self._max_over_ranks([int(pulled is None), int(time.monotonic() > deadline), version, -version])
-            if not flags[0] and flags[2] == -flags[3]:
-                self._gather(version, pulled)
-                return version
-            if flags[1]:
-                raise RuntimeError("MainstayOptimizer: the ranks of job %s did not agree on a version to load "
-                                   "within %s s (newest seen: %d..%d)%s"
-                                   % (self.client.job_id, self._step_timeout_s, -flags[3], flags[2],
-                                      "; here: " + why if why else ""))
+            flags = self._max_over_ranks([int(pulled is None), int(fatal), int(time.monotonic() > deadline), v, -v])
+            if not flags[0] and flags[3] == -flags[4]:
+                self._gather(v, pulled)
+                return v
+            if flags[1] or flags[2]:
+                what = "the newest version" if version is None else "version %d" % version
+                raise RuntimeError("MainstayOptimizer: the ranks of job %s could not all load %s (%s; newest seen: "
+                                   "%d..%d)%s" % (self.client.job_id, what,
+                                                  "a pull failed for good" if flags[1]
+                                                  else "not within %s s" % self._step_timeout_s,
+                                                  -flags[4], flags[3], "; here: " + why if why else ""))
             time.sleep(0.2)
 
     def _max_over_ranks(self, values):
@@ -442,7 +452,7 @@ class MainstayOptimizer(torch.optim.Optimizer):
                     mine[k] = tuple(v) if k == "betas" else v
         self._next_step = int(ms["next_step"])
         self._reset_step()
-        self._load_version(value)
+        self._load_agreed(value)
 
     # ---- Faults.
 
@@ -452,20 +462,9 @@ class MainstayOptimizer(torch.optim.Optimizer):
         resume=True). Agrees on the next step, loads the newest version into the parameters,
         and leaves the gradients zeroed."""
         self._reset_step()
-        probe = self.client.pull_shard(self._buckets[0]["index"], self._rank, _mainstay.Client.LATEST,
-                                       timeout_s=self._step_timeout_s)
-        version = probe.version
-        t = torch.tensor([self._next_step, version, -version], dtype=torch.int64)
-        if self._world > 1:
-            t = self._to_comm(t)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-            t = t.cpu()
-        next_step, vmax, vmin = int(t[0]), int(t[1]), -int(t[2])
-        if vmax != vmin:
-            raise RuntimeError("resync: ranks see versions %d..%d of job %s; a step is still being committed, "
-                               "call resync() again" % (vmin, vmax, self.client.job_id))
+        version = self._load_agreed()  # (while a step is still being committed, the ranks wait for it)
+        next_step = self._max_over_ranks([self._next_step])[0]
         self._next_step = max(next_step, version)  # step s makes version s + 1 unless skipped
-        self._load_version(version)
         self.zero_grad()
 
     # ---- Param groups and the job.
@@ -815,13 +814,6 @@ class MainstayOptimizer(torch.optim.Optimizer):
         return t.detach().to("cpu").numpy()
 
     # ---- Parameters in.
-
-    def _load_version(self, version):
-        """Pulls this rank's shard of every bucket at `version` and all-gathers the buckets among
-        the ranks (the published bytes with allgather="quantized", FP32 otherwise) into the flat
-        parameter buffers. A collective; a failed pull raises on its rank only (step() agrees
-        on failures first: _load_after_step)."""
-        self._gather(version, self._pull_all(version))
 
     def _pull_all(self, version):
         """This rank's shard of every bucket at `version`, pulled concurrently. Raises

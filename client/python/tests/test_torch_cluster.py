@@ -617,6 +617,46 @@ class FakeClusterTest(unittest.TestCase):
         self.assertEqual(e.exception.code, "PERMISSION_DENIED")
 
 
+    def test_a_load_outside_step_pulls_again_until_it_lands_and_a_lasting_failure_raises(self):
+        # load_state_dict, resync and the constructor load through the same agreed loader as a
+        # step: a failed pull is pulled again (a daemon lost meanwhile), one that no retry mends
+        # raises at once instead of after step_timeout.
+        model = tiny_model()
+        opt = MainstayOptimizer(model, self.address, lr=1e-2, admin_token="adm")
+        train_steps(model, opt, 2)
+        real = opt._pull_all
+        calls = []
+
+        def error(code, message):  # as the module raises them
+            e = mainstay.Error("%s: %s" % (code, message))
+            e.code, e.message, e.info = code, message, None
+            return e
+
+        def flaky(version):
+            calls.append(version)
+            if len(calls) == 1:
+                raise error("UNAVAILABLE", "the daemon went away (test)")
+            return real(version)
+
+        opt._pull_all = flaky
+        opt.resync()
+        self.assertEqual(calls, [2, 2])
+        self.assertEqual(opt.next_step, 2)
+
+        def denied(version):
+            calls.append(version)
+            raise error("UNAUTHENTICATED", "bad job token (test)")
+
+        opt._pull_all = denied
+        opt._step_timeout_s = 60
+        start = time.monotonic()
+        with self.assertRaises(RuntimeError) as e:
+            opt.resync()
+        self.assertLess(time.monotonic() - start, 10)
+        self.assertIn("a pull failed for good", str(e.exception))
+        self.assertIn("bad job token", str(e.exception))
+
+
 class ParameterChecksTest(unittest.TestCase):
     """Bad parameters are refused before any call, with the parameter's name and the fix."""
 
