@@ -252,9 +252,10 @@ class Job : public std::enable_shared_from_this<Job> {
   // A move's copy of a shard, owned or moving out (job_move.cc). When request.placement_epoch is
   // newer than the job's, this daemon first fences the job: no step at an older epoch starts any
   // more, calls routed with an older epoch are FAILED_PRECONDITION with the new epoch, and the
-  // step in flight is waited for (DEADLINE_EXCEEDED by `deadline`), so the copy is final. The
-  // masters and moments are views of the shard's own buffers: no step writes them (ApplyStep
-  // waits) until the copy is destroyed.
+  // step in flight is waited for (DEADLINE_EXCEEDED by `deadline`), so the copy is final. For a
+  // shard leaving this daemon (fenced, or moving out) the masters and moments are views of the
+  // shard's own buffers, which no step writes (ApplyStep waits) until the copy is destroyed;
+  // for a source that keeps the shard (re-replication) they are a copy.
   absl::StatusOr<ShardStateCopy> CopyForMove(const v1::FetchShardStateRequest& request, absl::Time deadline);
   std::vector<v1::ShardStatus> ShardStatuses() const;
   // Where the job stands (reported to the coordinator with the heartbeat).

@@ -81,21 +81,32 @@ absl::StatusOr<ShardStateCopy> Job::CopyForMove(const v1::FetchShardStateRequest
         "FetchShardState: job ", job_id_, ": this daemon holds no state of ", ShardName(key.first, key.second))));
   }
   // Fenced (or moving out), the copy is the shard's state from now on, wherever it goes.
-  if (Fenced() || moving_out_.count(key)) released_.insert(key);
+  const bool leaving = Fenced() || moving_out_.count(key) > 0;
+  if (leaving) released_.insert(key);
   ShardStateCopy copy;
   copy.version = state->initialized ? version_ : -1;
   copy.committed_step = committed_step_;
   copy.moment_type = job_.spec.optimizer.moment_dtype;
-  // Views, not a copy: the stream reads the shard's own state, which no step updates meanwhile
-  // (ApplyStep waits for copies_out_; the state and the job stay alive with the copy).
-  copy.master = StateBuffer<float>::View(state->master.data(), state->master.size());
-  copy.m = StateBuffer<uint8_t>::View(state->m.data(), state->m.size());
-  copy.v = StateBuffer<uint8_t>::View(state->v.data(), state->v.size());
-  ++copies_out_;
-  copy.hold = std::shared_ptr<void>(nullptr, [job = shared_from_this(), state](void*) {
-    absl::MutexLock lock(&job->mu_);
-    --job->copies_out_;
-  });
+  if (leaving) {
+    // A move's source runs no more steps on this state: the stream reads the shard's own
+    // buffers (views), no copy. Should the move be called off while it streams (the shard
+    // served here again), ApplyStep waits for copies_out_; the copy keeps the state and the
+    // job alive.
+    copy.master = StateBuffer<float>::View(state->master.data(), state->master.size());
+    copy.m = StateBuffer<uint8_t>::View(state->m.data(), state->m.size());
+    copy.v = StateBuffer<uint8_t>::View(state->v.data(), state->v.size());
+    ++copies_out_;
+    copy.hold = std::shared_ptr<void>(nullptr, [job = shared_from_this(), state](void*) {
+      absl::MutexLock lock(&job->mu_);
+      --job->copies_out_;
+    });
+  } else {
+    // A re-replication's source keeps training: its steps must not wait for the stream (a slow
+    // target would hold them up), so it streams a copy, taken here.
+    MAINSTAY_RETURN_IF_ERROR(copy.master.Assign(HostCopyMemory(), state->master.span()));
+    MAINSTAY_RETURN_IF_ERROR(copy.m.Assign(HostCopyMemory(), state->m.span()));
+    MAINSTAY_RETURN_IF_ERROR(copy.v.Assign(HostCopyMemory(), state->v.span()));
+  }
   copy.scaling = committed_scaling_;
   if (!state->versions.empty()) copy.newest = state->versions.rbegin()->second;
   if (auto it = stats_.find(committed_step_); it != stats_.end()) copy.committed_stats = it->second;

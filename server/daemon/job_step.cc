@@ -883,17 +883,18 @@ void Job::RunSteps() {
       if (absl::Status held = ConfirmDecisionHeld(step, members); !held.ok()) result = held;
     }
     if (result.ok() && result->update.has_value()) {
-      // Nothing can fail from here: the state is updated in place.
-      {
-        absl::MutexLock lock(&mu_);
-        // A move's copy streaming the state now ends first (a re-replication's source, which
-        // keeps training: CopyForMove).
-        auto no_copies = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return copies_out_ == 0; };
-        mu_.Await(absl::Condition(&no_copies));
-        applying_ = true;
+      // A move's copy still streaming this state (a move called off while it streamed:
+      // CopyForMove) ends first; a job stopping meanwhile leaves the state as it is.
+      absl::MutexLock lock(&mu_);
+      auto no_copies = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || copies_out_ == 0; };
+      mu_.Await(absl::Condition(&no_copies));
+      if (copies_out_ > 0) {
+        result = absl::UnavailableError(absl::StrCat("job ", job_id_, " stopped on this daemon"));
+      } else {
+        applying_ = true;  // nothing can fail from here: the state is updated in place
       }
-      ApplyStep(step, *result, shards, is_replica);
     }
+    if (result.ok() && result->update.has_value()) ApplyStep(step, *result, shards, is_replica);
 
     mu_.Lock();
     applying_ = false;

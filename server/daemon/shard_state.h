@@ -108,10 +108,10 @@ struct PendingPushCopy {
 };
 
 // A copy of one shard's committed optimizer state (FetchShardState, tests). Its masters and
-// moments are state memory: tests' reads in HostCopyMemory(), a move's target's in its own state
-// memory, where the stream lands them and the shard then keeps them. A move's source streams
-// views of the shard's own buffers instead (Job::CopyForMove), which `hold` keeps alive and
-// unchanged until the copy is destroyed.
+// moments are state memory: a re-replication's source's and tests' copies in HostCopyMemory(),
+// a move's target's in its own state memory, where the stream lands them and the shard then
+// keeps them. A move's source streams views of the shard's own buffers instead
+// (Job::CopyForMove), which `hold` keeps alive and unchanged until the copy is destroyed.
 struct ShardStateCopy {
   int64_t version = -1;         // the version this state produced; -1 before version 0
   int64_t committed_step = -1;  // last decided step
@@ -131,8 +131,8 @@ struct ShardStateCopy {
   std::shared_ptr<void> hold;  // a source's views: see above
 };
 
-// Host memory for copies of shard state that belong to no job's state memory (tests read state
-// into it). Process-wide and thread-safe.
+// Host memory for copies of shard state that belong to no job's state memory (a
+// re-replication's source streams one; tests read state into one). Process-wide, thread-safe.
 kernels::StateMemory& HostCopyMemory();
 
 }  // namespace mainstay::daemon

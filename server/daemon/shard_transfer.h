@@ -31,7 +31,8 @@ class ShardStateReader {
   explicit ShardStateReader(kernels::StateMemory& land) : land_(land) {}
 
   // INVALID_ARGUMENT (DATA_LOSS for overlapping or overrunning chunks) naming what is wrong;
-  // RESOURCE_EXHAUSTED when `land` cannot hold the masters or moments the header announces.
+  // RESOURCE_EXHAUSTED when `land` cannot hold the masters (at the header) or a moment (at its
+  // first chunk; Finish, for an empty shard's).
   absl::Status Add(const v1::FetchShardStateResponse& message);
   // The copy, once every buffer is complete; DATA_LOSS when the stream ended short.
   absl::StatusOr<ShardStateCopy> Finish(int32_t bucket, int32_t shard);

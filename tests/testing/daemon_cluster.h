@@ -103,10 +103,15 @@ class InProcessPeers : public daemon::PeerClient {
         absl::MutexLock lock(&mu_);
         if (unreachable_copies_.count(peer.daemon_id())) break;
       }
-      MAINSTAY_ASSIGN_OR_RETURN(ShardStateCopy copy, d->CopyShardForMove(request, deadline));
+      absl::StatusOr<ShardStateCopy> copy = d->CopyShardForMove(request, deadline);
+      // As the gRPC peer client reports them: RESOURCE_EXHAUSTED means `land` is full, only.
+      if (copy.status().code() == absl::StatusCode::kResourceExhausted) {
+        return absl::UnavailableError(copy.status().message());
+      }
+      MAINSTAY_RETURN_IF_ERROR(copy.status());
       daemon::ShardStateReader reader(land);
       absl::Status added;
-      MAINSTAY_RETURN_IF_ERROR(daemon::WriteShardState(copy, 4096, [&](const v1::FetchShardStateResponse& m) {
+      MAINSTAY_RETURN_IF_ERROR(daemon::WriteShardState(*copy, 4096, [&](const v1::FetchShardStateResponse& m) {
         if (added.ok()) added = reader.Add(m);
         return added.ok();
       }));
@@ -312,6 +317,12 @@ class Cluster {
   // its copy of the rank, frozen at the move's step.
   absl::Status MoveKeepingTheSource(int32_t rank, int to) {
     return MoveAndResend(rank, to, /*resend=*/false, /*drop=*/false);
+  }
+
+  // The same placement again at a new epoch (as the coordinator sends when it calls a move off).
+  absl::Status Resend() {
+    ++epoch_;
+    return SendPlacement({});
   }
 
   // What the coordinator does to re-replicate: daemon `to` becomes one more replica of rank

@@ -451,9 +451,10 @@ TEST(FailoverTest, ANewReplicaIsCopiedOnlyAfterTheOlderPlacementsStepInFlight) {
   ExpectReplicasEqualPrimaries(cluster);
 }
 
-// A move's source streams views of its shard's own state, not a copy: a source that keeps
-// training (re-replication) updates the state only once the stream let go of it, so the copy is
-// the state as of one committed step, and the step then completes as without the copy.
+// A move's source streams views of its shard's own state, not a copy. Should the move be called
+// off while the copy streams (the same placement again at a newer epoch: the source serves the
+// shard again), the source's next step updates that state only once the stream let go of it:
+// the copy stays the state of one committed step, and the step then completes as without it.
 TEST(FailoverTest, AStepWaitsToUpdateTheStateACopyIsStreamingFrom) {
   JobSpec spec = MakeSpec("bf16_mixed", LayoutPolicy::kFlat, 2);
   Cluster cluster(spec, 2);
@@ -462,9 +463,9 @@ TEST(FailoverTest, AStepWaitsToUpdateTheStateACopyIsStreamingFrom) {
   cluster.PushGrads(0);
   for (const auto& stats : cluster.Finish(0, 1e-3f)) ASSERT_THAT(stats.status(), IsOk());
   ref.Step(0, 1e-3f);
-  v1::FetchShardStateRequest request;  // at the job's own epoch: no fence, as for re-replication
+  v1::FetchShardStateRequest request;  // a move's target asking: d0 is fenced
   request.set_job_id(kJob);
-  request.set_placement_epoch(cluster.epoch());
+  request.set_placement_epoch(cluster.epoch() + 1);
   request.mutable_shard()->set_bucket(0);
   request.mutable_shard()->set_shard(0);
   absl::StatusOr<ShardStateCopy> copy = cluster.daemon(0).CopyShardForMove(request, absl::Now() + absl::Seconds(10));
@@ -472,6 +473,7 @@ TEST(FailoverTest, AStepWaitsToUpdateTheStateACopyIsStreamingFrom) {
   ASSERT_GT(copy->master.size(), 0u);
   const std::vector<float> master(copy->master.begin(), copy->master.end());
   const std::vector<uint8_t> m(copy->m.begin(), copy->m.end());
+  ASSERT_THAT(cluster.Resend(), IsOk());  // the move called off
   cluster.PushGrads(1);
   std::atomic<bool> done = false;
   std::vector<absl::StatusOr<v1::StepStats>> finished;
@@ -479,7 +481,14 @@ TEST(FailoverTest, AStepWaitsToUpdateTheStateACopyIsStreamingFrom) {
     finished = cluster.Finish(1, 1e-3f);
     done = true;
   });
-  absl::SleepFor(absl::Milliseconds(500));
+  // d1 commits step 1 (d0 is past the decision too); d0 then waits for the copy.
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < deadline) {
+    absl::StatusOr<ShardStateCopy> d1 = cluster.daemon(1).ReadShardState(kJob, 0, 1);
+    if (d1.ok() && d1->committed_step == 1) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  absl::SleepFor(absl::Milliseconds(300));
   EXPECT_FALSE(done) << "step 1 was acknowledged while the copy still streams its state";
   EXPECT_EQ(std::vector<float>(copy->master.begin(), copy->master.end()), master)
       << "the copy changed under the stream";
