@@ -181,11 +181,15 @@ class MainstayOptimizer(torch.optim.Optimizer):
         if resume:
             self.resync()
         else:
+            pushed = None
             if self._rank == 0:
-                for b in self._buckets:  # every shard from rank 0: the ranks' models may differ
-                    client.push_initial_params(b["index"], self._host(self._param_flat[b["index"]].float()),
-                                               all_shards=True)
-            self._load_agreed(0)
+                try:
+                    for b in self._buckets:  # every shard from rank 0: the ranks' models may differ
+                        client.push_initial_params(b["index"], self._host(self._param_flat[b["index"]].float()),
+                                                   all_shards=True)
+                except Exception as e:  # noqa: BLE001 (the other ranks must not wait for version 0)
+                    pushed = e
+            self._load_agreed(0, failed_here=pushed)
         self.created_job = created  # True on the rank that created the job
 
     # ---- torch.optim.Optimizer surface.
@@ -348,28 +352,34 @@ class MainstayOptimizer(torch.optim.Optimizer):
             print("mainstay.torch: version %s of job %s could not be loaded on every rank (%s); loaded version %d"
                   % (version, self.client.job_id, why or "failed on another rank", loaded), file=sys.stderr, flush=True)
 
-    # The codes of a pull that no retry mends (a bad token, a deleted job, a bad request).
+    # The codes of a pull that no retry mends (a bad token, a bad request). (A daemon that lost
+    # the job answers UNAVAILABLE, which the client retries until its deadline.)
     _FATAL_PULL_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED", "NOT_FOUND", "INVALID_ARGUMENT")
 
-    def _load_agreed(self, version=None):
+    def _load_agreed(self, version=None, failed_here=None):
         """Loads `version` (None: the newest version, once every rank sees the same one: a
         restore replaces the job's daemons one by one) into the parameters on every rank, or on
         none: a rank whose pull fails (a daemon lost meanwhile) tells the others, and all of them
         pull again (the client re-reads the placement) until every rank has it. A collective.
-        Returns the version loaded. Raises RuntimeError on every rank when the ranks do not get
-        there within step_timeout, or at once when a rank's pull failed for good (a bad token,
-        a deleted job)."""
+        Returns the version loaded. Raises RuntimeError (from the error this rank saw, if any)
+        on every rank when the ranks do not get there within step_timeout, or at once when a
+        rank's pull failed for good: a bad token or request, a fixed version no longer there
+        (FAILED_PRECONDITION), an error that is not the client's, or `failed_here` (what this
+        rank did before the load failed, e.g. rank 0's push of the initial parameters)."""
         deadline = time.monotonic() + self._step_timeout_s
         while True:
-            v, pulled, why, fatal = -1 if version is None else version, None, "", False
-            try:
-                if version is None:
-                    v = self.client.pull_shard(self._buckets[0]["index"], self._rank, _mainstay.Client.LATEST,
-                                               timeout_s=self._step_timeout_s).version
-                pulled = self._pull_all(v)
-            except Exception as e:  # noqa: BLE001 (told to every rank, then handled together)
-                pulled, why = None, str(e)
-                fatal = getattr(e, "code", None) in self._FATAL_PULL_CODES
+            v, pulled, error = -1 if version is None else version, None, failed_here
+            if error is None:
+                try:
+                    if version is None:
+                        v = self.client.pull_shard(self._buckets[0]["index"], self._rank, _mainstay.Client.LATEST,
+                                                   timeout_s=self._step_timeout_s).version
+                    pulled = self._pull_all(v)
+                except Exception as e:  # noqa: BLE001 (told to every rank, then handled together)
+                    error = e
+            code = getattr(error, "code", None)
+            fatal = error is not None and (error is failed_here or code is None or code in self._FATAL_PULL_CODES or
+                                           (version is not None and code == "FAILED_PRECONDITION"))
             # Whether to give up is agreed too: the ranks' clocks started at different times.
             flags = self._max_over_ranks([int(pulled is None), int(fatal), int(time.monotonic() > deadline), v, -v])
             if not flags[0] and flags[3] == -flags[4]:
@@ -379,9 +389,10 @@ class MainstayOptimizer(torch.optim.Optimizer):
                 what = "the newest version" if version is None else "version %d" % version
                 raise RuntimeError("MainstayOptimizer: the ranks of job %s could not all load %s (%s; newest seen: "
                                    "%d..%d)%s" % (self.client.job_id, what,
-                                                  "a pull failed for good" if flags[1]
+                                                  "a rank failed for good" if flags[1]
                                                   else "not within %s s" % self._step_timeout_s,
-                                                  -flags[4], flags[3], "; here: " + why if why else ""))
+                                                  -flags[4], flags[3],
+                                                  "; here: %s" % error if error is not None else "")) from error
             time.sleep(0.2)
 
     def _max_over_ranks(self, values):
@@ -445,14 +456,18 @@ class MainstayOptimizer(torch.optim.Optimizer):
         if value != ms["version"]:
             raise RuntimeError("load_state_dict: checkpoint %s restored version %d, the state_dict says %d" % (
                 ms["checkpoint_id"], value, ms["version"]))
-        self.client.refresh_placement()  # every shard was reassigned
+        refreshed = None
+        try:
+            self.client.refresh_placement()  # every shard was reassigned
+        except Exception as e:  # noqa: BLE001 (told to every rank by the load)
+            refreshed = e
         for mine, saved in zip(self.param_groups, groups):
             for k, v in saved.items():
                 if k != "params":
                     mine[k] = tuple(v) if k == "betas" else v
         self._next_step = int(ms["next_step"])
         self._reset_step()
-        self._load_agreed(value)
+        self._load_agreed(value, failed_here=refreshed)
 
     # ---- Faults.
 

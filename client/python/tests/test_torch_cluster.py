@@ -653,8 +653,9 @@ class FakeClusterTest(unittest.TestCase):
         with self.assertRaises(RuntimeError) as e:
             opt.resync()
         self.assertLess(time.monotonic() - start, 10)
-        self.assertIn("a pull failed for good", str(e.exception))
+        self.assertIn("a rank failed for good", str(e.exception))
         self.assertIn("bad job token", str(e.exception))
+        self.assertEqual(e.exception.__cause__.code, "UNAUTHENTICATED")
 
 
 class ParameterChecksTest(unittest.TestCase):
