@@ -152,7 +152,8 @@ void Job::RunMovesIn() {
     absl::StatusOr<ShardStateCopy> copy =
         options_.peer_client == nullptr
             ? absl::FailedPreconditionError("this daemon has no peer client to copy shards with")
-            : options_.peer_client->FetchShardState(move.source, request, absl::Now() + kCopyTimeout, *options_.memory);
+            : options_.peer_client->FetchShardState(move.source, request, absl::Now() + kCopyTimeout, *options_.memory,
+                                                    job_.layout.buckets[static_cast<size_t>(key.first)].shard_numel);
     if (!copy.ok()) {
       failed = Annotate(copy.status(), absl::StrCat("copying ", ShardName(key.first, key.second), " from daemon ",
                                                     move.source.daemon_id()));

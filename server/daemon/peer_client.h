@@ -38,13 +38,14 @@ class PeerClient {
                                                                     absl::Time deadline) = 0;
   // Copies a shard's whole state from `peer` (FetchShardState) for a move: the peer fences the
   // job at request.placement_epoch first (shard.proto). The masters and moments land in `land`
-  // (the caller's state memory; ShardStateReader). Errors as above, plus the peer's own
-  // (FAILED_PRECONDITION when it does not hold the shard), DATA_LOSS for a short stream, and
+  // (the caller's state memory; ShardStateReader, with the layout's `shard_numel`). Errors as
+  // above, plus the peer's own (FAILED_PRECONDITION when it does not hold the shard), DATA_LOSS
+  // for a short stream or a copy of another size, and
   // RESOURCE_EXHAUSTED only when `land` cannot hold the copy (the transport's own
   // RESOURCE_EXHAUSTED, e.g. a message over a size limit, is reported as UNAVAILABLE).
   virtual absl::StatusOr<ShardStateCopy> FetchShardState(const v1::DaemonEndpoint& peer,
                                                          const v1::FetchShardStateRequest& request, absl::Time deadline,
-                                                         kernels::StateMemory& land) = 0;
+                                                         kernels::StateMemory& land, int64_t shard_numel) = 0;
   // Sends a replica its primary's input of a step (ForwardStepInput): `header`, then `payload`
   // (header.total_bytes bytes) in chunks. Errors as above, plus the peer's (FAILED_PRECONDITION:
   // it holds no replica of the shard at that epoch; DATA_LOSS: the CRC did not match).

@@ -12,9 +12,6 @@
 namespace mainstay::daemon {
 namespace {
 
-// Far above any shard (2^40 elements: 4 TiB of FP32 masters), far below an overflow of its bytes.
-constexpr int64_t kMaxShardNumel = int64_t{1} << 40;
-
 // `base`: bytes of the buffer written before these (the pending pushes share one buffer).
 absl::Status WriteBuffer(v1::StateBuffer buffer, const uint8_t* bytes, int64_t size, int element_bytes,
                          int64_t chunk, const std::function<bool(const v1::FetchShardStateResponse&)>& write,
@@ -94,8 +91,9 @@ absl::Status ShardStateReader::Add(const v1::FetchShardStateResponse& message) {
     have_header_ = true;
     header_ = message.header();
     const int64_t n = header_.shard_numel();
-    if (n < 0 || n > kMaxShardNumel) {
-      return absl::InvalidArgumentError(absl::StrCat("FetchShardState: shard_numel ", n, " is out of range"));
+    if (n != 0 && n != shard_numel_) {
+      return absl::DataLossError(absl::StrCat("FetchShardState: the copy has ", n, " elements, the layout's shard ",
+                                              shard_numel_, " (the source's job differs?)"));
     }
     MAINSTAY_ASSIGN_OR_RETURN(copy_.moment_type, ElementTypeFromProto(header_.moment_type()));
     copy_.version = header_.version();

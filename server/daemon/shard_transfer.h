@@ -28,9 +28,12 @@ absl::Status WriteShardState(const ShardStateCopy& copy, int64_t chunk_bytes,
 class ShardStateReader {
  public:
   // The masters and moments are allocated in `land` (not owned; it outlives the copy).
-  explicit ShardStateReader(kernels::StateMemory& land) : land_(land) {}
+  // `shard_numel`: the layout's size of the shard, which the header must announce (or 0: a
+  // shard with no state yet, before version 0).
+  ShardStateReader(kernels::StateMemory& land, int64_t shard_numel) : land_(land), shard_numel_(shard_numel) {}
 
-  // INVALID_ARGUMENT (DATA_LOSS for overlapping or overrunning chunks) naming what is wrong;
+  // INVALID_ARGUMENT (DATA_LOSS for overlapping or overrunning chunks, or a header announcing
+  // another shard size) naming what is wrong;
   // RESOURCE_EXHAUSTED when `land` cannot hold the masters (at the header) or a moment (at its
   // first chunk; Finish, for an empty shard's).
   absl::Status Add(const v1::FetchShardStateResponse& message);
@@ -39,6 +42,7 @@ class ShardStateReader {
 
  private:
   kernels::StateMemory& land_;
+  const int64_t shard_numel_;
   bool have_header_ = false;
   v1::ShardStateHeader header_;
   ShardStateCopy copy_;

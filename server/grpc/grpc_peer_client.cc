@@ -43,12 +43,13 @@ absl::StatusOr<v1::GetStepOutcomeResponse> GrpcPeerClient::GetStepOutcome(const 
 
 absl::StatusOr<ShardStateCopy> GrpcPeerClient::FetchShardState(const v1::DaemonEndpoint& peer,
                                                                const v1::FetchShardStateRequest& request,
-                                                               absl::Time deadline, kernels::StateMemory& land) {
+                                                               absl::Time deadline, kernels::StateMemory& land,
+                                                               int64_t shard_numel) {
   MAINSTAY_ASSIGN_OR_RETURN(v1::Shard::Stub * stub, StubFor(peer));
   ::grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline));
   std::unique_ptr<::grpc::ClientReader<v1::FetchShardStateResponse>> reader = stub->FetchShardState(&context, request);
-  ShardStateReader assembled(land);
+  ShardStateReader assembled(land, shard_numel);
   v1::FetchShardStateResponse message;
   absl::Status bad;
   while (reader->Read(&message)) {

@@ -31,7 +31,7 @@ class GrpcPeerClient : public PeerClient {
   // Reads the FetchShardState stream into a copy (server/daemon/shard_transfer.h).
   absl::StatusOr<ShardStateCopy> FetchShardState(const v1::DaemonEndpoint& peer,
                                                  const v1::FetchShardStateRequest& request, absl::Time deadline,
-                                                 kernels::StateMemory& land) override;
+                                                 kernels::StateMemory& land, int64_t shard_numel) override;
   // A ForwardStepInput stream: the header, then the payload in chunks of 4 MiB.
   absl::Status ForwardStepInput(const v1::DaemonEndpoint& peer, const v1::ReplicaInputHeader& header,
                                 std::span<const uint8_t> payload, absl::Time deadline) override;

@@ -96,7 +96,7 @@ class InProcessPeers : public daemon::PeerClient {
   // Through the wire codec, as over gRPC (server/daemon/shard_transfer.h).
   absl::StatusOr<ShardStateCopy> FetchShardState(const v1::DaemonEndpoint& peer,
                                                  const v1::FetchShardStateRequest& request, absl::Time deadline,
-                                                 kernels::StateMemory& land) override {
+                                                 kernels::StateMemory& land, int64_t shard_numel) override {
     for (const auto& d : *daemons_) {
       if (d->daemon_id() != peer.daemon_id()) continue;
       {
@@ -109,7 +109,7 @@ class InProcessPeers : public daemon::PeerClient {
         return absl::UnavailableError(copy.status().message());
       }
       MAINSTAY_RETURN_IF_ERROR(copy.status());
-      daemon::ShardStateReader reader(land);
+      daemon::ShardStateReader reader(land, shard_numel);
       absl::Status added;
       MAINSTAY_RETURN_IF_ERROR(daemon::WriteShardState(*copy, 4096, [&](const v1::FetchShardStateResponse& m) {
         if (added.ok()) added = reader.Add(m);

@@ -57,7 +57,7 @@ std::vector<v1::FetchShardStateResponse> Encode(const ShardStateCopy& copy, int6
 TEST(ShardTransferTest, EveryBufferThePendingPushesAndTheStatsComeThroughByteForByte) {
   const ShardStateCopy copy = MakeCopy();
   for (int64_t chunk : {8, 64, 4096}) {
-    ShardStateReader reader(HostCopyMemory());
+    ShardStateReader reader(HostCopyMemory(), 100);
     for (const auto& m : Encode(copy, chunk)) ASSERT_THAT(reader.Add(m), IsOk());
     absl::StatusOr<ShardStateCopy> got = reader.Finish(0, 1);
     ASSERT_THAT(got.status(), IsOk());
@@ -84,13 +84,13 @@ TEST(ShardTransferTest, EveryBufferThePendingPushesAndTheStatsComeThroughByteFor
 TEST(ShardTransferTest, AStreamThatEndsShortOrRepeatsAChunkIsRefused) {
   const std::vector<v1::FetchShardStateResponse> messages = Encode(MakeCopy(), 64);
   {  // the last pending chunk is missing
-    ShardStateReader reader(HostCopyMemory());
+    ShardStateReader reader(HostCopyMemory(), 100);
     for (size_t i = 0; i + 1 < messages.size(); ++i) ASSERT_THAT(reader.Add(messages[i]), IsOk());
     EXPECT_THAT(reader.Finish(0, 1).status(),
                 StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("STATE_BUFFER_PENDING_PUSHES")));
   }
   {  // a pending chunk comes twice
-    ShardStateReader reader(HostCopyMemory());
+    ShardStateReader reader(HostCopyMemory(), 100);
     for (const auto& m : messages) ASSERT_THAT(reader.Add(m), IsOk());
     EXPECT_THAT(reader.Add(messages.back()), StatusIs(absl::StatusCode::kDataLoss));
   }
@@ -99,7 +99,7 @@ TEST(ShardTransferTest, AStreamThatEndsShortOrRepeatsAChunkIsRefused) {
 TEST(ShardTransferTest, APendingPushOfAnImpossibleSizeIsRefusedAtTheHeader) {
   std::vector<v1::FetchShardStateResponse> messages = Encode(MakeCopy(), 64);
   messages[0].mutable_header()->mutable_pending(1)->set_bytes(201);  // not whole bf16 elements
-  ShardStateReader reader(HostCopyMemory());
+  ShardStateReader reader(HostCopyMemory(), 100);
   EXPECT_THAT(reader.Add(messages[0]), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("malformed")));
 }
 
@@ -123,16 +123,19 @@ class FullMemory : public kernels::StateMemory {
 
 // The masters and moments land in the reader's state memory as they arrive: one that cannot hold
 // them refuses the header with RESOURCE_EXHAUSTED (the coordinator then places the move
-// elsewhere), and a shard size no daemon could hold is refused as malformed.
-TEST(ShardTransferTest, TheCopyLandsInTheReadersStateMemoryOrIsRefusedAtTheHeader) {
+// elsewhere); a header announcing another size than the layout's shard is DATA_LOSS, before
+// anything is allocated (not a full memory: the move must not go elsewhere for it).
+TEST(ShardTransferTest, ACopyThatDoesNotFitOrIsOfAnotherSizeIsRefusedAtTheHeader) {
   const std::vector<v1::FetchShardStateResponse> messages = Encode(MakeCopy(), 64);
   FullMemory full;
-  ShardStateReader refused(full);
+  ShardStateReader refused(full, 100);
   EXPECT_THAT(refused.Add(messages[0]), StatusIs(absl::StatusCode::kResourceExhausted));
-  std::vector<v1::FetchShardStateResponse> huge = messages;
-  huge[0].mutable_header()->set_shard_numel(int64_t{1} << 62);
-  ShardStateReader reader(HostCopyMemory());
-  EXPECT_THAT(reader.Add(huge[0]), StatusIs(absl::StatusCode::kInvalidArgument, ::testing::HasSubstr("out of range")));
+  for (int64_t numel : {int64_t{101}, int64_t{1} << 62, int64_t{-1}}) {
+    std::vector<v1::FetchShardStateResponse> other = messages;
+    other[0].mutable_header()->set_shard_numel(numel);
+    ShardStateReader reader(full, 100);
+    EXPECT_THAT(reader.Add(other[0]), StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("layout's shard")));
+  }
 }
 
 }  // namespace
