@@ -180,7 +180,6 @@ void Job::RunMovesIn() {
   const bool adamw = job_.spec.optimizer.type == OptimizerType::kAdamW;
   for (size_t k = 0; k < copies.size() && failed.ok(); ++k) {
     const auto& [key, copy] = copies[k];
-    const ShardStateCopy& state = *copy;
     auto it = shards_.find(key);
     const int64_t numel = job_.layout.buckets[static_cast<size_t>(key.first)].shard_numel;
     if (copy->committed_step != (fresh ? copies.front().second->committed_step : committed_step_) ||
@@ -189,9 +188,9 @@ void Job::RunMovesIn() {
                                                copy->committed_step, " version ", copy->version,
                                                ", this daemon's shards at step ", committed_step_, " version ",
                                                version_, "; copying again"));
-    } else if (copy->version >= 0 && (static_cast<int64_t>(state.master.size()) != numel ||
-                                      state.m.size() != static_cast<size_t>(numel) * mb ||
-                                      state.v.size() != (adamw ? static_cast<size_t>(numel) * mb : 0))) {
+    } else if (copy->version >= 0 && (static_cast<int64_t>(copy->master.size()) != numel ||
+                                      copy->m.size() != static_cast<size_t>(numel) * mb ||
+                                      copy->v.size() != (adamw ? static_cast<size_t>(numel) * mb : 0))) {
       failed = absl::DataLossError(absl::StrCat("the copy of ", ShardName(key.first, key.second),
                                                 " has buffers of the wrong size"));
     } else if (std::any_of(copy->pending.begin(), copy->pending.end(), [&](const PendingPushCopy& p) {
